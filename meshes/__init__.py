@@ -1,0 +1,1 @@
+"""Mesh and rule presets as TOML data, installed as `shard.meshes`."""

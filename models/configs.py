@@ -1,0 +1,87 @@
+"""Model hyperparameters and the named size presets. Pure data: importing this never imports JAX."""
+
+import dataclasses
+from dataclasses import dataclass
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("xla", "reference")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers."""
+
+    name: str = "small"
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 768
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
+    compute_dtype: str = "auto"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "xla"
+
+    def validate(self) -> list[str]:
+        """Problems with these hyperparameters, as one-line messages (empty when fine)."""
+        problems = []
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+            if getattr(self, f) <= 0:
+                problems.append(f"model.{f} must be positive, got {getattr(self, f)}")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
+                           ("compute_dtype", COMPUTE_DTYPES)):
+            if getattr(self, f) not in allowed:
+                problems.append(f"model.{f} must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        return problems
+
+    def num_params(self) -> int:
+        """Parameter count from the hyperparameters alone."""
+        d, f, h = self.d_model, self.mlp_dim, self.head_dim
+        attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embed + d
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests: every dimension divides 8, so any 8-device layout applies.
+    "tiny": ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_dim=128),
+    # The default run: a byte-level model that learns visibly in a few minutes on a laptop CPU.
+    "small": ModelConfig(name="small"),
+    # Llama 3.2 1B shape.
+    "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                            n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),
+    # Llama 2 7B and 13B shapes.
+    "llama-7b": ModelConfig(name="llama-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                            n_kv_heads=32, head_dim=128, mlp_dim=11008, tie_embeddings=False),
+    "llama-13b": ModelConfig(name="llama-13b", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40,
+                             n_kv_heads=40, head_dim=128, mlp_dim=13824, tie_embeddings=False),
+    # The reference workload of ARCHITECTURE.md: 24 layers, ~13.1B parameters (8 nodes x 4 A100).
+    "llama-13b-24l": ModelConfig(name="llama-13b-24l", vocab_size=32000, d_model=6144, n_layers=24,
+                                 n_heads=48, n_kv_heads=48, head_dim=128, mlp_dim=20480,
+                                 tie_embeddings=False),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The named preset; unknown names raise KeyError (the config layer turns it into a ShardError)."""
+    return PRESETS[name]
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(ModelConfig))

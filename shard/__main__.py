@@ -1,0 +1,3 @@
+from shard.cli import main
+
+main()

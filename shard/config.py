@@ -1,0 +1,212 @@
+"""Run configuration: frozen dataclasses, one per concern, filled from defaults < TOML file < flags < --set.
+
+Unknown keys and ill-typed values are errors, reported once, before JAX starts.
+"""
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from shard.errors import ShardError
+from shard.mesh import parse_rules
+from shard.models.configs import PRESETS, ModelConfig
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    spec: str = "dp"  # 8x4 | data=2,fsdp=2,model=2 | preset name (meshes/) | preset:4x2 | file.toml
+    simulate_devices: int = 0  # CPU only: devices to simulate; 0 = as many as the mesh needs (8 to fill)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay to min_lr_ratio * lr, and global-norm clipping."""
+
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # "" = the embedded corpus; "synthetic"; a text file or folder; .npy/.bin tokens
+    batch: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    microbatches: int = 1  # gradient accumulation steps per optimizer step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
+    rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Parameter path regex -> logical axes, for parameters the model does not annotate.
+    param_regex: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    steps: int = 100
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = ""
+
+    def validate(self) -> None:
+        problems = list(self.model.validate())
+        for f in ("steps", "log_every"):
+            if getattr(self, f) <= 0:
+                problems.append(f"{f} must be positive, got {getattr(self, f)}")
+        for f in ("batch", "seq_len", "microbatches"):
+            if getattr(self.data, f) <= 0:
+                problems.append(f"data.{f} must be positive, got {getattr(self.data, f)}")
+        if self.data.microbatches > 0 and self.data.batch % self.data.microbatches:
+            problems.append(
+                f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
+            )
+        if self.optimizer.lr <= 0:
+            problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
+        if problems:
+            raise ShardError(problems[0])
+
+
+_DICT_SECTIONS = {"rules", "param_rules", "param_regex"}
+
+
+def parse_value(text: str):
+    """A --set value: TOML syntax when it parses (3e-4, true, [1, 2], "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: list[str]) -> dict:
+    """`["optimizer.lr=3e-4", "model.d_model=128"]` -> nested overrides."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ShardError(f"--set expects key=value, got {item!r}")
+        _put(out, key.strip(), parse_value(value.strip()))
+    return out
+
+
+def _put(tree: dict, dotted: str, value) -> None:
+    head, _, rest = dotted.partition(".")
+    if head in _DICT_SECTIONS and rest:  # rule tables: the rest of the key may contain dots (regexes)
+        tree.setdefault(head, {})[rest] = value
+        return
+    if not rest:
+        tree[head] = value
+        return
+    node = tree.setdefault(head, {})
+    if not isinstance(node, dict):
+        raise ShardError(f"config key {head!r} is a value, not a section, so {dotted!r} is not a key")
+    _put(node, rest, value)
+
+
+def merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ShardError(f"config file {path} not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ShardError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+    elif origin in (types.UnionType, typing.Union):
+        return value
+    name = getattr(tp, "__name__", str(tp))
+    raise ShardError(f"config key {key} expects {name}, got {value!r}")
+
+
+def _build(cls, overrides: dict, prefix: str, base=None):
+    base = base if base is not None else cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    changes = {}
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ShardError(f"unknown config key {dotted!r} (known{' in ' + prefix[:-1] if prefix else ''}: {known})")
+        tp = fields[key].type
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ShardError(f"config key {dotted} is a section; set its fields, e.g. {dotted}.x=...")
+            changes[key] = _build(tp, value, dotted + ".", getattr(base, key))
+        elif key in ("rules", "param_rules"):
+            changes[key] = parse_rules(value, dotted)
+        elif key == "param_regex":
+            if not isinstance(value, dict):
+                raise ShardError(f"config key {dotted} must be a table of regex = [logical axes]")
+            changes[key] = {rx: _coerce(ax, tuple[str, ...], f"{dotted}.{rx}") for rx, ax in value.items()}
+        else:
+            changes[key] = _coerce(value, tp, dotted)
+    return dataclasses.replace(base, **changes)
+
+
+def resolve(overrides: dict) -> TrainConfig:
+    """The validated config from user overrides; `model.name` picks the preset the other model keys amend."""
+    model_over = dict(overrides.get("model", {}))
+    if not isinstance(model_over, dict):
+        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
+    name = model_over.get("name", TrainConfig().model.name)
+    if name not in PRESETS:
+        raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)})")
+    model = _build(ModelConfig, model_over, "model.", PRESETS[name])
+    rest = {k: v for k, v in overrides.items() if k != "model"}
+    cfg = dataclasses.replace(_build(TrainConfig, rest, ""), model=model)
+    cfg.validate()
+    return cfg
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config, written so that `--config` reads it back to the same thing."""
+    return tomli_w.dumps(_plain(dataclasses.asdict(cfg)))
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    return x

@@ -1,0 +1,26 @@
+"""Simulated CPU devices: XLA reads the host device count once, when JAX's backends start, so the
+CLI must ask for it before anything initialises JAX."""
+
+import os
+import re
+import sys
+
+HOST_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_FLAG_RE = re.compile(re.escape(HOST_COUNT_FLAG) + r"=\d+")
+
+
+def jax_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def request_host_devices(n: int) -> bool:
+    """Ask XLA's CPU platform for n devices; False when JAX has already started (too late to change)."""
+    if jax_started():
+        return False
+    flags = _FLAG_RE.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {HOST_COUNT_FLAG}={n}".strip()
+    return True

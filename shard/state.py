@@ -1,0 +1,84 @@
+"""The train state (step, params, optimizer state): its shapes, its shardings, and its sharded init.
+
+Everything here is computed from shapes first (`jax.eval_shape`), so inspecting a 13B model allocates
+nothing; the real init is one jit with out_shardings, so no device ever holds the whole model.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard import models
+from shard.config import OptimizerConfig
+from shard.models.configs import ModelConfig
+from shard.rules import Layout, like_params, logical_axes_of, param_shardings, path_str
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Shapes and shardings of the train state, and the pieces the step needs."""
+
+    graphdef: nnx.GraphDef
+    abstract: dict  # {"step", "params", "opt_state"} of ShapeDtypeStruct
+    shardings: dict  # same tree of NamedSharding
+    logical: dict  # params tree of logical-axis tuples
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    def abstract_with_shardings(self) -> dict:
+        """The state as ShapeDtypeStructs that carry their shardings (for AOT lowering and restore)."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, self.shardings
+        )
+
+
+def make_optimizer(opt: OptimizerConfig, total_steps: int):
+    """AdamW (no decay on norms or vectors), warmup + cosine schedule, global-norm clipping."""
+    warmup = min(opt.warmup_steps, max(total_steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=opt.lr * opt.min_lr_ratio,
+    )
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda p, x: x.ndim >= 2 and "norm" not in path_str(p), params)
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(opt.grad_clip),
+        optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask),
+    )
+    return tx, schedule
+
+
+def _init_fn(model_cfg: ModelConfig, tx, seed: int):
+    def init():
+        params = nnx.state(models.build(model_cfg, seed=seed)).to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return init
+
+
+def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout) -> StateSpec:
+    """Shapes, logical axes and shardings of the whole train state, without allocating it."""
+    abstract_model = nnx.eval_shape(lambda: models.build(model_cfg))
+    graphdef, model_state = nnx.split(abstract_model)
+    logical = logical_axes_of(model_state, layout.regex_rules)
+    tx, schedule = make_optimizer(opt, total_steps)
+    abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0))
+    p_shardings = param_shardings(abstract["params"], logical, layout)
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    shardings = {
+        "step": replicated,
+        "params": p_shardings,
+        "opt_state": like_params(abstract["opt_state"], p_shardings, layout.mesh),
+    }
+    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule)
+
+
+def init_state(spec: StateSpec, model_cfg: ModelConfig, seed: int) -> dict:
+    """Parameters and optimizer state created directly in their shardings."""
+    return jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings)()

@@ -1,5 +1,6 @@
 """The `shard` command. JAX is imported only after the simulated device count is settled."""
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec):
 
 
 def _fail(e: Exception):
-    err_console.print(f"[red]error:[/red] {e}")
+    err_console.print(f"[red]error:[/red] {e}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -93,7 +94,7 @@ class ConsoleProgress:
 
     def on_start(self, run) -> None:
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
-        n_params = sum(x.size for x in __import__("jax").tree.leaves(run.spec.abstract["params"]))
+        n_params = self.cfg.model.num_params()
         kind = run.mesh.devices.flat[0].platform
         console.print(f"mesh {mesh} on {run.mesh.size} {kind} device(s) · model {self.cfg.model.name} "
                       f"({n_params / 1e6:.2f}M params) · batch {self.cfg.data.batch}x{self.cfg.data.seq_len} "
@@ -143,7 +144,7 @@ def train(
 
         run = prepare(cfg, devices)
         path.mkdir(parents=True, exist_ok=True)
-        cfg = __import__("dataclasses").replace(cfg, run_dir=str(path))
+        cfg = dataclasses.replace(cfg, run_dir=str(path))
         (path / "config.toml").write_text(config_mod.to_toml(cfg))
         train_loop(cfg, run=run, observers=[ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")])
     except ShardError as e:

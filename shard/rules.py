@@ -112,7 +112,7 @@ def logical_axes_of(abstract_state, regex_rules=()) -> dict:
         if axes is None:
             missing.append(name)
             continue
-        shape = var.value.shape
+        shape = var.get_value().shape
         if len(axes) != len(shape):
             raise ShardError(f"parameter {name}: {len(axes)} logical axes {tuple(axes)} for shape {shape}")
         flat[path] = tuple(axes)

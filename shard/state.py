@@ -56,7 +56,7 @@ def make_optimizer(opt: OptimizerConfig, total_steps: int):
 
 def _init_fn(model_cfg: ModelConfig, tx, seed: int):
     def init():
-        params = nnx.state(models.build(model_cfg, seed=seed)).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(models.build(model_cfg, seed=seed)))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     return init

@@ -69,7 +69,7 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        metrics = {"loss": nll / count, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"]),
+        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
                    "tokens": count}
         return new_state, metrics
 

@@ -1,0 +1,34 @@
+"""One place sets the simulated devices (8 CPU devices) and the shared compilation cache.
+
+Both are environment variables, so `shard` subprocesses started by tests inherit them.
+"""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX started before conftest"
+
+
+@pytest.fixture
+def run_shard(tmp_path):
+    """Run the real `shard` CLI in a subprocess (for what needs a fresh JAX: device simulation)."""
+    import subprocess
+    import sys
+
+    def run(*args, timeout=300):
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)  # let the CLI choose the device count, as a user's shell would
+        return subprocess.run([sys.executable, "-m", "shard", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=timeout)
+
+    return run

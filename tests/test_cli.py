@@ -1,0 +1,82 @@
+"""The command line: bad input is one line and exit code 2; device simulation; train and inspect end to end."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from shard.cli import app
+
+TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "4x4"], "needs 16 devices but 8 exist"),
+    (["--mesh", "foo=8"], "unknown mesh axis 'foo'"),
+    (["--mesh", "nonesuch"], "unknown mesh 'nonesuch'"),
+    (["--mesh", "1x8", "--set", "model.mlp_dim=100"],
+     "parameter layers/w_down (2, 100, 64): dimension 1 (mlp) of size 100 does not divide by mesh axis model=8"),
+    (["--mesh", "8x1", "--batch", "6"], "global batch 6 does not divide over 8 data-parallel devices"),
+    (["--mesh", "8x1", "--data", "/nonexistent/corpus.txt"], "data path /nonexistent/corpus.txt does not exist"),
+    (["--mesh", "8x1", "--set", "optimizer.lrr=1"], "unknown config key 'optimizer.lrr'"),
+    (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = invoke("train", *TINY, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_empty_data_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = invoke("train", *TINY, "--mesh", "8x1", "--data", str(empty))
+    assert result.exit_code == 2 and "is empty" in result.output
+
+
+def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
+    r = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r")
+    assert r.returncode == 0, r.stderr
+    assert "simulating 16 CPU devices" in r.stderr
+    assert "mesh data=4,model=4" in r.stdout
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(lines[-1])
+    assert record["step"] == 2 and {"loss", "tokens_per_s", "step_time_s"} <= set(record)
+    assert 'name = "tiny"' in (tmp_path / "r" / "config.toml").read_text()
+    # The run dir is never reused by accident.
+    again = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_explicit_device_count_that_does_not_fit(run_shard):
+    r = run_shard("train", "--mesh", "8x4", "--simulate-devices", "8", *TINY)
+    assert r.returncode == 2
+    assert "needs 32 devices but 8 exist" in r.stderr and "--simulate-devices 32" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_inspect_13b_on_32_devices_from_shapes_alone(run_shard):
+    r = run_shard("inspect", "--mesh", "8x4", "--model", "llama-13b", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["mesh"] == {"data": 8, "model": 4} and doc["devices"] == 32
+    assert 12.5e9 < doc["param_count"] < 13.5e9
+    rows = {row["name"]: row for row in doc["params"]}
+    wq = rows["layers/wq"]
+    assert wq["logical_axes"] == ["layers", "embed", "heads", "head_dim"]
+    assert wq["partition_spec"] == [None, None, "model", None]
+    assert wq["bytes_per_device"] * 4 == wq["bytes"]
+    assert doc["params_bytes_per_device"] == sum(row["bytes_per_device"] for row in doc["params"])
+    # AdamW keeps two fp32 moments per parameter, sharded like it (plus a few scalars).
+    assert 0 <= doc["opt_state_bytes_per_device"] - 2 * doc["params_bytes_per_device"] < 1024
+
+
+def test_inspect_table(run_shard):
+    r = run_shard("inspect", "--mesh", "fsdp", "--model", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert "layers/wq" in r.stdout and "fsdp" in r.stdout and "optimizer state" in r.stdout

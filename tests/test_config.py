@@ -1,0 +1,50 @@
+"""Config layering and validation."""
+
+import pytest
+
+from shard import config as c
+from shard.errors import ShardError
+
+
+def test_defaults_resolve():
+    cfg = c.resolve({})
+    assert cfg.model.name == "small" and cfg.mesh.spec == "dp"
+
+
+def test_set_overrides_with_types():
+    cfg = c.resolve(c.parse_sets(["optimizer.lr=3e-4", "model.name=tiny", "model.d_model=128",
+                                  "rules.batch=data,fsdp", "rules.vocab=none", "model.tie_embeddings=false"]))
+    assert cfg.optimizer.lr == 3e-4 and cfg.model.d_model == 128 and cfg.model.n_layers == 2
+    assert cfg.rules == {"batch": ("data", "fsdp"), "vocab": ()}
+    assert cfg.model.tie_embeddings is False
+
+
+@pytest.mark.parametrize("item, message", [
+    ("optimizer.lrr=1", "unknown config key 'optimizer.lrr'"),
+    ("stepz=3", "unknown config key 'stepz'"),
+    ("optimizer.lr=abc", "optimizer.lr expects float"),
+    ("model.name=gpt9", "unknown model 'gpt9'"),
+    ("rules.heads=tensor", "unknown mesh axis 'tensor'"),
+    ("rules.experts=model", "unknown logical axis 'experts'"),
+    ("model.n_kv_heads=3", "multiple of model.n_kv_heads"),
+    ("data.microbatches=3", "multiple of data.microbatches"),
+    ("noequals", "key=value"),
+])
+def test_bad_sets(item, message):
+    with pytest.raises(ShardError, match=message):
+        c.resolve(c.parse_sets([item]))
+
+
+def test_written_config_reads_back_the_same(tmp_path):
+    cfg = c.resolve(c.parse_sets(["model.name=tiny", "rules.mlp=model", "param_regex.foo/.*=embed,mlp",
+                                  "steps=7"]))
+    p = tmp_path / "config.toml"
+    p.write_text(c.to_toml(cfg))
+    assert c.resolve(c.load_file(str(p))) == cfg
+
+
+def test_file_then_set_precedence(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text('steps = 5\n[optimizer]\nlr = 0.01\n[model]\nname = "tiny"\n')
+    cfg = c.resolve(c.merge(c.load_file(str(p)), c.parse_sets(["optimizer.lr=0.02"])))
+    assert (cfg.steps, cfg.optimizer.lr, cfg.model.name) == (5, 0.02, "tiny")

@@ -1,0 +1,89 @@
+"""Token sources, determinism, padding, and the sharded global batch."""
+
+import numpy as np
+import pytest
+
+from shard.data import (BatchStream, ByteTokenizer, SyntheticSource, WindowSource, embedded_corpus_files,
+                        load_tokens, sample_dataset, split_window)
+from shard.errors import ShardError
+from shard.testing import fake_mesh
+
+
+def test_embedded_corpus_is_real_text():
+    files = embedded_corpus_files()
+    assert len(files) > 50
+    tokens = load_tokens("", 256)
+    assert tokens.size > 1_000_000
+    assert "def " in ByteTokenizer().decode(tokens[:20000])
+
+
+def test_same_seed_same_samples_other_seed_other_samples():
+    a = sample_dataset("", 256, 64, seed=1)
+    b = sample_dataset("", 256, 64, seed=1)
+    c = sample_dataset("", 256, 64, seed=2)
+    assert all(np.array_equal(a[i], b[i]) for i in range(10))
+    assert not all(np.array_equal(a[i], c[i]) for i in range(10))
+
+
+def test_epochs_are_reshuffled(tmp_path):
+    (tmp_path / "t.txt").write_text("abcdefghij" * 10)
+    ds = sample_dataset(str(tmp_path / "t.txt"), 256, 9, seed=0)
+    n = len(WindowSource(load_tokens(str(tmp_path / "t.txt"), 256), 9))
+    first = [ds[i][0] for i in range(n)]
+    second = [ds[i][0] for i in range(n, 2 * n)]
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_short_last_window_is_padded_and_masked():
+    src = WindowSource(np.arange(10, dtype=np.int32), 4)
+    assert len(src) == 3
+    last = split_window(src[2][None])
+    assert last["inputs"].tolist() == [[8, 9, 0, 0]]
+    assert last["mask"].tolist() == [[1, 0, 0, 0]]
+
+
+def test_token_files_and_folders(tmp_path):
+    np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int32))
+    np.arange(50, dtype=np.uint16).tofile(tmp_path / "b.bin")
+    assert load_tokens(str(tmp_path / "a.npy"), 256).size == 100
+    assert load_tokens(str(tmp_path / "b.bin"), 256).size == 50
+    assert load_tokens(str(tmp_path), 256).size == 150
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "x.txt").write_text("hello")
+    (text / "y.txt").write_text("world")
+    assert ByteTokenizer().decode(load_tokens(str(text), 256)) == "hello\nworld"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing.txt", "does not exist"),
+    (lambda d: (d / "empty.txt").write_text("") and None or d / "empty.txt", "is empty"),
+    (lambda d: (np.save(d / "big.npy", np.array([1, 300])), d / "big.npy")[1], "token id 300, outside"),
+])
+def test_bad_data(tmp_path, make, message):
+    with pytest.raises(ShardError, match=message):
+        load_tokens(str(make(tmp_path)), 256)
+
+
+def test_synthetic_is_in_vocab_and_deterministic():
+    s = SyntheticSource(1000, 16, seed=3)
+    assert np.array_equal(s[5], SyntheticSource(1000, 16, seed=3)[5])
+    assert s[5].max() < 1000 and s[5].shape == (17,)
+
+
+def test_global_batch_is_sharded_and_advances():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = fake_mesh("2x4")
+    ds = sample_dataset("", 256, 16, seed=0)
+    stream = BatchStream(ds, 8, 16, NamedSharding(mesh, P("data", None)))
+    batch = stream.next()
+    assert batch["inputs"].shape == (8, 16) and batch["inputs"].sharding.spec == P("data", None)
+    expected = split_window(np.stack([ds[i] for i in range(8)]))
+    np.testing.assert_array_equal(np.asarray(batch["inputs"]), expected["inputs"])
+    np.testing.assert_array_equal(np.asarray(batch["targets"]), expected["targets"])
+    assert stream.position == 8
+    second = stream.next()
+    np.testing.assert_array_equal(np.asarray(second["inputs"]),
+                                  split_window(np.stack([ds[i] for i in range(8, 16)]))["inputs"])

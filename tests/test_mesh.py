@@ -1,0 +1,75 @@
+"""Mesh descriptions: every accepted form, every preset file, and the errors."""
+
+import pytest
+
+from shard.errors import ShardError
+from shard.mesh import build_mesh, parse_mesh, preset_names, resolve_shape
+
+
+@pytest.mark.parametrize("spec, axes, shape", [
+    ("8x4", ("data", "model"), (8, 4)),
+    ("8", ("data",), (8,)),
+    ("2x2x2", ("data", "fsdp", "model"), (2, 2, 2)),
+    ("data=2,fsdp=2,model=2", ("data", "fsdp", "model"), (2, 2, 2)),
+    ("fsdp_tp:4x2", ("fsdp", "model"), (4, 2)),
+])
+def test_forms(spec, axes, shape):
+    m = parse_mesh(spec)
+    assert (m.axes, m.shape) == (axes, shape)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_fills_eight_devices(name):
+    m = parse_mesh(name)
+    shape = resolve_shape(m, 8)
+    assert len(shape) == len(m.axes)
+    assert set(m.rules) >= {"batch", "embed", "heads", "kv_heads", "mlp", "vocab", "layers"}
+
+
+def test_presets_fill_the_devices():
+    assert resolve_shape(parse_mesh("fsdp"), 8) == (8,)
+    assert resolve_shape(parse_mesh("fsdp_tp"), 8) == (4, 2)
+    assert resolve_shape(parse_mesh("dp"), 32) == (32,)
+
+
+def test_fsdp_preset_shards_params_on_embed_only():
+    m = parse_mesh("fsdp")
+    assert m.param_rules["embed"] == ("fsdp",) and m.rules["embed"] == ()
+
+
+def test_build_mesh_names_axes():
+    import jax
+
+    mesh = build_mesh(parse_mesh("2x4"), jax.devices())
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("foo=8", "unknown mesh axis 'foo'"),
+    ("nonesuch", "unknown mesh 'nonesuch'"),
+    ("data=x", "must be an integer"),
+    ("data=2,data=4", "named twice"),
+    ("1x2x3x4", "1 to 3 dimensions"),
+    ("fsdp_tp:8", "has 1 sizes for 2 axes"),
+    ("0x8", "must be positive"),
+])
+def test_bad_specs(spec, message):
+    with pytest.raises(ShardError, match=message):
+        parse_mesh(spec)
+
+
+def test_size_mismatch_says_how_many_exist_and_how_to_simulate():
+    with pytest.raises(ShardError, match=r"needs 32 devices but 8 exist.*--simulate-devices 32"):
+        resolve_shape(parse_mesh("8x4"), 8)
+
+
+def test_fill_that_cannot_divide():
+    with pytest.raises(ShardError, match="cannot fill 7 devices"):
+        resolve_shape(parse_mesh("fsdp_tp"), 7)
+
+
+def test_preset_file_with_unknown_key(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('axes = ["data"]\nshpe = [2]\n')
+    with pytest.raises(ShardError, match="unknown key"):
+        parse_mesh(str(p))

@@ -33,21 +33,29 @@ def _overrides(config: Optional[Path], sets: Optional[list[str]], **flags) -> di
     """defaults < config file < flags < --set, as one nested override dict."""
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
-                 "simulate_devices": "mesh.simulate_devices", "log_every": "log_every"}
+                 "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
+                 "compile_cache": "xla.compile_cache"}
     out = config_mod.load_file(str(config)) if config else {}
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
 
 
-def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec):
-    """Settle the CPU device count, start JAX, and return the devices the mesh will use."""
-    from shard.devices import request_host_devices
+def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None):
+    """Settle XLA flags and the CPU device count, start JAX, and return the devices the mesh will use."""
+    from shard import xla_flags
+    from shard.devices import jax_started, request_host_devices
 
+    if not jax_started():
+        xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
     wanted = cfg.mesh.simulate_devices or devices_needed(mesh_spec, DEFAULT_FILL_DEVICES)
     asked = request_host_devices(wanted)
     import jax
 
+    if compile_cache is not None and not jax.config.jax_compilation_cache_dir:
+        compile_cache.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     devices = jax.devices()
     if asked and devices[0].platform == "cpu" and wanted > 1:
         err_console.print(f"[dim]simulating {len(devices)} CPU devices (XLA host platform); "
@@ -65,6 +73,13 @@ def _check_data_path(path: str) -> None:
 
     if path not in (EMBEDDED, SYNTHETIC) and not Path(path).exists():
         raise ShardError(f"data path {path} does not exist")
+
+
+def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
+    """`auto`: one cache beside the run dirs, so a restart or the next run does not recompile."""
+    if cfg.xla.compile_cache in ("", "none"):
+        return None
+    return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec) -> Path:
@@ -125,6 +140,8 @@ def train(
     seed: Annotated[Optional[int], typer.Option(help="seed for init and data order")] = None,
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="where config and metrics go")] = None,
     log_every: Annotated[Optional[int], typer.Option("--log-every", help="log every N steps")] = None,
+    compile_cache: Annotated[Optional[str], typer.Option(
+        "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
@@ -133,11 +150,11 @@ def train(
     try:
         cfg = config_mod.resolve(_overrides(
             config, set_, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
-            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every))
+            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache))
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)
         path = _run_dir(cfg, mesh_spec)
-        devices = start_devices(cfg, mesh_spec)
+        devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path))
         from shard.loop import prepare
         from shard.loop import train as train_loop
         from shard.metrics import JsonlWriter

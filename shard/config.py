@@ -46,11 +46,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class XlaConfig:
+    """Compiler settings, applied before JAX starts."""
+
+    gpu_flags: bool = True  # shard's GPU flag preset (shard/xla_flags.py); flags already in XLA_FLAGS win
+    deterministic: bool = False  # bitwise-reproducible GPU runs (slower)
+    compile_cache: str = "auto"  # persistent compilation cache dir; "auto": <run dir parent>/.compile_cache; "none": off
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)

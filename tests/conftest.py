@@ -25,9 +25,11 @@ def run_shard(tmp_path):
     import subprocess
     import sys
 
-    def run(*args, timeout=300):
+    def run(*args, timeout=300, shared_cache=True):
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # let the CLI choose the device count, as a user's shell would
+        if not shared_cache:
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
         return subprocess.run([sys.executable, "-m", "shard", *args], capture_output=True, text=True,
                               cwd=tmp_path, env=env, timeout=timeout)
 

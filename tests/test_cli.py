@@ -40,8 +40,9 @@ def test_empty_data_file(tmp_path):
 
 
 def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
-    r = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r")
+    r = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r", "--compile-cache", "cc", shared_cache=False)
     assert r.returncode == 0, r.stderr
+    assert any((tmp_path / "cc").iterdir())  # the persistent compilation cache was written
     assert "simulating 16 CPU devices" in r.stderr
     assert "mesh data=4,model=4" in r.stdout
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()

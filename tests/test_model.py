@@ -49,3 +49,16 @@ def test_logits_shape_and_dtype():
     model = models.build(cfg)
     logits = model(jnp.zeros((2, 16), jnp.int32))
     assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
+
+
+def test_bf16_compute_keeps_fp32_master_params_and_close_logits():
+    import dataclasses
+
+    cfg = PRESETS["tiny"]
+    model32 = models.build(cfg)
+    model16 = models.build(dataclasses.replace(cfg, compute_dtype="bfloat16"))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model16)))
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)
+    l32, l16 = model32(tokens), model16(tokens)
+    assert l16.dtype == jnp.float32  # softmax and loss stay in fp32
+    assert float(jnp.max(jnp.abs(l32 - l16))) < 0.1 and not np.array_equal(l32, l16)

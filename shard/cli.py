@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shard import config as config_mod
+from shard import profiling
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 
@@ -116,7 +117,7 @@ class ConsoleProgress:
                       f"tokens · step compiled in {run.compile_s:.1f}s")
         self.progress.start()
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, outputs=None) -> None:
         self.progress.update(self.task, completed=step)
 
     def on_log(self, r: dict) -> None:
@@ -140,6 +141,8 @@ def train(
     seed: Annotated[Optional[int], typer.Option(help="seed for init and data order")] = None,
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="where config and metrics go")] = None,
     log_every: Annotated[Optional[int], typer.Option("--log-every", help="log every N steps")] = None,
+    profile_steps: Annotated[Optional[str], typer.Option(
+        "--profile-steps", help="A:B: profile steps A to B into RUN_DIR/profile and summarise them")] = None,
     compile_cache: Annotated[Optional[str], typer.Option(
         "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
     config: ConfigOpt = None,
@@ -153,17 +156,23 @@ def train(
             run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache))
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)
+        window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
         path = _run_dir(cfg, mesh_spec)
         devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path))
         from shard.loop import prepare
         from shard.loop import train as train_loop
-        from shard.metrics import JsonlWriter
+        from shard.metrics import JsonlWriter, TensorBoardWriter
 
         run = prepare(cfg, devices)
         path.mkdir(parents=True, exist_ok=True)
         cfg = dataclasses.replace(cfg, run_dir=str(path))
         (path / "config.toml").write_text(config_mod.to_toml(cfg))
-        train_loop(cfg, run=run, observers=[ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")])
+        observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"), TensorBoardWriter(path / "tb")]
+        if window:
+            observers.append(profiler := profiling.Profiler(*window, path / "profile"))
+        train_loop(cfg, run=run, observers=observers)
+        if window and profiler.summary:
+            console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
     except ShardError as e:
         _fail(e)
 
@@ -206,6 +215,34 @@ def inspect(
     console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "
                   f"{_human(doc['params_bytes_per_device'])}, optimizer state "
                   f"{_human(doc['opt_state_bytes_per_device'])}")
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[str], typer.Argument(help="run directories to compare")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="where the PNGs go (default: report/)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
+):
+    """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
+    from shard.report import report as make_report
+
+    try:
+        doc = make_report(run_dirs, out or Path("report"))
+    except ShardError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    table = Table(title="runs")
+    for col in ("run", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device"):
+        table.add_column(col)
+    for r in doc["runs"]:
+        mem = _human(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
+            if r["peak_memory_bytes"] is not None else "-"
+        table.add_row(r["run"], r["layout"], str(r["steps"]), f"{r['final_loss']:.4f}",
+                      f"{r['median_tokens_per_s']:,.0f}", "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
+    console.print(table)
+    console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
 
 
 def _human(n: float) -> str:

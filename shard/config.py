@@ -46,6 +46,16 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class GuardConfig:
+    """What a diverging run does: `stop` names the first bad step and exits non-zero; `skip` drops the
+    update of a step whose loss or gradient norm is not finite or above max_grad_norm."""
+
+    action: str = "stop"  # stop | skip
+    spike_factor: float = 0.0  # stop: grad_norm above this x the median of earlier steps is a spike (0: off)
+    max_grad_norm: float = float("inf")  # skip: updates with a larger gradient norm are dropped
+
+
+@dataclass(frozen=True)
 class XlaConfig:
     """Compiler settings, applied before JAX starts."""
 
@@ -61,6 +71,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -83,6 +94,8 @@ class TrainConfig:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
             )
+        if self.guard.action not in ("stop", "skip"):
+            problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
         if self.optimizer.lr <= 0:
             problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:

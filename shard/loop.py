@@ -1,17 +1,20 @@
 """From a resolved config to a trained state: mesh, layout, sharded init, data, compiled step, loop.
 
-Observers (console, metrics.jsonl) receive `on_start(run)`, `on_step(step)`, `on_log(record)` and
+Observers (console, metrics.jsonl, TensorBoard, profiler) receive `on_start(run)`,
+`on_step(step, (state, metrics))` (device values, not yet synced), `on_log(record)` and
 `on_end(records)`; the loop itself prints and writes nothing.
 """
 
+import math
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
-from shard.config import TrainConfig
+from shard.config import GuardConfig, TrainConfig
 from shard.data import BatchStream, sample_dataset
-from shard.errors import ShardError
+from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh
 from shard.rules import Layout
 from shard.state import StateSpec, init_state, state_spec
@@ -27,6 +30,7 @@ class Run:
     stream: BatchStream
     step_fn: object  # the compiled step
     compile_s: float
+    compiled_memory: dict = field(default_factory=dict)  # per-device bytes from XLA's memory analysis
 
     @property
     def mesh(self):
@@ -71,10 +75,50 @@ def prepare(cfg: TrainConfig, devices=None) -> Run:
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout))
     state = init_state(spec, cfg.model, cfg.seed)
     t0 = time.perf_counter()
-    jitted = make_train_step(spec, layout, cfg.data.microbatches)
+    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
-    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0)
+    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled))
+
+
+def compiled_memory(compiled) -> dict:
+    """Per-device bytes of the compiled step. CPU's peak ignores temporaries, so peak is computed as
+    arguments + temporaries + outputs - aliased (donated) bytes (see JAX-NOTES)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
+    out, alias = m.output_size_in_bytes, m.alias_size_in_bytes
+    return {"arguments": args, "temporaries": temp, "outputs": out, "aliased": alias,
+            "peak": args + temp + out - alias}
+
+
+def device_memory(run: Run) -> dict:
+    """Memory in use and peak on the busiest local device: measured where the backend reports it,
+    else XLA's estimate for the compiled step, labelled as such."""
+    stats = [d.memory_stats() for d in run.mesh.local_devices]
+    if all(stats):
+        return {"mem_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
+                "mem_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats), "mem_source": "device"}
+    m = run.compiled_memory
+    return {"mem_in_use_bytes": m.get("arguments", 0), "mem_peak_bytes": m.get("peak", 0),
+            "mem_source": "compiled"}
+
+
+def first_divergence(steps: list[tuple[int, dict]], history: list[float], guard: GuardConfig):
+    """(step, reason) of the first step whose loss or grad norm is not finite or spikes, else None.
+    `history` holds earlier steps' grad norms and is extended with the healthy ones."""
+    for step, m in steps:
+        loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+        if not math.isfinite(loss) or not math.isfinite(gnorm):
+            return step, f"loss {loss} and gradient norm {gnorm} at step {step}"
+        if guard.spike_factor > 0 and len(history) >= 10:
+            ref = statistics.median(history[-50:])
+            if gnorm > guard.spike_factor * ref:
+                return step, (f"gradient norm {gnorm:.3g} at step {step} is over {guard.spike_factor:g}x "
+                              f"the median of earlier steps ({ref:.3g})")
+        history.append(gnorm)
+    return None
 
 
 def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = None) -> list[dict]:
@@ -87,13 +131,26 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     start = last_time = time.perf_counter()
     last_step = 0
     state = run.state
+    pending: list[tuple[int, dict]] = []  # metrics of the steps since the last log, still on device
+    grad_norms: list[float] = []
+    skipped = 0
     for i in range(1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
+        pending.append((i, metrics))
         for o in observers:
-            getattr(o, "on_step", lambda s: None)(i)
+            getattr(o, "on_step", lambda s, out: None)(i, (state, metrics))
         if i % cfg.log_every == 0 or i == cfg.steps:
-            values = jax.device_get(metrics)
+            steps = jax.device_get(pending)
+            pending = []
+            values = steps[-1][1]
+            if cfg.guard.action == "stop":
+                bad = first_divergence(steps, grad_norms, cfg.guard)
+                if bad:
+                    run.state = None  # diverged: nothing downstream may save it
+                    raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
+            else:
+                skipped += int(sum(m["skipped"] for _, m in steps))
             now = time.perf_counter()
             elapsed = now - last_time
             record = {
@@ -105,7 +162,10 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
                 "step_time_s": elapsed / (i - last_step),
                 "tokens_seen": i * tokens_per_step,
                 "time_s": now - start,
+                **device_memory(run),
             }
+            if cfg.guard.action == "skip":
+                record["skipped_steps"] = skipped
             records.append(record)
             for o in observers:
                 getattr(o, "on_log", lambda r: None)(record)

@@ -1,6 +1,7 @@
-"""Where logged metrics go: metrics.jsonl in the run directory (one JSON object per logged step)."""
+"""Where logged metrics go: metrics.jsonl (one JSON object per logged step) and TensorBoard events."""
 
 import json
+import math
 from pathlib import Path
 
 
@@ -16,6 +17,24 @@ class JsonlWriter:
 
     def on_end(self, records: list[dict]) -> None:
         self._f.close()
+
+
+class TensorBoardWriter:
+    """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
+
+    def __init__(self, logdir: Path):
+        from tensorboardX import SummaryWriter
+
+        self._w = SummaryWriter(str(logdir))
+
+    def on_log(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self._w.add_scalar(f"train/{key}", value, record["step"])
+        self._w.flush()
+
+    def on_end(self, records: list[dict]) -> None:
+        self._w.close()
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.axes import BATCH, LENGTH
+from shard.config import GuardConfig
 from shard.rules import Layout, activation_layout
 from shard.state import StateSpec
 
@@ -38,8 +39,13 @@ def _microbatches(x: jax.Array, m: int, layout: Layout) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(None, *spec)))
 
 
-def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
-    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
+def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
+    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated.
+
+    With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
+    guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
+    """
+    skip_bad = guard is not None and guard.action == "skip"
     graphdef, tx, schedule = spec.graphdef, spec.tx, spec.schedule
 
     def loss_fn(params, mb):
@@ -67,11 +73,17 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
                 (grads, nll, count), _ = jax.lax.scan(accumulate, carry, mbs)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        loss, grad_norm = nll / count, optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-                   "tokens": count}
-        return new_state, metrics
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": count}
+        if skip_bad:
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)

@@ -1,0 +1,111 @@
+"""What a user watches: TensorBoard events, the profile summary, reports, and the divergence guard."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from shard.cli import app
+from shard.errors import DivergenceError
+from shard.loop import prepare, train
+from shard.metrics import TensorBoardWriter
+from shard.profiling import Profiler
+from shard.testing import devices_for, tiny_config
+
+
+def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_config("8x1")
+    records = train(cfg, devices=devices_for("8x1"), observers=[TensorBoardWriter(tmp_path)])
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    np.testing.assert_allclose([e.value for e in loss], [r["loss"] for r in records], rtol=1e-6)
+    assert {"train/tokens_per_s", "train/grad_norm", "train/mem_peak_bytes"} <= set(acc.Tags()["scalars"])
+
+
+def test_records_carry_memory_with_its_source():
+    r = train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]
+    assert r["mem_source"] == "compiled"  # XLA:CPU reports no live memory stats
+    assert r["mem_peak_bytes"] >= r["mem_in_use_bytes"] > 0
+
+
+def test_profile_is_written_and_summarised(tmp_path):
+    cfg = tiny_config("8x1", steps=4)
+    profiler = Profiler(2, 3, tmp_path)
+    train(cfg, devices=devices_for("8x1"), observers=[profiler])
+    s = json.loads((tmp_path / "profile_summary.json").read_text())
+    assert s == profiler.summary and s["steps"] == 2
+    assert s["compute_frac"] > 0 and s["collectives_frac"].get("all-reduce", 0) > 0  # data parallel grads
+    assert abs(s["compute_frac"] + s["exposed_comm_frac"] + s["idle_frac"] - 1) < 1e-6
+    assert list(tmp_path.rglob("*.xplane.pb"))  # the trace TensorBoard's profile plugin reads
+
+
+def _fake_run(path, mesh, losses):
+    path.mkdir()
+    (path / "config.toml").write_text(f'[model]\nname = "tiny"\n[mesh]\nspec = "{mesh}"\n')
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": i, "loss": loss, "tokens_per_s": 1000.0 * i, "time_s": float(i),
+                                "mem_peak_bytes": 2048, "mem_source": "compiled"}) + "\n")
+
+
+def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
+    _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5, 2.0])
+    _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7])
+    out = tmp_path / "report"
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert [row["layout"] for row in doc["runs"]] == ["fsdp", "2x4"]
+    assert doc["runs"][0]["final_loss"] == 2.0 and doc["runs"][1]["median_tokens_per_s"] == 2500.0
+    for png in doc["plots"]:
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_on_a_directory_that_is_not_a_run(tmp_path):
+    r = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert r.exit_code == 2 and "not a run directory" in r.output
+
+
+def _plant_nan(run, at_step):
+    """Make one step's loss NaN through its data: a NaN in the loss mask."""
+    original, count = run.stream.next, [0]
+
+    def next_batch():
+        batch = original()
+        count[0] += 1
+        if count[0] == at_step:
+            batch["mask"] = jax.device_put(jnp.full(batch["mask"].shape, jnp.nan), batch["mask"].sharding)
+        return batch
+
+    run.stream.next = next_batch
+
+
+def test_nan_stops_the_run_naming_the_step():
+    cfg = tiny_config("8x1", steps=6, log_every=3)
+    run = prepare(cfg, devices_for("8x1"))
+    _plant_nan(run, 2)
+    with pytest.raises(DivergenceError, match="at step 2"):
+        train(cfg, run=run)
+    assert run.state is None  # nothing downstream can save the diverged state
+
+
+def test_skip_mode_drops_the_bad_update_and_carries_on():
+    cfg = tiny_config("8x1", steps=4, guard__action="skip")
+    run = prepare(cfg, devices_for("8x1"))
+    _plant_nan(run, 2)
+    records = train(cfg, run=run)
+    assert records[-1]["skipped_steps"] == 1
+    assert np.isfinite(records[-1]["loss"])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(run.state["params"]))
+
+
+def test_bad_profile_window():
+    r = CliRunner().invoke(app, ["train", "--model", "tiny", "--mesh", "8x1", "--profile-steps", "5:2"])
+    assert r.exit_code == 2 and "A:B with 1 <= A <= B <= 100" in r.output

@@ -109,12 +109,20 @@ class ConsoleProgress:
         self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
 
     def on_start(self, run) -> None:
+        import jax
+
+        cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
-        n_params = self.cfg.model.num_params()
         kind = run.mesh.devices.flat[0].platform
-        console.print(f"mesh {mesh} on {run.mesh.size} {kind} device(s) · model {self.cfg.model.name} "
-                      f"({n_params / 1e6:.2f}M params) · batch {self.cfg.data.batch}x{self.cfg.data.seq_len} "
-                      f"tokens · step compiled in {run.compile_s:.1f}s")
+        hosts = jax.process_count()
+        peak = run.compiled_memory.get("peak")
+        console.print(
+            f"mesh {mesh} on {run.mesh.size} {kind} device(s)"
+            + (f" ({run.mesh.size // hosts} per host x {hosts} hosts)" if hosts > 1 else "")
+            + f" · model {cfg.model.name} ({cfg.model.num_params() / 1e6:.2f}M params)"
+            + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
+            + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
+            + f" · step compiled in {run.compile_s:.1f}s", soft_wrap=True)
         self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:

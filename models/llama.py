@@ -45,7 +45,7 @@ class Llama(nnx.Module):
                                cfg.mlp_dim, cfg.vocab_size)
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
-        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), 1.0, dt)  # table_vd
+        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
         self.layers = nnx.Dict(
             attn_norm=_param(rngs, (L, D), (LAYERS, EMBED), None, dt),
             wq=_param(rngs, (L, D, N, H), (LAYERS, EMBED, HEADS, HEAD_DIM), D**-0.5, dt),
@@ -61,30 +61,47 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
 
-    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        """Next-token logits (float32) for a batch of token ids."""
+    def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0):
+        """Next-token logits (float32) for a batch of token ids.
+
+        With a KV cache (`init_cache`), the tokens sit at positions start.. and attend to everything
+        cached before them; returns (logits, updated cache). This is the prefill and decode path of
+        `shard generate`; training calls it without a cache.
+        """
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         T = tokens_bt.shape[1]
         x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype)
         x_btd = constrain(x_btd, (BATCH, LENGTH, EMBED))
-        cos_th, sin_th = rope_tables(T, cfg.head_dim, cfg.rope_theta)
+        cos_th, sin_th = rope_tables(start + jnp.arange(T), cfg.head_dim, cfg.rope_theta)
         layers = {k: v[...] for k, v in self.layers.items()}
 
-        def block(x_btd, p):
-            x_btd = x_btd + attention_block(x_btd, p, cos_th, sin_th, cfg, dtype)
+        def block(x_btd, xs):
+            p, kv = xs
+            attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
+            x_btd = x_btd + attn_btd
             x_btd = x_btd + mlp_block(x_btd, p, cfg, dtype)
-            return constrain(x_btd, (BATCH, LENGTH, EMBED)), None
+            return constrain(x_btd, (BATCH, LENGTH, EMBED)), kv
 
         if cfg.remat != "none":
             block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
-        x_btd, _ = jax.lax.scan(block, x_btd, layers)
+        x_btd, new_cache = jax.lax.scan(block, x_btd, (layers, cache))
         x_btd = rms_norm(x_btd, self.final_norm[...], cfg.norm_eps)
         if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype)) * cfg.d_model**-0.5
+            logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype))
         else:
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.unembed[...].astype(dtype))
-        return constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+        logits_btv = constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+        return logits_btv if cache is None else (logits_btv, new_cache)
+
+
+CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty KV cache: k and v of shape (L, B, max_len, K, H) in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, compute_dtype(cfg)), "v": jnp.zeros(shape, compute_dtype(cfg))}
 
 
 def rms_norm(x, scale, eps: float):
@@ -93,10 +110,10 @@ def rms_norm(x, scale, eps: float):
     return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(length: int, head_dim: int, theta: float):
-    """cos/sin of shape (T, H) in the rotate-half layout used by Llama checkpoints."""
+def rope_tables(positions_t: jax.Array, head_dim: int, theta: float):
+    """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_th = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
     return jnp.cos(angles_th), jnp.sin(angles_th)
 
@@ -108,7 +125,9 @@ def apply_rope(x_btnh, cos_th, sin_th):
     return out.astype(x_btnh.dtype)
 
 
-def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype):
+def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0):
+    """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
+    keys and values are written at `start` and the queries attend to the whole cache, masked by position."""
     h_btd = rms_norm(x_btd, p["attn_norm"], cfg.norm_eps)
     q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
     k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype))
@@ -116,9 +135,14 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype):
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention)
+    if kv is None:
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention)
+    else:
+        kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
+              "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
+        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype))
+    return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
@@ -126,11 +150,16 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
     attention on GPU when it applies), "reference" is the plain einsum version used to check it."""
     if impl == "xla":
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)
+    return cached_attention(q_btnh, k_bskh, v_bskh, 0)
+
+
+def cached_attention(q_btnh, k_bskh, v_bskh, start):
+    """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
     scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * H**-0.5
-    causal_ts = jnp.tril(jnp.ones((T, k_bskh.shape[1]), dtype=bool))
+    causal_ts = (start + jnp.arange(T))[:, None] >= jnp.arange(k_bskh.shape[1])[None, :]
     scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     o_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)

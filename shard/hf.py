@@ -1,0 +1,178 @@
+"""Hugging Face Llama-family folders (config.json + *.safetensors) to shard's parameters and back.
+
+Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
+heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
+layout, so no permutation of q/k is needed.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from shard.errors import ShardError
+from shard.models.configs import ModelConfig
+
+SUPPORTED_TYPES = ("llama",)
+_FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
+
+
+def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
+    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        scaling = hf.get("rope_scaling") or rope
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) is")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ShardError(f"{flag}=true is not supported: shard's Llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
+    try:
+        heads = hf["num_attention_heads"]
+        return ModelConfig(
+            name=name, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        )
+    except KeyError as e:
+        raise ShardError(f"config.json lacks {e.args[0]!r}") from None
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "max_position_embeddings": 4096,
+    }
+
+
+def _layer_map(cfg: ModelConfig):
+    """shard layer param -> (HF name template, to_shard(hf_matrix), to_hf(shard_array))."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {
+        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
+        "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w),
+        "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
+               lambda w: w.reshape(D, N * H).T),
+        "wk": ("model.layers.{}.self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H),
+               lambda w: w.reshape(D, K * H).T),
+        "wv": ("model.layers.{}.self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H),
+               lambda w: w.reshape(D, K * H).T),
+        "wo": ("model.layers.{}.self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D),
+               lambda w: w.reshape(N * H, D).T),
+        "w_gate": ("model.layers.{}.mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
+        "w_up": ("model.layers.{}.mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
+        "w_down": ("model.layers.{}.mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+    }
+
+
+def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
+                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for key, (tmpl, _, _) in _layer_map(cfg).items():
+        for i in range(cfg.n_layers):
+            shapes[tmpl.format(i)] = per_layer[key]
+    return shapes
+
+
+def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """shard's parameter tree from HF tensors; a missing tensor or a wrong shape is a ShardError."""
+    for name, shape in _expected_hf_shapes(cfg).items():
+        if name not in tensors:
+            raise ShardError(f"the checkpoint lacks tensor {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise ShardError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+
+    def get(name):
+        return np.asarray(tensors[name], dtype=dtype)
+
+    layers = {key: np.stack([to_shard(get(tmpl.format(i))) for i in range(cfg.n_layers)])
+              for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
+    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": layers}
+    if not cfg.tie_embeddings:
+        params["unembed"] = get("lm_head.weight").T
+    return params
+
+
+def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+           "model.norm.weight": np.asarray(params["final_norm"])}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(params["unembed"]).T
+    for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
+        stacked = np.asarray(params["layers"][key])
+        for i in range(cfg.n_layers):
+            out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
+    return out
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict]:
+    """config.json and every tensor of the folder's safetensors files (sharded index or not)."""
+    from safetensors.numpy import load_file
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ShardError(f"{path} is not a Hugging Face model folder: no config.json")
+    try:
+        hf_config = json.loads((root / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}/config.json is not valid JSON: {e}") from None
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise ShardError(f"{path} holds no .safetensors files")
+    tensors: dict = {}
+    for f in files:
+        if not (root / f).is_file():
+            raise ShardError(f"{path}: the index names {f}, which is missing")
+        tensors.update(load_file(str(root / f)))
+    return hf_config, tensors
+
+
+def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
+    """config.json + safetensors files (with an index when more than one) that transformers loads."""
+    from safetensors.numpy import save_file
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
+    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        if current and size + t.nbytes > _FILE_LIMIT:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += t.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(root / "model.safetensors"), metadata={"format": "pt"})
+        return [root / "model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(root / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(math.prod(t.shape) * 4 for t in tensors.values())
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return [root / n for n in names]

@@ -1,0 +1,92 @@
+"""Hugging Face round trip: a Llama built locally with transformers imports with equal logits, generates
+the same greedy tokens, and exports back to identical tensors. Skipped where torch/transformers are absent
+(they belong to the `hf` extra, not shard's core)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flax import nnx  # noqa: E402
+
+from shard import hf, models  # noqa: E402
+from shard.errors import ShardError  # noqa: E402
+from shard.generate import Generator, Sampling  # noqa: E402
+from shard.loop import make_layout  # noqa: E402
+from shard.mesh import parse_mesh  # noqa: E402
+from shard.state import state_spec  # noqa: E402
+from shard.testing import devices_for, tiny_config  # noqa: E402
+
+TOKENS = [[5, 17, 99, 200, 3, 42, 7, 128, 64, 1]]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def hf_model(request, tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=request.param)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _shard_model(path):
+    hf_config, tensors = hf.read_hf_dir(str(path))
+    cfg = dataclasses.replace(hf.config_from_hf(hf_config), compute_dtype="float32")
+    params = hf.params_from_hf(tensors, cfg)
+    model = models.build(cfg)
+    nnx.update(model, nnx.State(params))
+    return cfg, params, model
+
+
+def test_logits_match_transformers(hf_model):
+    model, path = hf_model
+    _, _, ours = _shard_model(path)
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(TOKENS))), theirs, atol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(hf_model):
+    model, path = hf_model
+    cfg, params, _ = _shard_model(path)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(TOKENS), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    tc = tiny_config("1x1")
+    layout = make_layout(tc, parse_mesh("1x1"), devices_for("1x1"))
+    graphdef = state_spec(cfg, tc.optimizer, 3, layout).graphdef
+    gen = Generator(cfg, graphdef, jax.device_put(params), layout, max_len=32)
+    assert gen.generate(TOKENS[0], 8, Sampling(temperature=0)) == theirs[0, len(TOKENS[0]):].tolist()
+
+
+def test_export_reloads_in_transformers_with_identical_tensors(hf_model, tmp_path):
+    model, path = hf_model
+    cfg, params, _ = _shard_model(path)
+    hf.write_hf_dir(str(tmp_path), cfg, params)
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ref = model.state_dict()
+    for name, t in again.state_dict().items():
+        np.testing.assert_array_equal(t.numpy(), ref[name].numpy(), err_msg=name)
+
+
+def test_what_shard_cannot_represent(tmp_path):
+    base = hf.config_to_hf(models.PRESETS["tiny"])
+    with pytest.raises(ShardError, match="rope scaling"):
+        hf.config_from_hf(base | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ShardError, match="model_type 'gpt2'"):
+        hf.config_from_hf(base | {"model_type": "gpt2"})
+    cfg = hf.config_from_hf(base)
+    tensors = hf.params_to_hf(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg)))), cfg)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ShardError, match="lacks tensor model.layers.1.mlp.up_proj.weight"):
+        hf.params_from_hf(tensors, cfg)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(ShardError, match=r"up_proj.weight has shape \(3, 3\), the config implies \(128, 64\)"):
+        hf.params_from_hf(tensors, cfg)

@@ -304,7 +304,7 @@ def _element_shapes(shape_text: str) -> list[str]:
 # --- putting it together --------------------------------------------------------------------------------
 
 def _base_kind(opcode: str) -> str | None:
-    op = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+    op = opcode.removesuffix("-start")
     return op if op in KINDS else None
 
 
@@ -408,8 +408,8 @@ def summarize(items: list[Collective]) -> list[dict]:
         row["compiled_bytes_per_device"] += c.wire_bytes * c.count
     rows = sorted(table.values(), key=lambda r: (-r["bytes_per_device"], r["kind"]))
     for r in rows:
-        r["bytes_per_device"] = int(round(r["bytes_per_device"]))
-        r["compiled_bytes_per_device"] = int(round(r["compiled_bytes_per_device"]))
+        r["bytes_per_device"] = round(r["bytes_per_device"])
+        r["compiled_bytes_per_device"] = round(r["compiled_bytes_per_device"])
     return rows
 
 

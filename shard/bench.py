@@ -72,7 +72,11 @@ def measure(mesh, kind: str, axis: str, size: int, iters: int = 5, warmup: int =
     moved = elems * 4 * (n if kind == "all-gather" else 1)
     algbw = moved / t / 1e9
     return {"kind": kind, "axis": axis, "devices": n, "size_bytes": moved, "time_us": round(t * 1e6, 2),
-            "algbw_gbps": round(algbw, 4), "busbw_gbps": round(algbw * BUS_FACTOR[kind](n), 4)}
+            "algbw_gbps": _sig(algbw), "busbw_gbps": _sig(algbw * BUS_FACTOR[kind](n))}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.5g}")
 
 
 def bench(mesh, sizes: list[int], kinds=KINDS, iters: int = 5, on_result=None) -> list[dict]:

@@ -320,7 +320,7 @@ def bench_collectives(
 
     results = bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
     if table is not None:
-        console.print(table)
+        Console(highlight=False, width=max(console.width, 110)).print(table)
     if not results:
         err_console.print("the mesh has no axis of size > 1: nothing to measure")
 

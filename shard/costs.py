@@ -147,7 +147,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     - batch axes (data, fsdp): the gradient of each parameter is reduced over the batch axes that do
       not shard it (all-reduce) and reduce-scattered over those that do (FSDP);
     - axes that shard parameters but not their compute (fsdp): each weight is all-gathered for the
-      forward pass, and again for the backward pass when remat recomputes the forward;
+      forward pass, and a layer's weights again for the backward pass when remat recomputes it;
     - model: Megatron's all-reduces of (batch, length, embed) activations: two per layer forward
       (attention and MLP outputs), two backward (their input gradients), one more forward per layer
       pass recomputed by remat; the vocab-parallel embedding lookup and logits add one each, plus three
@@ -170,8 +170,11 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         compute_bytes = full / math.prod(computed.values())
         gather = {a: n for a, n in stored.items() if a not in computed}
         g = math.prod(gather.values())
-        for a, n in gather.items():  # FSDP gathers (per pass) and the gradient reduce-scatter
-            add(a, (forward_passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
+        # FSDP: a gather per forward pass (remat recomputes only the scanned layers), and the
+        # gradient's reduce-scatter
+        passes = forward_passes if name.startswith("layers/") else 1
+        for a, n in gather.items():
+            add(a, (passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
         for a in batch_axes:
             if a not in gather:
                 add(a, ring_all_reduce(compute_bytes / g, shape.sizes[a]))

@@ -19,6 +19,7 @@ from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 
 GIB = 1024**3
+USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
 REMAT_CHOICES = ("none", "full")
 _HW_KEYS = {"description", "aliases", "bf16_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node"}
@@ -160,8 +161,8 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
                           act_bytes=4 if on_cpu else 2, remat=remat, attention_probs=on_cpu)
     problems = shape.check_divisible(cfg, global_batch)
     memory = costs.memory_bytes(cfg, shape, work)
-    if memory["total"] > hw.hbm_gib * GIB:
-        problems.append(f"memory {memory['total'] / GIB:.1f} > {hw.hbm_gib:g} GiB")
+    if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
+        problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
     comm = costs.comm_bytes(cfg, shape, work)
     spans = node_split(sizes, nodes)
     crosses = {a: spans[a] > 1 for a in sizes if sizes[a] > 1}
@@ -185,7 +186,8 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
 
 def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
          seq_len: int) -> list[Candidate]:
-    """All layouts, the fitting ones first, fastest first."""
+    """All layouts, the fitting ones first, fastest first. Step times within 2% count as a tie, broken
+    by the time with nothing overlapped (less exposed traffic), then by memory."""
     if devices <= 0 or nodes <= 0:
         raise ShardError("--devices and --nodes must be positive")
     if devices % nodes:
@@ -197,4 +199,6 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
         raise ShardError("--batch and --seq must be positive")
     out = [evaluate(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
            for sizes in layouts(devices, per_node) for remat in REMAT_CHOICES]
-    return sorted(out, key=lambda c: (not c.fits, c.step_s, c.memory["total"]))
+    fastest = min((c.step_s for c in out), default=1.0)
+    return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),
+                                      c.step_s_serial, c.memory["total"]))

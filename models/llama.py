@@ -88,7 +88,8 @@ class Llama(nnx.Module):
         layers = {k: v[...] for k, v in self.layers.items()}
 
         def block(x_btd, p):
-            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k]) for k, v in p.items()}
+            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k])
+                 for k, v in p.items()}
             x_btd = x_btd + attention_block(x_btd, p, cos_th, sin_th, cfg, dtype)
             x_btd = x_btd + mlp_block(x_btd, p, cfg, dtype)
             return constrain(x_btd, (BATCH, LENGTH, EMBED)), None

@@ -4,12 +4,12 @@ DP x TP, and the planner's memory and bytes per axis within 10% of what XLA comp
 import jax
 import pytest
 from flax import nnx
+from shard.models.configs import PRESETS
 
 from shard import costs, models
 from shard.analysis import analyze
 from shard.loop import make_layout
 from shard.mesh import parse_mesh
-from shard.models.configs import PRESETS
 from shard.rules import logical_axes_of, path_str
 from shard.testing import devices_for, tiny_config
 

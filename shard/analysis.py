@@ -22,7 +22,7 @@ class StepAnalysis:
     memory: dict[str, int]  # arguments, outputs, temporaries, aliased, total (bytes)
     flops: float  # from XLA's cost analysis
     model_flops: float  # analytic 6N + attention, per device
-    bytes_by_axes: dict[str, float]  # logical collective bytes on the wire, keyed "data" / "data+fsdp"
+    bytes_by_axes: dict[str, float]  # logical collective bytes on the wire per mesh axis (multi-axis split)
     compiled_bytes_by_axes: dict[str, float]  # as compiled (CPU: reduce-scatter as all-reduce, ...)
     minimum_bytes_by_axes: dict[str, float]  # analytic minimum for this layout (shard.costs)
     platform: str
@@ -90,8 +90,8 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         memory=memory_of(compiled),
         flops=float(cost.get("flops", 0.0)),
         model_flops=costs.model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len) / layout.mesh.size,
-        bytes_by_axes=hlo.bytes_by_axes(items),
-        compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False),
+        bytes_by_axes=hlo.bytes_by_axes(items, axis_sizes=dict(zip(names, sizes))),
+        compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
         platform=layout.mesh.devices.flat[0].platform,
     )

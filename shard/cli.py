@@ -211,7 +211,7 @@ def _print_compiled(doc: dict) -> None:
     for r in doc["collectives"]:
         table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], str(r["count"]),
                       _human(r["bytes_per_device"]), _human(r["compiled_bytes_per_device"]))
-    console.print(table)
+    Console(highlight=False, width=max(console.width, 110)).print(table)
     for axis, eff in doc["communication_efficiency"].items():
         console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
                       f"{_human(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")

@@ -413,12 +413,21 @@ def summarize(items: list[Collective]) -> list[dict]:
     return rows
 
 
-def bytes_by_axes(items: list[Collective], logical: bool = True) -> dict[str, float]:
-    """Wire bytes per device per step, keyed by the mesh axes a collective spans ("data", "data+fsdp")."""
+def bytes_by_axes(items: list[Collective], logical: bool = True,
+                  axis_sizes: dict[str, int] | None = None) -> dict[str, float]:
+    """Wire bytes per device per step by mesh axis. A collective over several axes at once is keyed
+    "data+fsdp", or, given the axis sizes, split between its axes in proportion to (n - 1)."""
     out: dict[str, float] = defaultdict(float)
     for c in items:
-        if c.axes:
-            out["+".join(c.axes)] += (c.logical_wire_bytes if logical else c.wire_bytes) * c.count
+        if not c.axes:
+            continue
+        b = (c.logical_wire_bytes if logical else c.wire_bytes) * c.count
+        if axis_sizes is None or len(c.axes) == 1:
+            out["+".join(c.axes)] += b
+            continue
+        total = sum(axis_sizes[a] - 1 for a in c.axes)
+        for a in c.axes:
+            out[a] += b * (axis_sizes[a] - 1) / total
     return dict(out)
 
 

@@ -16,6 +16,23 @@ from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, 
 from shard.models.configs import ModelConfig
 from shard.rules import constrain
 
+# Logical axes of each per-layer weight (stored with a leading LAYERS dim). Inside the scanned block
+# every weight is pinned to these axes under the activation rules: the layout it is computed in. For
+# FSDP that is where the weight is gathered (once per use), instead of leaving XLA free to move
+# activations to the sharded weight. Weights are cast to the compute dtype first, so FSDP gathers
+# (and reduce-scatters gradients) in bf16 on accelerators.
+LAYER_AXES = {
+    "attn_norm": (EMBED,),
+    "wq": (EMBED, HEADS, HEAD_DIM),
+    "wk": (EMBED, KV_HEADS, HEAD_DIM),
+    "wv": (EMBED, KV_HEADS, HEAD_DIM),
+    "wo": (HEADS, HEAD_DIM, EMBED),
+    "mlp_norm": (EMBED,),
+    "w_gate": (EMBED, MLP),
+    "w_up": (EMBED, MLP),
+    "w_down": (MLP, EMBED),
+}
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
@@ -46,17 +63,13 @@ class Llama(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
         self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
-        self.layers = nnx.Dict(
-            attn_norm=_param(rngs, (L, D), (LAYERS, EMBED), None, dt),
-            wq=_param(rngs, (L, D, N, H), (LAYERS, EMBED, HEADS, HEAD_DIM), D**-0.5, dt),
-            wk=_param(rngs, (L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), D**-0.5, dt),
-            wv=_param(rngs, (L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), D**-0.5, dt),
-            wo=_param(rngs, (L, N, H, D), (LAYERS, HEADS, HEAD_DIM, EMBED), (N * H) ** -0.5 * out_std, dt),
-            mlp_norm=_param(rngs, (L, D), (LAYERS, EMBED), None, dt),
-            w_gate=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
-            w_up=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
-            w_down=_param(rngs, (L, F, D), (LAYERS, MLP, EMBED), F**-0.5 * out_std, dt),
-        )
+        std = {"attn_norm": None, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
+               "wo": (N * H) ** -0.5 * out_std, "mlp_norm": None, "w_gate": D**-0.5, "w_up": D**-0.5,
+               "w_down": F**-0.5 * out_std}
+        shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
+                  "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+        self.layers = nnx.Dict({name: _param(rngs, (L, *shapes[name]), (LAYERS, *axes), std[name], dt)
+                                for name, axes in LAYER_AXES.items()})
         self.final_norm = _param(rngs, (D,), (EMBED,), None, dt)
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
@@ -71,13 +84,18 @@ class Llama(nnx.Module):
         cfg = self.cfg
         dtype = compute_dtype(cfg)
         T = tokens_bt.shape[1]
-        x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype)
+        # The table in its compute layout and dtype (FSDP: gathered once, in the compute dtype, and
+        # shared by the lookup and the tied logits).
+        table_vd = constrain(self.embed[...].astype(dtype), (VOCAB, EMBED))
+        x_btd = jnp.take(table_vd, tokens_bt, axis=0)
         x_btd = constrain(x_btd, (BATCH, LENGTH, EMBED))
         cos_th, sin_th = rope_tables(start + jnp.arange(T), cfg.head_dim, cfg.rope_theta)
         layers = {k: v[...] for k, v in self.layers.items()}
 
         def block(x_btd, xs):
             p, kv = xs
+            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k])
+                 for k, v in p.items()}
             attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
             x_btd = x_btd + attn_btd
             x_btd = x_btd + mlp_block(x_btd, p, cfg, dtype)
@@ -88,9 +106,10 @@ class Llama(nnx.Module):
         x_btd, new_cache = jax.lax.scan(block, x_btd, (layers, cache))
         x_btd = rms_norm(x_btd, self.final_norm[...], cfg.norm_eps)
         if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype))
+            logits_btv = jnp.einsum("btd,vd->btv", x_btd, table_vd)
         else:
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.unembed[...].astype(dtype))
+            w_dv = constrain(self.unembed[...].astype(dtype), (EMBED, VOCAB))
+            logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv)
         logits_btv = constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
         return logits_btv if cache is None else (logits_btv, new_cache)
 
@@ -129,9 +148,16 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position."""
     h_btd = rms_norm(x_btd, p["attn_norm"], cfg.norm_eps)
-    q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
-    k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype))
-    v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype))
+    # q, k and v come out of one einsum over a weight grouped by kv head, (D, K, G + 2, H): with heads
+    # split for tensor parallel, the backward pass then all-reduces one input gradient, not three.
+    # The grouping is local to each device (model divides K) and leaves the parameters as they are.
+    D, N, H = p["wq"].shape
+    K = p["wk"].shape[1]
+    w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
+    qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
+    B, T = qkv_btkgh.shape[:2]
+    q_btnh = qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H)
+    k_btkh, v_btkh = qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
@@ -168,7 +194,9 @@ def cached_attention(q_btnh, k_bskh, v_bskh, start):
 
 def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps)
-    gate_btf = jnp.einsum("btd,df->btf", h_btd, p["w_gate"].astype(dtype))
-    up_btf = jnp.einsum("btd,df->btf", h_btd, p["w_up"].astype(dtype))
-    hidden_btf = constrain(jax.nn.silu(gate_btf) * up_btf, (BATCH, LENGTH, MLP))
+    # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
+    w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
+    gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))
+    hidden_btf = jax.nn.silu(gate_up_btsf[:, :, 0]) * gate_up_btsf[:, :, 1]
+    hidden_btf = constrain(hidden_btf, (BATCH, LENGTH, MLP))
     return jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype))

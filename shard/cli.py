@@ -190,13 +190,17 @@ def inspect(
     mesh: MeshOpt = None,
     model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
+    compiled: Annotated[bool, typer.Option("--compiled", help="also compile the train step (from shapes) and "
+                                           "report its collectives, communication efficiency and memory")] = False,
+    batch: Annotated[Optional[int], typer.Option(help="global batch, in sequences (with --compiled)")] = None,
+    seq: Annotated[Optional[int], typer.Option(help="sequence length (with --compiled)")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
 ):
     """Every parameter's shape, logical axes, PartitionSpec and bytes per device, from shapes alone."""
     try:
-        cfg = config_mod.resolve(_overrides(config, set_, mesh=mesh, model=model,
+        cfg = config_mod.resolve(_overrides(config, set_, mesh=mesh, model=model, batch=batch, seq=seq,
                                             simulate_devices=simulate_devices))
         mesh_spec = parse_mesh(cfg.mesh.spec)
         devices = start_devices(cfg, mesh_spec)
@@ -207,6 +211,13 @@ def inspect(
         layout = make_layout(cfg, mesh_spec, devices)
         doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
         doc["model"] = cfg.model.name
+        if compiled:
+            from shard.analysis import analyze
+            from shard.loop import check_batch
+
+            check_batch(cfg, layout)
+            doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
+            doc.update(analyze(cfg, layout).to_dict())
     except ShardError as e:
         _fail(e)
     if as_json:
@@ -223,6 +234,129 @@ def inspect(
     console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "
                   f"{_human(doc['params_bytes_per_device'])}, optimizer state "
                   f"{_human(doc['opt_state_bytes_per_device'])}")
+    if compiled:
+        _print_compiled(doc)
+
+
+def _print_compiled(doc: dict) -> None:
+    table = Table(title=f"collectives per step (batch {doc['batch']}x{doc['seq_len']}, {doc['platform']})")
+    for col in ("kind", "mesh axes", "compiled as", "count", "bytes/device", "as compiled"):
+        table.add_column(col, justify="right" if col in ("count", "bytes/device", "as compiled") else "left")
+    for r in doc["collectives"]:
+        table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], str(r["count"]),
+                      _human(r["bytes_per_device"]), _human(r["compiled_bytes_per_device"]))
+    Console(highlight=False, width=max(console.width, 110)).print(table)
+    for axis, eff in doc["communication_efficiency"].items():
+        console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
+                      f"{_human(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
+    m = doc["memory"]
+    console.print(f"memory per device {_human(m['total'])} (arguments {_human(m['arguments'])} + temporaries "
+                  f"{_human(m['temporaries'])} + outputs {_human(m['outputs'])} - aliased {_human(m['aliased'])}) · "
+                  f"XLA FLOPs/device {doc['flops_per_device']:.3g}, model FLOPs/device "
+                  f"{doc['model_flops_per_device']:.3g}")
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option("--model", help="model preset")] = "llama-13b-24l",
+    devices: Annotated[int, typer.Option("--devices", help="accelerators in all")] = 8,
+    nodes: Annotated[int, typer.Option("--nodes", help="nodes they sit in (tensor parallel stays inside one)")] = 1,
+    hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100-40g, a100-80g, cpu, or yours")] = "h100",
+    hardware_file: Annotated[Optional[Path], typer.Option("--hardware-file", help="TOML with more hardware")] = None,
+    seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
+    batch: Annotated[Optional[int], typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
+    top: Annotated[int, typer.Option(help="rows to print")] = 12,
+    as_json: Annotated[bool, typer.Option("--json", help="print every layout as JSON")] = False,
+    set_: SetOpt = None,
+):
+    """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
+    from shard.plan import find_hardware, load_hardware
+    from shard.plan import plan as make_plan
+
+    try:
+        cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, config_mod.parse_sets(set_ or [])))
+        hw = find_hardware(hardware, load_hardware(hardware_file))
+        global_batch = batch or 2 * devices
+        ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq)
+    except ShardError as e:
+        _fail(e)
+    best = next((c for c in ranked if c.fits), None)
+    if as_json:
+        print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
+                          "batch": global_batch, "seq_len": seq,
+                          "best": best.command(cfg.model.name, global_batch, seq) if best else None,
+                          "layouts": [c.to_dict() for c in ranked]}, indent=1))
+        return
+    console.print(f"{cfg.model.name} ({cfg.model.num_params() / 1e9:.2f}B params) on {devices} x {hw.name} in "
+                  f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
+    table = Table(box=None, pad_edge=False)
+    for col in ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits"):
+        table.add_column(col, justify="right" if col in ("mem/dev", "step", "serial", "MFU") else "left",
+                         no_wrap=True)
+    for c in ranked[:top]:
+        comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={_short(b)}" for a, b in c.comm_bytes.items())
+        table.add_row(c.mesh_spec(), c.remat, _short(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
+                      f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems))
+    Console(highlight=False, width=max(console.width, 150)).print(table)
+    fitting = sum(c.fits for c in ranked)
+    console.print(f"{fitting} of {len(ranked)} layouts fit · * = the axis crosses nodes")
+    if best:
+        console.print(f"best: {best.command(cfg.model.name, global_batch, seq)}")
+    else:
+        console.print("no layout fits: add devices, shorten --seq, or lower --batch")
+
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Measure the machine.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("collectives")
+def bench_collectives(
+    mesh: MeshOpt = None,
+    min_size: Annotated[int, typer.Option("--min-size", help="smallest message, bytes")] = 1024,
+    max_size: Annotated[int, typer.Option("--max-size", help="largest message, bytes")] = 64 * 1024 * 1024,
+    iters: Annotated[int, typer.Option(help="timed runs per point (median)")] = 5,
+    kinds: Annotated[Optional[list[str]], typer.Option("--kind", help="only these collectives")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON lines")] = False,
+    simulate_devices: SimOpt = None,
+):
+    """All-reduce, all-gather, reduce-scatter, all-to-all and permute over each mesh axis: time,
+    algorithm bandwidth and bus bandwidth as nccl-tests computes them."""
+    from shard.hlo import KINDS
+
+    try:
+        cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
+        mesh_spec = parse_mesh(cfg.mesh.spec)
+        for k in kinds or ():
+            if k not in KINDS:
+                raise ShardError(f"unknown collective {k!r} (known: {', '.join(KINDS)})")
+        if min_size <= 0 or max_size < min_size:
+            raise ShardError("--min-size must be positive and at most --max-size")
+        devices = start_devices(cfg, mesh_spec)
+        from shard.bench import bench, sizes_between
+        from shard.mesh import build_mesh
+
+        jmesh = build_mesh(mesh_spec, devices)
+    except ShardError as e:
+        _fail(e)
+    table = None
+    if not as_json:
+        table = Table(title="collectives (nccl-tests conventions; GB/s = 1e9 B/s)")
+        for col in ("collective", "axis", "n", "size", "time", "algbw GB/s", "busbw GB/s"):
+            table.add_column(col, justify="left" if col in ("collective", "axis") else "right")
+
+    def show(r):
+        if as_json:
+            print(json.dumps(r), flush=True)
+        else:
+            table.add_row(r["kind"], r["axis"], str(r["devices"]), _human(r["size_bytes"]),
+                          f"{r['time_us']:.1f}us", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}")
+
+    results = bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
+    if table is not None:
+        Console(highlight=False, width=max(console.width, 110)).print(table)
+    if not results:
+        err_console.print("the mesh has no axis of size > 1: nothing to measure")
 
 
 @app.command()
@@ -257,6 +391,15 @@ def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _short(n: float) -> str:
+    """Bytes in at most five characters: 512B, 3.2K, 41G (binary units)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 10 else f"{n:.1f}{unit}"
         n /= 1024
     return str(n)
 

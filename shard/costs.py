@@ -1,0 +1,287 @@
+"""The analytic cost model of a layout: parameter bytes per device, bytes per step on each mesh axis,
+activation memory, FLOPs. Pure functions of the model's hyperparameters, the mesh axis sizes and the
+rule tables; docs/formulas.md derives each formula. `shard.analysis` checks them against the compiled
+step, `shard.plan` uses them to rank layouts.
+
+Mesh axes covered: data (DP), fsdp (ZeRO-3) and model (Megatron TP), and their products. Pipeline
+(`stage`) and sequence parallelism belong to the parallelism issue: `LayoutShape` has their sizes as a
+seam, and any size other than 1 is refused until their formulas are added here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+from shard.errors import ShardError
+from shard.models.configs import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def ring_all_reduce(size: float, n: int) -> float:
+    """Bytes one device sends to all-reduce `size` bytes over n devices (ring: reduce-scatter + all-gather)."""
+    return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def ring_gather(size: float, n: int) -> float:
+    """Bytes one device sends to all-gather into (or reduce-scatter from) `size` bytes over n devices."""
+    return (n - 1) / n * size if n > 1 else 0.0
+
+
+def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """(name, shape, logical axes) of every parameter of models/llama.py (a test checks they agree)."""
+    D, L, N, K, H, F, V = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    rows = [("embed", (V, D), (VOCAB, EMBED))]
+    layer = {
+        "attn_norm": ((D,), (EMBED,)),
+        "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
+        "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+        "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+        "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
+        "mlp_norm": ((D,), (EMBED,)),
+        "w_gate": ((D, F), (EMBED, MLP)),
+        "w_up": ((D, F), (EMBED, MLP)),
+        "w_down": ((F, D), (MLP, EMBED)),
+    }
+    rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
+    rows.append(("final_norm", (D,), (EMBED,)))
+    if not cfg.tie_embeddings:
+        rows.append(("unembed", (D, V), (EMBED, VOCAB)))
+    return rows
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """Mesh axis sizes and the rules that place logical axes on them: all a cost formula needs."""
+
+    sizes: dict[str, int]  # mesh axis -> size (data, fsdp, model; stage and seq are issue 6's seam)
+    rules: dict[str, tuple[str, ...]]  # activations (and parameters)
+    param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameters only, on top
+
+    def __post_init__(self):
+        for axis in ("stage", "seq"):
+            if self.sizes.get(axis, 1) != 1:
+                raise ShardError(f"the cost model has no formulas for mesh axis {axis!r} yet (pipeline and "
+                                 "sequence parallelism come with their own issue)")
+
+    @classmethod
+    def from_layout(cls, layout) -> LayoutShape:
+        return cls(dict(layout.axis_sizes), dict(layout.rules), dict(layout.param_rules))
+
+    @classmethod
+    def of(cls, **sizes: int) -> LayoutShape:
+        """Default rules (meshes/default.toml) on a mesh with these axis sizes."""
+        from shard.mesh import load_preset
+
+        base = load_preset("default")
+        return cls({a: s for a, s in sizes.items()}, dict(base.rules), dict(base.param_rules))
+
+    def table(self, param: bool) -> dict[str, tuple[str, ...]]:
+        merged = dict(self.rules) | (dict(self.param_rules) if param else {})
+        return {k: tuple(a for a in v if self.sizes.get(a, 1) > 1) for k, v in merged.items()}
+
+    def ways(self, logical_axes: tuple[str, ...], *, param: bool) -> dict[str, int]:
+        """Mesh axes (with sizes) that split a tensor with these logical axes; a mesh axis splits one dim."""
+        table, used = self.table(param), {}
+        for name in logical_axes:
+            for a in table.get(name, ()):
+                used.setdefault(a, self.sizes[a])
+        return used
+
+    def degree(self, logical: str, *, param: bool = False) -> int:
+        return math.prod(self.sizes[a] for a in self.table(param).get(logical, ()))
+
+    def check_divisible(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
+        """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
+        problems = []
+        for name, shape, axes in param_table(cfg):
+            table = self.table(True)
+            used: set[str] = set()
+            for n, logical in zip(shape, axes):
+                ways = math.prod(self.sizes[a] for a in table.get(logical, ()) if a not in used)
+                used |= set(table.get(logical, ()))
+                if n % ways:
+                    problems.append(f"{name} dimension {logical}={n} does not split {ways} ways")
+        b = self.degree(BATCH) * microbatches
+        if global_batch % b:
+            problems.append(f"global batch {global_batch} does not split over {b} data-parallel devices")
+        return problems
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step processes, and in which dtypes."""
+
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    param_bytes: int = 4  # parameter (and gradient, optimizer moment) dtype
+    act_bytes: int = 2  # compute dtype of activations
+    microbatches: int = 1
+    remat: str = "none"
+    # XLA:CPU materialises attention probabilities (N x T per token); flash attention on GPUs keeps
+    # only their normaliser.
+    attention_probs: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, platform: str = "gpu") -> Workload:
+        m = cfg.model
+        compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+        return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
+                   cfg.data.microbatches, m.remat, attention_probs=platform == "cpu")
+
+
+def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compute: bool = False) -> float:
+    """Parameter bytes one device holds (compute=False) or computes with (compute=True: FSDP gathered)."""
+    total = 0.0
+    for _, dims, axes in param_table(cfg):
+        total += math.prod(dims) * dtype_bytes / math.prod(shape.ways(axes, param=not compute).values())
+    return total
+
+
+def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
+    """Bytes one device sends per optimizer step on each mesh axis (ring algorithms), the minimum for
+    this layout:
+
+    - batch axes (data, fsdp): the gradient of each parameter is reduced over the batch axes that do
+      not shard it (all-reduce) and reduce-scattered over those that do (FSDP);
+    - axes that shard parameters but not their compute (fsdp): each weight is all-gathered for the
+      forward pass, and a layer's weights again for the backward pass when remat recomputes it;
+    - model: Megatron's all-reduces of (batch, length, embed) activations: two per layer forward
+      (attention and MLP outputs), two backward (their input gradients), one more forward per layer
+      pass recomputed by remat; the vocab-parallel embedding lookup and logits add one each, plus three
+      (batch, length) float32 reductions for the softmax.
+    """
+    out: dict[str, float] = {}
+
+    def add(axis: str, b: float) -> None:
+        if b:
+            out[axis] = out.get(axis, 0.0) + b
+
+    batch_axes = [a for a in shape.table(False).get(BATCH, ())]
+    forward_passes = 1 if work.remat == "none" else 2
+    for name, dims, axes in param_table(cfg):
+        # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
+        # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
+        full = math.prod(dims) * (work.param_bytes if name.endswith("norm") else work.act_bytes)
+        stored = shape.ways(axes, param=True)
+        computed = shape.ways(axes, param=False)
+        compute_bytes = full / math.prod(computed.values())
+        gather = {a: n for a, n in stored.items() if a not in computed}
+        g = math.prod(gather.values())
+        # FSDP: a gather per forward pass (remat recomputes only the scanned layers), and the
+        # gradient's reduce-scatter
+        passes = forward_passes if name.startswith("layers/") else 1
+        for a, n in gather.items():
+            add(a, (passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
+        for a in batch_axes:
+            if a not in gather:
+                add(a, ring_all_reduce(compute_bytes / g, shape.sizes[a]))
+    m = shape.degree(HEADS)
+    if m > 1:
+        model_axis = shape.table(False)[HEADS][0]
+        tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
+        act = tokens * cfg.d_model * work.act_bytes
+        per_layer = 2 * forward_passes + 2
+        n_ar = cfg.n_layers * per_layer
+        if shape.degree(VOCAB) > 1:
+            n_ar += 2
+            add(model_axis, 3 * ring_all_reduce(tokens * 4, m))
+        add(model_axis, n_ar * ring_all_reduce(act, m))
+    return out
+
+
+def _share(gather: dict[str, int], axis: str) -> float:
+    """Fraction of a multi-axis gather's traffic attributed to one axis (1 for a single axis)."""
+    if len(gather) == 1:
+        return 1.0
+    total = sum(n - 1 for n in gather.values())
+    return (gather[axis] - 1) / total
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (norms and a lookup-only table do not)."""
+    n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
+    return n
+
+
+def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
+    """Training FLOPs for `tokens` tokens: 6N per token (N: parameters in matmuls) plus attention's
+    QK^T and PV, forward and backward, 12 L T N H per token (full T x T, as XLA computes it)."""
+    return tokens * (6 * matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim)
+
+
+# Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
+# the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
+# assignment (arguments + temporaries + outputs - aliased) over a grid of tiny and small models on
+# DP, FSDP, TP and products (worst error 6%; tests/test_costs.py keeps it within 10%). q/k/v are
+# absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
+# fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
+ACT_PER_D = 9.1  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)
+ACT_PER_QKV = 0.0  # q, k, v: (N + 2K) x H
+ACT_PER_F = 9.3  # gate, up, silu(gate), hidden
+ACT_PER_PROBS = 3.9  # attention scores / probabilities, N x T (N with flash attention)
+LOGITS_COPIES = 2.0  # float32 logits and their gradient, V per token
+OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
+REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
+
+
+def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Bytes of activations one device keeps between forward and backward (all microbatches' worth
+    at once only for the one being processed)."""
+    m = shape.degree(HEADS)
+    tokens = work.global_batch * work.seq_len / shape.degree(BATCH) / work.microbatches
+    D, F, H = cfg.d_model, cfg.mlp_dim, cfg.head_dim
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * H
+    per_layer = (ACT_PER_D * D + ACT_PER_QKV * qkv / m + ACT_PER_F * F / shape.degree(MLP)
+                 + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if work.attention_probs else 1) / m) * work.act_bytes
+    if work.remat == "none":
+        layers = cfg.n_layers * per_layer
+    else:  # each layer keeps its input; one layer's activations live while its backward runs
+        layers = cfg.n_layers * D * work.act_bytes + REMAT_LIVE * per_layer
+    logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
+    return tokens * (layers + logits)
+
+
+def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
+    """Compute-layout bytes of one layer's weights (what FSDP gathers at a time)."""
+    return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a, param=False).values())
+               for n, d, a in param_table(cfg) if n.startswith("layers/"))
+
+
+def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
+    """Per-device memory of a train step (AdamW): what XLA's memory analysis calls arguments +
+    temporaries + outputs - aliased, in parts."""
+    pb = work.param_bytes
+    params = param_bytes(cfg, shape, pb)
+    gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in param_table(cfg))
+    layer = _one_layer(cfg, shape, work.act_bytes)
+    tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
+    out = {
+        "params": params,
+        "optimizer": 2 * params,  # AdamW's two moments, sharded like the parameters
+        # gradients as stored, plus (FSDP) one layer's gradient in the compute layout before its
+        # reduce-scatter: the layers are scanned, so one is in flight at a time
+        "grads": params + (layer * pb / work.act_bytes if gathers else 0.0),
+        "optimizer_temporaries": OPT_TEMP_COPIES * params,
+        # FSDP keeps every gathered weight from the forward pass for the backward, unless remat
+        # regathers them layer by layer
+        "gathered": (0.0 if not gathers else param_bytes(cfg, shape, work.act_bytes, compute=True)
+                     if work.remat == "none" else layer),
+        "activations": activation_bytes(cfg, shape, work),
+        "batch": 3 * tokens * 4,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict[str, float]) -> float:
+    """HBM traffic of one step, roughly: weights read per pass, the optimizer's read-modify-write of
+    parameters, gradients and moments, and activations written once and read once."""
+    passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
+    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
+    optimizer = memory["params"] * 7  # read p, g, m, v; write p, m, v
+    return weights + optimizer + 2 * memory["activations"] * work.microbatches

@@ -1,0 +1,435 @@
+"""Collectives in optimized HLO text: what each moves, how often, and over which mesh axes.
+
+Pure text processing (no JAX): `collectives(text, axis_names, axis_sizes)` reads `compiled.as_text()`.
+No maintained Python parser of HLO text ships with JAX, and the protobuf route needs XLA's proto
+definitions, so this reads the handful of things it needs with regular expressions:
+
+- every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute, including the
+  async `-start` forms (the matching `-done` is not counted again);
+- how many times it runs: computations called from a `while` run `known_trip_count` times (layers
+  are scanned, so a per-layer collective appears once in the loop body);
+- its replica groups, in any of the three printed forms (`{{0,1},{2,3}}`, the iota form
+  `[2,4]<=[8]T(1,0)`, and the mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`), turned into the
+  names of the mesh axes along which the group's devices differ;
+- the CPU lowering of a reduce-scatter: an all-reduce whose result is read only through a dynamic
+  slice of 1/n of it. It is reported as compiled (`all-reduce`) and as the logical collective
+  (`reduce-scatter`), which moves half the bytes.
+
+Bytes on the wire per device follow the ring algorithms nccl-tests assumes: all-reduce 2(n-1)/n x S,
+all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
+}
+
+_HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclass
+class Instr:
+    name: str
+    shape: str  # the printed result shape, a tuple "(f32[2], s32[])" or one array "f32[2,3]{1,0}"
+    opcode: str
+    operands: list[str]
+    attrs: str  # everything after the operand list
+
+
+@dataclass
+class Computation:
+    name: str
+    instrs: dict[str, Instr] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    params: dict[int, str] = field(default_factory=dict)  # parameter number -> instruction name
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled program (per device, per execution)."""
+
+    name: str
+    kind: str  # the logical collective: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    compiled_as: str  # the op in the HLO; "all-reduce+dynamic-slice" for a CPU reduce-scatter
+    axes: tuple[str, ...]  # mesh axes the group spans (empty: one device, no traffic)
+    group_size: int
+    count: int  # executions per step (loop trip counts applied)
+    result_bytes: int  # the buffer the op produces (for a CPU reduce-scatter: the full all-reduce)
+    wire_bytes: float  # bytes one device sends per execution, as compiled
+    logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective
+
+
+def array_bytes(shape_text: str) -> list[int]:
+    """Bytes of each array in a printed shape (one entry, or one per tuple element)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        out.append(n * DTYPE_BYTES[dtype])
+    return out
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group that opens at text[start]."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    depth, closer = 0, pairs[text[start]]
+    opener = text[start]
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == opener:
+            depth += 1
+        elif c == closer:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
+def _parse_instr(name: str, rhs: str) -> Instr | None:
+    if rhs.startswith("("):
+        end = _balanced(rhs, 0)
+        shape, rest = rhs[:end], rhs[end:].lstrip()
+    else:
+        shape, _, rest = rhs.partition(" ")
+    m = re.match(r"([a-z][a-z0-9-]*)\(", rest)
+    if not m:
+        return None
+    opcode = m.group(1)
+    open_at = m.end() - 1
+    close_at = _balanced(rest, open_at)
+    operands = re.findall(r"%([^\s,()]+)", rest[open_at:close_at])
+    return Instr(name, shape, opcode, operands, rest[close_at:])
+
+
+def parse_module(text: str) -> tuple[list[Computation], str]:
+    """Computations in printed order (callees before callers) and the name of the entry computation."""
+    comps: list[Computation] = []
+    entry = ""
+    current: Computation | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = Computation(m.group(2))
+                if m.group(1):
+                    entry = current.name
+            continue
+        if line.startswith("}"):
+            comps.append(current)
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        ins = _parse_instr(m.group(1), m.group(2))
+        if ins is None:
+            continue
+        current.instrs[ins.name] = ins
+        current.order.append(ins.name)
+        if ins.opcode == "parameter":
+            pm = re.match(r"\s*(\d+)", m.group(2).split("parameter(", 1)[1])
+            if pm:
+                current.params[int(pm.group(1))] = ins.name
+    return comps, entry
+
+
+def _called(attrs: str, key: str) -> list[str]:
+    m = re.search(key + r"=\{([^}]*)\}", attrs)
+    if m:
+        return re.findall(r"%([^\s,}]+)", m.group(1))
+    m = re.search(key + r"=%([^\s,]+)", attrs)
+    return [m.group(1)] if m else []
+
+
+def multiplicities(comps: list[Computation], entry: str) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    mult: dict[str, int] = defaultdict(int)
+    mult[entry] = 1
+    for comp in reversed(comps):  # callers are printed after their callees
+        m = mult.get(comp.name, 0)
+        if not m:
+            continue
+        for ins in comp.instrs.values():
+            if ins.opcode.endswith("-done"):
+                continue
+            if ins.opcode == "while":
+                trip = _TRIP.search(ins.attrs)
+                for body in _called(ins.attrs, "body"):
+                    mult[body] += m * (int(trip.group(1)) if trip else 1)
+                continue
+            for key in ("calls", "branch_computations", "true_computation", "false_computation"):
+                for callee in _called(ins.attrs, key):
+                    mult[callee] += m
+    return dict(mult)
+
+
+# --- replica groups -------------------------------------------------------------------------------------
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def replica_groups(attrs: str, n_devices: int) -> list[list[int]] | None:
+    """Device groups (indices into the flattened mesh) of a collective, or None if unreadable."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]*)\](?:T\(([0-9,]*)\))?\))? "
+                  r"\{([^}]*)\}", attrs)
+    if m:
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        dims = [int(s) for _, s in names]
+        ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None) if m.group(2)
+               else np.arange(math.prod(dims)))
+        ids = ids.reshape(dims)
+        reduce_axes = [i for i, (n, _) in enumerate(names) if f"'{n}'" in m.group(4)]
+        keep = [i for i in range(len(dims)) if i not in reduce_axes]
+        size = math.prod(dims[i] for i in reduce_axes)
+        return ids.transpose(keep + reduce_axes).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", attrs)
+    if m:
+        ids = _iota(_ints(m.group(3)), _ints(m.group(4)) if m.group(4) else None)
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:
+        groups = [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+        return groups or [list(range(n_devices))]
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:
+        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    return None
+
+
+def group_axes(groups: list[list[int]], axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """Mesh axes along which the devices of a group differ (the union over all groups)."""
+    varying: set[int] = set()
+    for g in groups:
+        if len(g) < 2:
+            continue
+        coords = np.array(np.unravel_index(np.array(g), axis_sizes)).T
+        varying |= {i for i in range(len(axis_sizes)) if len(set(coords[:, i])) > 1}
+    return tuple(axis_names[i] for i in sorted(varying))
+
+
+# --- the CPU reduce-scatter pattern ---------------------------------------------------------------------
+
+# Ops that commute with taking a slice of their result: a value read only through them and then a
+# 1/n slice is only needed on that slice.
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "slice", "convert", "add", "subtract", "multiply",
+                 "divide", "negate", "maximum", "minimum")
+
+
+def _readers(comp: Computation, name: str, tuple_index: int | None, seen: set | None = None):
+    """Final readers (instruction, operand position) of `name` (element `tuple_index` of it, if a tuple),
+    looking through _PASS_THROUGH ops; every pass-through op visited is added to `seen`."""
+    out = []
+    for ins in comp.instrs.values():
+        for pos, op in enumerate(ins.operands):
+            if op != name:
+                continue
+            if tuple_index is not None:
+                if ins.opcode != "get-tuple-element":
+                    out.append((ins, pos))  # the whole tuple escapes
+                    continue
+                idx = re.search(r"index=(\d+)", ins.attrs)
+                if idx and int(idx.group(1)) == tuple_index:
+                    out.extend(_follow(comp, ins, seen))
+            elif ins.opcode in _PASS_THROUGH:
+                if seen is not None:
+                    seen.add((comp.name, ins.name))
+                out.extend(_follow(comp, ins, seen))
+            else:
+                out.append((ins, pos))
+    return out
+
+
+def _follow(comp: Computation, ins: Instr, seen: set | None = None) -> list[tuple[Instr, int]]:
+    return _readers(comp, ins.name, None, seen)
+
+
+def _is_partition_slice(reader: Instr, pos: int, elems: int, n: int, comps: dict[str, Computation],
+                        seen: set | None = None) -> bool:
+    """Does this reader only take dynamic slices of at most 1/n of its operand `pos` (`elems` elements)?
+
+    Readers of one reduced gradient each slice their device's part (the optimizer update is split
+    over several fusions), so each slice is compared with 1/n, not their sum.
+    """
+    most = elems // n
+    if reader.opcode == "dynamic-slice":
+        return pos == 0 and _elems(reader.shape) <= most
+    if reader.opcode != "fusion":
+        return False
+    callees = _called(reader.attrs, "calls")
+    if not callees or callees[0] not in comps:
+        return False
+    fused = comps[callees[0]]
+    param = fused.params.get(pos)
+    if param is None:
+        return False
+    readers = _follow(fused, fused.instrs[param], seen)
+    return bool(readers) and all(r.opcode == "dynamic-slice" and p == 0 and _elems(r.shape) <= most
+                                 for r, p in readers)
+
+
+def _elems(shape_text: str) -> int:
+    arrays = _ARRAY.findall(shape_text)
+    return sum(math.prod(int(d) for d in dims.split(",") if d) if dims else 1 for _, dims in arrays)
+
+
+def _element_shapes(shape_text: str) -> list[str]:
+    if not shape_text.startswith("("):
+        return [shape_text]
+    return [f"{d}[{s}]" for d, s in _ARRAY.findall(shape_text)]
+
+
+# --- putting it together --------------------------------------------------------------------------------
+
+def _base_kind(opcode: str) -> str | None:
+    op = opcode.removesuffix("-start")
+    return op if op in KINDS else None
+
+
+def wire_bytes(kind: str, size: float, n: int) -> float:
+    """Bytes one device sends for one collective on a ring of n devices. `size` is the all-reduce
+    buffer, the all-gather output, the reduce-scatter input, the all-to-all buffer, the permute buffer."""
+    if n < 2:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * size
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * size
+    return float(size)  # collective-permute
+
+
+def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> list[Collective]:
+    """Every collective of an optimized HLO module, with its mesh axes, count and bytes per device."""
+    comps, entry = parse_module(text)
+    by_name = {c.name: c for c in comps}
+    mult = multiplicities(comps, entry)
+    n_devices = math.prod(axis_sizes)
+    out: list[Collective] = []
+    for comp in comps:
+        count = mult.get(comp.name, 0)
+        if not count:
+            continue
+        for ins in comp.instrs.values():
+            kind = _base_kind(ins.opcode)
+            if kind is None:
+                continue
+            groups = replica_groups(ins.attrs, n_devices)
+            if groups is None:
+                groups = [list(range(n_devices))]
+            axes = group_axes(groups, axis_names, axis_sizes)
+            if kind == "collective-permute":
+                n = 2 if axes else 1
+            else:
+                n = max(len(g) for g in groups)
+            sizes = array_bytes(ins.shape)
+            if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
+                sizes = sizes[len(sizes) // 2: len(sizes) // 2 + 1] if kind == "all-gather" else sizes[1:2]
+            if kind == "reduce-scatter":
+                sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
+            if kind == "all-reduce" and n > 1:
+                plain, scattered, merged = _split_reduce_scatter(comp, ins, n, by_name)
+                for part, logical, compiled_as in ((plain, "all-reduce", ins.opcode),
+                                                   (scattered, "reduce-scatter", "all-reduce+dynamic-slice"),
+                                                   (merged, "all-reduce", "all-reduce (reassociable)")):
+                    if part:
+                        total = sum(part)
+                        logical_bytes = 0.0 if part is merged else wire_bytes(logical, total, n)
+                        out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
+                                              wire_bytes("all-reduce", total, n), logical_bytes))
+                continue
+            total = sum(sizes)
+            w = wire_bytes(kind, total, n)
+            out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w))
+    return out
+
+
+def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str, Computation]):
+    """Bytes of the all-reduce's elements used whole, and of those only read through a 1/n slice.
+
+    Elements of the same shape that meet in one `add` (a parameter used twice, e.g. tied embeddings,
+    has two partial gradients) count once: XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b))
+    into ar(add(a, b)); XLA:CPU reduces both.
+    """
+    plain, scattered, merged = [], [], []
+    elements = _element_shapes(ins.shape)
+    is_tuple = ins.shape.startswith("(")
+    adds_of: list[set] = []
+    for i, shape in enumerate(elements):
+        size, elems = sum(array_bytes(shape)), _elems(shape)
+        seen: set = set()
+        readers = _readers(comp, ins.name, i if is_tuple else None, seen)
+        slices = [_is_partition_slice(r, p, elems, n, comps, seen) for r, p in readers]
+        adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
+        if elems > 1 and any(adds & earlier and elements[j] == shape for j, earlier in enumerate(adds_of)):
+            adds_of.append(set())
+            merged.append(size)
+            continue  # summed with an earlier element before use: one logical all-reduce
+        adds_of.append(adds)
+        if elems >= n and readers and all(slices):
+            scattered.append(size)
+        else:
+            plain.append(size)
+    return plain, scattered, merged
+
+
+def summarize(items: list[Collective]) -> list[dict]:
+    """Collectives grouped by (logical kind, axes): count and bytes per device per step."""
+    table: dict[tuple, dict] = {}
+    for c in items:
+        if not c.axes:
+            continue
+        key = (c.kind, c.axes, c.compiled_as)
+        row = table.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "compiled_as": c.compiled_as,
+                                     "count": 0, "bytes_per_device": 0.0, "compiled_bytes_per_device": 0.0})
+        row["count"] += c.count
+        row["bytes_per_device"] += c.logical_wire_bytes * c.count
+        row["compiled_bytes_per_device"] += c.wire_bytes * c.count
+    rows = sorted(table.values(), key=lambda r: (-r["bytes_per_device"], r["kind"]))
+    for r in rows:
+        r["bytes_per_device"] = round(r["bytes_per_device"])
+        r["compiled_bytes_per_device"] = round(r["compiled_bytes_per_device"])
+    return rows
+
+
+def bytes_by_axes(items: list[Collective], logical: bool = True,
+                  axis_sizes: dict[str, int] | None = None) -> dict[str, float]:
+    """Wire bytes per device per step by mesh axis. A collective over several axes at once is keyed
+    "data+fsdp", or, given the axis sizes, split between its axes in proportion to (n - 1)."""
+    out: dict[str, float] = defaultdict(float)
+    for c in items:
+        if not c.axes:
+            continue
+        b = (c.logical_wire_bytes if logical else c.wire_bytes) * c.count
+        if axis_sizes is None or len(c.axes) == 1:
+            out["+".join(c.axes)] += b
+            continue
+        total = sum(axis_sizes[a] - 1 for a in c.axes)
+        for a in c.axes:
+            out[a] += b * (axis_sizes[a] - 1) / total
+    return dict(out)
+
+
+def to_json(items: list[Collective]) -> str:
+    return json.dumps([c.__dict__ for c in items])

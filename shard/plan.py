@@ -1,0 +1,204 @@
+"""`shard plan`: enumerate the layouts of a model on a cluster, predict their memory, communication,
+step time and MFU with the analytic model (shard.costs), and rank them.
+
+Pure Python: no JAX, nothing compiled. The predictions are checked against compiled steps by
+tests/test_plan.py on simulated devices.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from shard import costs
+from shard.axes import DATA, FSDP, MODEL
+from shard.errors import ShardError
+from shard.models.configs import ModelConfig
+
+GIB = 1024**3
+USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
+REMAT_CHOICES = ("none", "full")
+_HW_KEYS = {"description", "aliases", "bf16_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
+            "inter_node_gbps", "devices_per_node"}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator's figures (per device; bandwidths one direction, GB/s = 1e9 bytes/s)."""
+
+    name: str
+    description: str
+    bf16_tflops: float
+    hbm_gib: float
+    hbm_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    devices_per_node: int
+    aliases: tuple[str, ...] = ()
+
+
+def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
+    """The shipped table (shard/hardware.toml), amended by a user's TOML file of the same form."""
+    docs = [("shard/hardware.toml", resources.files("shard").joinpath("hardware.toml").read_text())]
+    if extra:
+        path = Path(extra)
+        if not path.is_file():
+            raise ShardError(f"hardware file {extra} not found")
+        docs.append((str(extra), path.read_text()))
+    table: dict[str, Hardware] = {}
+    for label, text in docs:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ShardError(f"hardware file {label} is not valid TOML: {e}") from None
+        for name, entry in doc.items():
+            if not isinstance(entry, dict):
+                raise ShardError(f"hardware file {label}: [{name}] must be a table")
+            unknown = set(entry) - _HW_KEYS
+            missing = _HW_KEYS - {"description", "aliases"} - set(entry)
+            if unknown or missing:
+                what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else \
+                    f"missing key(s) {', '.join(sorted(missing))}"
+                raise ShardError(f"hardware file {label}: [{name}] has {what}")
+            table[name.lower()] = Hardware(name=name.lower(), description=entry.get("description", ""),
+                                           aliases=tuple(a.lower() for a in entry.get("aliases", ())),
+                                           **{k: entry[k] for k in _HW_KEYS - {"description", "aliases"}})
+    return table
+
+
+def find_hardware(name: str, table: dict[str, Hardware]) -> Hardware:
+    key = name.lower()
+    for hw in table.values():
+        if key == hw.name or key in hw.aliases:
+            return hw
+    raise ShardError(f"unknown hardware {name!r} (known: {', '.join(sorted(table))}; add your own with "
+                     "--hardware-file)")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout's predicted costs per device per step."""
+
+    sizes: dict[str, int]
+    remat: str
+    memory: dict[str, float]  # bytes: params, grads, optimizer, gathered, activations, total
+    comm_bytes: dict[str, float]  # per mesh axis
+    comm_s: dict[str, float]  # per mesh axis
+    crosses_nodes: dict[str, bool]
+    compute_s: float
+    hbm_s: float
+    step_s: float  # compute/HBM roofline, data-parallel traffic overlapped, tensor parallel exposed
+    step_s_serial: float  # nothing overlapped
+    mfu: float
+    tokens_per_s: float
+    problems: tuple[str, ...] = field(default=())  # why it does not fit
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def mesh_spec(self) -> str:
+        used = {a: n for a, n in self.sizes.items() if n > 1} or {DATA: 1}
+        return ",".join(f"{a}={n}" for a, n in used.items())
+
+    def command(self, model: str, batch: int, seq: int) -> str:
+        cmd = f"shard train --model {model} --mesh {self.mesh_spec()} --batch {batch} --seq {seq}"
+        return cmd + (f" --set model.remat={self.remat}" if self.remat != "none" else "")
+
+    def to_dict(self) -> dict:
+        return {
+            "mesh": self.mesh_spec(), "sizes": self.sizes, "remat": self.remat, "fits": self.fits,
+            "problems": list(self.problems), "memory_per_device_bytes": int(self.memory["total"]),
+            "memory": {k: int(v) for k, v in self.memory.items()},
+            "comm_bytes_per_axis": {k: int(v) for k, v in self.comm_bytes.items()},
+            "comm_s_per_axis": {k: round(v, 6) for k, v in self.comm_s.items()},
+            "crosses_nodes": self.crosses_nodes, "compute_s": round(self.compute_s, 6),
+            "hbm_s": round(self.hbm_s, 6), "step_s": round(self.step_s, 6),
+            "step_s_no_overlap": round(self.step_s_serial, 6), "mfu": round(self.mfu, 4),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
+
+
+def node_split(sizes: dict[str, int], nodes: int) -> dict[str, int]:
+    """How many nodes each mesh axis spans: nodes fill the outermost axes first (as build_mesh does)."""
+    out, left = {}, nodes
+    for axis in (DATA, FSDP, MODEL):
+        g = math.gcd(sizes.get(axis, 1), left)
+        out[axis] = g
+        left //= g
+    if left != 1:
+        raise ShardError(f"mesh {sizes} cannot be split over {nodes} nodes")
+    return out
+
+
+def layouts(devices: int, per_node: int) -> list[dict[str, int]]:
+    """Every data x fsdp x model factorisation of `devices` with tensor parallel inside a node."""
+    out = []
+    for model in _divisors(devices):
+        if per_node % model:
+            continue
+        for fsdp in _divisors(devices // model):
+            out.append({DATA: devices // model // fsdp, FSDP: fsdp, MODEL: model})
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
+             global_batch: int, seq_len: int) -> Candidate:
+    """Predicted costs of one layout on this hardware."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, remat=remat)
+    shape = costs.LayoutShape.of(**sizes)
+    on_cpu = hw.name == "cpu"
+    work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
+                          act_bytes=4 if on_cpu else 2, remat=remat, attention_probs=on_cpu)
+    problems = shape.check_divisible(cfg, global_batch)
+    memory = costs.memory_bytes(cfg, shape, work)
+    if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
+        problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
+    comm = costs.comm_bytes(cfg, shape, work)
+    spans = node_split(sizes, nodes)
+    crosses = {a: spans[a] > 1 for a in sizes if sizes[a] > 1}
+    comm_s = {a: b / ((hw.inter_node_gbps if crosses.get(a) else hw.intra_node_gbps) * 1e9)
+              for a, b in comm.items()}
+    devices = math.prod(sizes.values())
+    tokens = global_batch * seq_len
+    flops = costs.model_flops(cfg, tokens, seq_len)
+    hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
+    compute_s = hw_flops / devices / (hw.bf16_tflops * 1e12)
+    hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
+    local = max(compute_s, hbm_s)
+    tp = comm_s.get(MODEL, 0.0)
+    overlappable = sum(v for a, v in comm_s.items() if a != MODEL)
+    step = max(local + tp, overlappable)
+    serial = local + sum(comm_s.values())
+    mfu = flops / devices / (step * hw.bf16_tflops * 1e12)
+    return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
+                     tokens / step, tuple(problems))
+
+
+def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
+         seq_len: int) -> list[Candidate]:
+    """All layouts, the fitting ones first, fastest first. Step times within 2% count as a tie, broken
+    by the time with nothing overlapped (less exposed traffic), then by memory."""
+    if devices <= 0 or nodes <= 0:
+        raise ShardError("--devices and --nodes must be positive")
+    if devices % nodes:
+        raise ShardError(f"{devices} devices cannot form {nodes} equal nodes; give --devices a multiple of --nodes")
+    per_node = devices // nodes
+    if per_node > hw.devices_per_node:
+        raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
+    if global_batch <= 0 or seq_len <= 0:
+        raise ShardError("--batch and --seq must be positive")
+    out = [evaluate(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
+           for sizes in layouts(devices, per_node) for remat in REMAT_CHOICES]
+    fastest = min((c.step_s for c in out), default=1.0)
+    return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),
+                                      c.step_s_serial, c.memory["total"]))

@@ -1,0 +1,127 @@
+"""Collective parsing on known programs: hand-written HLO in every replica-group form, and real
+programs compiled on the simulated devices."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shard import hlo
+from shard.testing import fake_mesh
+
+AXES, SIZES = ("data", "model"), (2, 4)  # device id = 4 * data + model
+
+HAND_WRITTEN = """HloModule m, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%cond (p: (s32[], f32[256])) -> pred[] {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%body (p.1: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p.1 = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p.1), index=0
+  %v = f32[256]{0} get-tuple-element(%p.1), index=1
+  %ar = f32[256]{0} all-reduce(%v), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[256]{0}) tuple(%i, %ar)
+}
+
+%slice_it (param_0: f32[64], param_1: s32[]) -> f32[8] {
+  %param_0 = f32[64]{0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  ROOT %ds = f32[8]{0} dynamic-slice(%param_0, %param_1), dynamic_slice_sizes={8}
+}
+
+ENTRY %main (a: f32[256], b: bf16[16], c: f32[64], d: f32[32]) -> f32[8] {
+  %a = f32[256]{0} parameter(0)
+  %b = bf16[16]{0} parameter(1)
+  %c = f32[64]{0} parameter(2)
+  %d = f32[32]{0} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[256]{0}) tuple(%zero, %a)
+  %w = (s32[], f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %ag = bf16[32]{0} all-gather(%b), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}, use_global_device_ids=true
+  %ags = (f32[32]{0}, f32[128]{0}) all-gather-start(%d), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %agd = f32[128]{0} all-gather-done(%ags)
+  %rs = f32[8]{0} reduce-scatter(%c), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, to_apply=%add
+  %cp = f32[64]{0} collective-permute(%c), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
+  %cpu_rs = f32[64]{0} all-reduce(%c), channel_id=6, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %pid = s32[] partition-id()
+  ROOT %mine = f32[8]{0} fusion(%cpu_rs, %pid), kind=kLoop, calls=%slice_it
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    return {c.name: c for c in hlo.collectives(HAND_WRITTEN, AXES, SIZES)}
+
+
+def test_loop_body_counts_its_trip_count_and_iota_groups_name_the_axis(parsed):
+    ar = parsed["ar"]
+    assert (ar.kind, ar.axes, ar.group_size, ar.count) == ("all-reduce", ("model",), 4, 3)
+    assert ar.result_bytes == 1024 and ar.wire_bytes == pytest.approx(2 * 3 / 4 * 1024)
+
+
+def test_mesh_form_groups(parsed):
+    ag = parsed["ag"]
+    assert (ag.kind, ag.axes, ag.group_size, ag.result_bytes) == ("all-gather", ("data",), 2, 64)
+    assert ag.wire_bytes == pytest.approx(32)
+
+
+def test_async_pair_counts_once_with_its_output(parsed):
+    ags = parsed["ags"]
+    assert (ags.kind, ags.axes, ags.count, ags.result_bytes) == ("all-gather", ("model",), 1, 512)
+    assert "agd" not in parsed
+
+
+def test_mesh_form_with_transposed_device_ids(parsed):
+    # ids [[0,4],[1,5],[2,6],[3,7]] reshaped to (4, 2): the groups along axis_0 are {0,1,2,3}, {4,5,6,7}.
+    rs = parsed["rs"]
+    assert (rs.kind, rs.axes, rs.group_size) == ("reduce-scatter", ("model",), 4)
+    assert rs.wire_bytes == pytest.approx(3 / 4 * 32 * 4)  # (n-1)/n of the input, 4x the output
+
+
+def test_permute_pairs(parsed):
+    assert parsed["cp"].axes == ("data",) and parsed["cp"].wire_bytes == 256
+
+
+def test_cpu_reduce_scatter_is_an_all_reduce_read_through_a_slice(parsed):
+    rs = parsed["cpu_rs"]
+    assert (rs.kind, rs.compiled_as, rs.axes) == ("reduce-scatter", "all-reduce+dynamic-slice", ("data", "model"))
+    assert rs.wire_bytes == pytest.approx(2 * 7 / 8 * 256) and rs.logical_wire_bytes == pytest.approx(7 / 8 * 256)
+
+
+def test_summary_and_bytes_by_axes(parsed):
+    items = list(parsed.values())
+    per_axis = hlo.bytes_by_axes(items)
+    assert per_axis["model"] == pytest.approx(3 * 1536 + 384 + 96)
+    rows = hlo.summarize(items)
+    assert {"kind", "axes", "count", "bytes_per_device"} <= set(rows[0])
+
+
+@pytest.mark.parametrize("kind, fn, axis", [
+    ("all-reduce", lambda x: lax.psum(x, "model"), "model"),
+    ("all-gather", lambda x: lax.all_gather(x, "data", tiled=True), "data"),
+    ("all-to-all", lambda x: lax.all_to_all(x, "model", 0, 0, tiled=True), "model"),
+    ("collective-permute", lambda x: lax.ppermute(x, "data", [(0, 1), (1, 0)]), "data"),
+])
+def test_real_programs(kind, fn, axis):
+    mesh = fake_mesh("2x4")
+    spec = P(("data", "model"))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    x = jax.ShapeDtypeStruct((8 * 64,), jnp.float32, sharding=NamedSharding(mesh, spec))
+    items = [c for c in hlo.collectives(f.lower(x).compile().as_text(), AXES, SIZES) if c.axes]
+    assert [(c.kind, c.axes) for c in items] == [(kind, (axis,))]
+    n = SIZES[AXES.index(axis)]
+    expected = {"all-reduce": 2 * (n - 1) / n * 256, "all-gather": (n - 1) / n * 256 * n,
+                "all-to-all": (n - 1) / n * 256, "collective-permute": 256}[kind]
+    assert items[0].wire_bytes == pytest.approx(expected)

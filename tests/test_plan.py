@@ -1,0 +1,100 @@
+"""`shard plan`, `shard inspect --compiled` and `shard bench collectives` from the command line."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from shard.cli import app
+from shard.plan import GIB, find_hardware, layouts, load_hardware, node_split
+
+REFERENCE = ["plan", "--model", "llama-13b-24l", "--devices", "32", "--nodes", "8", "--hardware", "a100-40gb"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_reference_plan_is_stable():
+    r = invoke(*REFERENCE, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    best = doc["layouts"][0]
+    assert best["fits"] and best["memory_per_device_bytes"] <= 40 * GIB
+    assert doc["best"] == ("shard train --model llama-13b-24l --mesh data=2,fsdp=8,model=2 --batch 64 --seq 2048 "
+                           "--set model.remat=full")
+    # tensor parallel stays inside a 4-GPU node; the data-parallel axes cross nodes
+    assert best["sizes"]["model"] <= 4 and best["crosses_nodes"]["fsdp"] and not best["crosses_nodes"]["model"]
+    # pure data parallel cannot hold 13B parameters with AdamW on 40 GB, and says so
+    dp = next(c for c in doc["layouts"] if c["mesh"] == "data=32" and c["remat"] == "full")
+    assert not dp["fits"] and "memory" in dp["problems"][0]
+    assert all(c["fits"] for c in doc["layouts"][:3])
+
+
+def test_reference_plan_table_names_the_best_command():
+    r = invoke(*REFERENCE)
+    assert r.exit_code == 0, r.output
+    assert "best: shard train --model llama-13b-24l --mesh data=2,fsdp=8,model=2" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--devices", "30", "--nodes", "8"], "30 devices cannot form 8 equal nodes"),
+    (["--devices", "32", "--nodes", "2"], "16 devices per node, but a a100-40g node holds at most 8"),
+    (["--model", "gpt9"], "unknown model 'gpt9'"),
+])
+def test_bad_plan_input_is_one_line_and_exit_2(args, message):
+    base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
+    base.update(dict(zip(args[::2], args[1::2])))
+    r = invoke("plan", *[x for kv in base.items() for x in kv])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_user_hardware_file(tmp_path):
+    f = tmp_path / "mine.toml"
+    f.write_text('[mi300x]\nbf16_tflops = 1307.0\nhbm_gib = 192.0\nhbm_gbps = 5300.0\nintra_node_gbps = 448.0\n'
+                 'inter_node_gbps = 50.0\ndevices_per_node = 8\n')
+    assert find_hardware("MI300X", load_hardware(f)).hbm_gib == 192.0
+    f.write_text("[bad]\nbf16_tflops = 1.0\n")
+    r = invoke(*REFERENCE, "--hardware-file", str(f))
+    assert r.exit_code == 2 and "missing key(s)" in r.output
+
+
+def test_layouts_keep_tensor_parallel_in_a_node():
+    assert {d["model"] for d in layouts(32, 4)} == {1, 2, 4}
+    assert node_split({"data": 2, "fsdp": 8, "model": 2}, 8) == {"data": 2, "fsdp": 4, "model": 1}
+
+
+def test_inspect_compiled_json():
+    r = invoke("inspect", "--mesh", "fsdp", "--model", "tiny", "--compiled", "--batch", "8", "--seq", "32", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert {"memory_per_device_bytes", "collectives", "communication_efficiency", "params"} <= set(doc)
+    assert doc["memory_per_device_bytes"] > doc["params_bytes_per_device"]
+    kinds = {(c["kind"], tuple(c["axes"])) for c in doc["collectives"]}
+    assert ("all-gather", ("fsdp",)) in kinds and ("reduce-scatter", ("fsdp",)) in kinds
+    assert all({"kind", "axes", "count", "bytes_per_device"} <= set(c) for c in doc["collectives"])
+    assert doc["communication_efficiency"]["fsdp"] >= 0.9
+
+
+def test_inspect_compiled_table():
+    r = invoke("inspect", "--mesh", "2x4", "--model", "tiny", "--compiled", "--batch", "8", "--seq", "32")
+    assert r.exit_code == 0, r.output
+    assert "efficiency" in r.output and "axis model" in r.output and "memory per device" in r.output
+
+
+def test_bench_collectives_json():
+    r = invoke("bench", "collectives", "--mesh", "2x4", "--kind", "all-reduce", "--kind", "all-gather",
+               "--min-size", "1024", "--max-size", "4096", "--iters", "1", "--json")
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in r.output.splitlines() if line.startswith("{")]
+    assert {(x["kind"], x["axis"]) for x in rows} == {(k, a) for k in ("all-reduce", "all-gather")
+                                                       for a in ("data", "model")}
+    ar = next(x for x in rows if x["kind"] == "all-reduce" and x["axis"] == "model" and x["size_bytes"] == 4096)
+    assert ar["busbw_gbps"] == pytest.approx(ar["algbw_gbps"] * 2 * 3 / 4, rel=1e-3)
+
+
+def test_bench_rejects_unknown_collective():
+    r = invoke("bench", "collectives", "--mesh", "2x4", "--kind", "broadcast")
+    assert r.exit_code == 2 and "unknown collective 'broadcast'" in r.output

@@ -123,6 +123,14 @@ class ConsoleProgress:
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
             + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
             + f" · step compiled in {run.compile_s:.1f}s", soft_wrap=True)
+        if run.peak_flops is None:
+            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
+                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True)
+        if run.hardware is not None:
+            from shard.plan import startup_warnings
+
+            for w in startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts):
+                console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
         self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:

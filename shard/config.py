@@ -56,6 +56,13 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
+class ObserveConfig:
+    # Peak bf16 TFLOP/s per device for MFU; 0: from the hardware table by device kind (GPUs; on CPU
+    # MFU is then omitted, since simulated devices share the host's cores).
+    peak_tflops: float = 0.0
+
+
+@dataclass(frozen=True)
 class XlaConfig:
     """Compiler settings, applied before JAX starts."""
 
@@ -72,6 +79,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)

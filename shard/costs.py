@@ -214,6 +214,13 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
     return tokens * (6 * matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim)
 
 
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls) plus causal
+    attention counted at half, 6 L T N H per token (QK^T and PV, forward and backward, over the lower
+    triangle only). Recomputation by remat is not counted: MFU measures useful work."""
+    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+
+
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
 # the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
 # assignment (arguments + temporaries + outputs - aliased) over a grid of tiny and small models on

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import jax
 
 from shard.config import GuardConfig, TrainConfig
+from shard.costs import mfu_flops_per_token
 from shard.data import BatchStream, sample_dataset
 from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh
@@ -31,6 +32,8 @@ class Run:
     step_fn: object  # the compiled step
     compile_s: float
     compiled_memory: dict = field(default_factory=dict)  # per-device bytes from XLA's memory analysis
+    peak_flops: float | None = None  # per device, for MFU (None: unknown, MFU omitted)
+    hardware: object = None  # the hardware table's entry for these devices, if any
 
     @property
     def mesh(self):
@@ -78,7 +81,21 @@ def prepare(cfg: TrainConfig, devices=None) -> Run:
     jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
-    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled))
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled),
+               peak, hw)
+
+
+def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
+    """(hardware entry, peak FLOP/s per device for MFU): the user's figure, else the table's for GPUs."""
+    from shard.plan import hardware_for_device
+
+    hw = hardware_for_device(getattr(device, "device_kind", ""), device.platform)
+    if cfg.observe.peak_tflops > 0:
+        return hw, cfg.observe.peak_tflops * 1e12
+    if hw is not None and device.platform != "cpu":
+        return hw, hw.bf16_tflops * 1e12
+    return hw, None
 
 
 def compiled_memory(compiled) -> dict:
@@ -127,6 +144,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     for o in observers:
         getattr(o, "on_start", lambda r: None)(run)
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
+    flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
     last_step = 0
@@ -164,6 +182,8 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
                 "time_s": now - start,
                 **device_memory(run),
             }
+            if run.peak_flops:
+                record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             records.append(record)

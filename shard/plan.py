@@ -69,6 +69,48 @@ def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
     return table
 
 
+def hardware_for_device(device_kind: str, platform: str, table: dict[str, Hardware] | None = None) -> Hardware | None:
+    """The table entry for a JAX device (`device.device_kind`, e.g. "NVIDIA H100 80GB HBM3"), or None.
+    An entry matches when its model name (h100, a100, ...) is in the kind and, where the entry names a
+    memory size (a100-40g), that size is too. CPU devices match the `cpu` entry."""
+    table = table or load_hardware()
+    if platform == "cpu":
+        return table.get("cpu")
+    kind = device_kind.lower().replace(" ", "").replace("-", "")
+    best = None
+    for hw in table.values():
+        model, _, size = hw.name.partition("-")
+        if model in kind and (not size or size.rstrip("gb") + "gb" in kind):
+            if best is None or len(hw.name) > len(best.name):  # the more specific entry wins
+                best = hw
+    return best
+
+
+def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> list[str]:
+    """Warnings for layouts known to be communication-bound, with the numbers: an axis whose traffic
+    takes longer than the step's compute (per-device token batch below the break-even), or tensor
+    parallelism that leaves too thin a slice of the MLP per device."""
+    out = []
+    c = evaluate(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
+    tokens_per_device = cfg.data.batch * cfg.data.seq_len / math.prod(sizes.values())
+    for axis, t in sorted(c.comm_s.items()):
+        if axis != MODEL and t > c.compute_s > 0:
+            where = "across hosts" if c.crosses_nodes.get(axis) else "in a node"
+            out.append(
+                f"communication-bound on {axis}: {c.comm_bytes[axis] / 1e6:,.1f} MB per device per step "
+                f"({t * 1e3:.2f} ms {where} on {hw.name}) vs {c.compute_s * 1e3:.2f} ms of compute; "
+                f"{tokens_per_device:,.0f} tokens per device is below the break-even of about "
+                f"{tokens_per_device * t / c.compute_s:,.0f}: raise the batch or shrink the {axis} axis")
+    tp = sizes.get(MODEL, 1)
+    if tp > 1 and cfg.model.mlp_dim // tp < MIN_MLP_SLICE:
+        out.append(f"tensor parallel over {tp} devices leaves {cfg.model.mlp_dim // tp} MLP columns per device "
+                   f"(under {MIN_MLP_SLICE}): matmuls too thin to hide its all-reduces; use fewer model ways")
+    return out
+
+
+MIN_MLP_SLICE = 256
+
+
 def find_hardware(name: str, table: dict[str, Hardware]) -> Hardware:
     key = name.lower()
     for hw in table.values():

@@ -109,3 +109,48 @@ def test_skip_mode_drops_the_bad_update_and_carries_on():
 def test_bad_profile_window():
     r = CliRunner().invoke(app, ["train", "--model", "tiny", "--mesh", "8x1", "--profile-steps", "5:2"])
     assert r.exit_code == 2 and "A:B with 1 <= A <= B <= 100" in r.output
+
+
+def test_mfu_flops_match_a_hand_count():
+    from shard.costs import mfu_flops_per_token
+    from shard.models.configs import PRESETS
+
+    # tiny: D=64, L=2, N=K=8 heads of H=8, F=128, V=256, tied. Matmul parameters per layer: attention
+    # 64*8*(8+8+8+8) = 16384, MLP 3*64*128 = 24576; two layers 81920, plus the tied table 256*64 = 16384.
+    n = 2 * (16384 + 24576) + 16384
+    # causal attention at half: 6 * L * T * N * H per token, T = 32
+    assert mfu_flops_per_token(PRESETS["tiny"], 32) == 6 * n + 6 * 2 * 32 * 8 * 8 == 614400
+
+
+def test_records_carry_mfu_against_the_users_peak():
+    from shard.costs import mfu_flops_per_token
+
+    cfg = tiny_config("8x1", observe__peak_tflops=0.5)
+    r = train(cfg, devices=devices_for("8x1"))[-1]
+    expected = r["tokens_per_s"] * mfu_flops_per_token(cfg.model, 32) / (8 * 0.5e12)
+    assert r["mfu"] == pytest.approx(expected, rel=1e-9)
+    assert "mfu" not in train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]  # CPU: omitted by default
+
+
+def test_device_kinds_find_their_hardware():
+    from shard.plan import hardware_for_device
+
+    assert hardware_for_device("NVIDIA H100 80GB HBM3", "gpu").name == "h100"
+    assert hardware_for_device("NVIDIA H200", "gpu").name == "h200"
+    assert hardware_for_device("NVIDIA A100-SXM4-40GB", "gpu").name == "a100-40g"
+    assert hardware_for_device("NVIDIA A100-SXM4-80GB", "gpu").name == "a100-80g"
+    assert hardware_for_device("cpu", "cpu").name == "cpu"
+    assert hardware_for_device("Some Future Chip", "gpu") is None
+
+
+def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
+    from shard import config
+    from shard.plan import find_hardware, load_hardware, startup_warnings
+
+    h100 = find_hardware("h100", load_hardware())
+    # llama-1b, FSDP over 8 GPUs with 1 sequence of 256 tokens per GPU: gathers dwarf the compute
+    cfg = config.resolve(config.parse_sets(["model.name=llama-1b", "data.batch=8", "data.seq_len=256"]))
+    warnings = startup_warnings(cfg, {"fsdp": 8}, h100, hosts=1)
+    assert any(w.startswith("communication-bound on fsdp") and "break-even" in w for w in warnings), warnings
+    big = config.resolve(config.parse_sets(["model.name=llama-1b", "data.batch=64", "data.seq_len=4096"]))
+    assert not startup_warnings(big, {"fsdp": 8}, h100, hosts=1)

@@ -1,10 +1,13 @@
 """From a resolved config to a trained state: mesh, layout, sharded init, data, compiled step, loop.
 
-Observers (console, metrics.jsonl) receive `on_start(run)`, `on_step(step)`, `on_log(record)` and
-`on_end(records)`; the loop itself prints and writes nothing.
+Observers (console, metrics.jsonl, checkpoints, signals) may define `on_start(run)`, `on_step(step)`,
+`on_log(record)`, `on_state(step, state, data_position, metrics, final)` (after each step, before the
+state is donated to the next one), `should_stop()` (asked after each step: stop after it, e.g. on
+preemption) and `on_end(records)`; the loop itself prints and writes nothing.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -27,6 +30,8 @@ class Run:
     stream: BatchStream
     step_fn: object  # the compiled step
     compile_s: float
+    start_step: int = 0  # the step the state holds: 0, or the step of the checkpoint resumed from
+    stopped_at: int | None = None  # set when an observer's should_stop() ended the loop early
 
     @property
     def mesh(self):
@@ -61,38 +66,48 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
         raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {length_ways} devices")
 
 
-def prepare(cfg: TrainConfig, devices=None) -> Run:
-    """Everything up to the first step: mesh, shardings, sharded init, data stream, compiled step."""
+def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
+    """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
+    returns a shard.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
-    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout))
-    state = init_state(spec, cfg.model, cfg.seed)
+    if restore is None:
+        state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
+    else:
+        restored = restore(spec)
+        state, start_step, position = restored.state, restored.step, restored.position
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     t0 = time.perf_counter()
     jitted = make_train_step(spec, layout, cfg.data.microbatches)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
-    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0)
+    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, start_step)
 
 
 def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = None) -> list[dict]:
-    """Run cfg.steps steps; returns the logged records (also sent to the observers)."""
+    """Run from run.start_step to cfg.steps (or until an observer asks to stop); returns the logged
+    records (also sent to the observers)."""
     run = run or prepare(cfg, devices)
     for o in observers:
         getattr(o, "on_start", lambda r: None)(run)
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     records: list[dict] = []
     start = last_time = time.perf_counter()
-    last_step = 0
+    last_step = run.start_step
     state = run.state
-    for i in range(1, cfg.steps + 1):
+    for i in range(run.start_step + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
+        # Ask every observer (a list, not a short-circuit): with several processes each one's
+        # should_stop() takes part in a collective that all processes must reach.
+        stopping = any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419
+        final = stopping or i == cfg.steps
         for o in observers:
             getattr(o, "on_step", lambda s: None)(i)
-        if i % cfg.log_every == 0 or i == cfg.steps:
+        if i % cfg.log_every == 0 or final:
             values = jax.device_get(metrics)
             now = time.perf_counter()
             elapsed = now - last_time
@@ -110,6 +125,11 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             for o in observers:
                 getattr(o, "on_log", lambda r: None)(record)
             last_time, last_step = now, i
+        for o in observers:
+            getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)
+        if stopping:
+            run.stopped_at = i
+            break
     run.state = state
     for o in observers:
         getattr(o, "on_end", lambda r: None)(records)

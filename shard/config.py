@@ -236,11 +236,12 @@ def _plain(x):
 
 
 def differences(a: TrainConfig, b: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
-    """The dotted keys where two configs differ, with both values (keys in `ignore` and below skipped)."""
+    """The dotted keys where two configs differ, with both values, in field order (model first);
+    keys in `ignore` and below are skipped."""
     out: list[tuple[str, object, object]] = []
 
     def walk(x, y, prefix: str) -> None:
-        for k in sorted(set(x) | set(y)):
+        for k in [*x, *(k for k in y if k not in x)]:  # field order: model first
             key = f"{prefix}{k}"
             if key in ignore:
                 continue

@@ -48,12 +48,29 @@ def checkpointed_run(run_dir, cfg, observers=(), restore=None, every=EVERY):
     return [r["loss"] for r in records], run, ckpts
 
 
+_OPEN: list = []
+
+
+def request_close(ckpts: Checkpoints) -> Checkpoints:
+    """Close orbax managers at the end of the test, not whenever the garbage collector gets to them."""
+    _OPEN.append(ckpts)
+    return ckpts
+
+
+@pytest.fixture(autouse=True)
+def _close_checkpoints():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted 12-step run on 2x4 that saves every 2 steps; its final state on the host."""
     cfg = tiny_config("2x4", steps=STEPS)
     losses, run, ckpts = checkpointed_run(tmp_path_factory.mktemp("ref") / "run", cfg)
-    return cfg, losses, jax.device_get(run.state), ckpts
+    yield cfg, losses, jax.device_get(run.state), ckpts
+    ckpts.close()
 
 
 class SignalAt:
@@ -84,10 +101,12 @@ def test_signal_saves_the_current_step_and_resume_is_exact(reference, tmp_path, 
     cfg, ref_losses, _, _ = reference
     stopper = StopOnSignal()
     first, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(3, sig), stopper], every=0)
+    request_close(ckpts)
     assert run.stopped_at == 3 and stopper.received == signal.Signals(sig).name
     assert ckpts.steps() == [3]  # the step the signal arrived in, saved and committed
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after the loop
-    second, run2, _ = checkpointed_run(tmp_path, cfg, restore=lambda c: c.restore_latest, every=0)
+    second, run2, ckpts2 = checkpointed_run(tmp_path, cfg, restore=lambda c: c.restore_latest, every=0)
+    request_close(ckpts2)
     assert run2.start_step == 3 and run2.stream.position == STEPS * cfg.data.batch
     assert first + second == ref_losses  # bitwise: no sample skipped or repeated, same optimizer state
 
@@ -110,14 +129,15 @@ def test_restored_run_on_another_mesh_continues_within_fp_tolerance(reference, t
     run_dir = tmp_path / "run"
     shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[6-9]", "1[0-9]"))
     other = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec="8x1"))
-    losses, run, _ = checkpointed_run(run_dir, other, restore=lambda c: lambda spec: c.restore(4, spec))
+    losses, run, ckpts2 = checkpointed_run(run_dir, other, restore=lambda c: lambda spec: c.restore(4, spec))
+    request_close(ckpts2)
     assert run.start_step == 4
     np.testing.assert_allclose(losses, ref_losses[4:], rtol=1e-5)
 
 
 def test_best_checkpoint_is_kept_beside_the_newest(tmp_path):
     cfg = tiny_config("8x1", steps=6, checkpoint__keep=1, checkpoint__best_metric="loss", checkpoint__every=1)
-    ckpts = Checkpoints(tmp_path, cfg.checkpoint)
+    ckpts = request_close(Checkpoints(tmp_path, cfg.checkpoint))
     for step, loss in enumerate([5.0, 3.0, 4.0, 6.0], start=1):
         ckpts.save(step, {"x": np.float32(step)}, position=step, seed=0, config_toml="", metrics={"loss": loss})
         ckpts.wait()
@@ -125,7 +145,7 @@ def test_best_checkpoint_is_kept_beside_the_newest(tmp_path):
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(reference):
-    cfg, _, _, ckpts = reference
+    _, _, _, ckpts = reference
     other = tiny_config("2x4", steps=STEPS, model__mlp_dim=256)
     layout = make_layout(other, parse_mesh("2x4"), devices_for("2x4"))
     spec = state_spec(other.model, other.optimizer, other.steps, layout)
@@ -141,9 +161,12 @@ def _copy_checkpoints(reference, tmp_path):
     notices = []
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    return Checkpoints(tmp_path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notices.append), spec, notices
+    return request_close(Checkpoints(tmp_path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notices.append)), spec, notices
 
 
+# When one read of a corrupt checkpoint fails, orbax closes its event loop while tensorstore's other
+# reads still finish and report to it: "Event loop is closed", raised in a callback, harmless.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_path):
     ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
     for f in (ckpts.path(12) / "state" / "d").iterdir():
@@ -167,7 +190,7 @@ def test_incomplete_save_is_ignored_and_cleaned_with_a_notice(reference, tmp_pat
 def test_empty_checkpoint_dir(reference, tmp_path):
     _, spec, _ = _copy_checkpoints(reference, tmp_path / "x")
     with pytest.raises(ShardError, match="no complete checkpoint in"):
-        Checkpoints(tmp_path / "empty").restore_latest(spec)
+        request_close(Checkpoints(tmp_path / "empty")).restore_latest(spec)
 
 
 def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
@@ -238,7 +261,7 @@ def logged_losses(run_dir) -> dict[int, float]:
 
 
 def test_elastic_restart_on_fewer_processes_devices_and_other_meshes(reference, tmp_path):
-    cfg, ref_losses, _, ckpts = reference
+    _, ref_losses, _, ckpts = reference
     run_dir = tmp_path / "run"
     shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[6-9]", "1[0-9]"))
     # 2x4 on 8 devices -> 4x1 on 4 devices, from step 4 (the config comes from the run dir)
@@ -258,7 +281,7 @@ def test_elastic_restart_on_fewer_processes_devices_and_other_meshes(reference, 
 def test_sigterm_and_kill_9_at_random_moments_then_resume_continues_exactly(reference, tmp_path):
     """Every restart resumes from the newest complete checkpoint; the stitched run equals the
     uninterrupted one bitwise. One trial kills the trainer while an async save is being written."""
-    cfg, ref_losses, _, _ = reference
+    _, ref_losses, _, _ = reference
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     ckpt_dir = run_dir / CHECKPOINTS_DIR
@@ -290,7 +313,7 @@ def test_sigterm_and_kill_9_at_random_moments_then_resume_continues_exactly(refe
     assert complete_steps()[-1] == stopped
 
     killed_during_save = False
-    for trial in range(4):  # 2. kill -9: at a random moment, or the moment a save has begun
+    for trial in range(3):  # 2. kill -9: at a random moment, or the moment a save has begun
         newest = complete_steps()[-1]
         p = start_and_wait_for_training()
         if trial % 2 == 0:

@@ -8,7 +8,8 @@
 3. raw: one sequential write of the same bytes to one file in the same directory, buffered and with
    fsync (GB/s), the ceiling the disk offers;
 4. overhead: mean step time of a training run that saves every K steps vs the same run without saves,
-   and the time save() blocks the loop (copying the arrays off the devices) per save.
+   and the time save() blocks the loop (copying the arrays off the devices) per save; these runs use a
+   short sequence (--overhead-seq) so that they finish on a laptop CPU.
 """
 
 import argparse
@@ -27,7 +28,9 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides (key=value)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under the current one)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12, help="steps of each overhead run")
+    ap.add_argument("--steps", type=int, default=8, help="steps of each overhead run")
+    ap.add_argument("--overhead-seq", type=int, default=16,
+                    help="sequence length of the overhead runs (short, so that a 2-core CPU gets through them)")
     ap.add_argument("--every", type=int, default=4, help="save every K steps in the overhead run")
     a = ap.parse_args()
 
@@ -96,9 +99,12 @@ def main() -> None:
         print(f"save / raw write: {best(raw) / best(saves):.0%} of buffered, {best(raw_sync) / best(saves):.0%} "
               "of fsync'd")
 
+        del run, state
+        short = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=a.overhead_seq))
+
         def step_times(observers) -> list[float]:
-            r = prepare(cfg)
-            records = train(cfg, run=r, observers=observers)
+            r = prepare(short)
+            records = train(short, run=r, observers=observers)
             return [rec["step_time_s"] for rec in records[1:]]  # the first step includes warm-up
 
         base = step_times([])

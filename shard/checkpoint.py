@@ -110,10 +110,14 @@ class Checkpoints:
 
     # -- restore ----------------------------------------------------------------------------------
 
+    def stored_tree(self, step: int) -> dict:
+        """The saved state's tree of orbax ArrayMetadata (shape, dtype, sharding), read from the files."""
+        stored = self._manager.item_metadata(step)[STATE]
+        return getattr(stored, "tree", stored)
+
     def check_shapes(self, step: int, spec: StateSpec) -> None:
         """Raise a ShardError naming the first parameter whose stored shape differs from the model's."""
-        stored = self._manager.item_metadata(step)[STATE]
-        stored = getattr(stored, "tree", stored)
+        stored = self.stored_tree(step)
         stored_params = {path_str(p): tuple(m.shape)
                          for p, m in jax.tree_util.tree_flatten_with_path(stored["params"])[0]}
         wanted = {path_str(p): tuple(a.shape)
@@ -226,12 +230,13 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     if out.exists() and any(out.iterdir()):
         raise ShardError(f"export target {out} exists and is not empty; choose another --out")
     state_dir = directory / str(step) / STATE
+    checkpoints = Checkpoints(directory)
     try:
-        stored = ocp.StandardCheckpointer().metadata(state_dir)
+        stored = checkpoints.stored_tree(step)
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
-    stored = getattr(stored, "item_metadata", stored)
-    stored = getattr(stored, "tree", stored)
+    finally:
+        checkpoints.close()
     item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), stored["params"])}
     restore_args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored["params"])}
     try:

@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--mesh", default="fsdp")
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config overrides (key=value)")
-    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under the current one)")
+    ap.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="steps of each overhead run")
     ap.add_argument("--overhead-seq", type=int, default=16,
@@ -50,7 +50,7 @@ def main() -> None:
             "model.head_dim=64", "model.mlp_dim=3072", "data.batch=8", "data.seq_len=128", "data.path=synthetic",
             f"mesh.spec={a.mesh}", f"steps={a.steps}", "log_every=1", *a.sets]
     cfg = config_mod.resolve(config_mod.parse_sets(sets))
-    root = Path(tempfile.mkdtemp(prefix="shard-ckpt-bench-", dir=a.dir or "."))
+    root = Path(tempfile.mkdtemp(prefix="shard-ckpt-bench-", dir=a.dir))
     try:
         run = prepare(cfg)
         state = run.state

@@ -2,14 +2,17 @@
 every bad input (shape mismatch, corrupt and incomplete checkpoints, empty dirs, foreign run dirs)."""
 
 import dataclasses
+import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -333,3 +336,33 @@ def test_sigterm_and_kill_9_at_random_moments_then_resume_continues_exactly(refe
     assert f"resumed from step {newest} " in err
     losses = logged_losses(run_dir)
     assert [losses[s] for s in range(1, STEPS + 1)] == ref_losses  # bitwise
+
+
+def test_two_processes_resume_a_one_process_checkpoint_and_one_process_restores_theirs(reference, tmp_path):
+    """1 process (2x4) -> 2 processes x 4 devices (2x4, jax.distributed) -> 1 process (8x1)."""
+    _, ref_losses, final_state, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[7-9]", "1[0-9]"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = Path(__file__).parent / "helpers" / "two_process_resume.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(run_dir), str(STEPS)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert result["start_step"] == 6
+    np.testing.assert_allclose(result["losses"], ref_losses[6:], rtol=1e-5)
+    # Each process wrote its own shards of the 2-process checkpoint; one process reads them all into 8x1.
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS_DIR / "12" / "state").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]
+    layout = make_layout(reference[0], parse_mesh("8x1"), devices_for("8x1"))
+    spec = state_spec(reference[0].model, reference[0].optimizer, STEPS, layout)
+    checkpoints = request_close(Checkpoints(run_dir / CHECKPOINTS_DIR))
+    restored = checkpoints.restore_latest(spec)
+    assert restored.step == STEPS and restored.position == STEPS * 8
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(final_state), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)

@@ -81,8 +81,7 @@ def main() -> None:
                 path = root / f"raw-{i}-{int(sync)}.bin"
                 t0 = time.perf_counter()
                 with open(path, "wb") as f:
-                    for x in host:
-                        f.write(memoryview(np.ascontiguousarray(x)).cast("B"))
+                    f.writelines(memoryview(np.ascontiguousarray(x)).cast("B") for x in host)
                     if sync:
                         f.flush()
                         os.fsync(f.fileno())

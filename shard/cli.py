@@ -30,13 +30,14 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a c
 SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate (default: what the mesh needs, 8 to fill)")]
 
 
-def _overrides(config: Optional[Path], sets: Optional[list[str]], **flags) -> dict:
-    """defaults < config file < flags < --set, as one nested override dict."""
+def _overrides(config: Optional[Path], sets: Optional[list[str]], base: Optional[dict] = None, **flags) -> dict:
+    """defaults < base (a resumed run's config) < config file < flags < --set, as one nested dict."""
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
                  "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
-                 "compile_cache": "xla.compile_cache"}
-    out = config_mod.load_file(str(config)) if config else {}
+                 "compile_cache": "xla.compile_cache",
+                 "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep"}
+    out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
@@ -83,11 +84,31 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
     return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
 
 
-def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec) -> Path:
+RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
+
+
+def _holds_run(path: Path) -> bool:
+    return any((path / name).exists() for name in RUN_FILES)
+
+
+def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
+    """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
         path = Path(cfg.run_dir)
-        if (path / "metrics.jsonl").exists():
-            raise ShardError(f"run dir {path} already holds a run; choose another --run-dir")
+        if not resume and _holds_run(path):
+            saved = path / "config.toml"
+            if saved.is_file():
+                try:
+                    theirs = config_mod.resolve(config_mod.load_file(str(saved)))
+                except ShardError:
+                    theirs = None
+                diff = config_mod.differences(theirs, cfg, ignore=("run_dir",)) if theirs else []
+                if diff:
+                    key, there, here = diff[0]
+                    raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
+                                     f"{here!r} here); choose another --run-dir")
+            raise ShardError(f"run dir {path} already holds a run; pass --resume to continue it "
+                             "or choose another --run-dir")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"
@@ -111,6 +132,7 @@ class ConsoleProgress:
     def on_start(self, run) -> None:
         import jax
 
+        self.progress.update(self.task, completed=run.start_step)
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         kind = run.mesh.devices.flat[0].platform
@@ -141,6 +163,8 @@ class ConsoleProgress:
 
     def on_end(self, records: list[dict]) -> None:
         self.progress.stop()
+        if not records:
+            return
         last = records[-1]
         console.print(f"done: {last['step']} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}")
@@ -155,42 +179,109 @@ def train(
     seq: Annotated[Optional[int], typer.Option(help="sequence length")] = None,
     data: Annotated[Optional[str], typer.Option(help="text file/folder, .npy/.bin tokens, or 'synthetic'")] = None,
     seed: Annotated[Optional[int], typer.Option(help="seed for init and data order")] = None,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="where config and metrics go")] = None,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="where config, metrics and checkpoints go")] = None,
     log_every: Annotated[Optional[int], typer.Option("--log-every", help="log every N steps")] = None,
     profile_steps: Annotated[Optional[str], typer.Option(
         "--profile-steps", help="A:B: profile steps A to B into RUN_DIR/profile and summarise them")] = None,
     compile_cache: Annotated[Optional[str], typer.Option(
         "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(
+        "--checkpoint-every", help="save a checkpoint every N steps (the last step and preemption always save)")] = None,
+    keep: Annotated[Optional[int], typer.Option("--keep", help="keep the newest K checkpoints")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="continue the run in --run-dir from its newest complete checkpoint")] = False,
+    allow_fresh: Annotated[bool, typer.Option(
+        "--allow-fresh", help="with --resume: start from step 0 when there is no checkpoint yet")] = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
 ):
     """Train a model on a device mesh."""
     try:
+        base = _resume_base(run_dir) if resume else None
         cfg = config_mod.resolve(_overrides(
-            config, set_, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
-            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache))
+            config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
+            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
+            checkpoint_every=checkpoint_every, keep=keep))
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)
         window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
-        path = _run_dir(cfg, mesh_spec)
+        path = _run_dir(cfg, mesh_spec, resume)
         devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path))
+        from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
         from shard.loop import prepare
         from shard.loop import train as train_loop
         from shard.metrics import JsonlWriter, TensorBoardWriter
+        from shard.preemption import StopOnSignal
 
-        run = prepare(cfg, devices)
+        def notice(message: str) -> None:
+            err_console.print(f"[yellow]{message}[/yellow]", soft_wrap=True)
+
+        checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
+        restore = None
+        if resume:
+            checkpoints.clean_incomplete()
+            if checkpoints.steps():
+                restore = checkpoints.restore_latest
+            elif not allow_fresh:
+                raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
+                                 "--allow-fresh to start this run from step 0")
+            else:
+                notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+        run = prepare(cfg, devices, restore=restore)
+        if run.start_step:
+            err_console.print(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
+                              f"data position {run.stream.position}", soft_wrap=True)
+        if run.start_step >= cfg.steps:
+            console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is {cfg.steps}")
+            return
         path.mkdir(parents=True, exist_ok=True)
         cfg = dataclasses.replace(cfg, run_dir=str(path))
-        (path / "config.toml").write_text(config_mod.to_toml(cfg))
-        observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"), TensorBoardWriter(path / "tb")]
+        config_toml = config_mod.to_toml(cfg)
+        (path / "config.toml").write_text(config_toml)
+        saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
+        stopper = StopOnSignal(notice)
+        observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"), TensorBoardWriter(path / "tb"),
+                     saver, stopper]
         if window:
             observers.append(profiler := profiling.Profiler(*window, path / "profile"))
-        train_loop(cfg, run=run, observers=observers)
+        try:
+            train_loop(cfg, run=run, observers=observers)
+        finally:  # also on divergence: saves already under way commit; nothing newer is written
+            checkpoints.close()
         if window and profiler.summary:
             console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
+        if run.stopped_at is not None:
+            console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
+                          f"{run.stopped_at}; checkpoint saved to {checkpoints.path(saver.last_saved)}; "
+                          f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
     except ShardError as e:
         _fail(e)
+
+
+def _resume_base(run_dir: Optional[str]) -> dict:
+    """The config a resumed run starts from: the one saved in its run dir (flags still override it)."""
+    if not run_dir:
+        raise ShardError("--resume needs --run-dir: the run to continue")
+    saved = Path(run_dir) / "config.toml"
+    if not Path(run_dir).is_dir():
+        raise ShardError(f"--resume: run dir {run_dir} does not exist")
+    return config_mod.load_file(str(saved)) if saved.is_file() else {}
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="run dir, its checkpoints/ dir, or one step's dir")],
+    out: Annotated[Path, typer.Option("--out", help="new directory for the params-only orbax checkpoint")],
+):
+    """Write a checkpoint's params only (for inference or fine-tuning), readable by plain orbax."""
+    try:
+        from shard.checkpoint import export_params
+
+        target, step = export_params(checkpoint, out)
+    except ShardError as e:
+        _fail(e)
+    console.print(f"exported the params of step {step} to {target}")
 
 
 @app.command()

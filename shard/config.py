@@ -72,6 +72,18 @@ class XlaConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save and what to keep (docs/checkpoints.md). The CLI always saves the last step and on
+    preemption; `every` adds periodic saves."""
+
+    every: int = 0  # save every N steps; 0 = only the last step and on SIGTERM/SIGINT
+    keep: int = 3  # keep the newest K complete checkpoints
+    best_metric: str = ""  # e.g. "loss": also keep the `keep_best` best checkpoints by this metric
+    best_mode: str = "min"  # min | max
+    keep_best: int = 1
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -80,6 +92,7 @@ class TrainConfig:
     xla: XlaConfig = field(default_factory=XlaConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -104,12 +117,22 @@ class TrainConfig:
             )
         if self.guard.action not in ("stop", "skip"):
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
+        if self.checkpoint.every < 0:
+            problems.append(f"checkpoint.every must be 0 (off) or positive, got {self.checkpoint.every}")
+        if self.checkpoint.keep <= 0:
+            problems.append(f"checkpoint.keep must be positive, got {self.checkpoint.keep}")
+        if self.checkpoint.best_mode not in ("min", "max"):
+            problems.append(f"checkpoint.best_mode must be min or max, got {self.checkpoint.best_mode!r}")
+        if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
+            problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
+                            f"got {self.checkpoint.best_metric!r}")
         if self.optimizer.lr <= 0:
             problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:
             raise ShardError(problems[0])
 
 
+METRIC_NAMES = ("loss", "grad_norm")  # per-step metrics a checkpoint can be ranked by
 _DICT_SECTIONS = {"rules", "param_rules", "param_regex"}
 
 
@@ -241,3 +264,23 @@ def _plain(x):
     if isinstance(x, tuple):
         return [_plain(v) for v in x]
     return x
+
+
+def differences(a: TrainConfig, b: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
+    """The dotted keys where two configs differ, with both values, in field order (model first);
+    keys in `ignore` and below are skipped."""
+    out: list[tuple[str, object, object]] = []
+
+    def walk(x, y, prefix: str) -> None:
+        for k in [*x, *(k for k in y if k not in x)]:  # field order: model first
+            key = f"{prefix}{k}"
+            if key in ignore:
+                continue
+            xv, yv = x.get(k), y.get(k)
+            if isinstance(xv, dict) and isinstance(yv, dict):
+                walk(xv, yv, key + ".")
+            elif xv != yv:
+                out.append((key, xv, yv))
+
+    walk(_plain(dataclasses.asdict(a)), _plain(dataclasses.asdict(b)), "")
+    return out

@@ -1,13 +1,17 @@
 """From a resolved config to a trained state: mesh, layout, sharded init, data, compiled step, loop.
 
-Observers (console, metrics.jsonl, TensorBoard, profiler) receive `on_start(run)`,
-`on_step(step, (state, metrics))` (device values, not yet synced), `on_log(record)` and
-`on_end(records)`; the loop itself prints and writes nothing.
+Observers (console, metrics.jsonl, TensorBoard, profiler, checkpoints, signals) may define
+`on_start(run)`, `on_step(step, (state, metrics))` (device values, not yet synced), `on_log(record)`,
+`saves_at(step, final)` (whether on_state will save: the divergence guard then checks every step up to
+it first, so a diverged state is never saved), `on_state(step, state, data_position, metrics, final)`
+(after each step, before the state is donated to the next one), `should_stop()` (asked after each
+step: stop after it, e.g. on preemption) and `on_end(records)`; the loop itself prints and writes nothing.
 """
 
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -34,6 +38,8 @@ class Run:
     compiled_memory: dict = field(default_factory=dict)  # per-device bytes from XLA's memory analysis
     peak_flops: float | None = None  # per device, for MFU (None: unknown, MFU omitted)
     hardware: object = None  # the hardware table's entry for these devices, if any
+    start_step: int = 0  # the step the state holds: 0, or the step of the checkpoint resumed from
+    stopped_at: int | None = None  # set when an observer's should_stop() ended the loop early
 
     @property
     def mesh(self):
@@ -68,22 +74,27 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
         raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {length_ways} devices")
 
 
-def prepare(cfg: TrainConfig, devices=None) -> Run:
-    """Everything up to the first step: mesh, shardings, sharded init, data stream, compiled step."""
+def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
+    """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
+    returns a shard.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
-    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout))
-    state = init_state(spec, cfg.model, cfg.seed)
+    if restore is None:
+        state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
+    else:
+        restored = restore(spec)
+        state, start_step, position = restored.state, restored.step, restored.position
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     t0 = time.perf_counter()
     jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled),
-               peak, hw)
+               peak, hw, start_step)
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
@@ -139,7 +150,8 @@ def first_divergence(steps: list[tuple[int, dict]], history: list[float], guard:
 
 
 def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = None) -> list[dict]:
-    """Run cfg.steps steps; returns the logged records (also sent to the observers)."""
+    """Run from run.start_step to cfg.steps (or until an observer asks to stop); returns the logged
+    records (also sent to the observers)."""
     run = run or prepare(cfg, devices)
     for o in observers:
         getattr(o, "on_start", lambda r: None)(run)
@@ -147,21 +159,26 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
-    last_step = 0
+    last_step = run.start_step
     state = run.state
-    pending: list[tuple[int, dict]] = []  # metrics of the steps since the last log, still on device
+    pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
     skipped = 0
-    for i in range(1, cfg.steps + 1):
+    for i in range(run.start_step + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
         pending.append((i, metrics))
+        # Ask every observer (a list, not a short-circuit): with several processes each one's
+        # should_stop() takes part in a collective that all processes must reach.
+        stopping = any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419
+        final = stopping or i == cfg.steps
         for o in observers:
             getattr(o, "on_step", lambda s, out: None)(i, (state, metrics))
-        if i % cfg.log_every == 0 or i == cfg.steps:
+        logging = i % cfg.log_every == 0 or final
+        saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
+        if logging or saving:
             steps = jax.device_get(pending)
             pending = []
-            values = steps[-1][1]
             if cfg.guard.action == "stop":
                 bad = first_divergence(steps, grad_norms, cfg.guard)
                 if bad:
@@ -169,6 +186,8 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
                     raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
             else:
                 skipped += int(sum(m["skipped"] for _, m in steps))
+        if logging:
+            values = steps[-1][1]
             now = time.perf_counter()
             elapsed = now - last_time
             record = {
@@ -190,6 +209,11 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             for o in observers:
                 getattr(o, "on_log", lambda r: None)(record)
             last_time, last_step = now, i
+        for o in observers:
+            getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)
+        if stopping:
+            run.stopped_at = i
+            break
     run.state = state
     for o in observers:
         getattr(o, "on_end", lambda r: None)(records)

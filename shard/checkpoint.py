@@ -1,0 +1,256 @@
+"""Checkpoints of the train state with orbax: asynchronous, sharded, atomic, restorable onto any mesh.
+
+Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
+written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
+`RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed and the
+resolved config. orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every
+process has finished, so a directory named by a bare step number is complete and anything else is a
+save that never finished. Restore reads each array straight into the shardings of the mesh at hand.
+"""
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from shard.config import CheckpointConfig
+from shard.errors import ShardError
+from shard.rules import path_str
+from shard.state import StateSpec
+
+CHECKPOINTS_DIR = "checkpoints"
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
+CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
+STATE, META = "state", "meta"
+
+
+@dataclass
+class Restored:
+    """A train state read back into the current mesh's shardings, and where its data stream stood."""
+
+    step: int
+    state: dict
+    position: int  # next global sample index of the data stream
+    seed: int
+    config_toml: str
+    path: Path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+class Checkpoints:
+    """One run's checkpoint directory: async saves, retention (newest K, optionally best by a metric),
+    and restore of the newest readable complete checkpoint into any mesh."""
+
+    def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
+                 notice: Callable[[str], None] | None = None, read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self.cfg = cfg = cfg or CheckpointConfig()
+        self.notice = notice or (lambda message: None)
+        keep: list = [policies.LatestN(n=cfg.keep)]
+        if cfg.best_metric:
+            metric = cfg.best_metric
+            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last.
+            keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=cfg.best_mode == "min",
+                                       n=cfg.keep_best))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
+            create=not read_only, read_only=read_only,
+        )
+        handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- what is on disk --------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def incomplete(self) -> list[Path]:
+        """Step directories a save began and never committed (killed, power loss)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.iterdir() if TMP_MARK in p.name)
+
+    def clean_incomplete(self) -> None:
+        """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
+        for p in self.incomplete():
+            self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
+            if jax.process_index() == 0:
+                shutil.rmtree(p, ignore_errors=True)
+        self._sync("clean_incomplete")
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, *, position: int, seed: int, config_toml: str,
+             metrics: dict | None = None) -> None:
+        """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
+        so the caller may donate them to the next step."""
+        meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml}
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        self._manager.save(step, args=args, metrics=metrics, force=True)
+
+    def wait(self) -> None:
+        """Block until every started save is committed (renamed into place)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def stored_tree(self, step: int) -> dict:
+        """The saved state's tree of orbax ArrayMetadata (shape, dtype, sharding), read from the files."""
+        stored = self._manager.item_metadata(step)[STATE]
+        return getattr(stored, "tree", stored)
+
+    def check_shapes(self, step: int, spec: StateSpec) -> None:
+        """Raise a ShardError naming the first parameter whose stored shape differs from the model's."""
+        stored = self.stored_tree(step)
+        stored_params = {path_str(p): tuple(m.shape)
+                         for p, m in jax.tree_util.tree_flatten_with_path(stored["params"])[0]}
+        wanted = {path_str(p): tuple(a.shape)
+                  for p, a in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]}
+        where = self.path(step)
+        for name, shape in wanted.items():
+            if name not in stored_params:
+                raise ShardError(f"checkpoint {where} has no parameter {name} {shape} that the model has; "
+                                 "it was saved from a different model")
+            if stored_params[name] != shape:
+                raise ShardError(f"checkpoint {where} does not fit the model: parameter {name} is "
+                                 f"{stored_params[name]} in the checkpoint but {shape} in the model")
+        extra = sorted(set(stored_params) - set(wanted))
+        if extra:
+            raise ShardError(f"checkpoint {where} has parameter {extra[0]} {stored_params[extra[0]]} that "
+                             "the model lacks; it was saved from a different model")
+
+    def restore(self, step: int, spec: StateSpec) -> Restored:
+        """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
+        self.check_shapes(step, spec)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
+                                     META: ocp.args.JsonRestore()})
+        out = self._manager.restore(step, args=args)
+        meta = out[META]
+        return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
+                        config_toml=meta["config"], path=self.path(step))
+
+    def restore_latest(self, spec: StateSpec) -> Restored:
+        """The newest complete checkpoint that reads back; unreadable ones are set aside (renamed to
+        corrupt-<step>, with a notice) and the previous one is tried."""
+        self.clean_incomplete()
+        steps = self.steps()
+        if not steps:
+            raise ShardError(f"no complete checkpoint in {self.directory}")
+        for i in range(len(steps) - 1, -1, -1):
+            step = steps[i]
+            try:
+                return self.restore(step, spec)
+            except ShardError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, JSONDecodeError, ...
+                fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
+                self.notice(f"checkpoint {self.path(step)} is unreadable ({_first_line(e)}); set aside as "
+                            f"{CORRUPT_PREFIX}{step}, {fallback}")
+                self._set_aside(step)
+        raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
+                         f"{CORRUPT_PREFIX}<step>); run without --resume to start fresh")
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            target = self.directory / f"{CORRUPT_PREFIX}{step}"
+            n = 1
+            while target.exists():
+                target, n = self.directory / f"{CORRUPT_PREFIX}{step}.{n}", n + 1
+            self.path(step).rename(target)
+        self._sync(f"set_aside_{step}")
+        self._manager.reload()
+
+    @staticmethod
+    def _sync(name: str) -> None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shard_checkpoint_{name}")
+
+
+class SaveCheckpoints:
+    """Loop observer: saves every `cfg.every` steps, at the last step and when the loop stops early
+    (preemption), then waits for the saves to commit when the loop ends."""
+
+    def __init__(self, checkpoints: Checkpoints, *, seed: int, config_toml: str):
+        self.checkpoints, self.seed, self.config_toml = checkpoints, seed, config_toml
+        self.every, self.best_metric = checkpoints.cfg.every, checkpoints.cfg.best_metric
+        self.last_saved: int | None = None
+
+    def saves_at(self, step: int, final: bool) -> bool:
+        """The loop checks every step up to a save for divergence first, so only good states are saved."""
+        return bool(final or (self.every and step % self.every == 0))
+
+    def on_state(self, step: int, state: dict, position: int, metrics: dict, final: bool) -> None:
+        if not self.saves_at(step, final):
+            return
+        ranked = None
+        if self.best_metric:
+            ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
+        self.checkpoints.save(step, state, position=position, seed=self.seed, config_toml=self.config_toml,
+                              metrics=ranked)
+        self.last_saved = step
+
+    def on_end(self, records: list[dict]) -> None:
+        self.checkpoints.wait()
+
+
+def find_checkpoint(path: Path | str) -> tuple[Path, int]:
+    """(checkpoints dir, step) from a run dir, a checkpoints dir or one step's dir; the newest step."""
+    p = Path(path).absolute()
+    if not p.exists():
+        raise ShardError(f"checkpoint path {path} does not exist")
+    if (p / CHECKPOINTS_DIR).is_dir():
+        p = p / CHECKPOINTS_DIR
+    if (p / STATE).is_dir() and p.name.isdigit():
+        return p.parent, int(p.name)
+    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and (c / STATE).is_dir())
+    if not steps:
+        raise ShardError(f"no complete checkpoint in {path}")
+    return p, steps[-1]
+
+
+def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
+    """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
+    checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
+    directory, step = find_checkpoint(checkpoint)
+    out = Path(out).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ShardError(f"export target {out} exists and is not empty; choose another --out")
+    state_dir = directory / str(step) / STATE
+    checkpoints = Checkpoints(directory)
+    try:
+        stored = checkpoints.stored_tree(step)
+    except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
+        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    finally:
+        checkpoints.close()
+    item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), stored["params"])}
+    restore_args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored["params"])}
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
+        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    if out.exists():
+        out.rmdir()
+    saver = ocp.StandardCheckpointer()
+    saver.save(out, restored["params"])
+    saver.wait_until_finished()
+    return out, step

@@ -1,0 +1,53 @@
+"""Preemption: SIGTERM or SIGINT asks the training loop to finish the current step, save and stop.
+
+A loop observer, so the loop stays free of signals. With several processes the flag is all-gathered
+after every step, so all processes stop after the same step even when only one got the signal.
+A second SIGINT restores Python's default handling (KeyboardInterrupt) for a user in a hurry.
+"""
+
+import signal
+from collections.abc import Callable
+
+import numpy as np
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal:
+    """Observer: `should_stop()` turns true after SIGTERM/SIGINT (on any process); handlers are
+    installed for the loop's duration only."""
+
+    def __init__(self, notice: Callable[[str], None] | None = None):
+        self.notice = notice or (lambda message: None)
+        self.received: str | None = None  # the signal's name, once one arrived here
+        self.stopped = False  # the loop was told to stop (this process or another got a signal)
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received and signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def on_start(self, run) -> None:
+        for s in SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def should_stop(self) -> bool:
+        local = self.received is not None
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            local = bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+        if local and not self.stopped:
+            self.stopped = True
+            self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "
+                        "then saving a checkpoint and stopping")
+        return local
+
+    def on_end(self, records: list[dict]) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()

@@ -1,0 +1,368 @@
+"""Checkpoints in one process: exact resume after SIGTERM, restore onto other meshes, retention, and
+every bad input (shape mismatch, corrupt and incomplete checkpoints, empty dirs, foreign run dirs)."""
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from typer.testing import CliRunner
+
+from shard import config as config_mod
+from shard.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
+from shard.cli import app
+from shard.errors import ShardError
+from shard.loop import make_layout, prepare, train
+from shard.mesh import parse_mesh
+from shard.metrics import read_jsonl
+from shard.preemption import StopOnSignal
+from shard.state import state_spec
+from shard.testing import devices_for, tiny_config
+
+STEPS = 12
+EVERY = 2
+
+
+def checkpointed_run(run_dir, cfg, observers=(), restore=None, every=EVERY):
+    """Train `cfg` on its mesh in this process, saving into run_dir/checkpoints; (losses, run, ckpts)."""
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, every=every, keep=10))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    toml = config_mod.to_toml(cfg)
+    (run_dir / "config.toml").write_text(toml)
+    notices = []
+    ckpts = Checkpoints(run_dir / CHECKPOINTS_DIR, cfg.checkpoint, notice=notices.append)
+    run = prepare(cfg, devices_for(cfg.mesh.spec), restore=(restore or (lambda c: None))(ckpts))
+    saver = SaveCheckpoints(ckpts, seed=cfg.seed, config_toml=toml)
+    records = train(cfg, run=run, observers=[saver, *observers])
+    ckpts.notices = notices
+    return [r["loss"] for r in records], run, ckpts
+
+
+_OPEN: list = []
+
+
+def request_close(ckpts: Checkpoints) -> Checkpoints:
+    """Close orbax managers at the end of the test, not whenever the garbage collector gets to them."""
+    _OPEN.append(ckpts)
+    return ckpts
+
+
+@pytest.fixture(autouse=True)
+def _close_checkpoints():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 12-step run on 2x4 that saves every 2 steps; its final state on the host."""
+    cfg = tiny_config("2x4", steps=STEPS)
+    losses, run, ckpts = checkpointed_run(tmp_path_factory.mktemp("ref") / "run", cfg)
+    yield cfg, losses, jax.device_get(run.state), ckpts
+    ckpts.close()
+
+
+class SignalAt:
+    """Sends a signal to this process while step `at` runs, as a scheduler's preemption would."""
+
+    def __init__(self, at: int, sig=signal.SIGTERM):
+        self.at, self.sig = at, sig
+
+    def on_step(self, step):
+        if step == self.at - 1:  # after step at-1's observers: the loop is on to step `at`
+            os.kill(os.getpid(), self.sig)
+
+
+def assert_trees_equal(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_saves_every_n_steps_and_keeps_the_newest(reference):
+    _, losses, _, ckpts = reference
+    assert len(losses) == STEPS and len(set(np.round(losses, 6))) == STEPS
+    assert ckpts.steps() == [2, 4, 6, 8, 10, 12]
+    assert not ckpts.incomplete()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_current_step_and_resume_is_exact(reference, tmp_path, sig):
+    cfg, ref_losses, _, _ = reference
+    stopper = StopOnSignal()
+    first, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(3, sig), stopper], every=0)
+    request_close(ckpts)
+    assert run.stopped_at == 3 and stopper.received == signal.Signals(sig).name
+    assert ckpts.steps() == [3]  # the step the signal arrived in, saved and committed
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after the loop
+    second, run2, ckpts2 = checkpointed_run(tmp_path, cfg, restore=lambda c: c.restore_latest, every=0)
+    request_close(ckpts2)
+    assert run2.start_step == 3 and run2.stream.position == STEPS * cfg.data.batch
+    assert first + second == ref_losses  # bitwise: no sample skipped or repeated, same optimizer state
+
+
+@pytest.mark.parametrize("mesh", ["8x1", "4x2", "fsdp_tp:4x2", "1x1"])
+def test_restore_onto_another_mesh_reads_each_array_into_its_new_sharding(reference, mesh):
+    cfg, _, final_state, ckpts = reference
+    other = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec=mesh))
+    layout = make_layout(other, parse_mesh(mesh), devices_for(mesh))
+    spec = state_spec(other.model, other.optimizer, other.steps, layout)
+    restored = ckpts.restore(STEPS, spec)
+    assert restored.step == STEPS and restored.position == STEPS * cfg.data.batch
+    for array, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(spec.shardings), strict=True):
+        assert array.sharding == sharding
+    assert_trees_equal(restored.state, final_state)
+
+
+def test_restored_run_on_another_mesh_continues_within_fp_tolerance(reference, tmp_path):
+    cfg, ref_losses, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[6-9]", "1[0-9]"))
+    other = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec="8x1"))
+    losses, run, ckpts2 = checkpointed_run(run_dir, other, restore=lambda c: lambda spec: c.restore(4, spec))
+    request_close(ckpts2)
+    assert run.start_step == 4
+    np.testing.assert_allclose(losses, ref_losses[4:], rtol=1e-5)
+
+
+def test_best_checkpoint_is_kept_beside_the_newest(tmp_path):
+    cfg = tiny_config("8x1", steps=6, checkpoint__keep=1, checkpoint__best_metric="loss", checkpoint__every=1)
+    ckpts = request_close(Checkpoints(tmp_path, cfg.checkpoint))
+    for step, loss in enumerate([5.0, 3.0, 4.0, 6.0], start=1):
+        ckpts.save(step, {"x": np.float32(step)}, position=step, seed=0, config_toml="", metrics={"loss": loss})
+        ckpts.wait()
+    assert ckpts.steps() == [2, 4]  # the lowest loss and the newest
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(reference):
+    _, _, _, ckpts = reference
+    other = tiny_config("2x4", steps=STEPS, model__mlp_dim=256)
+    layout = make_layout(other, parse_mesh("2x4"), devices_for("2x4"))
+    spec = state_spec(other.model, other.optimizer, other.steps, layout)
+    with pytest.raises(ShardError, match=r"parameter layers/w_\w+ is \(2, (64, 128|128, 64)\) in the checkpoint "
+                                         r"but \(2, (64, 256|256, 64)\) in the model"):
+        ckpts.restore_latest(spec)
+    assert ckpts.steps() == [2, 4, 6, 8, 10, 12]  # nothing set aside or deleted
+
+
+def _copy_checkpoints(reference, tmp_path):
+    cfg, _, _, ckpts = reference
+    shutil.copytree(ckpts.directory, tmp_path / CHECKPOINTS_DIR)
+    notices = []
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    return request_close(Checkpoints(tmp_path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notices.append)), spec, notices
+
+
+# When one read of a corrupt checkpoint fails, orbax closes its event loop while tensorstore's other
+# reads still finish and report to it: "Event loop is closed", raised in a callback, harmless.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_path):
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    for f in (ckpts.path(12) / "state" / "d").iterdir():
+        f.write_bytes(b"garbage")
+    restored = ckpts.restore_latest(spec)
+    assert restored.step == 10
+    assert len(notices) == 1 and "is unreadable" in notices[0] and "falling back to step 10" in notices[0]
+    assert (ckpts.directory / "corrupt-12").is_dir()  # set aside, not deleted
+    assert ckpts.steps() == [2, 4, 6, 8, 10]
+
+
+def test_incomplete_save_is_ignored_and_cleaned_with_a_notice(reference, tmp_path):
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    shutil.copytree(ckpts.path(12), ckpts.directory / f"14{TMP_MARK}")  # a save killed before its rename
+    restored = ckpts.restore_latest(spec)
+    assert restored.step == 12
+    assert notices == [f"removing incomplete checkpoint 14{TMP_MARK} (a save that never finished)"]
+    assert not ckpts.incomplete()
+
+
+def test_empty_checkpoint_dir(reference, tmp_path):
+    _, spec, _ = _copy_checkpoints(reference, tmp_path / "x")
+    with pytest.raises(ShardError, match="no complete checkpoint in"):
+        request_close(Checkpoints(tmp_path / "empty")).restore_latest(spec)
+
+
+def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
+    _, _, final_state, ckpts = reference
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
+                                      "--out", str(tmp_path / "params")])
+    assert result.exit_code == 0, result.output
+    assert f"step {STEPS}" in result.output
+    params = ocp.StandardCheckpointer().restore(tmp_path / "params")  # no shard, no target tree
+    assert_trees_equal(params, final_state["params"])
+    again = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
+                                     "--out", str(tmp_path / "params")])
+    assert again.exit_code == 2 and "not empty" in again.output
+
+
+# -- the CLI's bad inputs: each one line, exit 2, nothing deleted --------------------------------------
+
+TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32", "--mesh", "2x4"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    missing = invoke("train", *TINY, "--run-dir", str(tmp_path / "nope"), "--resume")
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    (tmp_path / "empty").mkdir()
+    empty = invoke("train", *TINY, "--run-dir", str(tmp_path / "empty"), "--resume")
+    assert empty.exit_code == 2 and "no complete checkpoint" in empty.output and "--allow-fresh" in empty.output
+    assert len(empty.output.strip().splitlines()) == 1
+    no_dir = invoke("train", *TINY, "--resume")
+    assert no_dir.exit_code == 2 and "--resume needs --run-dir" in no_dir.output
+
+
+def test_run_dir_of_another_config_without_resume(tmp_path):
+    cfg = tiny_config("2x4", steps=2, model__d_model=32)
+    (tmp_path / "config.toml").write_text(config_mod.to_toml(cfg))
+    result = invoke("train", *TINY, "--run-dir", str(tmp_path))
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "belongs to a different config (model.d_model is 32 there, 64 here)" in result.output
+    same = tiny_config("2x4", steps=2, data__batch=8, data__seq_len=32, log_every=10)
+    (tmp_path / "config.toml").write_text(config_mod.to_toml(same))
+    again = invoke("train", *TINY, "--run-dir", str(tmp_path))
+    assert again.exit_code == 2 and "already holds a run; pass --resume" in again.output
+    assert (tmp_path / "config.toml").read_text() == config_mod.to_toml(same)  # untouched
+
+
+# -- real processes: elastic restart on other device counts, SIGTERM, kill -9 ------------------------
+
+def shard_process(*args, devices: int | None = None) -> subprocess.Popen:
+    """The `shard` CLI in a fresh process (its own device count), output captured."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets the device count
+    if devices:
+        args = (*args, "--simulate-devices", str(devices))
+    return subprocess.Popen([sys.executable, "-m", "shard", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """Loss by step from metrics.jsonl; a step logged again after a resume keeps its last record."""
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def test_elastic_restart_on_fewer_processes_devices_and_other_meshes(reference, tmp_path):
+    _, ref_losses, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[6-9]", "1[0-9]"))
+    # 2x4 on 8 devices -> 4x1 on 4 devices, from step 4 (the config comes from the run dir)
+    rc, out, err = finish(shard_process("train", "--run-dir", str(run_dir), "--resume", "--mesh", "4x1", devices=4))
+    assert rc == 0, err
+    assert "resumed from step 4" in err and "mesh data=4,model=1 on 4 cpu device(s)" in out
+    # -> 1x1 on one device, from step 8 (saved by the 4-device run)
+    for late in ("10", "12"):
+        shutil.rmtree(run_dir / CHECKPOINTS_DIR / late)
+    rc, out, err = finish(shard_process("train", "--run-dir", str(run_dir), "--resume", "--mesh", "1x1", devices=1))
+    assert rc == 0, err
+    assert "resumed from step 8" in err and "on 1 cpu device(s)" in out
+    losses = logged_losses(run_dir)
+    np.testing.assert_allclose([losses[s] for s in range(5, STEPS + 1)], ref_losses[4:], rtol=1e-5)
+
+
+def test_sigterm_and_kill_9_at_random_moments_then_resume_continues_exactly(reference, tmp_path):
+    """Every restart resumes from the newest complete checkpoint; the stitched run equals the
+    uninterrupted one bitwise. One trial kills the trainer while an async save is being written."""
+    _, ref_losses, _, _ = reference
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ckpt_dir = run_dir / CHECKPOINTS_DIR
+    args = ["train", "--run-dir", str(run_dir), "--resume", "--allow-fresh", "--model", "tiny", "--mesh", "2x4",
+            "--steps", str(STEPS), "--batch", "8", "--seq", "32", "--log-every", "1", "--checkpoint-every", "1",
+            "--keep", "2"]
+    rng = random.Random(5)
+
+    def lines() -> int:
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def start_and_wait_for_training() -> subprocess.Popen:
+        before = lines()
+        p = shard_process(*args)
+        while lines() == before and p.poll() is None:
+            time.sleep(0.005)
+        return p
+
+    def complete_steps() -> list[int]:
+        return sorted(int(c.name) for c in ckpt_dir.iterdir() if c.name.isdigit()) if ckpt_dir.exists() else []
+
+    p = start_and_wait_for_training()  # 1. preemption: SIGTERM saves the current step and exits 0
+    p.send_signal(signal.SIGTERM)
+    rc, out, err = finish(p)
+    assert rc == 0, err
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+)", out).group(1))
+    assert f"checkpoint saved to {ckpt_dir / str(stopped)}" in out.replace("\n", "")
+    assert complete_steps()[-1] == stopped
+
+    killed_during_save = False
+    for trial in range(3):  # 2. kill -9: at a random moment, or the moment a save has begun
+        newest = complete_steps()[-1]
+        p = start_and_wait_for_training()
+        if trial % 2 == 0:
+            while p.poll() is None and not any(TMP_MARK in c.name for c in ckpt_dir.iterdir()):
+                time.sleep(0.0005)
+        else:
+            time.sleep(rng.uniform(0, 0.3))
+        p.kill()
+        rc, out, err = finish(p)
+        assert f"resumed from step {newest} " in err
+        killed_during_save |= any(TMP_MARK in c.name for c in ckpt_dir.iterdir())
+    assert killed_during_save  # at least one save was cut off half-written
+
+    newest = complete_steps()[-1]
+    rc, out, err = finish(shard_process(*args))  # 3. the last restart runs to the end
+    assert rc == 0, err
+    assert f"resumed from step {newest} " in err
+    losses = logged_losses(run_dir)
+    assert [losses[s] for s in range(1, STEPS + 1)] == ref_losses  # bitwise
+
+
+def test_two_processes_resume_stop_together_and_one_process_continues_their_checkpoint(reference, tmp_path):
+    """1 process (2x4) -> 2 processes x 4 devices (2x4, jax.distributed; only one gets SIGTERM, both
+    stop after the same step and save it) -> 1 process (8x1) continues to the end."""
+    cfg, ref_losses, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[5-9]", "1[0-9]"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = Path(__file__).parent / "helpers" / "two_process_resume.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(run_dir), str(STEPS), "8"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert [r["start_step"] for r in results] == [4, 4]
+    assert [r["stopped_at"] for r in results] == [8, 8]  # agreed, though only process 1 got the signal
+    np.testing.assert_allclose(results[0]["losses"], ref_losses[4:8], rtol=1e-5)
+    # Each process wrote its own shards; one process reads them all into 8x1 and continues.
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS_DIR / "8" / "state").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]
+    other = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec="8x1"))
+    losses, run, ckpts2 = checkpointed_run(run_dir, other, restore=lambda c: c.restore_latest)
+    request_close(ckpts2)
+    assert run.start_step == 8
+    np.testing.assert_allclose(losses, ref_losses[8:], rtol=1e-5)

@@ -154,3 +154,24 @@ def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
     assert any(w.startswith("communication-bound on fsdp") and "break-even" in w for w in warnings), warnings
     big = config.resolve(config.parse_sets(["model.name=llama-1b", "data.batch=64", "data.seq_len=4096"]))
     assert not startup_warnings(big, {"fsdp": 8}, h100, hosts=1)
+
+
+def test_nan_between_saves_leaves_the_last_good_checkpoint_newest(tmp_path):
+    from shard.checkpoint import Checkpoints, SaveCheckpoints
+    from shard.config import CheckpointConfig
+
+    cfg = tiny_config("8x1", steps=8, log_every=4)
+    run = prepare(cfg, devices_for("8x1"))
+    _plant_nan(run, 5)
+    ckpts = Checkpoints(tmp_path / "checkpoints", CheckpointConfig(every=2, keep=10))
+    saver = SaveCheckpoints(ckpts, seed=cfg.seed, config_toml="")
+    # Step 6 is a save step: the guard checks steps 5 and 6 before it, finds the NaN, and stops.
+    with pytest.raises(DivergenceError, match="at step 5"):
+        train(cfg, run=run, observers=[saver])
+    ckpts.close()
+    again = Checkpoints(tmp_path / "checkpoints", CheckpointConfig(every=2, keep=10))
+    assert again.steps() == [2, 4]
+    restored = again.restore_latest(prepare(cfg, devices_for("8x1")).spec)
+    assert restored.step == 4
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state["params"]))
+    again.close()

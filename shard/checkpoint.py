@@ -226,17 +226,15 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
     return p, steps[-1]
 
 
-def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
-    """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
-    checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
+def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
+    """(params as numpy arrays, the resolved config TOML it was saved with, step) of a checkpoint (run
+    dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
     directory, step = find_checkpoint(checkpoint)
-    out = Path(out).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise ShardError(f"export target {out} exists and is not empty; choose another --out")
     state_dir = directory / str(step) / STATE
     checkpoints = Checkpoints(directory)
     try:
         stored = checkpoints.stored_tree(step)
+        meta = checkpoints._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
     finally:
@@ -248,9 +246,19 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    return restored["params"], meta["config"], step
+
+
+def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
+    """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
+    checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
+    out = Path(out).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ShardError(f"export target {out} exists and is not empty; choose another --out")
+    params, _, step = read_params(checkpoint)
     if out.exists():
         out.rmdir()
     saver = ocp.StandardCheckpointer()
-    saver.save(out, restored["params"])
+    saver.save(out, params)
     saver.wait_until_finished()
     return out, step

@@ -192,13 +192,17 @@ def train(
         "--resume", help="continue the run in --run-dir from its newest complete checkpoint")] = False,
     allow_fresh: Annotated[bool, typer.Option(
         "--allow-fresh", help="with --resume: start from step 0 when there is no checkpoint yet")] = False,
+    init_from: Annotated[Optional[str], typer.Option(
+        "--init-from", help="start from these weights (a shard checkpoint or a Hugging Face folder)")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
 ):
     """Train a model on a device mesh."""
     try:
-        base = _resume_base(run_dir) if resume else None
+        if init_from and resume:
+            raise ShardError("--init-from starts a new run and --resume continues one: choose one")
+        base = _resume_base(run_dir) if resume else _init_from_base(init_from) if init_from else None
         cfg = config_mod.resolve(_overrides(
             config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
             run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
@@ -228,7 +232,14 @@ def train(
                                  "--allow-fresh to start this run from step 0")
             else:
                 notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+        if init_from:
+            from shard import weights
+
+            _, loaded = weights.load(init_from)
+            restore = lambda spec: weights.state_from(loaded, spec, cfg.seed, init_from)  # noqa: E731
         run = prepare(cfg, devices, restore=restore)
+        if init_from:
+            err_console.print(f"initialised from {init_from}", soft_wrap=True)
         if run.start_step:
             err_console.print(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
                               f"data position {run.stream.position}", soft_wrap=True)
@@ -257,6 +268,27 @@ def train(
                           f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
     except ShardError as e:
         _fail(e)
+
+
+def _init_from_base(source: str) -> dict:
+    """The model section of the weights' own config (config.json or the checkpoint's config.toml),
+    read without JAX, so the run builds exactly that model."""
+    import tomllib
+
+    from shard import hf
+    from shard.checkpoint import find_checkpoint
+
+    path = Path(source)
+    if not path.exists():
+        raise ShardError(f"--init-from: {source} does not exist")
+    if (path / "config.json").is_file():
+        cfg = hf.config_from_hf(json.loads((path / "config.json").read_text()), name=path.name or "hf")
+        return {"model": dataclasses.asdict(cfg)}
+    directory, step = find_checkpoint(path)
+    saved = directory.parent / "config.toml"
+    if not saved.is_file():
+        raise ShardError(f"--init-from: no config.toml beside {directory}")
+    return {"model": tomllib.loads(saved.read_text()).get("model", {})}
 
 
 def _resume_base(run_dir: Optional[str]) -> dict:
@@ -484,6 +516,129 @@ def report(
                       f"{r['median_tokens_per_s']:,.0f}", "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
     console.print(table)
     console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
+
+
+def _host_jax(mesh: str = "1x1", simulate_devices: Optional[int] = None):
+    """Start JAX for a command that only needs a mesh (generate, import/export): devices as for train."""
+    cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
+    spec = parse_mesh(cfg.mesh.spec)
+    return cfg, spec, start_devices(cfg, spec)
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="a shard checkpoint or run dir, or a Hugging Face folder")],
+    prompt: Annotated[Optional[str], typer.Option(help="prompt text (byte-level models)")] = None,
+    prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts-file", help="one prompt per line")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0: off")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="1: off")] = 1.0,
+    seed: int = 0,
+    mesh: Annotated[str, typer.Option(help="mesh to generate on (tensor parallel: 1x4, ...)")] = "1x1",
+    ids: Annotated[bool, typer.Option("--ids", help="print generated token ids instead of text")] = False,
+    simulate_devices: SimOpt = None,
+):
+    """Sample from a model with a KV cache on a mesh, streaming tokens as they come."""
+    import codecs
+
+    try:
+        given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
+        if len(given) != 1:
+            raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
+        tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices)
+        from shard import weights
+        from shard.data import ByteTokenizer
+        from shard.generate import Generator, Sampling
+        from shard.loop import make_layout
+        from shard.state import state_spec
+
+        model_cfg, params = weights.load(checkpoint)
+        byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
+        if prompt_ids is not None:
+            try:
+                prompts = [[int(t) for t in prompt_ids.split(",") if t.strip()]]
+            except ValueError:
+                raise ShardError(f"--prompt-ids expects comma-separated integers, got {prompt_ids!r}") from None
+        else:
+            if not byte_level:
+                raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
+                                 "tokenizer for it: use --prompt-ids and --ids")
+            if prompts_file is not None and not prompts_file.is_file():
+                raise ShardError(f"prompts file {prompts_file} not found")
+            texts = [prompt] if prompt is not None else [t for t in prompts_file.read_text().splitlines() if t]
+            prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
+        sampling = Sampling(temperature, top_k, top_p)
+        sampling.validate()
+        tcfg = dataclasses.replace(tcfg, model=model_cfg)
+        layout = make_layout(tcfg, mesh_spec, devices)
+        spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+        gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
+                        max_len=max(len(p) for p in prompts) + max_new_tokens)
+        for n, p in enumerate(prompts):
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            if ids:
+                emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
+            else:
+                print(ByteTokenizer().decode(p), end="", flush=True)
+                emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731
+            gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
+            print(flush=True)
+    except ShardError as e:
+        _fail(e)
+
+
+@app.command("import-hf")
+def import_hf(
+    hf_dir: Annotated[Path, typer.Argument(help="a local Hugging Face Llama folder (config.json + *.safetensors)")],
+    out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
+):
+    """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
+    try:
+        if out.exists() and any(out.iterdir()):
+            raise ShardError(f"--out {out} exists and is not empty; choose another")
+        tcfg, mesh_spec, devices = _host_jax("1x1")
+        from shard import weights
+        from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints
+        from shard.loop import make_layout
+        from shard.state import state_spec
+
+        model_cfg, params = weights.load(hf_dir)
+        tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
+        layout = make_layout(tcfg, mesh_spec, devices[:1])
+        spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+        restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
+        out.mkdir(parents=True, exist_ok=True)
+        config_toml = config_mod.to_toml(tcfg)
+        (out / "config.toml").write_text(config_toml)
+        ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)
+        ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
+        ckpts.wait()
+        ckpts.close()
+        console.print(f"imported {hf_dir} ({model_cfg.num_params() / 1e6:,.1f}M parameters) into {out}; "
+                      f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
+    except ShardError as e:
+        _fail(e)
+
+
+@app.command("export-hf")
+def export_hf(
+    checkpoint: Annotated[str, typer.Argument(help="a shard checkpoint, checkpoints dir or run dir")],
+    out: Annotated[Path, typer.Option("--out", help="folder to write config.json and safetensors into")],
+):
+    """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
+    try:
+        if out.exists() and any(out.iterdir()):
+            raise ShardError(f"--out {out} exists and is not empty; choose another")
+        _host_jax()
+        from shard import hf, weights
+
+        model_cfg, params = weights.load(checkpoint)
+        files = hf.write_hf_dir(str(out), model_cfg, params)
+        console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
+    except ShardError as e:
+        _fail(e)
 
 
 def _human(n: float) -> str:

@@ -244,9 +244,10 @@ def resolve(overrides: dict) -> TrainConfig:
     if not isinstance(model_over, dict):
         raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
     name = model_over.get("name", TrainConfig().model.name)
-    if name not in PRESETS:
+    complete = set(model_over) >= {f.name for f in dataclasses.fields(ModelConfig)}
+    if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset
         raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)})")
-    model = _build(ModelConfig, model_over, "model.", PRESETS[name])
+    model = _build(ModelConfig, model_over, "model.", PRESETS.get(name, ModelConfig()))
     rest = {k: v for k, v in overrides.items() if k != "model"}
     cfg = dataclasses.replace(_build(TrainConfig, rest, ""), model=model)
     cfg.validate()

@@ -155,7 +155,8 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
-    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
+    # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         if current and size + t.nbytes > _FILE_LIMIT:

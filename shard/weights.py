@@ -1,0 +1,73 @@
+"""Model weights from outside the run: a shard checkpoint (run dir, checkpoints dir or step dir) or a
+Hugging Face Llama folder, read on the host, then placed into a mesh's shardings. Serves
+`shard generate`, `shard train --init-from`, `shard import-hf` and `shard export-hf`."""
+
+import tomllib
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from shard import config as config_mod
+from shard.errors import ShardError
+from shard.models.configs import ModelConfig
+from shard.rules import path_str
+from shard.state import StateSpec
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def load(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(model config, params as numpy) from a shard checkpoint or a Hugging Face folder."""
+    from shard import hf
+
+    if not Path(path).exists():
+        raise ShardError(f"weights path {path} does not exist")
+    if is_hf_dir(path):
+        hf_config, tensors = hf.read_hf_dir(str(path))
+        cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf")
+        return cfg, hf.params_from_hf(tensors, cfg)
+    from shard.checkpoint import read_params
+
+    params, config_toml, _ = read_params(path)
+    return config_mod.resolve(tomllib.loads(config_toml)).model, params
+
+
+def place(params: dict, spec: StateSpec) -> dict:
+    """Host params into the spec's parameter shardings, after checking every shape against the model."""
+    wanted = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]}
+    have = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for name, a in wanted.items():
+        if name not in have:
+            raise ShardError(f"the weights lack parameter {name} {tuple(a.shape)}")
+        if tuple(have[name].shape) != tuple(a.shape):
+            raise ShardError(f"parameter {name} is {tuple(have[name].shape)} in the weights but "
+                             f"{tuple(a.shape)} in the model")
+    extra = sorted(set(have) - set(wanted))
+    if extra:
+        raise ShardError(f"the weights hold parameter {extra[0]} that the model lacks")
+    cast = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, spec.abstract["params"])
+    return jax.device_put(cast, spec.shardings["params"])
+
+
+def model_overrides(cfg: ModelConfig) -> dict:
+    """The `model` section that makes a run use exactly this model (for --init-from)."""
+    import dataclasses
+
+    return {"model": dataclasses.asdict(cfg)}
+
+
+def state_from(params: dict, spec: StateSpec, seed: int, source: str):
+    """A fresh train state (step 0, new optimizer state) around loaded params, for `--init-from`:
+    returned as a shard.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""
+    import jax.numpy as jnp
+
+    from shard.checkpoint import Restored
+
+    placed = place(params, spec)
+    opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(placed)
+    step = jax.device_put(jnp.zeros((), jnp.int32), spec.shardings["step"])
+    return Restored(step=0, state={"step": step, "params": placed, "opt_state": opt_state}, position=0,
+                    seed=seed, config_toml="", path=Path(source))

@@ -1,0 +1,97 @@
+"""Weights in and out through the CLI: import-hf, generate, export-hf and train --init-from, on a Hugging
+Face folder that shard writes itself (no torch needed; tests/test_hf.py checks against transformers)."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from shard import hf, models
+from shard.cli import app
+from shard.models.configs import PRESETS
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    cfg = dataclasses.replace(PRESETS["tiny"], n_kv_heads=4, tie_embeddings=False, name="tiny-gqa")
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg, seed=7))))
+    path = tmp_path_factory.mktemp("hf")
+    hf.write_hf_dir(str(path), cfg, params)
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("imported") / "run"
+    r = invoke("import-hf", hf_dir, "--out", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_import_writes_a_resumable_checkpoint(imported):
+    assert (imported / "config.toml").is_file() and (imported / "checkpoints" / "0" / "state").is_dir()
+
+
+def test_generate_from_the_import_and_from_the_folder_agree(imported, hf_dir):
+    a = invoke("generate", "--checkpoint", imported, "--prompt-ids", "5,17,99", "--max-new-tokens", 6,
+               "--temperature", 0, "--ids", "--mesh", "8x1")
+    b = invoke("generate", "--checkpoint", hf_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", 6,
+               "--temperature", 0, "--ids", "--mesh", "2x4")
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    tokens = a.output.split()
+    assert len(tokens) == 6 and all(0 <= int(t) < 256 for t in tokens)
+    assert a.output.split() == b.output.split()
+
+
+def test_text_prompt_streams_text(imported):
+    r = invoke("generate", "--checkpoint", imported, "--prompt", "def f", "--max-new-tokens", 5,
+               "--temperature", 0.7, "--top-k", 20, "--mesh", "8x1")
+    assert r.exit_code == 0 and r.output.startswith("def f"), r.output
+
+
+def test_export_gives_back_the_same_tensors(imported, hf_dir, tmp_path):
+    r = invoke("export-hf", imported, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    before, after = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k], err_msg=k)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_key_value_heads"] == 4
+
+
+def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
+    r = invoke("train", "--init-from", imported, "--mesh", "2x4", "--steps", 2, "--batch", 8, "--seq", 32,
+               "--run-dir", tmp_path / "ft", "--log-every", 1)
+    assert r.exit_code == 0, r.output
+    first = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])
+    # the imported model, not a fresh one: its first loss is the loss of those weights
+    fresh = invoke("train", "--model", "tiny", "--set", "model.n_kv_heads=4", "--set", "model.tie_embeddings=false",
+                   "--mesh", "2x4", "--steps", 1, "--batch", 8, "--seq", 32, "--run-dir", tmp_path / "fresh")
+    assert fresh.exit_code == 0, fresh.output
+    other = json.loads((tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] != other["loss"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--checkpoint", "/nonexistent", "--prompt", "x"], "weights path /nonexistent does not exist"),
+    (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--prompt-ids", "1"], "exactly one of"),
+    (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
+])
+def test_bad_weights_input(args, message):
+    r = invoke(*args)
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_shape_mismatch_names_the_parameter(imported, tmp_path):
+    r = invoke("train", "--init-from", imported, "--set", "model.mlp_dim=64", "--mesh", "8x1", "--steps", 1,
+               "--batch", 8, "--seq", 32, "--run-dir", tmp_path / "bad")
+    assert r.exit_code == 2 and "parameter layers/w_down is (2, 128, 64) in the weights but (2, 64, 64)" in r.output, r.output

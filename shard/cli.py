@@ -26,31 +26,41 @@ MeshOpt = Annotated[Optional[str], typer.Option("--mesh", help="8x4 | data=2,fsd
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, llama-1b, llama-7b, ...")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
-SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate (default: what the mesh needs, 8 to fill)")]
+SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
 
 
 def _overrides(config: Optional[Path], sets: Optional[list[str]], **flags) -> dict:
     """defaults < config file < flags < --set, as one nested override dict."""
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
-                 "simulate_devices": "mesh.simulate_devices", "log_every": "log_every"}
+                 "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
+                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout"}
     out = config_mod.load_file(str(config)) if config else {}
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
 
 
-def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec):
-    """Settle the CPU device count, start JAX, and return the devices the mesh will use."""
+def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, cluster=None):
+    """Settle the CPU device count (per process), join the cluster if there is one, start JAX, and
+    return the devices the mesh will use (every process's with --cross-host xla, this one's with mpi)."""
+    from shard import distributed
     from shard.devices import request_host_devices
 
-    wanted = cfg.mesh.simulate_devices or devices_needed(mesh_spec, DEFAULT_FILL_DEVICES)
+    n_proc = cluster.num_processes if cluster else 1
+    needed = devices_needed(mesh_spec, DEFAULT_FILL_DEVICES * n_proc)
+    if not cfg.mesh.simulate_devices and needed % n_proc:
+        raise ShardError(f"mesh {mesh_spec.describe()} needs {needed} devices, which do not split evenly "
+                         f"over {n_proc} processes")
+    wanted = cfg.mesh.simulate_devices or needed // n_proc
     asked = request_host_devices(wanted)
+    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout)
     import jax
 
-    devices = jax.devices()
-    if asked and devices[0].platform == "cpu" and wanted > 1:
-        err_console.print(f"[dim]simulating {len(devices)} CPU devices (XLA host platform); "
+    devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
+    if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main:
+        each = f" in each of {n_proc} processes" if n_proc > 1 else ""
+        err_console.print(f"[dim]simulating {wanted} CPU devices{each} (XLA host platform); "
                           "set --simulate-devices to change[/dim]")
     return devices
 
@@ -96,9 +106,18 @@ class ConsoleProgress:
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         n_params = self.cfg.model.num_params()
         kind = run.mesh.devices.flat[0].platform
-        console.print(f"mesh {mesh} on {run.mesh.size} {kind} device(s) · model {self.cfg.model.name} "
+        from shard import distributed
+
+        ctx = distributed.context()
+        where = f"{run.mesh.size} {kind} device(s)"
+        if ctx.mode == distributed.XLA:
+            where += f" in {ctx.size} processes"
+        elif ctx.mode == distributed.MPI:
+            where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
+        compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
+        console.print(f"mesh {mesh} on {where} · model {self.cfg.model.name} "
                       f"({n_params / 1e6:.2f}M params) · batch {self.cfg.data.batch}x{self.cfg.data.seq_len} "
-                      f"tokens · step compiled in {run.compile_s:.1f}s")
+                      f"tokens · step compiled {compiled}")
         self.progress.start()
 
     def on_step(self, step: int) -> None:
@@ -128,25 +147,41 @@ def train(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
+    coordinator: Annotated[Optional[str], typer.Option(help="HOST:PORT of process 0, to start processes by hand (with --num-processes, --process-id)")] = None,
+    num_processes: Annotated[Optional[int], typer.Option("--num-processes", help="processes in the job (explicit form)")] = None,
+    process_id: Annotated[Optional[int], typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
+    cross_host: Annotated[Optional[str], typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
+    failure_timeout: Annotated[Optional[float], typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
 ):
-    """Train a model on a device mesh."""
+    """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
+    import os
+
+    from shard import distributed
+
     try:
         cfg = config_mod.resolve(_overrides(
             config, set_, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
-            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every))
+            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, cross_host=cross_host,
+            failure_timeout=failure_timeout))
+        cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)
-        path = _run_dir(cfg, mesh_spec)
-        devices = start_devices(cfg, mesh_spec)
+        main = cluster is None or cluster.process_id == 0
+        path = _run_dir(cfg, mesh_spec) if main else None
+        devices = start_devices(cfg, mesh_spec, cluster)
         from shard.loop import prepare
         from shard.loop import train as train_loop
         from shard.metrics import JsonlWriter
 
         run = prepare(cfg, devices)
-        path.mkdir(parents=True, exist_ok=True)
-        cfg = dataclasses.replace(cfg, run_dir=str(path))
-        (path / "config.toml").write_text(config_mod.to_toml(cfg))
-        train_loop(cfg, run=run, observers=[ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")])
+        observers = []
+        if distributed.context().is_main:  # only process 0 prints and writes the run's files
+            path.mkdir(parents=True, exist_ok=True)
+            cfg = dataclasses.replace(cfg, run_dir=str(path))
+            (path / "config.toml").write_text(config_mod.to_toml(cfg))
+            observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")]
+        train_loop(cfg, run=run, observers=observers)
+        distributed.finish()
     except ShardError as e:
         _fail(e)
 

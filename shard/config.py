@@ -46,11 +46,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Several processes: how they cross hosts, and how long a lost one may stay silent."""
+
+    cross_host: str = "xla"  # xla: one global mesh (jax.distributed) | mpi: local meshes + the MPI bridge
+    failure_timeout: float = 60.0  # seconds before a silent process counts as lost and the others stop
+    bucket_mb: float = 64.0  # MPI bridge: gradients cross hosts in buckets of at most this size
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -73,6 +83,10 @@ class TrainConfig:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
             )
+        if self.cluster.cross_host not in ("xla", "mpi"):
+            problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
+        if self.cluster.failure_timeout <= 0 or self.cluster.bucket_mb <= 0:
+            problems.append("cluster.failure_timeout and cluster.bucket_mb must be positive")
         if self.optimizer.lr <= 0:
             problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:

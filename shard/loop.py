@@ -4,15 +4,17 @@ Observers (console, metrics.jsonl) receive `on_start(run)`, `on_step(step)`, `on
 `on_end(records)`; the loop itself prints and writes nothing.
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import jax
 
 from shard.config import TrainConfig
+from shard import distributed
 from shard.data import BatchStream, sample_dataset
 from shard.errors import ShardError
-from shard.mesh import MeshSpec, build_mesh, parse_mesh
+from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
 from shard.state import StateSpec, init_state, state_spec
 from shard.step import abstract_batch, batch_sharding, make_train_step
@@ -25,8 +27,8 @@ class Run:
     spec: StateSpec
     state: dict
     stream: BatchStream
-    step_fn: object  # the compiled step
-    compile_s: float
+    step_fn: object  # the compiled step (a jitted function with the MPI bridge)
+    compile_s: float | None  # None: compiled on the first call (MPI bridge)
 
     @property
     def mesh(self):
@@ -63,6 +65,9 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
 
 def prepare(cfg: TrainConfig, devices=None) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init, data stream, compiled step."""
+    ctx = distributed.context()
+    if ctx.mode == distributed.MPI:
+        return _prepare_bridge(cfg, ctx, devices)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
@@ -75,6 +80,37 @@ def prepare(cfg: TrainConfig, devices=None) -> Run:
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
     return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0)
+
+
+def _prepare_bridge(cfg: TrainConfig, ctx, devices=None) -> Run:
+    """The MPI bridge: a local mesh over this process's devices; processes split the batch axes only
+    (parameters are replicated across processes), each reads its own block of every global batch."""
+    from shard.bridge import make_bridge_step
+
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    local_devices = list(devices if devices is not None else jax.local_devices())
+    dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)
+    layout = make_layout(cfg, dataclasses.replace(mesh_spec, shape=ici), local_devices)
+    batch_axes = set(layout.rules.get("batch", ()))
+    across = [a for a, d in zip(mesh_spec.axes, dcn) if d > 1]
+    if not set(across) <= batch_axes:
+        raise ShardError(
+            f"--cross-host mpi splits only batch axes across processes, but mesh {mesh_spec.describe()} puts "
+            f"{', '.join(across)} across {ctx.size} processes; put a batch axis ({', '.join(sorted(batch_axes))}) "
+            "outermost, or use --cross-host xla"
+        )
+    if cfg.data.batch % ctx.size:
+        raise ShardError(f"global batch {cfg.data.batch} does not divide over {ctx.size} processes")
+    rows = cfg.data.batch // ctx.size
+    check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout),
+                         offset=ctx.rank * rows, rows=rows)
+    state = init_state(spec, cfg.model, cfg.seed)  # same seed everywhere: the replicas start equal
+    step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
+                            int(cfg.cluster.bucket_mb * (1 << 20)))
+    return Run(cfg, layout, spec, state, stream, step, None)
 
 
 def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = None) -> list[dict]:

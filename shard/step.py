@@ -38,8 +38,11 @@ def _microbatches(x: jax.Array, m: int, layout: Layout) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(None, *spec)))
 
 
-def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
-    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
+def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1):
+    """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
+    summed next-token loss and token count over the batch this program sees (not yet normalised), and
+    `apply(state, grads, nll, count)` normalises by the count, updates and reports metrics. The MPI
+    bridge sums the first half's outputs across processes before the second."""
     graphdef, tx, schedule = spec.graphdef, spec.tx, spec.schedule
 
     def loss_fn(params, mb):
@@ -48,8 +51,7 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def step(state, batch):
-        params = state["params"]
+    def grad_sums(params, batch):
         with activation_layout(layout):
             if microbatches == 1:
                 (nll, count), grads = grad_fn(params, batch)
@@ -65,6 +67,10 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
                 carry = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
                 (grads, nll, count), _ = jax.lax.scan(accumulate, carry, mbs)
+        return grads, nll, count
+
+    def apply(state, grads, nll, count):
+        params = state["params"]
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -72,6 +78,16 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
         metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
                    "tokens": count}
         return new_state, metrics
+
+    return grad_sums, apply
+
+
+def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
+    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
+    grad_sums, apply = make_step_parts(spec, layout, microbatches)
+
+    def step(state, batch):
+        return apply(state, *grad_sums(state["params"], batch))
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)

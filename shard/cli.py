@@ -180,7 +180,10 @@ def train(
             cfg = dataclasses.replace(cfg, run_dir=str(path))
             (path / "config.toml").write_text(config_mod.to_toml(cfg))
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")]
-        train_loop(cfg, run=run, observers=observers)
+        try:
+            train_loop(cfg, run=run, observers=observers)
+        except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
+            distributed.fail(e)
         distributed.finish()
     except ShardError as e:
         _fail(e)

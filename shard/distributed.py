@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -156,10 +157,31 @@ def finish() -> None:
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             _lost(f"not every process reached the end of the run within {ctx.failure_timeout:g}s "
                   f"({str(e).splitlines()[0]})")
+        if ctx.rank == 0:
+            # Process 0 hosts the coordination service: let the others disconnect before it stops,
+            # or their own shutdown fails and aborts them.
+            others = set(range(1, ctx.size))
+            ctx._watchdog.wait_until(lambda missing: others <= set(missing), ctx.failure_timeout)
         jax.distributed.shutdown()
     elif ctx.mode == MPI:
         _mpi_world().Barrier()
     _ctx = Context()
+
+
+def fail(error: BaseException) -> None:
+    """A runtime error in a multi-process run: name the lost process if there is one, and stop this one.
+
+    A peer that dies inside a collective makes gloo/NCCL fail here before the coordination service has
+    noticed, so wait (up to the failure timeout) for the service to name it. A single process re-raises.
+    """
+    ctx = _ctx
+    if ctx.mode != XLA:
+        raise error
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
+    if missing:
+        _lost(f"lost process {', '.join(map(str, missing))} of {ctx.size} ({first})")
+    _lost(f"a cross-process collective failed: {first}")
 
 
 def _lost(reason: str) -> None:
@@ -188,18 +210,28 @@ class _Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def _run(self) -> None:
+    def missing(self) -> list[int]:
+        """Processes the coordination service no longer counts as live; [0] when it is unreachable."""
         from jax._src import distributed as jax_distributed
 
-        client = jax_distributed.global_state.client
+        try:
+            live = jax_distributed.global_state.client.get_live_nodes(list(range(self.size)))
+        except Exception:  # noqa: BLE001 - the coordinator (process 0) is gone
+            return [0]
+        return sorted(set(range(self.size)) - set(live))
+
+    def wait_until(self, done, timeout: float) -> list[int]:
+        """Poll the missing processes until `done(missing)` holds or `timeout` passes; the last answer."""
+        end = time.monotonic() + timeout
+        while True:
+            missing = self.missing()
+            if done(missing) or time.monotonic() > end:
+                return missing
+            time.sleep(0.1)
+
+    def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                live = client.get_live_nodes(list(range(self.size)))
-            except Exception as e:  # noqa: BLE001
-                if not self._stop.is_set():
-                    _lost(f"lost process 0 (the coordinator): {str(e).splitlines()[0]}")
-                return
-            missing = sorted(set(range(self.size)) - set(live))
+            missing = self.missing()
             if missing and not self._stop.is_set():
                 names = ", ".join(map(str, missing))
                 _lost(f"lost process {names} of {self.size} (it exited, or sent no heartbeat for "

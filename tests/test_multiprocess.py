@@ -1,0 +1,181 @@
+"""Several real processes on one machine: explicit coordinator (gloo), mpiexec auto-detection, the MPI
+bridge, process sets, and a lost process. Each run is the tiny model for 3 steps; ports are chosen free."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard.metrics import read_jsonl
+from shard.testing import tiny_config, train_losses
+
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+TINY = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1"]
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # each process simulates what the CLI asks for
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def shard_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "shard", "train", *args]
+
+
+def explicit(n: int, args, cwd, port: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen(shard_cmd(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+                                       "--process-id", str(i)),
+                             cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(n)]
+
+
+def finish(procs, timeout=400):
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def run_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Losses of one process on 8 (or 2) devices, the numbers every multi-process run must match."""
+    return {mesh: train_losses(tiny_config(mesh)) for mesh in ("2x4", "2x1")}
+
+
+def test_two_processes_match_one(tmp_path, reference):
+    procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_port())
+    (rc0, out0, err0), (rc1, out1, err1) = finish(procs)
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert "mesh data=2,model=4 on 8 cpu device(s) in 2 processes" in out0
+    assert "simulating 4 CPU devices in each of 2 processes" in err0
+    assert out1.strip() == "" and "simulating" not in err1  # only process 0 prints
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference["2x4"], rtol=1e-5)
+
+
+@needs_mpi
+def test_mpiexec_detects_the_cluster(tmp_path, reference):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in 2 processes" in r.stdout and r.stdout.count("done:") == 1
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference["2x4"], rtol=1e-5)
+
+
+@needs_mpi
+@pytest.mark.parametrize("mesh, per_process", [("2x4", 4), ("2x1", 1)])
+def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_process):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", mesh, "--run-dir", "r", "--cross-host", "mpi")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{per_process} cpu device(s) in each of 2 processes (MPI bridge)" in r.stdout
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[mesh], rtol=1e-5)
+
+
+@needs_mpi
+def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "1x8", "--cross-host", "mpi")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode != 0
+    assert "--cross-host mpi splits only batch axes across processes" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+PROCESS_SETS = textwrap.dedent("""
+    import json, os
+    from shard import distributed
+    from shard.errors import ShardError
+
+    ctx = distributed.start(distributed.plan(os.environ), "xla", failure_timeout=30)
+    out = {"rank": ctx.rank}
+    evens = distributed.process_set([0, 2], name="evens")
+    if evens.includes():
+        out["mpi_sum"] = float(evens.allreduce(ctx.rank + 1.0))
+        out["xla_sum"] = float(evens._xla_allreduce(__import__("numpy").float32(ctx.rank + 1.0)))
+        out["set_rank"] = evens.rank
+    else:
+        try:
+            evens.allreduce(1.0)
+        except ShardError as e:
+            out["non_member"] = str(e)
+    pair = distributed.process_set([1, 2], name="pair")
+    pair.destroy()
+    try:
+        pair.allreduce(1.0)
+    except ShardError as e:
+        out["destroyed"] = str(e)
+    again = distributed.process_set([1, 2], name="pair")  # the name is free again
+    if again.includes():
+        out["again"] = float(again.allreduce(10.0))
+    out["world"] = float(distributed.world().allreduce(1.0))
+    open(f"sets-{ctx.rank}.json", "w").write(json.dumps(out))
+    distributed.finish()
+""")
+
+
+@needs_mpi
+def test_process_sets(tmp_path):
+    script = tmp_path / "sets.py"
+    script.write_text(PROCESS_SETS)
+    env = child_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    r = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_rank = {d["rank"]: d for d in (json.loads(f.read_text()) for f in tmp_path.glob("sets-*.json"))}
+    assert set(by_rank) == {0, 1, 2}
+    for rank in (0, 2):  # members sum over members only: 1 + 3
+        assert by_rank[rank]["mpi_sum"] == 4.0 and by_rank[rank]["xla_sum"] == 4.0
+    assert by_rank[0]["set_rank"] == 0 and by_rank[2]["set_rank"] == 1
+    assert "not a member of process set 'evens'" in by_rank[1]["non_member"]
+    assert all("process set 'pair' was destroyed" in d["destroyed"] for d in by_rank.values())
+    assert by_rank[1]["again"] == by_rank[2]["again"] == 20.0 and "again" not in by_rank[0]
+    assert all(d["world"] == 3.0 for d in by_rank.values())
+
+
+def test_a_lost_process_stops_the_other(tmp_path):
+    long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
+                "--mesh", "2x4", "--run-dir", "r", "--failure-timeout", "10"]
+    procs = explicit(2, long_run, tmp_path, free_port())
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        for _ in range(3000):  # until the first steps are logged (compiling takes a while here)
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 or procs[0].poll() is not None:
+                break
+            time.sleep(0.1)
+        assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+        procs[1].send_signal(signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=60)  # the failure timeout (10 s) plus margin, never a hang
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 3, err[-3000:]
+    assert "error: lost process 1 of 2" in err

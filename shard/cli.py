@@ -34,7 +34,8 @@ def _overrides(config: Optional[Path], sets: Optional[list[str]], **flags) -> di
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
                  "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
-                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout"}
+                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
+                 "eval_every": "eval.every"}
     out = config_mod.load_file(str(config)) if config else {}
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
@@ -152,6 +153,7 @@ def train(
     process_id: Annotated[Optional[int], typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
     cross_host: Annotated[Optional[str], typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
     failure_timeout: Annotated[Optional[float], typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
+    eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
     import os
@@ -162,7 +164,7 @@ def train(
         cfg = config_mod.resolve(_overrides(
             config, set_, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
             run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, cross_host=cross_host,
-            failure_timeout=failure_timeout))
+            failure_timeout=failure_timeout, eval_every=eval_every))
         cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)

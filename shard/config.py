@@ -55,12 +55,23 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out loss every `every` steps (0: never) over `batches` global batches drawn with seed + 1,
+    computed by a process set of the first `processes` processes (0: all; fewer needs --cross-host mpi)."""
+
+    every: int = 0
+    batches: int = 2
+    processes: int = 0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -83,6 +94,8 @@ class TrainConfig:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
             )
+        if self.eval.every < 0 or self.eval.batches <= 0 or self.eval.processes < 0:
+            problems.append("eval.every and eval.processes must be >= 0 and eval.batches positive")
         if self.cluster.cross_host not in ("xla", "mpi"):
             problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
         if self.cluster.failure_timeout <= 0 or self.cluster.bucket_mb <= 0:

@@ -121,7 +121,7 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     # the watchdog can stop them with an error that names it.
     jax.config.update("jax_enable_recoverability", True)
     timeout = max(1, int(failure_timeout))
-    kwargs = dict(initialization_timeout=max(timeout, 30), heartbeat_timeout_seconds=timeout)
+    kwargs = {"initialization_timeout": max(timeout, 30), "heartbeat_timeout_seconds": timeout}
     try:
         if cluster.launcher == "explicit":
             jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
@@ -140,6 +140,24 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
     return _ctx
+
+
+def barrier(name: str) -> None:
+    """Wait (up to the failure timeout) until every process gets here.
+
+    Before the first cross-process computations: gloo's rendezvous gives up after a fixed 30 s, and
+    one process can reach it that much later than another when compiling on a busy machine.
+    """
+    ctx = _ctx
+    if ctx.mode == XLA:
+        from jax._src import distributed as jax_distributed
+
+        try:
+            jax_distributed.global_state.client.wait_at_barrier(f"shard_{name}", int(ctx.failure_timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+            fail(e)
+    elif ctx.mode == MPI:
+        _mpi_world().Barrier()
 
 
 def finish() -> None:
@@ -317,7 +335,6 @@ class ProcessSet:
 
     def mesh(self, axis: str = "procs"):
         """A 1-D mesh over the members' devices, outermost by process."""
-        import jax
         from jax.sharding import AxisType, Mesh
 
         devs = sorted(self.devices(), key=lambda d: (d.process_index, d.id))
@@ -371,7 +388,7 @@ class ProcessSet:
 def process_set(ranks: Sequence[int], name: str | None = None) -> ProcessSet:
     """Create a process set over `ranks` (call it on every process, with the same ranks)."""
     ctx = _ctx
-    ranks = tuple(sorted(set(int(r) for r in ranks)))
+    ranks = tuple(sorted({int(r) for r in ranks}))
     if not ranks or ranks[0] < 0 or ranks[-1] >= ctx.size:
         raise ShardError(f"process set ranks must be in 0..{ctx.size - 1}, got {list(ranks)}")
     name = name or "ranks-" + "-".join(map(str, ranks))

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import jax
 
-from shard.config import TrainConfig
 from shard import distributed
+from shard.config import TrainConfig
 from shard.data import BatchStream, sample_dataset
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
-from shard.state import StateSpec, init_state, state_spec
+from shard.state import StateSpec, compile_init, init_state, state_spec
 from shard.step import abstract_batch, batch_sharding, make_train_step
 
 
@@ -74,12 +74,16 @@ def prepare(cfg: TrainConfig, devices=None) -> Run:
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout))
-    state = init_state(spec, cfg.model, cfg.seed)
+    init = compile_init(spec, cfg.model, cfg.seed)
     t0 = time.perf_counter()
     jitted = make_train_step(spec, layout, cfg.data.microbatches)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
-    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0)
+    compile_s = time.perf_counter() - t0
+    # Every process compiles first and then meets the others, so the first cross-process computation
+    # (the init) starts together.
+    distributed.barrier("compiled")
+    return Run(cfg, layout, spec, init(), stream, compiled, compile_s)
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None) -> Run:
@@ -123,29 +127,42 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     start = last_time = time.perf_counter()
     last_step = 0
     state = run.state
-    for i in range(1, cfg.steps + 1):
-        batch = run.stream.next()
-        state, metrics = run.step_fn(state, batch)
-        for o in observers:
-            getattr(o, "on_step", lambda s: None)(i)
-        if i % cfg.log_every == 0 or i == cfg.steps:
-            values = jax.device_get(metrics)
-            now = time.perf_counter()
-            elapsed = now - last_time
-            record = {
-                "step": i,
-                "loss": float(values["loss"]),
-                "grad_norm": float(values["grad_norm"]),
-                "lr": float(values["lr"]),
-                "tokens_per_s": (i - last_step) * tokens_per_step / elapsed,
-                "step_time_s": elapsed / (i - last_step),
-                "tokens_seen": i * tokens_per_step,
-                "time_s": now - start,
-            }
-            records.append(record)
+    evaluator = None
+    if cfg.eval.every:
+        from shard.evaluate import Evaluator
+
+        evaluator = Evaluator(cfg, run)
+    try:
+        for i in range(1, cfg.steps + 1):
+            batch = run.stream.next()
+            state, metrics = run.step_fn(state, batch)
             for o in observers:
-                getattr(o, "on_log", lambda r: None)(record)
-            last_time, last_step = now, i
+                getattr(o, "on_step", lambda s: None)(i)
+            if i % cfg.log_every == 0 or i == cfg.steps:
+                values = jax.device_get(metrics)
+                now = time.perf_counter()
+                elapsed = now - last_time
+                record = {
+                    "step": i,
+                    "loss": float(values["loss"]),
+                    "grad_norm": float(values["grad_norm"]),
+                    "lr": float(values["lr"]),
+                    "tokens_per_s": (i - last_step) * tokens_per_step / elapsed,
+                    "step_time_s": elapsed / (i - last_step),
+                    "tokens_seen": i * tokens_per_step,
+                    "time_s": now - start,
+                }
+                if evaluator and (i % cfg.eval.every == 0 or i == cfg.steps):
+                    eval_loss = evaluator(state["params"])  # None on processes outside the eval set
+                    if eval_loss is not None:
+                        record["eval_loss"] = eval_loss
+                records.append(record)
+                for o in observers:
+                    getattr(o, "on_log", lambda r: None)(record)
+                last_time, last_step = time.perf_counter(), i  # evaluation is not step time
+    finally:
+        if evaluator:
+            evaluator.close()
     run.state = state
     for o in observers:
         getattr(o, "on_end", lambda r: None)(records)

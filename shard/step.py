@@ -99,6 +99,21 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1):
     )
 
 
+def make_eval_step(spec: StateSpec, layout: Layout):
+    """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
+    graphdef = spec.graphdef
+
+    def evaluate(params, batch):
+        with activation_layout(layout):
+            logits = nnx.merge(graphdef, params)(batch["inputs"])
+            return token_nll(logits, batch["targets"], batch["mask"])
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    data = batch_sharding(layout)
+    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], {k: data for k in BATCH_KEYS}),
+                   out_shardings=replicated)
+
+
 def abstract_batch(layout: Layout, batch: int, seq_len: int) -> dict:
     data = batch_sharding(layout)
     dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}

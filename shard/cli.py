@@ -175,17 +175,19 @@ def train(
         from shard.loop import train as train_loop
         from shard.metrics import JsonlWriter
 
-        run = prepare(cfg, devices)
-        observers = []
-        if distributed.context().is_main:  # only process 0 prints and writes the run's files
-            path.mkdir(parents=True, exist_ok=True)
-            cfg = dataclasses.replace(cfg, run_dir=str(path))
-            (path / "config.toml").write_text(config_mod.to_toml(cfg))
-            observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")]
         try:
+            run = prepare(cfg, devices)
+            observers = []
+            if distributed.context().is_main:  # only process 0 prints and writes the run's files
+                path.mkdir(parents=True, exist_ok=True)
+                cfg = dataclasses.replace(cfg, run_dir=str(path))
+                (path / "config.toml").write_text(config_mod.to_toml(cfg))
+                observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl")]
             train_loop(cfg, run=run, observers=observers)
+        except ShardError:
+            raise
         except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
-            distributed.fail(e)
+            distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
         distributed.finish()
     except ShardError as e:
         _fail(e)

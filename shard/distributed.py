@@ -333,12 +333,12 @@ class ProcessSet:
             return [d for d in jax.devices() if d.process_index in self.ranks]
         return list(jax.local_devices())
 
-    def mesh(self, axis: str = "procs"):
-        """A 1-D mesh over the members' devices, outermost by process."""
-        from jax.sharding import AxisType, Mesh
+    def mesh(self, spec: str = "data=-1"):
+        """A shard mesh (any `--mesh` spec) over the members' devices, processes on the outer axes."""
+        from shard.mesh import build_mesh, parse_mesh
 
-        devs = sorted(self.devices(), key=lambda d: (d.process_index, d.id))
-        return Mesh(np.array(devs), (axis,), axis_types=(AxisType.Auto,))
+        self._check()
+        return build_mesh(parse_mesh(spec), sorted(self.devices(), key=lambda d: (d.process_index, d.id)))
 
     def allreduce(self, x) -> np.ndarray:
         """The sum of `x` (a host array or scalar) over the members; every member gets it."""

@@ -137,6 +137,7 @@ PROCESS_SETS = textwrap.dedent("""
         out["mpi_sum"] = float(evens.allreduce(ctx.rank + 1.0))
         out["xla_sum"] = float(evens._xla_allreduce(__import__("numpy").float32(ctx.rank + 1.0)))
         out["set_rank"] = evens.rank
+        out["mesh_procs"] = sorted({d.process_index for d in evens.mesh().devices.flat})
     else:
         try:
             evens.allreduce(1.0)
@@ -170,6 +171,7 @@ def test_process_sets(tmp_path):
     for rank in (0, 2):  # members sum over members only: 1 + 3
         assert by_rank[rank]["mpi_sum"] == 4.0 and by_rank[rank]["xla_sum"] == 4.0
     assert by_rank[0]["set_rank"] == 0 and by_rank[2]["set_rank"] == 1
+    assert by_rank[0]["mesh_procs"] == by_rank[2]["mesh_procs"] == [0, 2]
     assert "not a member of process set 'evens'" in by_rank[1]["non_member"]
     assert all("process set 'pair' was destroyed" in d["destroyed"] for d in by_rank.values())
     assert by_rank[1]["again"] == by_rank[2]["again"] == 20.0 and "again" not in by_rank[0]

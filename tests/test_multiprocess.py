@@ -225,3 +225,15 @@ def test_a_process_reads_only_its_block_of_each_global_batch():
         full, part = whole.next(), block.next()
         np.testing.assert_array_equal(np.asarray(part["inputs"]), np.asarray(full["inputs"])[4:])
     assert sorted(set(counting.read)) == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
+    import jax
+
+    from shard.bridge import buckets
+
+    f32 = lambda n: jax.ShapeDtypeStruct((n,), np.float32)  # noqa: E731
+    leaves = [f32(10), f32(10), f32(30), jax.ShapeDtypeStruct((4,), np.int32), f32(100), f32(1)]
+    # 150-byte buckets: same-dtype neighbours share one until full; a dtype change or an oversized leaf starts anew.
+    assert buckets(leaves, 150) == [[0, 1], [2], [3], [4], [5]]
+    assert buckets(leaves, 1 << 20) == [[0, 1, 2], [3], [4, 5]]

@@ -27,6 +27,7 @@ from shard.errors import ShardError
 XLA, MPI = "xla", "mpi"
 CROSS_HOST_MODES = (XLA, MPI)
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
+STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
 
 _MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                   ("PMIX_RANK", "PMIX_SIZE"))
@@ -121,7 +122,7 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     # the watchdog can stop them with an error that names it.
     jax.config.update("jax_enable_recoverability", True)
     timeout = max(1, int(failure_timeout))
-    kwargs = {"initialization_timeout": max(timeout, 30), "heartbeat_timeout_seconds": timeout}
+    kwargs = {"initialization_timeout": max(timeout, 300), "heartbeat_timeout_seconds": timeout}
     try:
         if cluster.launcher == "explicit":
             jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
@@ -142,8 +143,9 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     return _ctx
 
 
-def barrier(name: str) -> None:
-    """Wait (up to the failure timeout) until every process gets here.
+def barrier(name: str, timeout: float = STARTUP_TIMEOUT) -> None:
+    """Wait until every process gets here (a live but slow one up to `timeout`; a lost one is reported
+    by the watchdog within the failure timeout).
 
     Before the first cross-process computations: gloo's rendezvous gives up after a fixed 30 s, and
     one process can reach it that much later than another when compiling on a busy machine.
@@ -153,7 +155,7 @@ def barrier(name: str) -> None:
         from jax._src import distributed as jax_distributed
 
         try:
-            jax_distributed.global_state.client.wait_at_barrier(f"shard_{name}", int(ctx.failure_timeout * 1000))
+            jax_distributed.global_state.client.wait_at_barrier(f"shard_{name}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             fail(e)
     elif ctx.mode == MPI:

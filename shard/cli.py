@@ -27,7 +27,7 @@ MeshOpt = Annotated[Optional[str], typer.Option("--mesh", help="8x4 | data=2,fsd
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, llama-1b, llama-7b, ...")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
-SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate (default: what the mesh needs, 8 to fill)")]
+SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
 
 
 def _overrides(config: Optional[Path], sets: Optional[list[str]], base: Optional[dict] = None, **flags) -> dict:
@@ -36,31 +36,43 @@ def _overrides(config: Optional[Path], sets: Optional[list[str]], base: Optional
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
                  "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
                  "compile_cache": "xla.compile_cache",
-                 "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep"}
+                 "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
+                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
+                 "eval_every": "eval.every"}
     out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
 
 
-def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None):
-    """Settle XLA flags and the CPU device count, start JAX, and return the devices the mesh will use."""
-    from shard import xla_flags
+def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None,
+                  cluster=None):
+    """Settle XLA flags and the CPU device count (per process), join the cluster if there is one, start
+    JAX, and return the devices the mesh will use (every process's with --cross-host xla, this one's
+    with mpi)."""
+    from shard import distributed, xla_flags
     from shard.devices import jax_started, request_host_devices
 
     if not jax_started():
         xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
-    wanted = cfg.mesh.simulate_devices or devices_needed(mesh_spec, DEFAULT_FILL_DEVICES)
+    n_proc = cluster.num_processes if cluster else 1
+    needed = devices_needed(mesh_spec, DEFAULT_FILL_DEVICES * n_proc)
+    if not cfg.mesh.simulate_devices and needed % n_proc:
+        raise ShardError(f"mesh {mesh_spec.describe()} needs {needed} devices, which do not split evenly "
+                         f"over {n_proc} processes")
+    wanted = cfg.mesh.simulate_devices or needed // n_proc
     asked = request_host_devices(wanted)
+    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout)
     import jax
 
     if compile_cache is not None and not jax.config.jax_compilation_cache_dir:
         compile_cache.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    devices = jax.devices()
-    if asked and devices[0].platform == "cpu" and wanted > 1:
-        err_console.print(f"[dim]simulating {len(devices)} CPU devices (XLA host platform); "
+    devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
+    if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main:
+        each = f" in each of {n_proc} processes" if n_proc > 1 else ""
+        err_console.print(f"[dim]simulating {wanted} CPU devices{each} (XLA host platform); "
                           "set --simulate-devices to change[/dim]")
     return devices
 
@@ -130,28 +142,33 @@ class ConsoleProgress:
         self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
 
     def on_start(self, run) -> None:
-        import jax
-
         self.progress.update(self.task, completed=run.start_step)
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         kind = run.mesh.devices.flat[0].platform
-        hosts = jax.process_count()
+        from shard import distributed
+
+        ctx = distributed.context()
+        where = f"{run.mesh.size} {kind} device(s)"
+        if ctx.mode == distributed.XLA:
+            where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
+        elif ctx.mode == distributed.MPI:
+            where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
         peak = run.compiled_memory.get("peak")
+        compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
-            f"mesh {mesh} on {run.mesh.size} {kind} device(s)"
-            + (f" ({run.mesh.size // hosts} per host x {hosts} hosts)" if hosts > 1 else "")
+            f"mesh {mesh} on {where}"
             + f" · model {cfg.model.name} ({cfg.model.num_params() / 1e6:.2f}M params)"
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
             + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
-            + f" · step compiled in {run.compile_s:.1f}s", soft_wrap=True)
+            + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
             console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
                           "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True)
         if run.hardware is not None:
             from shard.plan import startup_warnings
 
-            for w in startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts):
+            for w in startup_warnings(cfg, dict(run.mesh.shape), run.hardware, ctx.size):
                 console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
         self.progress.start()
 
@@ -197,8 +214,18 @@ def train(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
+    coordinator: Annotated[Optional[str], typer.Option(help="HOST:PORT of process 0, to start processes by hand (with --num-processes, --process-id)")] = None,
+    num_processes: Annotated[Optional[int], typer.Option("--num-processes", help="processes in the job (explicit form)")] = None,
+    process_id: Annotated[Optional[int], typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
+    cross_host: Annotated[Optional[str], typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
+    failure_timeout: Annotated[Optional[float], typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
+    eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
 ):
-    """Train a model on a device mesh."""
+    """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
+    import os
+
+    from shard import distributed
+
     try:
         if init_from and resume:
             raise ShardError("--init-from starts a new run and --resume continues one: choose one")
@@ -206,12 +233,17 @@ def train(
         cfg = config_mod.resolve(_overrides(
             config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
             run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
-            checkpoint_every=checkpoint_every, keep=keep))
+            checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
+            eval_every=eval_every))
+        cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
         mesh_spec = parse_mesh(cfg.mesh.spec)
         _check_data_path(cfg.data.path)
         window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
-        path = _run_dir(cfg, mesh_spec, resume)
-        devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path))
+        main = cluster is None or cluster.process_id == 0
+        if cluster is not None and cluster.num_processes > 1 and not cfg.run_dir:
+            raise ShardError("with several processes, give --run-dir: a directory every process can reach")
+        path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir)
+        devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
         from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
         from shard.loop import prepare
         from shard.loop import train as train_loop
@@ -219,11 +251,17 @@ def train(
         from shard.preemption import StopOnSignal
 
         def notice(message: str) -> None:
-            err_console.print(f"[yellow]{message}[/yellow]", soft_wrap=True)
+            if distributed.context().is_main:
+                err_console.print(f"[yellow]{message}[/yellow]", soft_wrap=True)
 
-        checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
+        bridge = distributed.context().mode == distributed.MPI
+        checkpoints = None if bridge else Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
+        if bridge:
+            notice("checkpoints are not written with --cross-host mpi yet")
         restore = None
         if resume:
+            if checkpoints is None:
+                raise ShardError("--resume is not supported with --cross-host mpi yet")
             checkpoints.clean_incomplete()
             if checkpoints.steps():
                 restore = checkpoints.restore_latest
@@ -237,35 +275,49 @@ def train(
 
             _, loaded = weights.load(init_from)
             restore = lambda spec: weights.state_from(loaded, spec, cfg.seed, init_from)  # noqa: E731
-        run = prepare(cfg, devices, restore=restore)
-        if init_from:
-            err_console.print(f"initialised from {init_from}", soft_wrap=True)
-        if run.start_step:
-            err_console.print(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
-                              f"data position {run.stream.position}", soft_wrap=True)
-        if run.start_step >= cfg.steps:
-            console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is {cfg.steps}")
-            return
-        path.mkdir(parents=True, exist_ok=True)
-        cfg = dataclasses.replace(cfg, run_dir=str(path))
-        config_toml = config_mod.to_toml(cfg)
-        (path / "config.toml").write_text(config_toml)
-        saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
-        stopper = StopOnSignal(notice)
-        observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"), TensorBoardWriter(path / "tb"),
-                     saver, stopper]
-        if window:
-            observers.append(profiler := profiling.Profiler(*window, path / "profile"))
         try:
-            train_loop(cfg, run=run, observers=observers)
-        finally:  # also on divergence: saves already under way commit; nothing newer is written
-            checkpoints.close()
-        if window and profiler.summary:
+            run = prepare(cfg, devices, restore=restore)
+            if init_from:
+                notice(f"initialised from {init_from}")
+            if run.start_step:
+                notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
+                       f"data position {run.stream.position}")
+            if run.start_step >= cfg.steps:
+                if main:
+                    console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is "
+                                  f"{cfg.steps}")
+                distributed.finish()
+                return
+            cfg = dataclasses.replace(cfg, run_dir=str(path))
+            config_toml = config_mod.to_toml(cfg)
+            observers = []
+            if main:  # only process 0 prints and writes the run's files
+                path.mkdir(parents=True, exist_ok=True)
+                (path / "config.toml").write_text(config_toml)
+                observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
+                             TensorBoardWriter(path / "tb")]
+            saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml) if checkpoints else None
+            stopper = StopOnSignal(notice)
+            observers += [o for o in (saver, stopper) if o is not None]  # every process saves its shards
+            if window and main:
+                observers.append(profiler := profiling.Profiler(*window, path / "profile"))
+            try:
+                train_loop(cfg, run=run, observers=observers)
+            finally:  # also on divergence: saves already under way commit; nothing newer is written
+                if checkpoints:
+                    checkpoints.close()
+        except ShardError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
+            distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
+        if window and main and profiler.summary:
             console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
-        if run.stopped_at is not None:
+        if run.stopped_at is not None and main:
+            where = checkpoints.path(saver.last_saved) if saver and saver.last_saved else "(no checkpoint)"
             console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
-                          f"{run.stopped_at}; checkpoint saved to {checkpoints.path(saver.last_saved)}; "
+                          f"{run.stopped_at}; checkpoint saved to {where}; "
                           f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
+        distributed.finish()
     except ShardError as e:
         _fail(e)
 

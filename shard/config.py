@@ -84,6 +84,25 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Several processes: how they cross hosts, and how long a lost one may stay silent."""
+
+    cross_host: str = "xla"  # xla: one global mesh (jax.distributed) | mpi: local meshes + the MPI bridge
+    failure_timeout: float = 60.0  # seconds before a silent process counts as lost and the others stop
+    bucket_mb: float = 64.0  # MPI bridge: gradients cross hosts in buckets of at most this size
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out loss every `every` steps (0: never) over `batches` global batches drawn with seed + 1,
+    computed by a process set of the first `processes` processes (0: all; fewer needs --cross-host mpi)."""
+
+    every: int = 0
+    batches: int = 2
+    processes: int = 0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -93,6 +112,8 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -126,6 +147,12 @@ class TrainConfig:
         if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
             problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
                             f"got {self.checkpoint.best_metric!r}")
+        if self.eval.every < 0 or self.eval.batches <= 0 or self.eval.processes < 0:
+            problems.append("eval.every and eval.processes must be >= 0 and eval.batches positive")
+        if self.cluster.cross_host not in ("xla", "mpi"):
+            problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
+        if self.cluster.failure_timeout <= 0 or self.cluster.bucket_mb <= 0:
+            problems.append("cluster.failure_timeout and cluster.bucket_mb must be positive")
         if self.optimizer.lr <= 0:
             problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:

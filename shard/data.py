@@ -144,23 +144,29 @@ class BatchStream:
     seq_len: int
     sharding: object  # NamedSharding for (batch, length)
     position: int = 0
+    # With the MPI bridge each process builds only its own block of rows [offset, offset + rows) of
+    # every global batch, as an array over its local mesh. Default: the whole global batch.
+    offset: int = 0
+    rows: int | None = None
 
     def next(self) -> dict:
         import jax
 
-        shape = (self.global_batch, self.seq_len)
+        n_rows = self.global_batch if self.rows is None else self.rows
+        shape = (n_rows, self.seq_len)
+        first = self.position + self.offset
         cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
         def rows(start: int, stop: int) -> dict[str, np.ndarray]:
             if (start, stop) not in cache:
-                windows = np.stack([self.dataset[self.position + r] for r in range(start, stop)])
+                windows = np.stack([self.dataset[first + r] for r in range(start, stop)])
                 cache[(start, stop)] = split_window(windows)
             return cache[(start, stop)]
 
         def make(key):
             def callback(index):
                 r = index[0]
-                start, stop, _ = r.indices(self.global_batch)
+                start, stop, _ = r.indices(n_rows)
                 return rows(start, stop)[key][:, index[1]]
 
             return jax.make_array_from_callback(shape, self.sharding, callback)

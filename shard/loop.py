@@ -8,6 +8,7 @@ it first, so a diverged state is never saved), `on_state(step, state, data_posit
 step: stop after it, e.g. on preemption) and `on_end(records)`; the loop itself prints and writes nothing.
 """
 
+import dataclasses
 import math
 import statistics
 import time
@@ -16,13 +17,14 @@ from dataclasses import dataclass, field
 
 import jax
 
+from shard import distributed
 from shard.config import GuardConfig, TrainConfig
 from shard.costs import mfu_flops_per_token
 from shard.data import BatchStream, sample_dataset
 from shard.errors import DivergenceError, ShardError
-from shard.mesh import MeshSpec, build_mesh, parse_mesh
+from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
-from shard.state import StateSpec, init_state, state_spec
+from shard.state import StateSpec, compile_init, init_state, state_spec
 from shard.step import abstract_batch, batch_sharding, make_train_step
 
 
@@ -33,8 +35,8 @@ class Run:
     spec: StateSpec
     state: dict
     stream: BatchStream
-    step_fn: object  # the compiled step
-    compile_s: float
+    step_fn: object  # the compiled step (a jitted function with the MPI bridge)
+    compile_s: float | None  # None: compiled on the first call (MPI bridge)
     compiled_memory: dict = field(default_factory=dict)  # per-device bytes from XLA's memory analysis
     peak_flops: float | None = None  # per device, for MFU (None: unknown, MFU omitted)
     hardware: object = None  # the hardware table's entry for these devices, if any
@@ -77,24 +79,69 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
     returns a shard.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
+    ctx = distributed.context()
+    if ctx.mode == distributed.MPI:
+        if restore is not None:
+            raise ShardError("--resume and --init-from are not supported with --cross-host mpi yet; "
+                             "use the default --cross-host xla")
+        return _prepare_bridge(cfg, ctx, devices)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
-    if restore is None:
-        state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
-    else:
-        restored = restore(spec)
-        state, start_step, position = restored.state, restored.step, restored.position
-    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
+    init = compile_init(spec, cfg.model, cfg.seed) if restore is None else None
     t0 = time.perf_counter()
     jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
+    compile_s = time.perf_counter() - t0
+    # Every process compiles first and then meets the others, so the first cross-process computation
+    # (the init or the restore) starts together.
+    distributed.barrier("compiled")
+    if restore is None:
+        state, start_step, position = init(), 0, 0
+    else:
+        restored = restore(spec)
+        state, start_step, position = restored.state, restored.step, restored.position
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled),
-               peak, hw, start_step)
+    return Run(cfg, layout, spec, state, stream, compiled, compile_s, compiled_memory(compiled), peak, hw,
+               start_step)
+
+
+def _prepare_bridge(cfg: TrainConfig, ctx, devices=None) -> Run:
+    """The MPI bridge: a local mesh over this process's devices; processes split the batch axes only
+    (parameters are replicated across processes), each reads its own block of every global batch."""
+    from shard.bridge import make_bridge_step
+
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    local_devices = list(devices if devices is not None else jax.local_devices())
+    dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)
+    layout = make_layout(cfg, dataclasses.replace(mesh_spec, shape=ici), local_devices)
+    batch_axes = set(layout.rules.get("batch", ()))
+    across = [a for a, d in zip(mesh_spec.axes, dcn) if d > 1]
+    if not set(across) <= batch_axes:
+        raise ShardError(
+            f"--cross-host mpi splits only batch axes across processes, but mesh {mesh_spec.describe()} puts "
+            f"{', '.join(across)} across {ctx.size} processes; put a batch axis ({', '.join(sorted(batch_axes))}) "
+            "outermost, or use --cross-host xla"
+        )
+    if cfg.data.batch % ctx.size:
+        raise ShardError(f"global batch {cfg.data.batch} does not divide over {ctx.size} processes")
+    rows = cfg.data.batch // ctx.size
+    check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout),
+                         offset=ctx.rank * rows, rows=rows)
+    state = init_state(spec, cfg.model, cfg.seed)  # same seed everywhere: the replicas start equal
+    if cfg.guard.action == "skip":
+        raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
+    step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
+                            int(cfg.cluster.bucket_mb * (1 << 20)))
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw)
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
@@ -155,6 +202,22 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     run = run or prepare(cfg, devices)
     for o in observers:
         getattr(o, "on_start", lambda r: None)(run)
+    evaluator = None
+    if cfg.eval.every:
+        from shard.evaluate import Evaluator
+
+        evaluator = Evaluator(cfg, run)
+    try:
+        records = _run_steps(cfg, run, observers, evaluator)
+    finally:
+        if evaluator:
+            evaluator.close()
+    for o in observers:
+        getattr(o, "on_end", lambda r: None)(records)
+    return records
+
+
+def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
@@ -205,16 +268,18 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
                 record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
+            if evaluator and (i % cfg.eval.every == 0 or i == cfg.steps):
+                eval_loss = evaluator(state["params"])  # None on processes outside the eval set
+                if eval_loss is not None:
+                    record["eval_loss"] = eval_loss
             records.append(record)
             for o in observers:
                 getattr(o, "on_log", lambda r: None)(record)
-            last_time, last_step = now, i
+            last_time, last_step = time.perf_counter(), i  # evaluation is not step time
         for o in observers:
             getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)
         if stopping:
             run.stopped_at = i
             break
     run.state = state
-    for o in observers:
-        getattr(o, "on_end", lambda r: None)(records)
     return records

@@ -209,6 +209,14 @@ def build_mesh(spec: MeshSpec, devices=None):
     return Mesh(grid, spec.axes, axis_types=(AxisType.Auto,) * len(spec.axes))
 
 
+def split_over_processes(spec: MeshSpec, n_local: int, n_proc: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(processes per axis, devices per axis inside a process) for a mesh over n_proc processes of
+    n_local devices each: the process split takes the outermost axes."""
+    shape = resolve_shape(spec, n_local * n_proc)
+    dcn = _cross_host_shape(shape, n_proc, spec)
+    return dcn, tuple(s // d for s, d in zip(shape, dcn))
+
+
 def _cross_host_shape(shape: tuple[int, ...], n_proc: int, spec: MeshSpec) -> tuple[int, ...]:
     """Split the process count over the outermost axes: the per-axis number of hosts it spans."""
     dcn, left = [], n_proc

@@ -79,6 +79,11 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     return StateSpec(graphdef, abstract, shardings, logical, tx, schedule)
 
 
+def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):
+    """The compiled init: call it to create parameters and optimizer state in their shardings."""
+    return jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings).lower().compile()
+
+
 def init_state(spec: StateSpec, model_cfg: ModelConfig, seed: int) -> dict:
     """Parameters and optimizer state created directly in their shardings."""
-    return jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings)()
+    return compile_init(spec, model_cfg, seed)()

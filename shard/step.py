@@ -39,14 +39,17 @@ def _microbatches(x: jax.Array, m: int, layout: Layout) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(None, *spec)))
 
 
-def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
-    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated.
+def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
+    """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
+    summed next-token loss and token count over the batch this program sees (not yet normalised), and
+    `apply(state, grads, nll, count)` normalises by the count, updates and reports metrics. The MPI
+    bridge sums the first half's outputs across processes before the second.
 
     With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
     """
-    skip_bad = guard is not None and guard.action == "skip"
     graphdef, tx, schedule = spec.graphdef, spec.tx, spec.schedule
+    skip_bad = guard is not None and guard.action == "skip"
 
     def loss_fn(params, mb):
         logits = nnx.merge(graphdef, params)(mb["inputs"])
@@ -54,8 +57,7 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def step(state, batch):
-        params = state["params"]
+    def grad_sums(params, batch):
         with activation_layout(layout):
             if microbatches == 1:
                 (nll, count), grads = grad_fn(params, batch)
@@ -71,6 +73,10 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
                 carry = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
                 (grads, nll, count), _ = jax.lax.scan(accumulate, carry, mbs)
+        return grads, nll, count
+
+    def apply(state, grads, nll, count):
+        params = state["params"]
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         loss, grad_norm = nll / count, optax.tree.norm(grads)
@@ -85,6 +91,16 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
+    return grad_sums, apply
+
+
+def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
+    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
+    grad_sums, apply = make_step_parts(spec, layout, microbatches, guard)
+
+    def step(state, batch):
+        return apply(state, *grad_sums(state["params"], batch))
+
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
     return jax.jit(
@@ -93,6 +109,21 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         out_shardings=(spec.shardings, replicated),
         donate_argnums=0,
     )
+
+
+def make_eval_step(spec: StateSpec, layout: Layout):
+    """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
+    graphdef = spec.graphdef
+
+    def evaluate(params, batch):
+        with activation_layout(layout):
+            logits = nnx.merge(graphdef, params)(batch["inputs"])
+            return token_nll(logits, batch["targets"], batch["mask"])
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    data = batch_sharding(layout)
+    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], {k: data for k in BATCH_KEYS}),
+                   out_shardings=replicated)
 
 
 def abstract_batch(layout: Layout, batch: int, seq_len: int) -> dict:

@@ -1,0 +1,92 @@
+"""The MPI bridge (`--cross-host mpi`): a hierarchical all-reduce, as Horovod does it.
+
+Each process compiles the SPMD step over its own devices (XLA collectives inside the node: NCCL on
+GPUs). Gradient sums, the summed loss and the token count then cross processes through mpi4jax inside a
+jitted function, flattened into a few buckets instead of one call per parameter, and every process
+applies the same update. Same numerics as one global mesh, up to the order of the sums.
+
+mpi4jax refuses a jitted computation over several local devices ("ordered effects are not supported
+for more than 1 device"), so:
+- one device per process: the whole step is one jit, the MPI all-reduce inside it;
+- several: jit 1 reduces inside the node (its outputs are replicated over the local mesh), jit 2 runs
+  the MPI all-reduce on device 0's copy, the result is broadcast back to the local devices, and jit 3
+  applies the update.
+mpi4jax ops do not survive AOT compilation (`.lower().compile()` drops their effect token), so these
+functions are called as jitted functions.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.rules import Layout
+from shard.state import StateSpec
+from shard.step import BATCH_KEYS, batch_sharding, make_step_parts
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def buckets(leaves: list, bucket_bytes: int) -> list[list[int]]:
+    """Indices of consecutive same-dtype leaves grouped so each group stays under bucket_bytes (a leaf
+    larger than that gets a group of its own)."""
+    groups: list[list[int]] = []
+    size, dtype = 0, None
+    for i, leaf in enumerate(leaves):
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        if not groups or leaf.dtype != dtype or size + nbytes > bucket_bytes:
+            groups.append([])
+            size, dtype = 0, leaf.dtype
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def allreduce_tree(tree, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """Sum every leaf over `comm` (traced inside a single-device jit): one MPI all-reduce per bucket."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    leaves, treedef = jax.tree.flatten(tree)
+    out = list(leaves)
+    for group in buckets(leaves, bucket_bytes):
+        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in group])
+        summed = mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm)
+        offset = 0
+        for i in group:
+            n = math.prod(leaves[i].shape)
+            out[i] = summed[offset:offset + n].reshape(leaves[i].shape)
+            offset += n
+    return jax.tree.unflatten(treedef, out)
+
+
+def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 1,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """`(state, batch) -> (state, metrics)` over this process's local mesh, reduced across `comm`."""
+    grad_sums, apply = make_step_parts(spec, layout, microbatches)
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    data = {k: batch_sharding(layout) for k in BATCH_KEYS}
+
+    if layout.mesh.size == 1:
+        def fused(state, batch):
+            sums = allreduce_tree(grad_sums(state["params"], batch), comm, bucket_bytes)
+            return apply(state, *sums)
+
+        return jax.jit(fused, in_shardings=(spec.shardings, data), out_shardings=(spec.shardings, replicated),
+                       donate_argnums=0)
+
+    local = jax.jit(lambda state, batch: grad_sums(state["params"], batch),
+                    in_shardings=(spec.shardings, data), out_shardings=replicated)
+    cross = jax.jit(lambda sums: allreduce_tree(sums, comm, bucket_bytes))
+    update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated),
+                     out_shardings=(spec.shardings, replicated), donate_argnums=0)
+
+    def step(state, batch):
+        sums = local(state, batch)
+        on_first = jax.tree.map(lambda x: x.addressable_data(0), sums)
+        summed = jax.device_put(cross(on_first), replicated)
+        return update(state, *summed)
+
+    return step

@@ -1,0 +1,407 @@
+"""Several processes (hosts) as one job: launcher detection, start-up, a watchdog for lost processes,
+MPI, and Horovod-style process sets.
+
+One process per host owns that host's devices. Two ways to cross hosts:
+- `xla` (default): `jax.distributed` joins the processes into one runtime; the mesh spans every device
+  and XLA's collectives cross hosts (NCCL on GPUs, gloo on CPU).
+- `mpi`: each process runs an SPMD program over its own devices only; gradients and metrics cross
+  hosts through mpi4jax over an MPI communicator (see shard/bridge.py).
+
+The CLI calls `start()` before JAX's backends start; the rest of shard asks `context()` for the rank,
+the process count and the mode, as Horovod's `hvd.rank()` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shard.errors import ShardError
+
+XLA, MPI = "xla", "mpi"
+CROSS_HOST_MODES = (XLA, MPI)
+EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
+STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
+
+_MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                  ("PMIX_RANK", "PMIX_SIZE"))
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """How this process joins the job: who launched it, how many processes, which one this is."""
+
+    launcher: str  # "explicit" | "mpi" | "slurm"
+    num_processes: int
+    process_id: int
+    coordinator: str | None = None  # HOST:PORT; None lets JAX derive it from the launcher
+
+
+def detect(env: Mapping[str, str]) -> ClusterSpec | None:
+    """The launcher's view of this process from its environment, or None outside a launcher.
+
+    MPI variables win over SLURM's: `mpiexec` inside an `sbatch` script inherits the batch step's
+    SLURM variables (every rank would read SLURM_PROCID=0), while srun's own PMI variables agree with SLURM.
+    """
+    for rank_var, size_var in _MPI_RANK_VARS:
+        if rank_var in env and size_var in env:
+            return ClusterSpec("mpi", int(env[size_var]), int(env[rank_var]))
+    if all(v in env for v in _SLURM_VARS):
+        return ClusterSpec("slurm", int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
+    return None
+
+
+def plan(env: Mapping[str, str], coordinator: str | None = None, num_processes: int | None = None,
+         process_id: int | None = None) -> ClusterSpec | None:
+    """The cluster this process belongs to: explicit flags, else the launcher's; None for one process."""
+    given = [coordinator is not None, num_processes is not None, process_id is not None]
+    if any(given):
+        if not all(given):
+            raise ShardError("--coordinator, --num-processes and --process-id go together: give all three "
+                             "(or none, under mpiexec or srun)")
+        host, sep, port = coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ShardError(f"--coordinator expects HOST:PORT, got {coordinator!r}")
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ShardError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
+        cluster = ClusterSpec("explicit", num_processes, process_id, coordinator)
+    else:
+        cluster = detect(env)
+    return cluster if cluster and cluster.num_processes > 1 else None
+
+
+@dataclass
+class Context:
+    """This process's place in the job (a single process unless `start()` joined a cluster)."""
+
+    mode: str = "single"  # "single" | XLA | MPI
+    rank: int = 0
+    size: int = 1
+    failure_timeout: float = 60.0
+    _watchdog: _Watchdog | None = None
+    _sets: dict[str, ProcessSet] = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0 prints and writes the run's files."""
+        return self.rank == 0
+
+
+_ctx = Context()
+
+
+def context() -> Context:
+    return _ctx
+
+
+def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0) -> Context:
+    """Join the cluster (before JAX's backends start) and return the context; one process: no-op."""
+    global _ctx
+    if cross_host not in CROSS_HOST_MODES:
+        raise ShardError(f"--cross-host must be one of {', '.join(CROSS_HOST_MODES)}, got {cross_host!r}")
+    if cluster is None:
+        _ctx = Context(failure_timeout=failure_timeout)
+        return _ctx
+    if cross_host == MPI:
+        comm = _mpi_world()
+        if cluster.launcher == "explicit" or comm.Get_size() != cluster.num_processes:
+            raise ShardError(f"--cross-host mpi needs an MPI launcher (mpiexec, or srun with an MPI plugin); "
+                             f"MPI sees {comm.Get_size()} process(es) but the job has {cluster.num_processes}")
+        _ctx = Context(MPI, comm.Get_rank(), comm.Get_size(), failure_timeout)
+        return _ctx
+    import jax
+
+    # Recoverable tasks: a lost process no longer aborts every other one from inside the runtime, so
+    # the watchdog can stop them with an error that names it.
+    jax.config.update("jax_enable_recoverability", True)
+    timeout = max(1, int(failure_timeout))
+    kwargs = {"initialization_timeout": max(timeout, 300), "heartbeat_timeout_seconds": timeout}
+    try:
+        if cluster.launcher == "explicit":
+            jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
+                                       cluster_detection_method="deactivate", **kwargs)
+        elif cluster.launcher == "mpi":
+            # Under mpiexec, initialize() without arguments finds no coordinator; mpi4py's detection
+            # has rank 0 pick a free port and broadcast it.
+            _mpi_world()
+            jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+        else:
+            jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
+    except (RuntimeError, ValueError) as e:  # XlaRuntimeError is a RuntimeError
+        raise ShardError(f"could not join the {cluster.launcher} cluster as process {cluster.process_id} of "
+                         f"{cluster.num_processes}: {str(e).splitlines()[0]}") from None
+    _ctx = Context(XLA, jax.process_index(), jax.process_count(), failure_timeout)
+    _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
+    _ctx._watchdog.start()
+    return _ctx
+
+
+def barrier(name: str, timeout: float = STARTUP_TIMEOUT) -> None:
+    """Wait until every process gets here (a live but slow one up to `timeout`; a lost one is reported
+    by the watchdog within the failure timeout).
+
+    Before the first cross-process computations: gloo's rendezvous gives up after a fixed 30 s, and
+    one process can reach it that much later than another when compiling on a busy machine.
+    """
+    ctx = _ctx
+    if ctx.mode == XLA:
+        from jax._src import distributed as jax_distributed
+
+        try:
+            jax_distributed.global_state.client.wait_at_barrier(f"shard_{name}", int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+            fail(e)
+    elif ctx.mode == MPI:
+        _mpi_world().Barrier()
+
+
+def finish() -> None:
+    """Leave the cluster together: a barrier (bounded by the failure timeout), then shutdown."""
+    global _ctx
+    ctx = _ctx
+    if ctx.mode == XLA:
+        import jax
+        from jax._src import distributed as jax_distributed
+
+        ctx._watchdog.stop()
+        client = jax_distributed.global_state.client
+        try:
+            client.wait_at_barrier("shard_finish", int(ctx.failure_timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+            _lost(f"not every process reached the end of the run within {ctx.failure_timeout:g}s "
+                  f"({str(e).splitlines()[0]})")
+        if ctx.rank == 0:
+            # Process 0 hosts the coordination service: let the others disconnect before it stops,
+            # or their own shutdown fails and aborts them.
+            others = set(range(1, ctx.size))
+            ctx._watchdog.wait_until(lambda missing: others <= set(missing), ctx.failure_timeout)
+        jax.distributed.shutdown()
+    elif ctx.mode == MPI:
+        _mpi_world().Barrier()
+    _ctx = Context()
+
+
+def fail(error: BaseException) -> None:
+    """A runtime error in a multi-process run: name the lost process if there is one, and stop this one.
+
+    A peer that dies inside a collective makes gloo/NCCL fail here before the coordination service has
+    noticed, so wait (up to the failure timeout) for the service to name it. A single process re-raises.
+    """
+    ctx = _ctx
+    if ctx.mode != XLA:
+        raise error
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
+    if missing:
+        _lost(f"lost process {', '.join(map(str, missing))} of {ctx.size} ({first})")
+    _lost(f"a cross-process collective failed: {first}")
+
+
+def _lost(reason: str) -> None:
+    """Stop this process at once with a one-line error (threads may be stuck inside a collective)."""
+    sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_LOST_PROCESS)
+
+
+class _Watchdog:
+    """Polls the coordination service for the live processes; a missing one stops this process.
+
+    The service marks a process dead when its connection closes or it misses heartbeats for the
+    failure timeout, so a crashed or hung peer is reported within that bound instead of leaving the
+    others blocked in a collective forever.
+    """
+
+    def __init__(self, size: int, timeout: float, interval: float = 1.0):
+        self.size, self.timeout, self.interval = size, timeout, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def missing(self) -> list[int]:
+        """Processes the coordination service no longer counts as live; [0] when it is unreachable."""
+        from jax._src import distributed as jax_distributed
+
+        try:
+            live = jax_distributed.global_state.client.get_live_nodes(list(range(self.size)))
+        except Exception:  # noqa: BLE001 - the coordinator (process 0) is gone
+            return [0]
+        return sorted(set(range(self.size)) - set(live))
+
+    def wait_until(self, done, timeout: float) -> list[int]:
+        """Poll the missing processes until `done(missing)` holds or `timeout` passes; the last answer."""
+        end = time.monotonic() + timeout
+        while True:
+            missing = self.missing()
+            if done(missing) or time.monotonic() > end:
+                return missing
+            time.sleep(0.1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            missing = self.missing()
+            if missing and not self._stop.is_set():
+                names = ", ".join(map(str, missing))
+                _lost(f"lost process {names} of {self.size} (it exited, or sent no heartbeat for "
+                      f"{self.timeout:g}s)")
+
+
+# --- MPI -------------------------------------------------------------------------------------------
+
+def _mpi_world():
+    try:
+        from mpi4py import MPI as _MPI
+    except ImportError:
+        raise ShardError("MPI is not installed: run `pip install -e '.[mpi]'` (mpich, mpi4py, mpi4jax)") from None
+    return _MPI.COMM_WORLD
+
+
+def mpi_available() -> bool:
+    """True when mpi4py is importable and MPI has been started in this process."""
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    from mpi4py import MPI as _MPI
+
+    return _MPI.Is_initialized() and not _MPI.Is_finalized()
+
+
+# --- Process sets ----------------------------------------------------------------------------------
+
+class ProcessSet:
+    """A named group of processes, as in Horovod: a sub-mesh over its members' devices and, where MPI
+    runs, a sub-communicator. Collectives on a set involve its members only; non-members skip them.
+
+    Create with `process_set(ranks)` on every process (non-members get a handle that says so), destroy
+    with `.destroy()`; a destroyed set raises ShardError when used.
+    """
+
+    def __init__(self, name: str, ranks: Sequence[int], ctx: Context):
+        self.name, self.ranks, self._ctx = name, tuple(ranks), ctx
+        self._alive = True
+        self._comm = None
+        if ctx.mode == MPI or (ctx.mode != "single" and mpi_available()):
+            world = _mpi_world()
+            # MPI_Comm_create_group is collective over the members only.
+            group = world.Get_group().Incl(list(self.ranks))
+            self._comm = world.Create_group(group) if self.includes(ctx.rank) else None
+            group.Free()
+
+    def __repr__(self) -> str:
+        state = "" if self._alive else ", destroyed"
+        return f"ProcessSet({self.name!r}, ranks={list(self.ranks)}{state})"
+
+    def includes(self, rank: int | None = None) -> bool:
+        """Whether `rank` (default: this process) is a member."""
+        return (self._ctx.rank if rank is None else rank) in self.ranks
+
+    @property
+    def rank(self) -> int:
+        """This process's position in the set (0 is the set's leader)."""
+        self._check()
+        return self.ranks.index(self._ctx.rank)
+
+    @property
+    def size(self) -> int:
+        self._check()
+        return len(self.ranks)
+
+    @property
+    def comm(self):
+        """The MPI sub-communicator (members only)."""
+        self._check()
+        if self._comm is None:
+            raise ShardError(f"process set {self.name!r} has no MPI communicator here "
+                             "(MPI is not running, or this process is not a member)")
+        return self._comm
+
+    def devices(self) -> list:
+        """The devices of the member processes (with the MPI bridge, each process sees only its own)."""
+        self._check()
+        import jax
+
+        if self._ctx.mode == XLA:
+            return [d for d in jax.devices() if d.process_index in self.ranks]
+        return list(jax.local_devices())
+
+    def mesh(self, spec: str = "data=-1"):
+        """A shard mesh (any `--mesh` spec) over the members' devices, processes on the outer axes."""
+        from shard.mesh import build_mesh, parse_mesh
+
+        self._check()
+        return build_mesh(parse_mesh(spec), sorted(self.devices(), key=lambda d: (d.process_index, d.id)))
+
+    def allreduce(self, x) -> np.ndarray:
+        """The sum of `x` (a host array or scalar) over the members; every member gets it."""
+        self._check()
+        if not self.includes():
+            raise ShardError(f"process {self._ctx.rank} is not a member of process set {self.name!r} "
+                             f"(ranks {list(self.ranks)})")
+        x = np.asarray(x)
+        if self._ctx.mode == "single":
+            return x.copy()
+        if self._comm is not None:
+            out = np.empty_like(x)
+            self._comm.Allreduce(np.ascontiguousarray(x), out)
+            return out
+        return self._xla_allreduce(x)
+
+    def _xla_allreduce(self, x: np.ndarray) -> np.ndarray:
+        """One row per member on the set's own devices (first local device of each member), summed
+        by an XLA program that only the members run."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+        firsts = {}
+        for d in sorted(self.devices(), key=lambda d: d.id):
+            firsts.setdefault(d.process_index, d)
+        mesh = Mesh(np.array([firsts[r] for r in sorted(firsts)]), ("procs",), axis_types=(AxisType.Auto,))
+        rows = jax.make_array_from_callback((len(firsts), *x.shape), NamedSharding(mesh, PartitionSpec("procs")),
+                                            lambda index: x[None])
+        total = jax.jit(lambda r: jnp.sum(r, axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+        return np.asarray(total.addressable_data(0))
+
+    def destroy(self) -> None:
+        """Remove the set; further use raises ShardError."""
+        if self._alive:
+            self._alive = False
+            if self._comm is not None:
+                self._comm.Free()
+                self._comm = None
+            self._ctx._sets.pop(self.name, None)
+
+    def _check(self) -> None:
+        if not self._alive:
+            raise ShardError(f"process set {self.name!r} was destroyed")
+
+
+def process_set(ranks: Sequence[int], name: str | None = None) -> ProcessSet:
+    """Create a process set over `ranks` (call it on every process, with the same ranks)."""
+    ctx = _ctx
+    ranks = tuple(sorted({int(r) for r in ranks}))
+    if not ranks or ranks[0] < 0 or ranks[-1] >= ctx.size:
+        raise ShardError(f"process set ranks must be in 0..{ctx.size - 1}, got {list(ranks)}")
+    name = name or "ranks-" + "-".join(map(str, ranks))
+    if name in ctx._sets:
+        raise ShardError(f"process set {name!r} already exists; destroy it first")
+    ps = ProcessSet(name, ranks, ctx)
+    ctx._sets[name] = ps
+    return ps
+
+
+def world() -> ProcessSet:
+    """The set of every process (created on first use)."""
+    return _ctx._sets.get("world") or process_set(range(_ctx.size), "world")
+

@@ -1,0 +1,58 @@
+"""Held-out loss on a process set: the trainer's own use of `shard.distributed.process_set`.
+
+The first `eval.processes` processes form the set "eval"; each member evaluates its block of every
+held-out batch on its own mesh and the set sums (loss, tokens) over its members only, while the other
+processes go straight on (with the MPI bridge every process holds the whole model, so any subset can
+evaluate). With one global mesh (--cross-host xla) the set is every process.
+"""
+
+import numpy as np
+
+from shard import distributed
+from shard.config import TrainConfig
+from shard.data import BatchStream, sample_dataset
+from shard.errors import ShardError
+from shard.step import batch_sharding, make_eval_step
+
+
+class Evaluator:
+    """`__call__(params) -> eval loss` on members of the eval set (None elsewhere)."""
+
+    def __init__(self, cfg: TrainConfig, run):
+        ctx = distributed.context()
+        n = cfg.eval.processes or ctx.size
+        if n > ctx.size:
+            raise ShardError(f"eval.processes is {n} but the job has {ctx.size} process(es)")
+        if n < ctx.size and ctx.mode != distributed.MPI:
+            raise ShardError("evaluation on fewer than all processes (eval.processes) needs --cross-host mpi: "
+                             "with one global mesh every process holds part of the model")
+        self.cfg = cfg
+        self.group = distributed.process_set(range(n), name="eval")
+        self.step = make_eval_step(run.spec, run.layout)
+        dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1)
+        if ctx.mode == distributed.MPI:
+            if cfg.data.batch % n:
+                raise ShardError(f"global batch {cfg.data.batch} does not divide over {n} eval processes")
+            rows = cfg.data.batch // n
+            offset = self.group.rank * rows if self.group.includes() else 0
+            self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout),
+                                      offset=offset, rows=rows)
+        else:
+            self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout))
+
+    def __call__(self, params) -> float | None:
+        if not self.group.includes():
+            return None
+        import jax
+
+        self.stream.position = 0  # the same held-out batches every time
+        totals = np.zeros(2, np.float64)
+        for _ in range(self.cfg.eval.batches):
+            nll, count = self.step(params, self.stream.next())
+            totals += [float(jax.device_get(nll)), float(jax.device_get(count))]
+        if distributed.context().mode == distributed.MPI:
+            totals = self.group.allreduce(totals)  # members only
+        return float(totals[0] / max(totals[1], 1.0))
+
+    def close(self) -> None:
+        self.group.destroy()

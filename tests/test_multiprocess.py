@@ -1,0 +1,239 @@
+"""Several real processes on one machine: explicit coordinator (gloo), mpiexec auto-detection, the MPI
+bridge, process sets, and a lost process. Each run is the tiny model for 3 steps; ports are chosen free."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard.loop import train
+from shard.metrics import read_jsonl
+from shard.testing import devices_for, tiny_config
+
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+TINY = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1"]
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # each process simulates what the CLI asks for
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def shard_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "shard", "train", *args]
+
+
+def explicit(n: int, args, cwd, port: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen(shard_cmd(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+                                       "--process-id", str(i)),
+                             cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(n)]
+
+
+def finish(procs, timeout=400):
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def run_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Losses of one process on 8 devices, the numbers every multi-process run must match (layouts
+    agree to rtol 1e-5 over 3 steps, so this serves the 2x1 runs too); and held-out losses."""
+    records = train(tiny_config("2x4", eval__every=1), devices=devices_for("2x4"))
+    return [r["loss"] for r in records], [r["eval_loss"] for r in records]
+
+
+def own_lines(text: str) -> list[str]:
+    """Output lines, less gloo's own connection banners (printed by the C++ library in every process)."""
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+
+
+def test_two_processes_match_one(tmp_path, reference):
+    procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_port())
+    (rc0, out0, err0), (rc1, out1, err1) = finish(procs)
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert "mesh data=2,model=4 on 8 cpu device(s) in 2 processes" in out0
+    assert "simulating 4 CPU devices in each of 2 processes" in err0
+    assert own_lines(out1) == [] and "simulating" not in err1  # only process 0 prints
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
+
+
+@needs_mpi
+def test_mpiexec_detects_the_cluster(tmp_path, reference):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in 2 processes" in r.stdout and r.stdout.count("done:") == 1
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
+
+
+@needs_mpi
+@pytest.mark.parametrize("mesh, per_process, extra", [
+    ("2x4", 4, []),
+    # One device per process; and the trainer's process set: held-out loss on process 0 alone.
+    ("2x1", 1, ["--eval-every", "1", "--set", "eval.processes=1"]),
+])
+def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_process, extra):
+    cmd = shard_cmd(*TINY, "--mesh", mesh, "--run-dir", "r", "--cross-host", "mpi", *extra)
+    r = subprocess.run([MPIEXEC, "-n", "2", *cmd], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{per_process} cpu device(s) in each of 2 processes (MPI bridge)" in r.stdout
+    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
+    if extra:
+        records = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+        np.testing.assert_allclose([rec["eval_loss"] for rec in records], reference[1], rtol=1e-5)
+
+
+@needs_mpi
+def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "1x8", "--cross-host", "mpi")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode != 0
+    assert "--cross-host mpi splits only batch axes across processes" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+PROCESS_SETS = textwrap.dedent("""
+    import json, os
+    from shard import distributed
+    from shard.errors import ShardError
+
+    ctx = distributed.start(distributed.plan(os.environ), "xla", failure_timeout=30)
+    out = {"rank": ctx.rank}
+    evens = distributed.process_set([0, 2], name="evens")
+    if evens.includes():
+        out["mpi_sum"] = float(evens.allreduce(ctx.rank + 1.0))
+        out["xla_sum"] = float(evens._xla_allreduce(__import__("numpy").float32(ctx.rank + 1.0)))
+        out["set_rank"] = evens.rank
+        out["mesh_procs"] = sorted({d.process_index for d in evens.mesh().devices.flat})
+    else:
+        try:
+            evens.allreduce(1.0)
+        except ShardError as e:
+            out["non_member"] = str(e)
+    pair = distributed.process_set([1, 2], name="pair")
+    pair.destroy()
+    try:
+        pair.allreduce(1.0)
+    except ShardError as e:
+        out["destroyed"] = str(e)
+    again = distributed.process_set([1, 2], name="pair")  # the name is free again
+    if again.includes():
+        out["again"] = float(again.allreduce(10.0))
+    out["world"] = float(distributed.world().allreduce(1.0))
+    open(f"sets-{ctx.rank}.json", "w").write(json.dumps(out))
+    distributed.finish()
+""")
+
+
+@needs_mpi
+def test_process_sets(tmp_path):
+    script = tmp_path / "sets.py"
+    script.write_text(PROCESS_SETS)
+    env = child_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    r = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_rank = {d["rank"]: d for d in (json.loads(f.read_text()) for f in tmp_path.glob("sets-*.json"))}
+    assert set(by_rank) == {0, 1, 2}
+    for rank in (0, 2):  # members sum over members only: 1 + 3
+        assert by_rank[rank]["mpi_sum"] == 4.0 and by_rank[rank]["xla_sum"] == 4.0
+    assert by_rank[0]["set_rank"] == 0 and by_rank[2]["set_rank"] == 1
+    assert by_rank[0]["mesh_procs"] == by_rank[2]["mesh_procs"] == [0, 2]
+    assert "not a member of process set 'evens'" in by_rank[1]["non_member"]
+    assert all("process set 'pair' was destroyed" in d["destroyed"] for d in by_rank.values())
+    assert by_rank[1]["again"] == by_rank[2]["again"] == 20.0 and "again" not in by_rank[0]
+    assert all(d["world"] == 3.0 for d in by_rank.values())
+
+
+def test_a_lost_process_stops_the_other(tmp_path):
+    long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
+                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10"]
+    procs = explicit(2, long_run, tmp_path, free_port())
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        for _ in range(3000):  # until the first steps are logged (compiling takes a while here)
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 or procs[0].poll() is not None:
+                break
+            time.sleep(0.1)
+        assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+        procs[1].send_signal(signal.SIGKILL)
+        _, err = procs[0].communicate(timeout=60)  # the failure timeout (10 s) plus margin, never a hang
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 3, err[-3000:]
+    assert "error: lost process 1 of 2" in err
+
+
+def test_a_process_reads_only_its_block_of_each_global_batch():
+    """With the MPI bridge, process p of P builds rows [p*B/P, (p+1)*B/P) of every global batch, and only
+    those samples are read."""
+    from shard.data import BatchStream, sample_dataset
+    from shard.step import batch_sharding
+    from shard.testing import fake_mesh
+
+    class Counting:
+        def __init__(self, ds):
+            self.ds, self.read = ds, []
+
+        def __getitem__(self, i):
+            self.read.append(i)
+            return self.ds[i]
+
+    from shard.rules import Layout
+
+    layout = Layout(fake_mesh("2x4"), rules={"batch": ("data",), "length": ()})
+    ds = sample_dataset("synthetic", 256, 16, seed=0)
+    whole = BatchStream(ds, 8, 16, batch_sharding(layout))
+    counting = Counting(ds)
+    block = BatchStream(counting, 8, 16, batch_sharding(layout), offset=4, rows=4)
+    for _ in range(2):
+        full, part = whole.next(), block.next()
+        np.testing.assert_array_equal(np.asarray(part["inputs"]), np.asarray(full["inputs"])[4:])
+    assert sorted(set(counting.read)) == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
+    import jax
+
+    from shard.bridge import buckets
+
+    f32 = lambda n: jax.ShapeDtypeStruct((n,), np.float32)  # noqa: E731
+    leaves = [f32(10), f32(10), f32(30), jax.ShapeDtypeStruct((4,), np.int32), f32(100), f32(1)]
+    # 150-byte buckets: same-dtype neighbours share one until full; a dtype change or an oversized leaf starts anew.
+    assert buckets(leaves, 150) == [[0, 1], [2], [3], [4], [5]]
+    assert buckets(leaves, 1 << 20) == [[0, 1, 2], [3], [4, 5]]

@@ -1,0 +1,140 @@
+"""`srun -n 2 shard train` on a real one-node SLURM cluster started for the test (munge, slurmctld,
+slurmd on localhost), and launcher detection from SLURM's and MPI's environment variables.
+
+install.sh installs Debian's slurm-wlm for `dev` when it runs as root; elsewhere the srun test skips.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard.distributed import ClusterSpec, detect, plan
+from shard.errors import ShardError
+from shard.metrics import read_jsonl
+from shard.testing import tiny_config, train_losses
+
+SLURM_BINARIES = ("srun", "slurmctld", "slurmd", "munged", "sinfo")
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}{os.pathsep}/usr/sbin{os.pathsep}/sbin")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=shardtest
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A one-node SLURM cluster on localhost; yields the environment srun needs. Skips without slurm-wlm."""
+    if any(_which(b) is None for b in SLURM_BINARIES) or os.geteuid() != 0:
+        pytest.skip("no slurm-wlm here (install.sh dev installs it when run as root on Debian)")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(d=d, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count()))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    started: list[subprocess.Popen] = []
+    munge_pid = None
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        subprocess.run(["install", "-d", "-o", "munge", "-g", "munge", "/run/munge"], check=True)
+        subprocess.run(["runuser", "-u", "munge", "--", _which("munged")], check=True)
+        pid_file = Path("/run/munge/munged.pid")
+        munge_pid = int(pid_file.read_text()) if pid_file.exists() else None
+    try:
+        for cmd in ([_which("slurmctld"), "-D", "-f", str(conf)], [_which("slurmd"), "-D", "-N", "localhost", "-f", str(conf)]):
+            started.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for _ in range(300):
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.skip(f"the one-node SLURM cluster did not become idle (state {state!r})")
+        yield env
+    finally:
+        for p in started:
+            p.terminate()
+        for p in started:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if munge_pid:
+            os.kill(munge_pid, 15)
+
+
+def test_srun_two_processes_match_one(slurm, tmp_path):
+    env = dict(slurm)
+    env.pop("XLA_FLAGS", None)
+    args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
+            "--run-dir", "r"]
+    r = subprocess.run(["srun", "-n", "2", "-O", "-K", "-I30", sys.executable, "-u", "-m", "shard", "train", *args],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in 2 processes" in r.stdout and r.stdout.count("done:") == 1  # srun exits 0 even if no task ran
+    losses = [rec["loss"] for rec in read_jsonl(tmp_path / "r" / "metrics.jsonl")]
+    np.testing.assert_allclose(losses, train_losses(tiny_config("2x4")), rtol=1e-5)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
+      "SLURM_LOCALID": "1"}, ClusterSpec("slurm", 4, 3)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}, ClusterSpec("mpi", 2, 1)),  # MPICH Hydra
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8"}, ClusterSpec("mpi", 8, 5)),  # Open MPI
+    # mpiexec inside an sbatch script: the batch step's SLURM_PROCID is 0 on every rank; MPI's wins.
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+      "SLURM_LOCALID": "0", "PMI_RANK": "1", "PMI_SIZE": "2"}, ClusterSpec("mpi", 2, 1)),
+    ({"SLURM_JOB_ID": "7"}, None),  # an allocation, but not inside a job step
+    ({}, None),
+])
+def test_detect(env, expected):
+    assert detect(env) == expected
+
+
+def test_plan():
+    assert plan({"PMI_RANK": "0", "PMI_SIZE": "1"}) is None  # one process: nothing to join
+    assert plan({}, "10.0.0.1:1234", 2, 1) == ClusterSpec("explicit", 2, 1, "10.0.0.1:1234")
+    with pytest.raises(ShardError, match="go together"):
+        plan({}, "10.0.0.1:1234", 2)
+    with pytest.raises(ShardError, match="HOST:PORT"):
+        plan({}, "10.0.0.1", 2, 0)
+    with pytest.raises(ShardError, match="--process-id must be in 0..1"):
+        plan({}, "h:1", 2, 2)

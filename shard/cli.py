@@ -154,7 +154,7 @@ class ConsoleProgress:
             where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
         elif ctx.mode == distributed.MPI:
             where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
-        peak = run.compiled_memory.get("peak")
+        peak = run.compiled_memory.get("total")
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
             f"mesh {mesh} on {where}"

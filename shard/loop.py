@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import jax
 
 from shard import distributed
+from shard.analysis import memory_of
 from shard.config import GuardConfig, TrainConfig
 from shard.costs import mfu_flops_per_token
 from shard.data import BatchStream, sample_dataset
@@ -106,7 +107,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         state, start_step, position = restored.state, restored.step, restored.position
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, compiled, compile_s, compiled_memory(compiled), peak, hw,
+    return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
                start_step)
 
 
@@ -156,18 +157,6 @@ def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
     return hw, None
 
 
-def compiled_memory(compiled) -> dict:
-    """Per-device bytes of the compiled step. CPU's peak ignores temporaries, so peak is computed as
-    arguments + temporaries + outputs - aliased (donated) bytes (see JAX-NOTES)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    args, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
-    out, alias = m.output_size_in_bytes, m.alias_size_in_bytes
-    return {"arguments": args, "temporaries": temp, "outputs": out, "aliased": alias,
-            "peak": args + temp + out - alias}
-
-
 def device_memory(run: Run) -> dict:
     """Memory in use and peak on the busiest local device: measured where the backend reports it,
     else XLA's estimate for the compiled step, labelled as such."""
@@ -176,7 +165,7 @@ def device_memory(run: Run) -> dict:
         return {"mem_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
                 "mem_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats), "mem_source": "device"}
     m = run.compiled_memory
-    return {"mem_in_use_bytes": m.get("arguments", 0), "mem_peak_bytes": m.get("peak", 0),
+    return {"mem_in_use_bytes": m.get("arguments", 0), "mem_peak_bytes": m.get("total", 0),
             "mem_source": "compiled"}
 
 

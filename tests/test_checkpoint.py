@@ -82,7 +82,7 @@ class SignalAt:
     def __init__(self, at: int, sig=signal.SIGTERM):
         self.at, self.sig = at, sig
 
-    def on_step(self, step):
+    def on_step(self, step, outputs=None):
         if step == self.at - 1:  # after step at-1's observers: the loop is on to step `at`
             os.kill(os.getpid(), self.sig)
 

@@ -36,7 +36,7 @@ saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_mod.to_to
 
 
 class SignalAt:
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, outputs=None) -> None:
         if process_id == 1 and step == signal_at - 1:  # the loop is on to step `signal_at`
             os.kill(os.getpid(), signal.SIGTERM)
 

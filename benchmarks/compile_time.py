@@ -1,0 +1,67 @@
+"""Compile times: the ~1B model's train step (first compile, then a persistent-cache hit in a new
+process), and the tiny model on 1 vs 8 simulated devices. Each case runs in a fresh process so device
+counts and caches start clean. Everything is compiled from shapes (AOT): nothing is allocated.
+
+    python benchmarks/compile_time.py [--big llama-1b] [--seq 2048] [--batch 8]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CASE = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import jax
+from shard import config
+from shard.analysis import compile_step
+from shard.loop import make_layout
+from shard.mesh import parse_mesh
+from shard.state import compile_init, state_spec
+model, mesh, seq, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cfg = config.resolve(config.parse_sets([f"model.name={model}", f"mesh.spec={mesh}", f"data.seq_len={seq}",
+                                        f"data.batch={batch}", "data.path=synthetic"]))
+layout = make_layout(cfg, parse_mesh(mesh))
+t1 = time.perf_counter()
+compile_step(cfg, layout)
+t2 = time.perf_counter()
+compile_init(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), cfg.model, 0)
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "step_compile_s": t2 - t1, "init_compile_s": t3 - t2}))
+"""
+
+
+def run_case(model, mesh, devices, seq, batch, cache_dir):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if cache_dir:
+        env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    else:
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", CASE, model, mesh, str(seq), str(batch)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--big", default="llama-1b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        first = run_case(args.big, "dp", 1, args.seq, args.batch, cache)
+        hit = run_case(args.big, "dp", 1, args.seq, args.batch, cache)
+    print(f"{args.big} (seq {args.seq}, batch {args.batch}, 1 device): step compile {first['step_compile_s']:.1f}s, "
+          f"init {first['init_compile_s']:.1f}s; from the persistent cache: step {hit['step_compile_s']:.1f}s, "
+          f"init {hit['init_compile_s']:.1f}s")
+    for devices, mesh in ((1, "dp"), (8, "dp"), (8, "fsdp_tp:4x2")):
+        r = run_case("tiny", mesh, devices, 32, 8, None)
+        print(f"tiny on {devices} device(s), mesh {mesh}: step compile {r['step_compile_s']:.1f}s, "
+              f"init {r['init_compile_s']:.1f}s (import {r['import_s']:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Tokens/s, MFU and peak memory of a ~1B Llama-style model on one accelerator, per remat policy, at the
+largest global batch that fits (tried from large to small). Prints one line per policy.
+
+    python benchmarks/mfu.py                       # llama-1b, seq 2048, on the machine's accelerator
+    python benchmarks/mfu.py --model tiny --seq 128 --batches 8,4 --steps 3   # a CPU smoke run
+
+MFU follows shard's one definition (docs/observing.md): 6N + causal attention at half, against the
+device's bf16 peak from shard/hardware.toml (on CPU pass --peak-tflops).
+"""
+
+import argparse
+
+from shard import config
+from shard.loop import prepare, train
+
+
+def measure(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float) -> dict | None:
+    """The last logged record of a short run (its interval excludes the first step), or None when the
+    batch does not fit in memory."""
+    sets = [f"model.name={model}", f"model.remat={remat}", f"data.batch={batch}", f"data.seq_len={seq}",
+            "data.path=synthetic", f"steps={steps}", f"log_every={max(1, steps // 2)}", "mesh.spec=dp",
+            f"observe.peak_tflops={peak_tflops}"]
+    cfg = config.resolve(config.parse_sets(sets))
+    try:
+        return train(cfg, run=prepare(cfg))[-1]
+    except Exception as e:  # noqa: BLE001 -- out of memory shows up as an XLA runtime error
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            return None
+        raise
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batches", default="64,48,32,24,16,12,8,4,2,1")
+    ap.add_argument("--remat", default="none,dots_no_batch,full")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak-tflops", type=float, default=0.0)
+    args = ap.parse_args()
+    import jax
+
+    print(f"{args.model}, seq {args.seq}, on {jax.devices()[0].device_kind} x {jax.device_count()}")
+    for remat in args.remat.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = measure(args.model, args.seq, batch, remat, args.steps, args.peak_tflops)
+            if r is None:
+                continue
+            mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a (no peak)"
+            print(f"remat {remat:14s} batch {batch:3d}: {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>8s}  "
+                  f"peak memory {r['mem_peak_bytes'] / 2**30:6.2f} GiB ({r['mem_source']})", flush=True)
+            break
+        else:
+            print(f"remat {remat:14s}: no batch fits")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
 
 def _fail(e: Exception):
+    from shard.distributed import abort_peers
+
     err_console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+    abort_peers(2)
     raise typer.Exit(2)
 
 
@@ -168,7 +171,12 @@ class ConsoleProgress:
         if run.hardware is not None:
             from shard.plan import startup_warnings
 
-            for w in startup_warnings(cfg, dict(run.mesh.shape), run.hardware, ctx.size):
+            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
+            try:
+                warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
+            except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
+                warnings = []
+            for w in warnings:
                 console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
         self.progress.start()
 

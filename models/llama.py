@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, VOCAB
+from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
+from shard.models import moe
 from shard.models.configs import ModelConfig
+from shard.parallel.ring_attention import context_axes, ring_attention
 from shard.rules import constrain
 
 _REMAT = {
@@ -46,45 +48,79 @@ class Llama(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
         self.embed = _param(rngs, (V, D), (VOCAB, EMBED), 1.0, dt)  # table_vd
-        self.layers = nnx.Dict(
+        attn = dict(
             attn_norm=_param(rngs, (L, D), (LAYERS, EMBED), None, dt),
             wq=_param(rngs, (L, D, N, H), (LAYERS, EMBED, HEADS, HEAD_DIM), D**-0.5, dt),
             wk=_param(rngs, (L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), D**-0.5, dt),
             wv=_param(rngs, (L, D, K, H), (LAYERS, EMBED, KV_HEADS, HEAD_DIM), D**-0.5, dt),
             wo=_param(rngs, (L, N, H, D), (LAYERS, HEADS, HEAD_DIM, EMBED), (N * H) ** -0.5 * out_std, dt),
             mlp_norm=_param(rngs, (L, D), (LAYERS, EMBED), None, dt),
-            w_gate=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
-            w_up=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
-            w_down=_param(rngs, (L, F, D), (LAYERS, MLP, EMBED), F**-0.5 * out_std, dt),
         )
+        if cfg.n_experts:
+            ffn = moe.expert_params(rngs, cfg, out_std, _param)
+        else:
+            ffn = dict(
+                w_gate=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
+                w_up=_param(rngs, (L, D, F), (LAYERS, EMBED, MLP), D**-0.5, dt),
+                w_down=_param(rngs, (L, F, D), (LAYERS, MLP, EMBED), F**-0.5 * out_std, dt),
+            )
+        self.layers = nnx.Dict(**attn, **ffn)
         self.final_norm = _param(rngs, (D,), (EMBED,), None, dt)
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Next-token logits (float32) for a batch of token ids."""
-        cfg = self.cfg
-        dtype = compute_dtype(cfg)
-        T = tokens_bt.shape[1]
-        x_btd = jnp.take(self.embed[...], tokens_bt, axis=0).astype(dtype)
-        x_btd = constrain(x_btd, (BATCH, LENGTH, EMBED))
-        cos_th, sin_th = rope_tables(T, cfg.head_dim, cfg.rope_theta)
-        layers = {k: v[...] for k, v in self.layers.items()}
+        return self.forward(tokens_bt)[0]
 
-        def block(x_btd, p):
-            x_btd = x_btd + attention_block(x_btd, p, cos_th, sin_th, cfg, dtype)
-            x_btd = x_btd + mlp_block(x_btd, p, cfg, dtype)
-            return constrain(x_btd, (BATCH, LENGTH, EMBED)), None
+    def forward(self, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Logits and the load-balancing auxiliary loss (0 for a dense model)."""
+        return forward(self.cfg, nnx.to_pure_dict(nnx.state(self)), tokens_bt)
 
-        if cfg.remat != "none":
-            block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
-        x_btd, _ = jax.lax.scan(block, x_btd, layers)
-        x_btd = rms_norm(x_btd, self.final_norm[...], cfg.norm_eps)
-        if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.embed[...].astype(dtype)) * cfg.d_model**-0.5
+
+# The forward pass as pure functions of the parameter dict, so that pipeline parallelism can run the
+# same embedding, layer block and head on its own schedule (shard/parallel/pipeline.py).
+
+
+def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x_btd = embed_tokens(cfg, params, tokens_bt)
+    x_btd, aux = run_layers(cfg, params["layers"], x_btd)
+    return head_logits(cfg, params, x_btd), aux
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Array:
+    x_btd = jnp.take(params["embed"], tokens_bt, axis=0).astype(compute_dtype(cfg))
+    return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
+
+
+def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
+    returns the residual stream and the summed auxiliary loss."""
+    dtype = compute_dtype(cfg)
+    cos_th, sin_th = rope_tables(x_btd.shape[1], cfg.head_dim, cfg.rope_theta)
+
+    def block(x_btd, p):
+        x_btd = x_btd + attention_block(x_btd, p, cos_th, sin_th, cfg, dtype)
+        if cfg.n_experts:
+            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype)
         else:
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.unembed[...].astype(dtype))
-        return constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
+            ffn_btd, aux = mlp_block(x_btd, p, cfg, dtype), jnp.zeros((), jnp.float32)
+        return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), aux
+
+    if cfg.remat != "none":
+        block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x_btd, aux_l = jax.lax.scan(block, x_btd, layers)
+    return x_btd, jnp.sum(aux_l)
+
+
+def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array) -> jax.Array:
+    dtype = compute_dtype(cfg)
+    x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        logits_btv = jnp.einsum("btd,vd->btv", x_btd, params["embed"].astype(dtype)) * cfg.d_model**-0.5
+    else:
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, params["unembed"].astype(dtype))
+    return constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
 
 
 def rms_norm(x, scale, eps: float):
@@ -123,7 +159,10 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype):
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
     """Causal grouped-query attention; "xla" goes through jax.nn.dot_product_attention (cuDNN flash
-    attention on GPU when it applies), "reference" is the plain einsum version used to check it."""
+    attention on GPU when it applies), "reference" is the plain einsum version used to check it.
+    When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
+    if axes := context_axes():
+        return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True)
     if impl == "xla":
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)
     B, T, N, H = q_btnh.shape

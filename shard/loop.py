@@ -60,9 +60,22 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
             f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices ({axes}){per}; "
             f"use a batch that is a multiple of {dp * m}"
         )
-    length_ways = layout.degree("length")
-    if cfg.data.seq_len % length_ways:
-        raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {length_ways} devices")
+    for logical in ("length", "res_length"):
+        ways = layout.degree(logical)
+        if cfg.data.seq_len % ways:
+            axes = "x".join(f"{a}={layout.axis_sizes[a]}" for a in layout.rules.get(logical, ())
+                            if a in layout.axis_sizes)
+            raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
+                             f"({axes}, the mesh axes of {logical!r}); use a multiple of {ways}")
+    stages = layout.axis_sizes.get("stage", 1)
+    if stages > 1:
+        from shard.parallel import pipeline
+
+        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m))
+    experts = layout.degree("expert", param=True)
+    if cfg.model.n_experts % experts if cfg.model.n_experts else False:
+        raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "
+                         "use a multiple of it for model.n_experts")
 
 
 def prepare(cfg: TrainConfig, devices=None) -> Run:
@@ -75,7 +88,7 @@ def prepare(cfg: TrainConfig, devices=None) -> Run:
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout))
     state = init_state(spec, cfg.model, cfg.seed)
     t0 = time.perf_counter()
-    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
+    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
     return Run(cfg, layout, spec, state, stream, compiled, time.perf_counter() - t0, compiled_memory(compiled))

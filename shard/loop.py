@@ -36,6 +36,18 @@ class Run:
     def mesh(self):
         return self.layout.mesh
 
+    @property
+    def pipeline(self) -> dict:
+        """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
+        stages = self.layout.axis_sizes.get("stage", 1)
+        if stages == 1:
+            return {}
+        from shard.parallel.pipeline import bubble_fraction
+
+        m = self.cfg.pipeline.microbatches
+        return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
+                "bubble": bubble_fraction(stages, m)}
+
 
 def make_layout(cfg: TrainConfig, mesh_spec: MeshSpec, devices=None) -> Layout:
     """The mesh for these devices, with the preset's rules amended by the config's."""
@@ -177,6 +189,10 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
                 "time_s": now - start,
                 **device_memory(run),
             }
+            if run.pipeline:
+                record["pipeline_bubble"] = run.pipeline["bubble"]
+            if "aux_loss" in values:
+                record["aux_loss"] = float(values["aux_loss"])
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             records.append(record)

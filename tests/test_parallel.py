@@ -133,7 +133,7 @@ def test_load_balancing_loss_falls_under_training():
     grad = jax.jit(jax.value_and_grad(aux_loss))
     first, _ = grad(router)
     for _ in range(30):
-        value, g = grad(router)
+        _, g = grad(router)
         router = router - 0.5 * g
     assert float(aux_loss(router)) < 0.8 * float(first)
 

@@ -24,12 +24,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shard.axes import LAYERS, STAGE
+from shard.axes import STAGE
 from shard.errors import ShardError
 from shard.models import llama
 from shard.models.configs import ModelConfig
 
 IDLE, FWD, BWD = 0, 1, 2
+BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -198,7 +199,7 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
     # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
     op = sch.op.copy()
     op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
-    op[:, S - 1] = np.where(op[:, S - 1] == BWD, 3, op[:, S - 1])
+    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
     # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
     recv_f = np.full_like(sch.op, -1)
     recv_b = np.full_like(sch.op, -1)
@@ -257,7 +258,9 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
         }
         c = lax.fori_loop(0, sch.ticks, tick, carry)
         total = lambda x: lax.psum(x, STAGE)  # noqa: E731  (each is nonzero on one stage only)
-        return (total(c["nll"]), total(c["count"]), c["g_layers"], jax.tree.map(total, c["g_head"]),
+        like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
+        return (total(c["nll"]), total(c["count"]), like(c["g_layers"], layers),
+                like(jax.tree.map(total, c["g_head"]), head),
                 total(c["dx"]))
 
     def run(layers, head, x_mbtd, aux):
@@ -279,7 +282,7 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
     def loss_bwd(res, cotangents):
         g_layers, g_head, dx, aux = res
         g = cotangents[0]
-        scale = lambda tree: jax.tree.map(lambda a: (a * g).astype(a.dtype), tree)  # noqa: E731
+        scale = lambda tree: jax.tree.map(lambda a: (a * g.astype(a.dtype)), tree)  # noqa: E731
         zero_aux = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(
             a.dtype, jnp.floating) else jnp.zeros_like(a), aux)
         return scale(g_layers), scale(g_head), scale(dx), zero_aux

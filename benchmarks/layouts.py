@@ -9,7 +9,7 @@ Bubble: the schedule tables give the idle share of (tick, stage) slots; timing g
 estimate: with a fixed microbatch size, step time T(M) = c (M + S - 1) + overhead, so c is the slope
 of T over M and the measured bubble is 1 - c M / T(M).
 
-    python benchmarks/layouts.py [--models tiny,small] [--steps 5] [--bubble-model tiny]
+    python benchmarks/layouts.py [--models tiny,small] [--steps 5] [--bubble-model tiny] [--only 1f1b]
 """
 
 import argparse
@@ -64,12 +64,12 @@ def time_steps(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def layouts(models: list[str], steps: int, batch: int, seq: int) -> None:
+def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "") -> None:
     print(f"{'model':<9} {'layout':<40} {'peak MiB/dev':>12} {'params MiB/dev':>14} {'step ms':>9} {'loss':>7}")
     for model in models:
         for label, mesh, sets, moe in LAYOUTS:
             name = "moe-tiny" if moe else model
-            if moe and model != models[0]:
+            if (moe and model != models[0]) or only not in label:
                 continue
             sets = dict(sets)
             if "pipeline" in mesh:
@@ -111,10 +111,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--bubble-model", default="tiny")
+    p.add_argument("--only", default="", help="run only layouts whose label contains this")
     p.add_argument("--skip-layouts", action="store_true")
     a = p.parse_args()
     if not a.skip_layouts:
-        layouts(a.models.split(","), a.steps, a.batch, a.seq)
+        layouts(a.models.split(","), a.steps, a.batch, a.seq, a.only)
     if a.bubble_model:
         bubble(a.bubble_model, a.steps, 2, a.seq)
 

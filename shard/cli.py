@@ -24,7 +24,7 @@ DEFAULT_FILL_DEVICES = 8
 
 # Options shared by the commands that build a mesh and a model.
 MeshOpt = Annotated[Optional[str], typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (meshes/) | preset:4x2")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, llama-1b, llama-7b, ...")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, moe-tiny, llama-1b, llama-7b, ...")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
 SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
@@ -78,7 +78,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
 
 def _fail(e: Exception):
+    from shard.distributed import abort_peers
+
     err_console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+    abort_peers(2)
     raise typer.Exit(2)
 
 
@@ -160,6 +163,8 @@ class ConsoleProgress:
             f"mesh {mesh} on {where}"
             + f" · model {cfg.model.name} ({cfg.model.num_params() / 1e6:.2f}M params)"
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
+            + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
+               f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
             + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
             + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
@@ -168,7 +173,12 @@ class ConsoleProgress:
         if run.hardware is not None:
             from shard.plan import startup_warnings
 
-            for w in startup_warnings(cfg, dict(run.mesh.shape), run.hardware, ctx.size):
+            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
+            try:
+                warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
+            except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
+                warnings = []
+            for w in warnings:
                 console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
         self.progress.start()
 
@@ -411,7 +421,7 @@ def inspect(
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in doc["params"]:
         spec = "(" + ", ".join("None" if e is None else str(e) for e in r["partition_spec"]) + ")"
-        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(r["logical_axes"]), spec,
+        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
                       _human(r["bytes_per_device"]))
     console.print(table)
     console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "

@@ -204,6 +204,13 @@ def fail(error: BaseException) -> None:
     _lost(f"a cross-process collective failed: {first}")
 
 
+def abort_peers(code: int) -> None:
+    """After a user error on one process of an MPI-bridge job: take the whole job down, since the other
+    ranks would otherwise wait in their next MPI call (and this one in MPI_Finalize) for ever."""
+    if _ctx.mode == MPI and _ctx.size > 1:
+        _mpi_world().Abort(code)
+
+
 def _lost(reason: str) -> None:
     """Stop this process at once with a one-line error (threads may be stuck inside a collective)."""
     sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")

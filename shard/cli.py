@@ -194,7 +194,7 @@ class ConsoleProgress:
             return
         last = records[-1]
         console.print(f"done: {last['step']} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
-                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}")
+                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
 
 
 @app.command()
@@ -250,10 +250,11 @@ def train(
         _check_data_path(cfg.data.path)
         window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
         main = cluster is None or cluster.process_id == 0
-        if cluster is not None and cluster.num_processes > 1 and not cfg.run_dir:
-            raise ShardError("with several processes, give --run-dir: a directory every process can reach")
-        path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir)
+        # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
+        # runs; until then they only need its parent, for the compile cache.
+        path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
         devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
+        path = Path(distributed.broadcast_text(str(path)))
         from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
         from shard.loop import prepare
         from shard.loop import train as train_loop

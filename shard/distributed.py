@@ -204,6 +204,19 @@ def fail(error: BaseException) -> None:
     _lost(f"a cross-process collective failed: {first}")
 
 
+def broadcast_text(text: str) -> str:
+    """Process 0's `text` on every process (e.g. the run dir it chose); one process: unchanged."""
+    if _ctx.mode == MPI:
+        return _mpi_world().bcast(text, root=0)
+    if _ctx.mode == XLA and _ctx.size > 1:
+        from jax.experimental import multihost_utils
+
+        raw = np.frombuffer(text.encode().ljust(1024, b"\0")[:1024], np.uint8)
+        out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+        return bytes(out.astype(np.uint8)).rstrip(b"\0").decode()
+    return text
+
+
 def abort_peers(code: int) -> None:
     """After a user error on one process of an MPI-bridge job: take the whole job down, since the other
     ranks would otherwise wait in their next MPI call (and this one in MPI_Finalize) for ever."""

@@ -50,7 +50,7 @@ def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
     assert record["step"] == 2 and {"loss", "tokens_per_s", "step_time_s"} <= set(record)
     assert 'name = "tiny"' in (tmp_path / "r" / "config.toml").read_text()
     # The run dir is never reused by accident.
-    again = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r")
+    again = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r", "--compile-cache", "cc", shared_cache=False)
     assert again.returncode == 2 and "already holds a run" in again.stderr
 
 

@@ -28,6 +28,11 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention: str = "xla"
+    # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k routing
+    capacity_factor: float = 1.25  # expert slots per group = ceil(k * tokens * factor / n_experts)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer) added to the objective
 
     def validate(self) -> list[str]:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
@@ -45,6 +50,12 @@ class ModelConfig:
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
                 problems.append(f"model.{f} must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if self.n_experts < 0:
+            problems.append(f"model.n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            problems.append(f"model.experts_per_token must be in 1..{self.n_experts}, got {self.experts_per_token}")
+        if self.n_experts and self.capacity_factor <= 0:
+            problems.append(f"model.capacity_factor must be positive, got {self.capacity_factor}")
         if self.param_dtype not in ("float32", "bfloat16"):
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
@@ -53,7 +64,8 @@ class ModelConfig:
         """Parameter count from the hyperparameters alone."""
         d, f, h = self.d_model, self.mlp_dim, self.head_dim
         attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
+        ffn = 3 * d * f * max(self.n_experts, 1) + d * self.n_experts  # experts + router
+        per_layer = attn + ffn + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + embed + d
 
@@ -63,6 +75,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_dim=128),
     # The default run: a byte-level model that learns visibly in a few minutes on a laptop CPU.
     "small": ModelConfig(name="small"),
+    # Mixture of experts for tests and benchmarks: tiny with 8 top-2 experts in every layer.
+    "moe-tiny": ModelConfig(name="moe-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8,
+                            mlp_dim=64, n_experts=8, experts_per_token=2),
     # Llama 3.2 1B shape.
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
                             n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),

@@ -1,8 +1,11 @@
-"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
+attention.
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth. Every parameter names its logical axes; key activations are pinned with
-`constrain`. Mesh axes never appear here.
+`constrain`. Mesh axes never appear here. The forward pass is pure functions of the parameter dict, so
+pipeline parallelism (shard/parallel/pipeline.py) runs the same embedding, layer block and head on its
+own schedule, and generation runs them with a KV cache.
 
 Dimension letters (see shard.axes): B batch, T length, D embed, N heads, K kv_heads, G = N/K query
 heads per kv head, H head_dim, F mlp, V vocab, L layers.
@@ -12,15 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, VOCAB
+from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
+from shard.models import moe
 from shard.models.configs import ModelConfig
+from shard.parallel.ring_attention import context_axes, ring_attention
 from shard.rules import constrain
 
-# Logical axes of each per-layer weight (stored with a leading LAYERS dim). Inside the scanned block
-# every weight is pinned to these axes under the activation rules: the layout it is computed in. For
-# FSDP that is where the weight is gathered (once per use), instead of leaving XLA free to move
-# activations to the sharded weight. Weights are cast to the compute dtype first, so FSDP gathers
-# (and reduce-scatters gradients) in bf16 on accelerators.
+# Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
+# scanned block every weight is pinned to these axes under the activation rules: the layout it is
+# computed in. For FSDP that is where the weight is gathered (once per use), instead of leaving XLA free
+# to move activations to the sharded weight. Weights are cast to the compute dtype first, so FSDP
+# gathers (and reduce-scatters gradients) in bf16 on accelerators.
 LAYER_AXES = {
     "attn_norm": (EMBED,),
     "wq": (EMBED, HEADS, HEAD_DIM),
@@ -68,8 +73,11 @@ class Llama(nnx.Module):
                "w_down": F**-0.5 * out_std}
         shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
                   "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-        self.layers = nnx.Dict({name: _param(rngs, (L, *shapes[name]), (LAYERS, *axes), std[name], dt)
-                                for name, axes in LAYER_AXES.items()})
+        names = [n for n in LAYER_AXES if not (cfg.n_experts and n in ("w_gate", "w_up", "w_down"))]
+        layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
+        if cfg.n_experts:
+            layers |= moe.expert_params(rngs, cfg, out_std, _param)
+        self.layers = nnx.Dict(layers)
         self.final_norm = _param(rngs, (D,), (EMBED,), None, dt)
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
@@ -81,37 +89,69 @@ class Llama(nnx.Module):
         cached before them; returns (logits, updated cache). This is the prefill and decode path of
         `shard generate`; training calls it without a cache.
         """
-        cfg = self.cfg
-        dtype = compute_dtype(cfg)
-        T = tokens_bt.shape[1]
-        # The table in its compute layout and dtype (FSDP: gathered once, in the compute dtype, and
-        # shared by the lookup and the tied logits).
-        table_vd = constrain(self.embed[...].astype(dtype), (VOCAB, EMBED))
-        x_btd = jnp.take(table_vd, tokens_bt, axis=0)
-        x_btd = constrain(x_btd, (BATCH, LENGTH, EMBED))
-        cos_th, sin_th = rope_tables(start + jnp.arange(T), cfg.head_dim, cfg.rope_theta)
-        layers = {k: v[...] for k, v in self.layers.items()}
+        params = nnx.to_pure_dict(nnx.state(self))
+        if cache is None:
+            return forward(self.cfg, params, tokens_bt)[0]
+        x_btd = embed_tokens(self.cfg, params, tokens_bt)
+        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start)
+        return head_logits(self.cfg, params, x_btd), cache
 
-        def block(x_btd, xs):
-            p, kv = xs
-            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k])
-                 for k, v in p.items()}
-            attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
-            x_btd = x_btd + attn_btd
-            x_btd = x_btd + mlp_block(x_btd, p, cfg, dtype)
-            return constrain(x_btd, (BATCH, LENGTH, EMBED)), kv
+    def forward(self, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Logits and the load-balancing auxiliary loss (0 for a dense model)."""
+        return forward(self.cfg, nnx.to_pure_dict(nnx.state(self)), tokens_bt)
 
-        if cfg.remat != "none":
-            block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
-        x_btd, new_cache = jax.lax.scan(block, x_btd, (layers, cache))
-        x_btd = rms_norm(x_btd, self.final_norm[...], cfg.norm_eps)
-        if cfg.tie_embeddings:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, table_vd)
+
+def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x_btd = embed_tokens(cfg, params, tokens_bt)
+    x_btd, aux = run_layers(cfg, params["layers"], x_btd)
+    return head_logits(cfg, params, x_btd), aux
+
+
+def _table(cfg: ModelConfig, params: dict) -> jax.Array:
+    """The embedding table in its compute layout and dtype (FSDP: gathered once, in the compute dtype,
+    and shared by the lookup and the tied logits)."""
+    return constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED))
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Array:
+    x_btd = jnp.take(_table(cfg, params), tokens_bt, axis=0)
+    return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
+
+
+def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0):
+    """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
+    returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
+    the updated cache as well."""
+    dtype = compute_dtype(cfg)
+    cos_th, sin_th = rope_tables(start + jnp.arange(x_btd.shape[1]), cfg.head_dim, cfg.rope_theta)
+
+    def block(x_btd, xs):
+        p, kv = xs
+        if not cfg.n_experts:
+            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k]) for k, v in p.items()}
+        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
+        x_btd = x_btd + attn_btd
+        if cfg.n_experts:
+            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype)
         else:
-            w_dv = constrain(self.unembed[...].astype(dtype), (EMBED, VOCAB))
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv)
-        logits_btv = constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
-        return logits_btv if cache is None else (logits_btv, new_cache)
+            ffn_btd, aux = mlp_block(x_btd, p, cfg, dtype), jnp.zeros((), jnp.float32)
+        return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (aux, kv)
+
+    if cfg.remat != "none":
+        block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x_btd, (aux_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache))
+    return (x_btd, jnp.sum(aux_l)) if cache is None else (x_btd, jnp.sum(aux_l), new_cache)
+
+
+def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array) -> jax.Array:
+    dtype = compute_dtype(cfg)
+    x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        logits_btv = jnp.einsum("btd,vd->btv", x_btd, _table(cfg, params))
+    else:
+        w_dv = constrain(params["unembed"].astype(dtype), (EMBED, VOCAB))
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv)
+    return constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
 
 
 CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
@@ -173,7 +213,10 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
     """Causal grouped-query attention; "xla" goes through jax.nn.dot_product_attention (cuDNN flash
-    attention on GPU when it applies), "reference" is the plain einsum version used to check it."""
+    attention on GPU when it applies), "reference" is the plain einsum version used to check it.
+    When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
+    if axes := context_axes():
+        return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True)
     if impl == "xla":
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)
     return cached_attention(q_btnh, k_bskh, v_bskh, 0)

@@ -11,14 +11,22 @@ KV_HEADS = "kv_heads"  # K: key/value heads (grouped-query attention: N is a mul
 HEAD_DIM = "head_dim"  # H: width of one head
 MLP = "mlp"  # F: hidden width of the feed-forward block
 VOCAB = "vocab"  # V: token vocabulary
-LAYERS = "layers"  # L: stacked, scanned layers
+LAYERS = "layers"  # L: stacked, scanned layers (split into pipeline stages when `layers` maps to stage)
+RES_LENGTH = "res_length"  # T in the residual stream (norms, residual adds): Megatron-SP shards it
+EXPERT = "expert"  # E: experts of a mixture-of-experts layer
+EXPERT_BATCH = "expert_batch"  # B once tokens are dispatched to experts: the batch axes less the expert axis
 
-LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS)
+LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, RES_LENGTH, EXPERT,
+                EXPERT_BATCH)
 
 # Mesh axes shard knows how to use. Order is the outer-to-inner order of a mesh built from them:
-# data-parallel axes outermost (cheapest traffic, so they may cross hosts), tensor parallel innermost.
+# pipeline stages outermost (point-to-point traffic, once per microbatch), then the data-parallel
+# axes (they may cross hosts), tensor parallel innermost (the heaviest traffic).
 DATA = "data"  # pure data parallel: parameters replicated, gradients all-reduced
 FSDP = "fsdp"  # data parallel with parameters, gradients and optimizer state sharded (ZeRO-3)
+STAGE = "stage"  # pipeline parallel: the layer stack split into stages, microbatches passed along
+EXPERT_AXIS = "expert"  # expert parallel: MoE experts split, tokens dispatched by all-to-all
+CONTEXT = "context"  # context parallel: sequence split, attention by a ring of key/value blocks
 MODEL = "model"  # Megatron tensor parallel: heads and FFN hidden dim split
 
-MESH_AXES = (DATA, FSDP, MODEL)
+MESH_AXES = (STAGE, DATA, FSDP, EXPERT_AXIS, CONTEXT, MODEL)

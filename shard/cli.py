@@ -24,7 +24,7 @@ DEFAULT_FILL_DEVICES = 8
 
 # Options shared by the commands that build a mesh and a model.
 MeshOpt = Annotated[Optional[str], typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (meshes/) | preset:4x2")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, llama-1b, llama-7b, ...")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, moe-tiny, llama-1b, llama-7b, ...")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
 SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
@@ -163,6 +163,8 @@ class ConsoleProgress:
             f"mesh {mesh} on {where}"
             + f" · model {cfg.model.name} ({cfg.model.num_params() / 1e6:.2f}M params)"
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
+            + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
+               f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
             + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
             + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
@@ -420,7 +422,7 @@ def inspect(
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in doc["params"]:
         spec = "(" + ", ".join("None" if e is None else str(e) for e in r["partition_spec"]) + ")"
-        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(r["logical_axes"]), spec,
+        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
                       _human(r["bytes_per_device"]))
     console.print(table)
     console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "

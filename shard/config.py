@@ -46,6 +46,18 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism, active when the mesh has a `stage` axis: the batch is cut into
+    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b)."""
+
+    microbatches: int = 4
+    schedule: str = "1f1b"
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     """What a diverging run does: `stop` names the first bad step and exits non-zero; `skip` drops the
     update of a step whose loss or gradient norm is not finite or above max_grad_norm."""
@@ -114,6 +126,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -136,6 +149,11 @@ class TrainConfig:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
             )
+        if self.pipeline.microbatches <= 0:
+            problems.append(f"pipeline.microbatches must be positive, got {self.pipeline.microbatches}")
+        if self.pipeline.schedule not in PIPELINE_SCHEDULES:
+            problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                            f"got {self.pipeline.schedule!r}")
         if self.guard.action not in ("stop", "skip"):
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
         if self.checkpoint.every < 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+from shard.axes import BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 
@@ -45,6 +45,10 @@ def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str,
         "w_up": ((D, F), (EMBED, MLP)),
         "w_down": ((F, D), (MLP, EMBED)),
     }
+    if cfg.n_experts:  # models/moe.py: a router and E stacked SwiGLU experts per layer
+        E = cfg.n_experts
+        layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
+                  "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
     rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
     rows.append(("final_norm", (D,), (EMBED,)))
     if not cfg.tie_embeddings:

@@ -48,6 +48,18 @@ class Run:
     def mesh(self):
         return self.layout.mesh
 
+    @property
+    def pipeline(self) -> dict:
+        """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
+        stages = self.layout.axis_sizes.get("stage", 1)
+        if stages == 1:
+            return {}
+        from shard.parallel.pipeline import bubble_fraction
+
+        m = self.cfg.pipeline.microbatches
+        return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
+                "bubble": bubble_fraction(stages, m)}
+
 
 def make_layout(cfg: TrainConfig, mesh_spec: MeshSpec, devices=None) -> Layout:
     """The mesh for these devices, with the preset's rules amended by the config's."""
@@ -72,9 +84,22 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
             f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices ({axes}){per}; "
             f"use a batch that is a multiple of {dp * m}"
         )
-    length_ways = layout.degree("length")
-    if cfg.data.seq_len % length_ways:
-        raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {length_ways} devices")
+    for logical in ("length", "res_length"):
+        ways = layout.degree(logical)
+        if cfg.data.seq_len % ways:
+            axes = "x".join(f"{a}={layout.axis_sizes[a]}" for a in layout.rules.get(logical, ())
+                            if a in layout.axis_sizes)
+            raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
+                             f"({axes}, the mesh axes of {logical!r}); use a multiple of {ways}")
+    stages = layout.axis_sizes.get("stage", 1)
+    if stages > 1:
+        from shard.parallel import pipeline
+
+        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m))
+    experts = layout.degree("expert", param=True)
+    if cfg.model.n_experts % experts if cfg.model.n_experts else False:
+        raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "
+                         "use a multiple of it for model.n_experts")
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
@@ -93,7 +118,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
     init = compile_init(spec, cfg.model, cfg.seed) if restore is None else None
     t0 = time.perf_counter()
-    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard)
+    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
     compiled = jitted.lower(*abstract_inputs).compile()
     compile_s = time.perf_counter() - t0
@@ -255,6 +280,10 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             }
             if run.peak_flops:
                 record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
+            if run.pipeline:
+                record["pipeline_bubble"] = run.pipeline["bubble"]
+            if "aux_loss" in values:
+                record["aux_loss"] = float(values["aux_loss"])
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             if evaluator and (i % cfg.eval.every == 0 or i == cfg.steps):

@@ -182,6 +182,11 @@ def activation_layout(layout: Layout | None) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_layout() -> Layout | None:
+    """The layout being traced under (`activation_layout`), or None."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """Pin an activation's sharding by logical names; a no-op outside `activation_layout`.
 
@@ -191,4 +196,17 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     layout = _ACTIVE.get()
     if layout is None:
         return x
-    return jax.lax.with_sharding_constraint(x, layout.sharding(logical_axes, what="activation"))
+    sharding = layout.sharding(logical_axes, what="activation")
+    inner = jax.sharding.get_abstract_mesh()
+    if not inner.empty and inner.manual_axes:
+        # Inside a shard_map (pipeline stages, ring attention): constrain over the axes still automatic.
+        manual = set(inner.manual_axes)
+        sharding = NamedSharding(inner, PartitionSpec(*(_without(e, manual) for e in sharding.spec)))
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _without(entry, axes: set):
+    if entry is None:
+        return None
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)

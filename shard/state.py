@@ -28,6 +28,7 @@ class StateSpec:
     logical: dict  # params tree of logical-axis tuples
     tx: optax.GradientTransformation
     schedule: optax.Schedule
+    model: ModelConfig | None = None  # the hyperparameters the params were built with
 
     def abstract_with_shardings(self) -> dict:
         """The state as ShapeDtypeStructs that carry their shardings (for AOT lowering and restore)."""
@@ -76,7 +77,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
         "params": p_shardings,
         "opt_state": like_params(abstract["opt_state"], p_shardings, layout.mesh),
     }
-    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule)
+    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg)
 
 
 def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):

@@ -4,11 +4,12 @@ the optax update. State is donated; input and output shardings are explicit."""
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.axes import BATCH, LENGTH
-from shard.config import GuardConfig
+from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
+from shard.config import GuardConfig, PipelineConfig
+from shard.models import llama
+from shard.parallel import pipeline
 from shard.rules import Layout, activation_layout
 from shard.state import StateSpec
 
@@ -31,51 +32,89 @@ def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     return jnp.sum((logz_bt - target_bt) * mask_bt), jnp.sum(mask_bt)
 
 
-def _microbatches(x: jax.Array, m: int, layout: Layout) -> jax.Array:
+def _microbatches(x: jax.Array, m: int, layout: Layout, logical=(BATCH, LENGTH)) -> jax.Array:
     """(B, ...) -> (m, B/m, ...) taking every m-th row, so each device's rows split evenly across
     microbatches and no rows move between devices."""
     x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-    spec = batch_sharding(layout).spec
+    spec = layout.spec(logical, what="microbatch")
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(None, *spec)))
 
 
-def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
+def pipeline_stages(layout: Layout) -> int:
+    """Pipeline stages of this layout: the size of its `stage` mesh axis (1: not pipelined)."""
+    return layout.axis_sizes.get(STAGE, 1)
+
+
+def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = None):
+    """`(params, batch) -> (objective, (nll, count, aux))`: the summed next-token loss plus the weighted
+    MoE auxiliary loss; through the pipeline schedule when the mesh has stages."""
+    cfg = spec.model
+    aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
+
+    def plain(params, mb):
+        logits, aux = llama.forward(cfg, params, mb["inputs"])
+        nll, count = token_nll(logits, mb["targets"], mb["mask"])
+        return nll + aux_w * aux * count, (nll, count, aux)
+
+    if pipeline_stages(layout) == 1:
+        return plain
+    pipe = pipe or PipelineConfig()
+    M = pipe.microbatches
+    head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
+
+    def head_loss(head, y_btd, aux_m):
+        return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
+
+    def piped(params, mb):
+        x_btd = llama.embed_tokens(cfg, params, mb["inputs"])
+        x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
+        aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
+        head = {k: params[k] for k in head_keys}
+        if pipe.schedule == "gpipe":
+            y_mbtd = pipeline.gpipe_layers(cfg, layout.mesh, params["layers"], x_mbtd)
+            nll_m, count_m = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, y_mbtd, aux)
+            nll, count = jnp.sum(nll_m), jnp.sum(count_m)
+        else:
+            nll, count = pipeline.one_f_one_b(cfg, layout.mesh, M, head_loss)(params["layers"], head, x_mbtd, aux)
+        return nll, (nll, count, jnp.zeros((), jnp.float32))
+
+    return piped
+
+
+def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                    pipe: PipelineConfig | None = None):
     """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
-    summed next-token loss and token count over the batch this program sees (not yet normalised), and
-    `apply(state, grads, nll, count)` normalises by the count, updates and reports metrics. The MPI
-    bridge sums the first half's outputs across processes before the second.
+    summed next-token loss, token count and MoE auxiliary loss over the batch this program sees (not yet
+    normalised), and `apply(state, grads, nll, count, aux)` normalises by the count, updates and reports
+    metrics. The MPI bridge sums the first half's outputs across processes before the second.
 
     With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
     """
-    graphdef, tx, schedule = spec.graphdef, spec.tx, spec.schedule
+    tx, schedule = spec.tx, spec.schedule
     skip_bad = guard is not None and guard.action == "skip"
-
-    def loss_fn(params, mb):
-        logits = nnx.merge(graphdef, params)(mb["inputs"])
-        return token_nll(logits, mb["targets"], mb["mask"])
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
 
     def grad_sums(params, batch):
         with activation_layout(layout):
             if microbatches == 1:
-                (nll, count), grads = grad_fn(params, batch)
+                (_, (nll, count, aux)), grads = grad_fn(params, batch)
             else:
                 mbs = {k: _microbatches(batch[k], microbatches, layout) for k in BATCH_KEYS}
 
                 def accumulate(carry, mb):
-                    g_acc, nll_acc, n_acc = carry
-                    (nll, n), g = grad_fn(params, mb)
-                    return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n), None
+                    g_acc, nll_acc, n_acc, aux_acc = carry
+                    (_, (nll, n, aux)), g = grad_fn(params, mb)
+                    return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n, aux_acc + aux), None
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
-                carry = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-                (grads, nll, count), _ = jax.lax.scan(accumulate, carry, mbs)
-        return grads, nll, count
+                scalar = jnp.zeros((), jnp.float32)
+                (grads, nll, count, aux), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, scalar), mbs)
+                aux = aux / microbatches
+        return grads, nll, count, aux
 
-    def apply(state, grads, nll, count):
+    def apply(state, grads, nll, count, aux):
         params = state["params"]
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
@@ -83,6 +122,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": count}
+        if spec.model is not None and spec.model.n_experts:
+            metrics["aux_loss"] = aux / spec.model.n_layers  # per layer; 1 when experts are balanced
         if skip_bad:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
@@ -94,9 +135,10 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     return grad_sums, apply
 
 
-def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None):
+def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                    pipe: PipelineConfig | None = None):
     """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
-    grad_sums, apply = make_step_parts(spec, layout, microbatches, guard)
+    grad_sums, apply = make_step_parts(spec, layout, microbatches, guard, pipe)
 
     def step(state, batch):
         return apply(state, *grad_sums(state["params"], batch))
@@ -113,11 +155,9 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
 
 def make_eval_step(spec: StateSpec, layout: Layout):
     """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
-    graphdef = spec.graphdef
-
     def evaluate(params, batch):
         with activation_layout(layout):
-            logits = nnx.merge(graphdef, params)(batch["inputs"])
+            logits = llama.forward(spec.model, params, batch["inputs"])[0]
             return token_nll(logits, batch["targets"], batch["mask"])
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())

@@ -42,3 +42,49 @@ def train_losses(cfg: TrainConfig) -> list[float]:
     from shard.loop import train
 
     return [r["loss"] for r in train(cfg, devices=devices_for(cfg.mesh.spec))]
+
+
+def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+    """A deterministic batch of random tokens (numpy), the same on every layout."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((batch, seq_len), np.float32)}
+
+
+def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bool = False):
+    """Mean loss and the gradients of the training objective for one random batch on cfg's layout
+    (pipelined when the mesh has stages), from the given (or freshly initialised) params.
+
+    Compiles only the loss and its gradient, no optimizer or sharded init, so layout tests stay fast.
+    `with_hlo` also returns the compiled HLO text (to check which collectives a layout uses).
+    """
+    import jax
+    from flax import nnx
+
+    from shard import models
+    from shard.loop import check_batch, make_layout
+    from shard.mesh import parse_mesh
+    from shard.rules import activation_layout
+    from shard.state import state_spec
+    from shard.step import batch_sharding, make_loss_fn
+
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
+    check_batch(cfg, layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    if params is None:
+        params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.seed)))
+    params = jax.device_put(params, spec.shardings["params"])
+    batch = jax.device_put(random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, cfg.seed),
+                           batch_sharding(layout))
+    loss_fn = make_loss_fn(spec, layout, cfg.pipeline)
+
+    def f(p, b):
+        with activation_layout(layout):
+            (_, (nll, count, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+        return nll / count, grads
+
+    compiled = jax.jit(f).lower(params, batch).compile()
+    out = jax.device_get(compiled(params, batch))
+    return (*out, compiled.as_text()) if with_hlo else out

@@ -1,0 +1,124 @@
+"""Per-device memory and step time of the tiny/small models across layouts on 8 simulated devices,
+and the pipeline bubble: measured against the formula (S - 1) / (M + S - 1).
+
+Memory is XLA's compiled estimate for the whole train step (arguments + temporaries + outputs -
+donated, per device). Step time is the median of timed steps after a warm-up; on simulated CPU
+devices the 8 "devices" share the host's cores, so times compare layouts' work, not real scaling.
+
+Bubble: the schedule tables give the idle share of (tick, stage) slots; timing gives another
+estimate: with a fixed microbatch size, step time T(M) = c (M + S - 1) + overhead, so c is the slope
+of T over M and the measured bubble is 1 - c M / T(M).
+
+    python benchmarks/layouts.py [--models tiny,small] [--steps 5] [--bubble-model tiny] [--only 1f1b]
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from shard import config  # noqa: E402
+from shard.loop import prepare  # noqa: E402
+from shard.parallel import pipeline  # noqa: E402
+
+# (label, mesh, extra --set keys, model override)
+LAYOUTS = [
+    ("dp", "dp", {}, None),
+    ("fsdp", "fsdp", {}, None),
+    ("tp (data=4,model=2)", "4x2", {}, None),
+    ("megatron-sp", "sp", {}, None),
+    ("context (data=2,context=4)", "cp", {}, None),
+    ("pipeline gpipe (stage=2,data=4)", "pipeline", {"pipeline.schedule": "gpipe"}, None),
+    ("pipeline 1f1b (stage=2,data=4)", "pipeline", {"pipeline.schedule": "1f1b"}, None),
+    ("pipeline 1f1b x tp (2x2x2)", "pipeline_tp", {"pipeline.schedule": "1f1b"}, None),
+    ("moe replicated experts (data=8)", "dp", {}, "moe"),
+    ("moe expert parallel (data=2,expert=4)", "ep", {}, "moe"),
+]
+
+
+def resolve(model: str, mesh: str, sets: dict, batch: int, seq: int):
+    items = [f"model.name={model}", f"mesh.spec={mesh}", f"data.batch={batch}", f"data.seq_len={seq}",
+             "data.path=synthetic", "steps=100", "optimizer.warmup_steps=1"]
+    items += [f"{k}={v}" for k, v in sets.items()]
+    return config.resolve(config.parse_sets(items))
+
+
+def time_steps(run, steps: int) -> float:
+    state = run.state
+    state, m = run.step_fn(state, run.stream.next())  # warm-up
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        batch = run.stream.next()
+        t0 = time.perf_counter()
+        state, m = run.step_fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    run.state = state
+    return statistics.median(times)
+
+
+def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "") -> None:
+    print(f"{'model':<9} {'layout':<40} {'peak MiB/dev':>12} {'params MiB/dev':>14} {'step ms':>9} {'loss':>7}")
+    for model in models:
+        for label, mesh, sets, moe in LAYOUTS:
+            name = "moe-tiny" if moe else model
+            if (moe and model != models[0]) or only not in label:
+                continue
+            sets = dict(sets)
+            if "pipeline" in mesh:
+                sets.setdefault("pipeline.microbatches", 4)
+            cfg = resolve(name, mesh, sets, batch, seq)
+            run = prepare(cfg)
+            ms = time_steps(run, steps) * 1e3
+            mem = run.compiled_memory
+            params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(run.state["params"]))
+            loss = float(run.step_fn(run.state, run.stream.next())[1]["loss"])
+            print(f"{name:<9} {label:<40} {mem['peak'] / 2**20:>12.2f} {params / 2**20:>14.2f} {ms:>9.1f} "
+                  f"{loss:>7.3f}", flush=True)
+
+
+def bubble(model: str, steps: int, rows_per_micro: int, seq: int, micro=(2, 4, 8)) -> None:
+    S = 2
+    print(f"\npipeline bubble, {model}, stage=2 x data=4, {rows_per_micro} rows per microbatch per replica")
+    print(f"{'schedule':<8} {'M':>3} {'formula':>8} {'schedule table':>15} {'timed':>7} {'step ms':>9} "
+          f"{'temp MiB/dev':>12}")
+    for kind in ("gpipe", "1f1b"):
+        times, temps = [], []
+        for m in micro:
+            cfg = resolve(model, "pipeline", {"pipeline.schedule": kind, "pipeline.microbatches": m},
+                          rows_per_micro * 4 * m, seq)
+            run = prepare(cfg)
+            times.append(time_steps(run, steps))
+            temps.append(run.compiled_memory["temporaries"])
+        c = np.polyfit(np.array(micro, float), np.array(times), 1)[0]
+        for m, t, temp in zip(micro, times, temps):
+            print(f"{kind:<8} {m:>3} {pipeline.bubble_fraction(S, m):>8.3f} "
+                  f"{pipeline.schedule(kind, S, m).idle_fraction():>15.3f} {1 - c * m / t:>7.3f} {t * 1e3:>9.1f} "
+                  f"{temp / 2**20:>12.2f}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="tiny,small")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--bubble-model", default="tiny")
+    p.add_argument("--only", default="", help="run only layouts whose label contains this")
+    p.add_argument("--skip-layouts", action="store_true")
+    a = p.parse_args()
+    if not a.skip_layouts:
+        layouts(a.models.split(","), a.steps, a.batch, a.seq, a.only)
+    if a.bubble_model:
+        bubble(a.bubble_model, a.steps, 2, a.seq)
+
+
+if __name__ == "__main__":
+    main()

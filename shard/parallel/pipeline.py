@@ -1,0 +1,295 @@
+"""Pipeline parallelism over the `stage` mesh axis: the stacked layers split into S stages, the batch
+into M microbatches, on a GPipe or 1F1B schedule.
+
+Both schedules run the model's own pieces (models.llama: embed_tokens, run_layers, head_logits) inside
+one `jax.shard_map` that is manual over `stage` only, so data, FSDP and tensor parallelism keep working
+on the other mesh axes by their rules.
+
+- GPipe: a forward loop of M + S - 1 ticks (each stage applies its layers, then a ppermute passes the
+  activations on); `jax.grad` differentiates it, so activations of all M microbatches are kept.
+- 1F1B: a static table says, for every tick and stage, idle / forward(m) / backward(m); a `fori_loop`
+  reads its row and picks the op with `lax.switch`. The backward recomputes its stage (jax.vjp) from a
+  stored input, so a stage holds at most a few microbatches' inputs, independent of M. The loss and
+  all gradients come out of one pass, wrapped in a custom_vjp so the train step stays `value_and_grad`.
+
+The bubble (idle share of a stage's time) is (S - 1) / (M + S - 1) for both.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shard.axes import STAGE
+from shard.errors import ShardError
+from shard.models import llama
+from shard.models.configs import ModelConfig
+
+IDLE, FWD, BWD = 0, 1, 2
+BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle share of each stage in GPipe and 1F1B with equal-cost microbatches."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int) -> None:
+    """Errors a user can cause, before anything is traced."""
+    if cfg.n_layers % stages:
+        raise ShardError(f"pipeline: {cfg.n_layers} layers do not split into {stages} stages; use a stage "
+                         f"count that divides model.n_layers")
+    if cfg.n_experts:
+        raise ShardError("pipeline: mixture-of-experts models are not pipelined yet; drop the stage axis")
+    if batch_per_replica % microbatches:
+        raise ShardError(f"pipeline: the batch ({batch_per_replica} rows per data-parallel replica) does not "
+                         f"split into pipeline.microbatches={microbatches}")
+
+
+# --- schedule tables (numpy, static) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """`op[t, s]` and `mb[t, s]`: what stage s does at tick t. Computed once, becomes constants."""
+
+    op: np.ndarray
+    mb: np.ndarray
+    stages: int
+    microbatches: int
+
+    @property
+    def ticks(self) -> int:
+        return self.op.shape[0]
+
+    def idle_fraction(self) -> float:
+        """Measured bubble: the share of (tick, stage) slots with no work, each op taking one slot."""
+        return float(np.mean(self.op == IDLE))
+
+
+def stage_orders(kind: str, S: int, M: int) -> list[list[tuple[int, int]]]:
+    """Each stage's ordered list of (op, microbatch)."""
+    orders = []
+    for s in range(S):
+        if kind == "gpipe":
+            orders.append([(FWD, m) for m in range(M)] + [(BWD, m) for m in range(M)])
+            continue
+        warm = min(S - 1 - s, M)
+        order = [(FWD, m) for m in range(warm)]
+        for i in range(M - warm):
+            order += [(FWD, warm + i), (BWD, i)]
+        order += [(BWD, m) for m in range(M - warm, M)]
+        orders.append(order)
+    return orders
+
+
+@functools.lru_cache(maxsize=32)
+def schedule(kind: str, S: int, M: int) -> Schedule:
+    """Run each stage's order as early as dependencies allow (one op per stage per tick; a message sent
+    at tick t is usable at t + 1)."""
+    orders = stage_orders(kind, S, M)
+    done_f = np.full((S, M), -1)
+    done_b = np.full((S, M), -1)
+    nxt = [0] * S
+    ops, mbs = [], []
+    t = 0
+    while any(nxt[s] < len(orders[s]) for s in range(S)):
+        row_op, row_mb = [IDLE] * S, [0] * S
+        for s in range(S):
+            if nxt[s] == len(orders[s]):
+                continue
+            op, m = orders[s][nxt[s]]
+            if op == FWD:
+                ready = s == 0 or 0 <= done_f[s - 1, m] < t
+            else:
+                ready = (0 <= done_f[s, m] < t) if s == S - 1 else (0 <= done_b[s + 1, m] < t)
+            if ready:
+                row_op[s], row_mb[s] = op, m
+        for s in range(S):
+            if row_op[s] != IDLE:
+                (done_f if row_op[s] == FWD else done_b)[s, row_mb[s]] = t
+                nxt[s] += 1
+        ops.append(row_op)
+        mbs.append(row_mb)
+        t += 1
+        if t > 4 * (M + S) + 8:
+            raise AssertionError("pipeline schedule did not finish")
+    return Schedule(np.array(ops, np.int32), np.array(mbs, np.int32), S, M)
+
+
+def _slots(sch: Schedule) -> int:
+    """Fewest input-buffer slots (microbatch m in slot m % K) such that no live input is overwritten:
+    stage s holds microbatch m's input from its arrival (tick after F(m) on s-1) to its B(m)."""
+    S, M = sch.stages, sch.microbatches
+    t_f = np.zeros((S, M), int)
+    t_b = np.zeros((S, M), int)
+    for t in range(sch.ticks):
+        for s in range(S):
+            if sch.op[t, s] == FWD:
+                t_f[s, sch.mb[t, s]] = t
+            elif sch.op[t, s] == BWD:
+                t_b[s, sch.mb[t, s]] = t
+    # Live interval of m's input on stage s: [arrival, B(m)]; gradient: [arrival from s+1, B(m)].
+    start = np.where(np.arange(S)[:, None] == 0, t_f, np.roll(t_f, 1, axis=0) + 1)
+    for k in range(1, M + 1):
+        ok = all(not (start[s, m2] <= t_b[s, m1] and start[s, m1] <= t_b[s, m2])
+                 for s in range(S) for m1 in range(M) for m2 in range(m1 + k, M, k))
+        if ok:
+            return k
+    return M
+
+
+# --- the two schedules ----------------------------------------------------------------------------------
+
+
+def _stage_fn(cfg: ModelConfig):
+    def stage(layers, x_btd):
+        return llama.run_layers(cfg, layers, x_btd)[0]
+
+    return stage
+
+
+def _vary(tree):
+    return jax.tree.map(lambda x: lax.pcast(x, (STAGE,), to="varying"), tree)
+
+
+def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array) -> jax.Array:
+    """The layer stack applied to M microbatches on a GPipe schedule (differentiable)."""
+    stage_fn = _stage_fn(cfg)
+    layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
+
+    def body(layers, x_mbtd):
+        S, s = lax.axis_size(STAGE), lax.axis_index(STAGE)
+        M = x_mbtd.shape[0]
+        x_mbtd = _vary(x_mbtd)
+        perm = [(j, (j + 1) % S) for j in range(S)]
+
+        def tick(t, carry):
+            incoming, out_mbtd = carry
+            x_btd = jnp.where(s == 0, x_mbtd[jnp.clip(t, 0, M - 1)], incoming)
+            y_btd = stage_fn(layers, x_btd)
+            m_out = t - (S - 1)
+            write = (s == S - 1) & (m_out >= 0)
+            idx = jnp.clip(m_out, 0, M - 1)
+            out_mbtd = out_mbtd.at[idx].set(jnp.where(write, y_btd, out_mbtd[idx]))
+            return lax.ppermute(y_btd, STAGE, perm), out_mbtd
+
+        init = (jnp.zeros_like(x_mbtd[0]), jnp.zeros_like(x_mbtd))
+        _, out_mbtd = lax.fori_loop(0, M + S - 1, tick, init)
+        return lax.psum(out_mbtd, STAGE)  # only the last stage wrote
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P()), out_specs=P(),
+                         axis_names={STAGE})(layers, x_mbtd)
+
+
+def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
+    """`f(layers, head, x_mbtd, aux) -> (nll, count)` on a 1F1B schedule, differentiable by custom_vjp.
+
+    `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
+    (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
+    """
+    S = mesh.shape[STAGE]
+    sch = schedule("1f1b", S, M)
+    K = _slots(sch)
+    stage_fn = _stage_fn(cfg)
+    # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
+    op = sch.op.copy()
+    op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
+    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
+    # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
+    recv_f = np.full_like(sch.op, -1)
+    recv_b = np.full_like(sch.op, -1)
+    recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
+    recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
+
+    def body(layers, head, x_mbtd, aux):
+        s = lax.axis_index(STAGE)
+        head, x_mbtd, aux = _vary((head, x_mbtd, aux))
+        tables = jnp.asarray(np.stack([op, sch.mb, recv_f, recv_b], -1))
+        zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))  # noqa: E731
+        act = x_mbtd[0]
+        fwd_perm = [(j, (j + 1) % S) for j in range(S)]
+        bwd_perm = [(j, (j - 1) % S) for j in range(S)]
+
+        def put(buf, m, value, valid):
+            i = m % K
+            return buf.at[i].set(jnp.where(valid, value, buf[i]))
+
+        def idle(c, m):
+            return c
+
+        def fwd(c, m):
+            x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
+            return c | {"xin": put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd)}
+
+        def bwd(c, m):
+            _, vjp = jax.vjp(stage_fn, layers, c["xin"][m % K])
+            g_layers, dx = vjp(c["gin"][m % K])
+            return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
+                        "dx": _set(c["dx"], m, dx, s == 0)}
+
+        def bwd_last(c, m):
+            aux_m = jax.tree.map(lambda a: a[m], aux)
+            f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x), aux_m)  # noqa: E731
+            (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
+            g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+            return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
+                        "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
+                        "nll": c["nll"] + nll, "count": c["count"] + count}
+
+        def tick(t, c):
+            op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
+            c = c | {"xin": put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": put(c["gin"], rb, c["recv_b"], rb >= 0)}
+            c = lax.switch(op_t, [idle, fwd, bwd, bwd_last], c, m)
+            recv_f = lax.ppermute(c["send_f"], STAGE, fwd_perm)
+            recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
+            return c | {"recv_f": recv_f, "recv_b": recv_b}
+
+        buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype))  # noqa: E731
+        carry = {
+            "g_layers": zeros_like(layers), "g_head": zeros_like(head),
+            "nll": _vary(jnp.zeros((), jnp.float32)), "count": _vary(jnp.zeros((), jnp.float32)),
+            "xin": buf(K), "gin": buf(K), "dx": buf(M),
+            "send_f": buf(1)[0], "send_b": buf(1)[0], "recv_f": buf(1)[0], "recv_b": buf(1)[0],
+        }
+        c = lax.fori_loop(0, sch.ticks, tick, carry)
+        total = lambda x: lax.psum(x, STAGE)  # noqa: E731  (each is nonzero on one stage only)
+        like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
+        return (total(c["nll"]), total(c["count"]), like(c["g_layers"], layers),
+                like(jax.tree.map(total, c["g_head"]), head),
+                total(c["dx"]))
+
+    def run(layers, head, x_mbtd, aux):
+        layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
+        rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), P(), rep(aux)),
+                             out_specs=(P(), P(), layer_spec, rep(head), P()), axis_names={STAGE})(
+            layers, head, x_mbtd, aux)
+
+    @jax.custom_vjp
+    def loss(layers, head, x_mbtd, aux):
+        nll, count, *_ = run(layers, head, x_mbtd, aux)
+        return nll, count
+
+    def loss_fwd(layers, head, x_mbtd, aux):
+        nll, count, g_layers, g_head, dx = run(layers, head, x_mbtd, aux)
+        return (nll, count), (g_layers, g_head, dx, aux)
+
+    def loss_bwd(res, cotangents):
+        g_layers, g_head, dx, aux = res
+        g = cotangents[0]
+        scale = lambda tree: jax.tree.map(lambda a: (a * g.astype(a.dtype)), tree)  # noqa: E731
+        zero_aux = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(
+            a.dtype, jnp.floating) else jnp.zeros_like(a), aux)
+        return scale(g_layers), scale(g_head), scale(dx), zero_aux
+
+    loss.defvjp(loss_fwd, loss_bwd)
+    return loss
+
+
+def _set(buf, m, value, valid):
+    return buf.at[m].set(jnp.where(valid, value, buf[m]))

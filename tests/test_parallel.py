@@ -1,0 +1,168 @@
+"""Pipeline, context, sequence and expert parallelism compute what the plain model computes (fp32):
+same loss, same gradients; plus the pieces (schedules, ring attention, routing) and the errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shard.errors import ShardError
+from shard.loop import check_batch, make_layout
+from shard.mesh import parse_mesh
+from shard.models import moe
+from shard.models.configs import PRESETS
+from shard.parallel import pipeline
+from shard.parallel.ring_attention import ring_attention
+from shard.testing import fake_mesh, loss_and_grads, tiny_config
+
+RTOL = 1e-5
+
+
+def assert_same(out, ref):
+    """Same loss (rtol 1e-5) and gradients: every leaf within 1e-5 of its largest entry."""
+    np.testing.assert_allclose(out[0], ref[0], rtol=RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(out[1])[0], jax.tree.leaves(ref[1])):
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * float(np.max(np.abs(r))), err_msg=str(path))
+
+
+# --- pipeline ------------------------------------------------------------------------------------------
+
+PIPE = dict(model__n_layers=4, data__batch=16)
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    return loss_and_grads(tiny_config("1x1", **PIPE))
+
+
+@pytest.mark.parametrize("mesh, schedule", [
+    ("stage=2,data=4", "gpipe"),
+    ("stage=2,data=2,model=2", "1f1b"),
+    ("stage=4,fsdp=2", "1f1b"),
+])
+def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference):
+    out = loss_and_grads(tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4))
+    assert_same(out, dense_reference)
+
+
+def test_pipeline_gradients_are_not_trivially_equal(dense_reference):
+    # Guards the comparison: every layer's gradient is nonzero, so a stage that did nothing would show.
+    for g in jax.tree.leaves(dense_reference[1]["layers"]):
+        assert np.all(np.abs(g).reshape(g.shape[0], -1).max(axis=1) > 0)
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 4), (4, 16), (8, 32)])
+def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro):
+    expected = pipeline.bubble_fraction(stages, micro)
+    for kind in ("gpipe", "1f1b"):
+        sch = pipeline.schedule(kind, stages, micro)
+        assert sch.idle_fraction() == pytest.approx(expected)
+        for s in range(stages):  # every stage runs each microbatch's forward and backward once
+            for op in (pipeline.FWD, pipeline.BWD):
+                assert sorted(sch.mb[sch.op[:, s] == op, s]) == list(range(micro))
+    # 1F1B keeps at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
+    assert pipeline._slots(pipeline.schedule("1f1b", stages, micro)) <= stages
+    assert pipeline._slots(pipeline.schedule("gpipe", stages, micro)) == micro
+
+
+# --- context and sequence parallel ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_matches_full_attention(causal):
+    mesh = fake_mesh("data=2,context=4")
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(kq, (2, 256, 4, 16))
+    k = jax.random.normal(kk, (2, 256, 2, 16))
+    v = jax.random.normal(kv, (2, 256, 2, 16))
+    got = jax.jit(lambda q, k, v: ring_attention(q, k, v, ("context",), causal=causal, mesh=mesh))(q, k, v)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_and_grads(tiny_config("1x1"))
+
+
+def test_context_parallel_matches_and_passes_kv_round_a_ring(reference):
+    loss, grads, hlo = loss_and_grads(tiny_config("cp"), with_hlo=True)
+    assert_same((loss, grads), reference)
+    assert "collective-permute" in hlo
+
+
+def test_sequence_parallel_matches(reference):
+    assert_same(loss_and_grads(tiny_config("sp")), reference)
+
+
+# --- mixture of experts --------------------------------------------------------------------------------
+
+
+def test_expert_parallel_matches_replicated_experts_and_dispatches_by_all_to_all():
+    ref = loss_and_grads(tiny_config("1x1", model__name="moe-tiny"))
+    loss, grads, hlo = loss_and_grads(tiny_config("ep", model__name="moe-tiny"), with_hlo=True)
+    assert_same((loss, grads), ref)
+    assert "all-to-all" in hlo
+
+
+def test_routing_respects_capacity():
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 64, 8)) * 3, axis=-1)
+    for k, factor in ((1, 1.0), (2, 1.25), (2, 0.5)):
+        cap = moe.capacity(64, 8, k, factor)
+        dispatch, combine, _ = moe.route(probs, k, cap)
+        per_slot = dispatch.sum(axis=1)  # (B, E, C): tokens in each slot
+        assert float(per_slot.max()) == 1.0  # a slot holds one token
+        assert float(dispatch.sum(axis=(1, 3)).max()) <= cap  # an expert takes at most its capacity
+        assert float(dispatch.sum(axis=(2, 3)).max()) <= k  # a token goes to at most k experts
+        kept = combine.sum(axis=(2, 3))  # gates of kept tokens sum to at most 1
+        assert float(kept.max()) <= 1.0 + 1e-6
+    # With room for everyone, every token reaches its k experts.
+    dispatch, _, _ = moe.route(probs, 2, 64 * 2)
+    assert float(dispatch.sum()) == 4 * 64 * 2
+
+
+def test_load_balancing_loss_falls_under_training():
+    h = jax.random.normal(jax.random.key(1), (4, 64, 16))
+    router = jnp.zeros((16, 8)).at[:, 0].set(1.0)  # everything prefers expert 0 at first
+
+    def aux_loss(r):
+        return moe.route(moe.router_probs(h, r), 2, moe.capacity(64, 8, 2, 1.25))[2]
+
+    grad = jax.jit(jax.value_and_grad(aux_loss))
+    first, _ = grad(router)
+    for _ in range(30):
+        _, g = grad(router)
+        router = router - 0.5 * g
+    assert float(aux_loss(router)) < 0.8 * float(first)
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+def _check(mesh: str, **sets):
+    cfg = tiny_config(mesh, **sets)
+    check_batch(cfg, make_layout(cfg, parse_mesh(mesh), jax.devices()[:8]))
+
+
+@pytest.mark.parametrize("mesh, sets, message", [
+    ("stage=4,data=2", {}, r"2 layers do not split into 4 stages"),
+    ("stage=2,data=4", {"data__batch": 16, "pipeline__microbatches": 3}, r"does not split into pipeline.microbatches=3"),
+    ("cp", {"data__seq_len": 30}, r"sequence length 30 does not divide over 4 devices \(context=4"),
+    ("ep", {"model__name": "moe-tiny", "model__n_experts": 6}, r"6 experts do not divide over the expert axis"),
+])
+def test_bad_layouts_are_clear_errors(mesh, sets, message):
+    with pytest.raises(ShardError, match=message):
+        _check(mesh, **sets)
+
+
+def test_unknown_schedule_is_an_error():
+    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b"):
+        tiny_config("pipeline", pipeline__schedule="zigzag")
+
+
+def test_moe_preset_counts_experts():
+    cfg = PRESETS["moe-tiny"]
+    dense = dataclasses.replace(cfg, n_experts=0)
+    assert cfg.num_params() - dense.num_params() == cfg.n_layers * (7 * 3 * 64 * 64 + 64 * 8)

@@ -80,7 +80,7 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
     local = jax.jit(lambda state, batch: grad_sums(state["params"], batch),
                     in_shardings=(spec.shardings, data), out_shardings=replicated)
     cross = jax.jit(lambda sums: allreduce_tree(sums, comm, bucket_bytes))
-    update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated),
+    update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated, replicated),
                      out_shardings=(spec.shardings, replicated), donate_argnums=0)
 
     def step(state, batch):

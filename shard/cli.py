@@ -652,6 +652,12 @@ def generate(
         _fail(e)
 
 
+def _check_fresh_out(out: Path) -> None:
+    """Never write into (or over) a folder that already holds something."""
+    if out.exists() and any(out.iterdir()):
+        raise ShardError(f"--out {out} exists and is not empty; choose another")
+
+
 @app.command("import-hf")
 def import_hf(
     hf_dir: Annotated[Path, typer.Argument(help="a local Hugging Face Llama folder (config.json + *.safetensors)")],
@@ -659,8 +665,7 @@ def import_hf(
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
     try:
-        if out.exists() and any(out.iterdir()):
-            raise ShardError(f"--out {out} exists and is not empty; choose another")
+        _check_fresh_out(out)
         tcfg, mesh_spec, devices = _host_jax("1x1")
         from shard import weights
         from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints
@@ -692,8 +697,7 @@ def export_hf(
 ):
     """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
     try:
-        if out.exists() and any(out.iterdir()):
-            raise ShardError(f"--out {out} exists and is not empty; choose another")
+        _check_fresh_out(out)
         _host_jax()
         from shard import hf, weights
 

@@ -14,7 +14,7 @@ import tomli_w
 
 from shard.errors import ShardError
 from shard.mesh import parse_rules
-from shard.models.configs import PRESETS, ModelConfig
+from shard.models.configs import PRESETS, ModelConfig, field_names
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def resolve(overrides: dict) -> TrainConfig:
     if not isinstance(model_over, dict):
         raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
     name = model_over.get("name", TrainConfig().model.name)
-    complete = set(model_over) >= {f.name for f in dataclasses.fields(ModelConfig)}
+    complete = set(model_over) >= set(field_names())
     if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset
         raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)})")
     model = _build(ModelConfig, model_over, "model.", PRESETS.get(name, ModelConfig()))

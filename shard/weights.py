@@ -52,13 +52,6 @@ def place(params: dict, spec: StateSpec) -> dict:
     return jax.device_put(cast, spec.shardings["params"])
 
 
-def model_overrides(cfg: ModelConfig) -> dict:
-    """The `model` section that makes a run use exactly this model (for --init-from)."""
-    import dataclasses
-
-    return {"model": dataclasses.asdict(cfg)}
-
-
 def state_from(params: dict, spec: StateSpec, seed: int, source: str):
     """A fresh train state (step 0, new optimizer state) around loaded params, for `--init-from`:
     returned as a shard.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""

@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from shard import distributed
 from shard.config import CheckpointConfig
 from shard.errors import ShardError
 from shard.rules import path_str
@@ -84,7 +85,7 @@ class Checkpoints:
         """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
         for p in self.incomplete():
             self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
-            if jax.process_index() == 0:
+            if distributed.is_main_process():
                 shutil.rmtree(p, ignore_errors=True)
         self._sync("clean_incomplete")
 
@@ -97,6 +98,8 @@ class Checkpoints:
              metrics: dict | None = None) -> None:
         """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
         so the caller may donate them to the next step."""
+        if not distributed.writes_shared_files():
+            return  # the MPI bridge: process 0 writes the replica every process holds
         meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml}
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         self._manager.save(step, args=args, metrics=metrics, force=True)
@@ -167,7 +170,7 @@ class Checkpoints:
                          f"{CORRUPT_PREFIX}<step>); run without --resume to start fresh")
 
     def _set_aside(self, step: int) -> None:
-        if jax.process_index() == 0:
+        if distributed.is_main_process():
             target = self.directory / f"{CORRUPT_PREFIX}{step}"
             n = 1
             while target.exists():
@@ -178,10 +181,7 @@ class Checkpoints:
 
     @staticmethod
     def _sync(name: str) -> None:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"shard_checkpoint_{name}")
+        distributed.sync(f"checkpoint_{name}")
 
 
 class SaveCheckpoints:

@@ -265,14 +265,9 @@ def train(
             if distributed.context().is_main:
                 err_console.print(f"[yellow]{message}[/yellow]", soft_wrap=True)
 
-        bridge = distributed.context().mode == distributed.MPI
-        checkpoints = None if bridge else Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
-        if bridge:
-            notice("checkpoints are not written with --cross-host mpi yet")
+        checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
         restore = None
         if resume:
-            if checkpoints is None:
-                raise ShardError("--resume is not supported with --cross-host mpi yet")
             checkpoints.clean_incomplete()
             if checkpoints.steps():
                 restore = checkpoints.restore_latest
@@ -307,16 +302,15 @@ def train(
                 (path / "config.toml").write_text(config_toml)
                 observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                              TensorBoardWriter(path / "tb")]
-            saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml) if checkpoints else None
+            saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
             stopper = StopOnSignal(notice)
-            observers += [o for o in (saver, stopper) if o is not None]  # every process saves its shards
+            observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
             if window and main:
                 observers.append(profiler := profiling.Profiler(*window, path / "profile"))
             try:
                 train_loop(cfg, run=run, observers=observers)
             finally:  # also on divergence: saves already under way commit; nothing newer is written
-                if checkpoints:
-                    checkpoints.close()
+                checkpoints.close()
         except ShardError:
             raise
         except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
@@ -324,7 +318,7 @@ def train(
         if window and main and profiler.summary:
             console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
         if run.stopped_at is not None and main:
-            where = checkpoints.path(saver.last_saved) if saver and saver.last_saved else "(no checkpoint)"
+            where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
             console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
                           f"{run.stopped_at}; checkpoint saved to {where}; "
                           f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shard.coordinator import service_in_helper
 from shard.errors import ShardError
 
 XLA, MPI = "xla", "mpi"
@@ -124,16 +125,8 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     timeout = max(1, int(failure_timeout))
     kwargs = {"initialization_timeout": max(timeout, 300), "heartbeat_timeout_seconds": timeout}
     try:
-        if cluster.launcher == "explicit":
-            jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
-                                       cluster_detection_method="deactivate", **kwargs)
-        elif cluster.launcher == "mpi":
-            # Under mpiexec, initialize() without arguments finds no coordinator; mpi4py's detection
-            # has rank 0 pick a free port and broadcast it.
-            _mpi_world()
-            jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
-        else:
-            jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
+        with service_in_helper():  # process 0's service outlives process 0, so its loss is reported
+            _initialize(cluster, kwargs)
     except (RuntimeError, ValueError) as e:  # XlaRuntimeError is a RuntimeError
         raise ShardError(f"could not join the {cluster.launcher} cluster as process {cluster.process_id} of "
                          f"{cluster.num_processes}: {str(e).splitlines()[0]}") from None
@@ -141,6 +134,21 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
     return _ctx
+
+
+def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
+    import jax
+
+    if cluster.launcher == "explicit":
+        jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
+                                   cluster_detection_method="deactivate", **kwargs)
+    elif cluster.launcher == "mpi":
+        # Under mpiexec, initialize() without arguments finds no coordinator; mpi4py's detection
+        # has rank 0 pick a free port and broadcast it.
+        _mpi_world()
+        jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+    else:
+        jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
 
 
 def barrier(name: str, timeout: float = STARTUP_TIMEOUT) -> None:
@@ -178,8 +186,8 @@ def finish() -> None:
             _lost(f"not every process reached the end of the run within {ctx.failure_timeout:g}s "
                   f"({str(e).splitlines()[0]})")
         if ctx.rank == 0:
-            # Process 0 hosts the coordination service: let the others disconnect before it stops,
-            # or their own shutdown fails and aborts them.
+            # Process 0 owns the coordination service (shard.coordinator): let the others disconnect
+            # before it stops, or their own shutdown fails and aborts them.
             others = set(range(1, ctx.size))
             ctx._watchdog.wait_until(lambda missing: others <= set(missing), ctx.failure_timeout)
         jax.distributed.shutdown()
@@ -215,6 +223,48 @@ def broadcast_text(text: str) -> str:
         out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
         return bytes(out.astype(np.uint8)).rstrip(b"\0").decode()
     return text
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any of them (one process: `flag`)."""
+    if _ctx.mode == MPI:
+        from mpi4py import MPI as _MPI
+
+        return bool(_mpi_world().allreduce(int(flag), op=_MPI.MAX))
+    import jax
+
+    if jax.process_count() > 1:  # shard's global mesh, or jax.distributed started by the caller
+        from jax.experimental import multihost_utils
+
+        return bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+    return flag
+
+
+def sync(name: str) -> None:
+    """Every process waits here for the others (e.g. after process 0 changed shared files)."""
+    if _ctx.mode == MPI:
+        _mpi_world().Barrier()
+        return
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"shard_{name}")
+
+
+def is_main_process() -> bool:
+    """Process 0 of the job, the one that changes shared files (renames, deletions)."""
+    import jax
+
+    return _ctx.is_main and jax.process_index() == 0
+
+
+def writes_shared_files() -> bool:
+    """Whether this process writes its part of shared run files (checkpoints): under the global mesh
+    every process writes the shards it holds; under the MPI bridge the processes hold equal replicas,
+    so process 0 writes them alone."""
+    return _ctx.mode != MPI or _ctx.is_main
 
 
 def abort_peers(code: int) -> None:

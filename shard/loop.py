@@ -107,10 +107,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     returns a shard.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
     ctx = distributed.context()
     if ctx.mode == distributed.MPI:
-        if restore is not None:
-            raise ShardError("--resume and --init-from are not supported with --cross-host mpi yet; "
-                             "use the default --cross-host xla")
-        return _prepare_bridge(cfg, ctx, devices)
+        return _prepare_bridge(cfg, ctx, devices, restore)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
@@ -136,9 +133,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
                start_step)
 
 
-def _prepare_bridge(cfg: TrainConfig, ctx, devices=None) -> Run:
+def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
     """The MPI bridge: a local mesh over this process's devices; processes split the batch axes only
-    (parameters are replicated across processes), each reads its own block of every global batch."""
+    (parameters are replicated across processes), each reads its own block of every global batch.
+    Every process restores the same checkpoint (process 0 wrote it) into its own mesh."""
     from shard.bridge import make_bridge_step
 
     mesh_spec = parse_mesh(cfg.mesh.spec)
@@ -159,15 +157,19 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None) -> Run:
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
-    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout),
-                         offset=ctx.rank * rows, rows=rows)
-    state = init_state(spec, cfg.model, cfg.seed)  # same seed everywhere: the replicas start equal
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
+    if restore is None:  # same seed everywhere: the replicas start equal
+        state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
+    else:
+        restored = restore(spec)
+        state, start_step, position = restored.state, restored.step, restored.position
+    stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
+                         offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)))
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw)
+    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step)
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:

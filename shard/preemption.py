@@ -1,14 +1,14 @@
 """Preemption: SIGTERM or SIGINT asks the training loop to finish the current step, save and stop.
 
-A loop observer, so the loop stays free of signals. With several processes the flag is all-gathered
-after every step, so all processes stop after the same step even when only one got the signal.
+A loop observer, so the loop stays free of signals. With several processes the flag is OR-ed over
+them after every step, so all processes stop after the same step even when only one got the signal.
 A second SIGINT restores Python's default handling (KeyboardInterrupt) for a user in a hurry.
 """
 
 import signal
 from collections.abc import Callable
 
-import numpy as np
+from shard import distributed
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -34,13 +34,7 @@ class StopOnSignal:
             self._previous[s] = signal.signal(s, self._handle)
 
     def should_stop(self) -> bool:
-        local = self.received is not None
-        import jax
-
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            local = bool(np.max(multihost_utils.process_allgather(np.int32(local))))
+        local = distributed.any_process(self.received is not None)
         if local and not self.stopped:
             self.stopped = True
             self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "

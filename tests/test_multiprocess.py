@@ -99,17 +99,32 @@ def test_mpiexec_detects_the_cluster(tmp_path, reference):
 
 
 @needs_mpi
-@pytest.mark.parametrize("mesh, per_process, extra", [
-    ("2x4", 4, []),
-    # One device per process; and the trainer's process set: held-out loss on process 0 alone.
-    ("2x1", 1, ["--eval-every", "1", "--set", "eval.processes=1"]),
+@pytest.mark.parametrize("mesh, per_process, extra, resume_at", [
+    ("2x4", 4, [], None),
+    # One device per process; the trainer's process set (held-out loss on process 0 alone); and a
+    # checkpoint written by process 0 at step 2 that both processes resume from.
+    ("2x1", 1, ["--eval-every", "1", "--set", "eval.processes=1"], 2),
 ])
-def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_process, extra):
+def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_process, extra, resume_at):
     cmd = shard_cmd(*TINY, "--mesh", mesh, "--run-dir", "r", "--cross-host", "mpi", *extra)
-    r = subprocess.run([MPIEXEC, "-n", "2", *cmd], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                       timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"{per_process} cpu device(s) in each of 2 processes (MPI bridge)" in r.stdout
+    if resume_at is not None:
+        cmd += ["--checkpoint-every", str(resume_at)]
+
+    def launch(*more):
+        r = subprocess.run([MPIEXEC, "-n", "2", *cmd, *more], cwd=tmp_path, env=child_env(), capture_output=True,
+                           text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"{per_process} cpu device(s) in each of 2 processes (MPI bridge)" in r.stdout
+        return r
+
+    launch()
+    if resume_at is not None:  # forget what came after the checkpoint, then take those steps again
+        run = tmp_path / "r"
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [str(resume_at), "3"]
+        shutil.rmtree(run / "checkpoints" / "3")
+        lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (run / "metrics.jsonl").write_text("".join(lines[:resume_at]))
+        assert f"resumed from step {resume_at}" in launch("--resume").stderr
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
     if extra:
         records = read_jsonl(tmp_path / "r" / "metrics.jsonl")
@@ -178,7 +193,10 @@ def test_process_sets(tmp_path):
     assert all(d["world"] == 3.0 for d in by_rank.values())
 
 
-def test_a_lost_process_stops_the_other(tmp_path):
+@pytest.mark.parametrize("lost", [1, 0], ids=["worker", "coordinator"])
+def test_a_lost_process_stops_the_other(tmp_path, lost):
+    """Either process may die: process 0 hosts the coordination service, which outlives it in a helper
+    process (shard.coordinator), so its loss reads like any other."""
     long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
                 "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10"]
     procs = explicit(2, long_run, tmp_path, free_port())
@@ -188,15 +206,17 @@ def test_a_lost_process_stops_the_other(tmp_path):
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 or procs[0].poll() is not None:
                 break
             time.sleep(0.1)
-        assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
-        procs[1].send_signal(signal.SIGKILL)
-        _, err = procs[0].communicate(timeout=60)  # the failure timeout (10 s) plus margin, never a hang
+        survivor = procs[1 - lost]
+        assert survivor.poll() is None and procs[lost].poll() is None, procs[0].communicate()[1][-3000:]
+        procs[lost].send_signal(signal.SIGKILL)
+        _, err = survivor.communicate(timeout=60)  # the failure timeout (10 s) plus margin, never a hang
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[0].returncode == 3, err[-3000:]
-    assert "error: lost process 1 of 2" in err
+    assert survivor.returncode == 3, err[-3000:]
+    assert f"error: lost process {lost} of 2" in err
+    assert "Check failure" not in err and "Traceback" not in err
 
 
 def test_a_process_reads_only_its_block_of_each_global_batch():

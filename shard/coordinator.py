@@ -1,0 +1,82 @@
+"""The JAX coordination service in a process of its own, so that losing process 0 is an ordinary lost
+process.
+
+`jax.distributed.initialize` starts the coordination service inside process 0. When process 0 dies,
+every other process's runtime sees the service's socket close and aborts natively (a C++ check
+failure, exit 134) before shard can say which process was lost. Hosted by this small helper (started by
+process 0, on process 0's host and address), the service outlives process 0: the others see process 0
+miss its heartbeats and the watchdog stops them with the usual one-line error.
+
+Run as `python -m shard.coordinator BIND NUM_PROCESSES HEARTBEAT_S SHUTDOWN_S PARENT_PID`. The helper
+serves until its parent terminates it (`ServiceHandle.shutdown`) or, when the parent died, for long
+enough that the other processes notice (twice the heartbeat timeout), then exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+
+class ServiceHandle:
+    """What `jax.distributed` keeps as its service: `shutdown()` stops the helper process."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 100,
+                  shutdown_timeout: int = 300, recoverable: bool = False, **_unused) -> ServiceHandle:
+    """Start the helper with JAX's arguments (the signature of `get_distributed_runtime_service`)."""
+    args = [bind_address, str(num_nodes), str(int(heartbeat_timeout)), str(int(shutdown_timeout)),
+            str(os.getpid()), "1" if recoverable else "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "shard.coordinator", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return ServiceHandle(proc)
+
+
+@contextlib.contextmanager
+def service_in_helper():
+    """While active, a `jax.distributed.initialize` on process 0 hosts its service in a helper process.
+
+    Falls back to JAX's own in-process service where this jaxlib has no such entry point."""
+    from jax._src import distributed as jax_distributed
+
+    lib = getattr(jax_distributed, "_jax", None)
+    original = getattr(lib, "get_distributed_runtime_service", None)
+    if original is None:
+        yield
+        return
+    lib.get_distributed_runtime_service = start_service
+    try:
+        yield
+    finally:
+        lib.get_distributed_runtime_service = original
+
+
+def main(argv: list[str]) -> None:
+    bind, num_nodes, heartbeat, shutdown, parent, recoverable = argv
+    from jaxlib import _jax  # the runtime only: no need to start JAX itself
+
+    service = _jax.get_distributed_runtime_service(  # noqa: F841 - serves while referenced
+        bind, int(num_nodes), heartbeat_timeout=int(heartbeat), shutdown_timeout=int(shutdown),
+        recoverable=recoverable == "1")
+    while os.getppid() == int(parent):
+        time.sleep(0.2)
+    time.sleep(2 * int(heartbeat) + 5)  # the parent died: let the others see it miss its heartbeats
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -65,6 +65,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout)
     import jax
 
+    from shard.imports import import_flax
+
+    import_flax()  # before the model code imports it
+
     if compile_cache is not None and not jax.config.jax_compilation_cache_dir:
         compile_cache.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(compile_cache))

@@ -23,9 +23,7 @@ class TensorBoardWriter:
     """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
 
     def __init__(self, logdir: Path):
-        from tensorboardX import SummaryWriter
-
-        self._w = SummaryWriter(str(logdir))
+        self._w = _summary_writer_class()(str(logdir))
 
     def on_log(self, record: dict) -> None:
         for key, value in record.items():
@@ -35,6 +33,15 @@ class TensorBoardWriter:
 
     def on_end(self, records: list[dict]) -> None:
         self._w.close()
+
+
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without its torch probe (shard logs Python numbers)."""
+    from shard.imports import without
+
+    with without("torch"):
+        from tensorboardX import SummaryWriter
+    return SummaryWriter
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -1,7 +1,24 @@
 """Fixtures shared by tests, notebooks and benchmarks: tiny configs and meshes on simulated devices."""
 
+import os
+
 from shard import config as config_mod
 from shard.config import TrainConfig
+
+# Compiling dominates the test suite on CPU: LLVM at -O0 halves it. Tests compare runs made under the
+# same flags, so what they check does not depend on it; users' runs keep XLA's defaults.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags_for_tests(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test process: fast compiling, and `devices` simulated CPU devices if given."""
+    return FAST_COMPILE_XLA_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
+
+
+def subprocess_env(devices: int | None = None, **extra: str) -> dict:
+    """This process's environment for a child process: the simulated device count is left to the child
+    (the CLI chooses it, as in a user's shell) unless `devices` is given."""
+    return {**os.environ, "XLA_FLAGS": xla_flags_for_tests(devices), **extra}
 
 
 def tiny_config(mesh: str = "8x1", **sets) -> TrainConfig:

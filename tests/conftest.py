@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from shard.testing import subprocess_env, xla_flags_for_tests  # noqa: E402 - imports no JAX
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags_for_tests(8)).strip()
 _CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -26,8 +28,7 @@ def run_shard(tmp_path):
     import sys
 
     def run(*args, timeout=300, shared_cache=True):
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)  # let the CLI choose the device count, as a user's shell would
+        env = subprocess_env()  # the CLI chooses the device count, as in a user's shell
         if not shared_cache:
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
         return subprocess.run([sys.executable, "-m", "shard", *args], capture_output=True, text=True,

@@ -17,7 +17,7 @@ import pytest
 
 from shard.loop import train
 from shard.metrics import read_jsonl
-from shard.testing import devices_for, tiny_config
+from shard.testing import devices_for, subprocess_env, tiny_config, xla_flags_for_tests
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -32,8 +32,7 @@ def free_port() -> int:
 
 
 def child_env() -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # each process simulates what the CLI asks for
+    env = subprocess_env()  # each process simulates what the CLI asks for
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 
@@ -177,7 +176,7 @@ PROCESS_SETS = textwrap.dedent("""
 def test_process_sets(tmp_path):
     script = tmp_path / "sets.py"
     script.write_text(PROCESS_SETS)
-    env = child_env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = child_env() | {"XLA_FLAGS": xla_flags_for_tests(1)}
     r = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(script)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

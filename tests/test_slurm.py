@@ -17,7 +17,7 @@ import pytest
 from shard.distributed import ClusterSpec, detect, plan
 from shard.errors import ShardError
 from shard.metrics import read_jsonl
-from shard.testing import tiny_config, train_losses
+from shard.testing import tiny_config, train_losses, xla_flags_for_tests
 
 SLURM_BINARIES = ("srun", "slurmctld", "slurmd", "munged", "sinfo")
 
@@ -102,8 +102,7 @@ def slurm(tmp_path_factory):
 
 
 def test_srun_two_processes_match_one(slurm, tmp_path):
-    env = dict(slurm)
-    env.pop("XLA_FLAGS", None)
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests())
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
             "--run-dir", "r"]
     r = subprocess.run(["srun", "-n", "2", "-O", "-K", "-I30", sys.executable, "-u", "-m", "shard", "train", *args],

@@ -1,15 +1,25 @@
 """The default run learns."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 from shard import config
 from shard.loop import train
+from shard.metrics import read_jsonl
 
 
-def test_default_run_loss_falls_over_50_steps():
-    cfg = config.resolve({"steps": 50, "log_every": 1})
-    assert cfg.model.name == "small" and cfg.data.path == ""  # the default model on the embedded corpus
-    losses = [r["loss"] for r in train(cfg)]
+def test_default_run_loss_falls_over_50_steps(tmp_path):
+    """The README's main command, `shard train`, for 50 steps: the default model on the embedded corpus.
+    In a process of its own with XLA's default flags, as a user runs it (this is the suite's longest run)."""
+    assert config.resolve({}).model.name == "small" and config.resolve({}).data.path == ""
+    env = {**os.environ, "XLA_FLAGS": ""}  # the CLI simulates the devices
+    r = subprocess.run([sys.executable, "-m", "shard", "train", "--steps", "50", "--log-every", "1", "--run-dir", "r"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [rec["loss"] for rec in read_jsonl(tmp_path / "r" / "metrics.jsonl")]
     assert len(losses) == 50 and np.all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 process_id, port, run_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 steps, signal_at = int(sys.argv[4]), int(sys.argv[5])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 

@@ -80,9 +80,16 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg)
 
 
+# The init runs once, so on CPU it is compiled without LLVM's optimisations: the same numbers, in a
+# fraction of the compile time (tiny model on fsdp_tp:4x2: 12.6 s -> 1.7 s).
+_CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):
     """The compiled init: call it to create parameters and optimizer state in their shardings."""
-    return jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings).lower().compile()
+    lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings).lower()
+    on_cpu = next(iter(jax.tree.leaves(spec.shardings))).mesh.devices.flat[0].platform == "cpu"
+    return lowered.compile(compiler_options=_CPU_INIT_COMPILER_OPTIONS if on_cpu else None)
 
 
 def init_state(spec: StateSpec, model_cfg: ModelConfig, seed: int) -> dict:

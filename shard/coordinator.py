@@ -7,9 +7,10 @@ failure, exit 134) before shard can say which process was lost. Hosted by this s
 process 0, on process 0's host and address), the service outlives process 0: the others see process 0
 miss its heartbeats and the watchdog stops them with the usual one-line error.
 
-Run as `python -m shard.coordinator BIND NUM_PROCESSES HEARTBEAT_S SHUTDOWN_S PARENT_PID`. The helper
-serves until its parent terminates it (`ServiceHandle.shutdown`) or, when the parent died, for long
-enough that the other processes notice (twice the heartbeat timeout), then exits.
+Run as `python -m shard.coordinator BIND NUM_PROCESSES HEARTBEAT_S SHUTDOWN_S PARENT_PID RECOVERABLE`
+(`start_service` does). The helper serves until its parent terminates it (`ServiceHandle.shutdown`)
+or, when the parent died, for long enough that the other processes notice (twice the heartbeat
+timeout, plus 5 s), then exits.
 """
 
 from __future__ import annotations

@@ -113,11 +113,8 @@ class SyntheticSource:
     """Uniform random tokens, a pure function of (seed, index): for benchmarks. A counter-based hash
     (splitmix64) of (seed, index, position), so reading a batch costs one vectorized expression."""
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, size: int = 1 << 20):
-        self.vocab_size, self.seq_len, self.seed, self.size = vocab_size, seq_len, seed, size
-
-    def __len__(self) -> int:
-        return self.size
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.read(np.array([i]))[0]

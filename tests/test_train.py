@@ -14,7 +14,8 @@ from shard.metrics import read_jsonl
 def test_default_run_loss_falls_over_50_steps(tmp_path):
     """The README's main command, `shard train`, for 50 steps: the default model on the embedded corpus.
     In a process of its own with XLA's default flags, as a user runs it (this is the suite's longest run)."""
-    assert config.resolve({}).model.name == "small" and config.resolve({}).data.path == ""
+    default = config.resolve({})
+    assert default.model.name == "small" and default.data.path == ""
     env = {**os.environ, "XLA_FLAGS": ""}  # the CLI simulates the devices
     r = subprocess.run([sys.executable, "-m", "shard", "train", "--steps", "50", "--log-every", "1", "--run-dir", "r"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shard import config as config_mod
-from shard import profiling
+from shard import host_memory, profiling
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 
@@ -724,6 +724,7 @@ def _short(n: float) -> str:
 
 
 def main() -> None:
+    host_memory.reexec_with_huge_pages()
     app()
 
 

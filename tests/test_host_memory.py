@@ -1,0 +1,49 @@
+"""shard asks glibc for transparent huge pages by re-executing itself once with the tunable set."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shard import host_memory
+from shard.host_memory import TUNABLE, tunables_with_huge_pages
+
+
+def test_the_tunable_is_added_only_where_it_helps():
+    assert tunables_with_huge_pages("", (2, 36), "madvise") == f"{TUNABLE}=1"
+    assert tunables_with_huge_pages("glibc.pthread.rseq=0", (2, 35), "madvise") == f"glibc.pthread.rseq=0:{TUNABLE}=1"
+    assert tunables_with_huge_pages(f"{TUNABLE}=0", (2, 36), "madvise") is None  # the user chose
+    assert tunables_with_huge_pages("", (2, 34), "madvise") is None  # no such tunable before 2.35
+    assert tunables_with_huge_pages("", (), "madvise") is None  # not glibc
+    assert tunables_with_huge_pages("", (2, 36), "always") is None  # huge pages already on
+    assert tunables_with_huge_pages("", (2, 36), "never") is None
+
+
+def test_thp_mode_reads_the_bracketed_choice(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert host_memory.thp_mode(str(f)) == "madvise"
+    assert host_memory.thp_mode(str(tmp_path / "missing")) == ""
+
+
+REPORT = ("from shard.host_memory import reexec_with_huge_pages as r; r(); import os, sys; "
+          "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), *sys.argv[1:])")
+
+
+def _run(env) -> list[str]:
+    """What the child prints: its PID, GLIBC_TUNABLES and its arguments; the PID must be the one started."""
+    p = subprocess.Popen([sys.executable, "-c", REPORT, "keep", "these"], stdout=subprocess.PIPE, text=True, env=env)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0
+    fields = out.split()
+    assert fields[0] == str(p.pid) and fields[2:] == ["keep", "these"], out
+    return fields
+
+
+@pytest.mark.skipif(tunables_with_huge_pages("", host_memory.glibc_version(), host_memory.thp_mode()) is None,
+                    reason="this machine's glibc or kernel gives no huge pages for malloc")
+def test_the_process_restarts_itself_once_with_the_tunable():
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert _run(env)[1] == f"{TUNABLE}=1"
+    assert _run({**env, "GLIBC_TUNABLES": f"{TUNABLE}=0"})[1] == f"{TUNABLE}=0"  # the user's choice stays

@@ -97,6 +97,26 @@ def test_sequence_parallel_matches(reference):
     assert_same(loss_and_grads(tiny_config("sp")), reference)
 
 
+# --- FSDP embedding lookup ----------------------------------------------------------------------------
+
+
+def _table_sized_all_reduces(hlo: str, rows: int, dim: int) -> int:
+    return sum(line.split(" all-reduce(")[0].count(f"f32[{rows},{dim}]") for line in hlo.splitlines()
+               if " all-reduce(" in line)
+
+
+def test_fsdp_with_a_large_vocab_looks_up_in_the_stored_table():
+    """More table rows than tokens: every device looks up the ids in its slice of the embed dim instead
+    of a gathered table. Same loss and gradients as one device, and only the logits' gradient is
+    reduced at table size (the lookup's gradient stays in each device's slice)."""
+    kw = dict(model__vocab_size=4096)
+    loss, grads, hlo = loss_and_grads(tiny_config("fsdp", **kw), with_hlo=True)
+    assert_same((loss, grads), loss_and_grads(tiny_config("1x1", **kw)))
+    assert _table_sized_all_reduces(hlo, 4096, 64) == 1
+    # a small vocab (fewer rows than tokens) keeps the gathered table: two table-sized reductions
+    assert _table_sized_all_reduces(loss_and_grads(tiny_config("fsdp"), with_hlo=True)[2], 256, 64) == 2
+
+
 # --- mixture of experts --------------------------------------------------------------------------------
 
 

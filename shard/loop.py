@@ -8,6 +8,7 @@ it first, so a diverged state is never saved), `on_state(step, state, data_posit
 step: stop after it, e.g. on preemption) and `on_end(records)`; the loop itself prints and writes nothing.
 """
 
+import concurrent.futures
 import dataclasses
 import math
 import statistics
@@ -113,16 +114,29 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
-    init = compile_init(spec, cfg.model, cfg.seed) if restore is None else None
-    t0 = time.perf_counter()
-    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
-    abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
-    compiled = jitted.lower(*abstract_inputs).compile()
-    compile_s = time.perf_counter() - t0
-    # Every process compiles first and then meets the others, so the first cross-process computation
-    # (the init or the restore) starts together.
+    # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
+    # without holding the GIL). With one process it also starts the init there, which then runs
+    # during the step's compile; with several, every process compiles first and then meets the others,
+    # so the first cross-process computation (the init or the restore) starts together.
+    alone = jax.process_count() == 1
+
+    def make_init() -> Callable[[], dict]:
+        init = compile_init(spec, cfg.model, cfg.seed)
+        if not alone:
+            return init
+        state = init()  # dispatched: runs on the devices while the step compiles
+        return lambda: state
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-init") as pool:
+        pending_init = pool.submit(make_init) if restore is None else None
+        t0 = time.perf_counter()
+        jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
+        abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
+        compiled = jitted.lower(*abstract_inputs).compile()
+        compile_s = time.perf_counter() - t0
+        init = pending_init.result() if pending_init is not None else None
     distributed.barrier("compiled")
-    if restore is None:
+    if init is not None:
         state, start_step, position = init(), 0, 0
     else:
         restored = restore(spec)

@@ -15,6 +15,8 @@ import tempfile
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
+from shard import xla_flags
+xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does (GPU only)
 import jax
 from shard import config
 from shard.analysis import compile_step
@@ -34,8 +36,11 @@ print(json.dumps({"import_s": t1 - t0, "step_compile_s": t2 - t1, "init_compile_
 """
 
 
-def run_case(model, mesh, devices, seq, batch, cache_dir):
+def run_case(model, mesh, devices, seq, batch, cache_dir, platform=None):
+    """One compile in a fresh process; `platform="cpu"` for simulated devices on a machine with a GPU."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if platform:
+        env["JAX_PLATFORMS"] = platform
     if cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     else:
@@ -58,7 +63,7 @@ def main():
           f"init {first['init_compile_s']:.1f}s; from the persistent cache: step {hit['step_compile_s']:.1f}s, "
           f"init {hit['init_compile_s']:.1f}s")
     for devices, mesh in ((1, "dp"), (8, "dp"), (8, "fsdp_tp:4x2")):
-        r = run_case("tiny", mesh, devices, 32, 8, None)
+        r = run_case("tiny", mesh, devices, 32, 8, None, platform="cpu")
         print(f"tiny on {devices} device(s), mesh {mesh}: step compile {r['step_compile_s']:.1f}s, "
               f"init {r['init_compile_s']:.1f}s (import {r['import_s']:.1f}s)")
 

@@ -6,21 +6,47 @@ largest global batch that fits (tried from large to small). Prints one line per 
 
 MFU follows shard's one definition (docs/observing.md): 6N + causal attention at half, against the
 device's bf16 peak from shard/hardware.toml (on CPU pass --peak-tflops).
+
+Batches that the planner's memory model puts above 1.25x the device's memory are skipped without
+compiling (the model over-estimates accelerator memory, so nothing that fits is skipped); the rest are
+tried from large to small, and the first that runs is reported.
 """
 
 import argparse
+import os
 
-from shard import config
-from shard.loop import prepare, train
+from shard import config, costs, xla_flags
+from shard.loop import make_layout, prepare, train
+from shard.mesh import parse_mesh
+
+SKIP_ABOVE = 1.25  # x the device's memory, by the planner's (upper-bound) estimate
 
 
-def measure(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float) -> dict | None:
-    """The last logged record of a short run (its interval excludes the first step), or None when the
-    batch does not fit in memory."""
+def run_config(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float):
     sets = [f"model.name={model}", f"model.remat={remat}", f"data.batch={batch}", f"data.seq_len={seq}",
             "data.path=synthetic", f"steps={steps}", f"log_every={max(1, steps // 2)}", "mesh.spec=dp",
             f"observe.peak_tflops={peak_tflops}"]
-    cfg = config.resolve(config.parse_sets(sets))
+    return config.resolve(config.parse_sets(sets))
+
+
+def predicted_bytes(cfg) -> float:
+    """The planner's per-device memory for this run (no compile)."""
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec))
+    platform = layout.mesh.devices.flat[0].platform
+    return costs.memory_bytes(cfg.model, costs.LayoutShape.from_layout(layout),
+                              costs.Workload.from_config(cfg, platform))["total"]
+
+
+def device_memory_bytes() -> float | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def measure(cfg) -> dict | None:
+    """The last logged record of a short run (its interval excludes the first step), or None when the
+    batch does not fit in memory."""
     try:
         return train(cfg, run=prepare(cfg))[-1]
     except Exception as e:  # noqa: BLE001 -- out of memory shows up as an XLA runtime error
@@ -38,13 +64,20 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     args = ap.parse_args()
+    xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does, before JAX starts
     import jax
 
-    print(f"{args.model}, seq {args.seq}, on {jax.devices()[0].device_kind} x {jax.device_count()}")
+    print(f"{args.model}, seq {args.seq}, on {jax.devices()[0].device_kind} x {jax.device_count()}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}", flush=True)
+    capacity = device_memory_bytes()
     for remat in args.remat.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = measure(args.model, args.seq, batch, remat, args.steps, args.peak_tflops)
+            cfg = run_config(args.model, args.seq, batch, remat, args.steps, args.peak_tflops)
+            if capacity and predicted_bytes(cfg) > SKIP_ABOVE * capacity:
+                continue
+            r = measure(cfg)
             if r is None:
+                print(f"remat {remat:14s} batch {batch:3d}: out of memory", flush=True)
                 continue
             mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a (no peak)"
             print(f"remat {remat:14s} batch {batch:3d}: {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>8s}  "

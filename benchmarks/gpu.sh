@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 9's GPU check (benchmarks 2 and 3 on one H200) as one prepared command for the device tool,
+# sized for its 15 minutes of device time (machine start included).
+#
+#   benchmarks/gpu.sh fetch   # here, with PyPI: the wheels the GPU image lacks, into .whl/ (git-ignored)
+#   benchmarks/gpu.sh run     # there (device tool: command "benchmarks/gpu.sh run", carry [".whl"],
+#                             # timeout_s 590); the figures land in $OUT/gpu.log
+#
+# The image there has Python 3.12, jax 0.11 with CUDA, flax, optax, orbax, rich, typer (KINDS.md) and no
+# network; grain, tensorboardX, tomli-w and grain's array-record and portpicker travel as wheels.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(grain==0.2.18 array-record portpicker tensorboardX tomli-w)
+
+fetch() {
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d .whl "${WHEELS[@]}"
+    ls -la .whl
+}
+
+run() {
+    local out=${OUT:-/tmp/gpu-out} site=/tmp/site
+    mkdir -p "$out"
+    exec > >(tee "$out/gpu.log") 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+    # shard itself, laid out as installed (models/ and meshes/ become shard.models and shard.meshes)
+    cp -r shard "$site/shard" && cp -r models "$site/shard/models" && cp -r meshes "$site/shard/meshes" || exit 1
+    export PYTHONPATH=$site PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    # benchmark 2: tokens/s, MFU and peak memory of llama-1b at seq 2048 per remat policy
+    timeout 400 python3 benchmarks/mfu.py --batches 48,32,24,16,12,8 --steps 8
+    # benchmark 3: compile times (the 1B model on the GPU; the tiny model on simulated CPU devices)
+    timeout 150 python3 benchmarks/compile_time.py
+}
+
+case "${1:-}" in
+    fetch) fetch ;;
+    run) run ;;
+    *) echo "usage: benchmarks/gpu.sh fetch|run" >&2; exit 2 ;;
+esac

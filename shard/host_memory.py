@@ -51,8 +51,8 @@ def reexec_with_huge_pages() -> None:
     """Replace this process with itself plus the huge-page tunable, where that helps (see above). Same
     PID, arguments and environment otherwise, so launchers (mpiexec, srun) and signals are unaffected.
     Returns without doing anything once JAX is imported: only a fresh command may restart."""
-    if not sys.platform.startswith("linux") or "jax" in sys.modules:
-        return
+    if not sys.platform.startswith("linux") or "jax" in sys.modules or getattr(sys, "frozen", False):
+        return  # (a frozen app's argv does not re-run it)
     tunables = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", ""), glibc_version(), thp_mode())
     if tunables is None:
         return

@@ -11,12 +11,11 @@ Dimension letters (see shard.axes): B batch, T length, D embed, N heads, K kv_he
 heads per kv head, H head_dim, F mlp, V vocab, L layers.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shard import costs
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
 from shard.models import moe
 from shard.models.configs import ModelConfig
@@ -133,17 +132,13 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Ar
 
 def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, ...]:
     """Mesh axes that split the stored table's embed dim but not the activations' (FSDP), if looking up
-    in the stored table pays: the ids each device then looks up are fewer than its rows of the table."""
+    in the stored table pays: the ids each device then looks up are fewer than its rows of the table.
+    The planner decides the same way (`shard.costs.stored_lookup_axes`)."""
     layout = active_layout()
     if layout is None:
         return ()
-    sizes, acts = layout.axis_sizes, set(layout.mesh_axes(EMBED))
-    split = tuple(a for a in layout.mesh_axes(EMBED, param=True) if a not in acts and sizes[a] > 1)
-    if not split:
-        return ()
-    kept = math.prod(sizes[a] for a in layout.mesh_axes(BATCH) if a not in split)
-    rows = cfg.vocab_size / layout.degree(VOCAB, param=True)
-    return split if tokens_bt.size / kept < rows else ()
+    shape = costs.LayoutShape.from_layout(layout)
+    return tuple(costs.stored_lookup_axes(cfg.vocab_size, shape, tokens_bt.size))
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0):

@@ -144,6 +144,24 @@ def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compu
     return total
 
 
+def stored_lookup_axes(vocab_size: int, shape: LayoutShape, tokens: float) -> dict[str, int]:
+    """Mesh axes (with sizes) over which the token lookup reads the embedding table as stored
+    (models/llama.py): those that split the stored table's embed dim but not the activations' (FSDP),
+    when the ids the devices of that split look up together, `tokens` over the batch ways that remain,
+    are fewer than each device's rows of the table. {} when the lookup reads a gathered table."""
+    acts = set(shape.table(False).get(EMBED, ()))
+    split = {a: shape.sizes[a] for a in shape.table(True).get(EMBED, ()) if a not in acts}
+    if not split:
+        return {}
+    kept = math.prod(shape.sizes[a] for a in shape.table(False).get(BATCH, ()) if a not in split)
+    return split if tokens / kept < vocab_size / shape.degree(VOCAB, param=True) else {}
+
+
+def _lookup_tokens(work: Workload) -> float:
+    """Token ids one lookup sees: a microbatch's."""
+    return work.global_batch * work.seq_len / work.microbatches
+
+
 def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
     """Bytes one device sends per optimizer step on each mesh axis (ring algorithms), the minimum for
     this layout:
@@ -155,7 +173,10 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     - model: Megatron's all-reduces of (batch, length, embed) activations: two per layer forward
       (attention and MLP outputs), two backward (their input gradients), one more forward per layer
       pass recomputed by remat; the vocab-parallel embedding lookup and logits add one each, plus three
-      (batch, length) float32 reductions for the softmax.
+      (batch, length) float32 reductions for the softmax;
+    - a lookup from the stored table (`stored_lookup_axes`): the ids gathered and the looked-up rows and
+      their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
+      its gradient reduced over that split.
     """
     out: dict[str, float] = {}
 
@@ -165,6 +186,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
 
     batch_axes = [a for a in shape.table(False).get(BATCH, ())]
     forward_passes = 1 if work.remat == "none" else 2
+    lookup = stored_lookup_axes(cfg.vocab_size, shape, _lookup_tokens(work))
     for name, dims, axes in param_table(cfg):
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -173,6 +195,11 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         computed = shape.ways(axes, param=False)
         compute_bytes = full / math.prod(computed.values())
         gather = {a: n for a, n in stored.items() if a not in computed}
+        local = {}
+        if name == "embed" and lookup and not cfg.tie_embeddings:
+            # read as stored: not gathered, and its gradient is complete in each device's slice
+            local = {a: n for a, n in gather.items() if a in lookup}
+            gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers), and the
         # gradient's reduce-scatter
@@ -180,8 +207,14 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         for a, n in gather.items():
             add(a, (passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
         for a in batch_axes:
-            if a not in gather:
+            if a not in gather and a not in local:
                 add(a, ring_all_reduce(compute_bytes / g, shape.sizes[a]))
+    for a, n in lookup.items():
+        # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged
+        # all-to-all between the split and the batch layout
+        kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)
+        tokens = _lookup_tokens(work) / kept * work.microbatches
+        add(a, ring_gather(tokens * 4, n) + 2 * ring_gather(tokens * cfg.d_model / n * work.act_bytes, n))
     m = shape.degree(HEADS)
     if m > 1:
         model_axis = shape.table(False)[HEADS][0]
@@ -281,12 +314,22 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
         # FSDP keeps every gathered weight from the forward pass for the backward, unless remat
         # regathers them layer by layer
         "gathered": (0.0 if not gathers else param_bytes(cfg, shape, work.act_bytes, compute=True)
-                     if work.remat == "none" else layer),
+                     - _stored_table_saving(cfg, shape, work) if work.remat == "none" else layer),
         "activations": activation_bytes(cfg, shape, work),
         "batch": 3 * tokens * 4,
     }
     out["total"] = sum(out.values())
     return out
+
+
+def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Compute-layout bytes of the input table that an untied model's stored-table lookup never gathers."""
+    lookup = stored_lookup_axes(cfg.vocab_size, shape, _lookup_tokens(work))
+    if not lookup or cfg.tie_embeddings:
+        return 0.0
+    ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
+    table = cfg.vocab_size * cfg.d_model * work.act_bytes / ways
+    return table * (1 - 1 / math.prod(lookup.values()))
 
 
 def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict[str, float]) -> float:

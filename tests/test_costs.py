@@ -22,6 +22,9 @@ CASES = {
     "tiny-fsdp_tp": ("tiny", "fsdp_tp:4x2", {}),
     "tiny-fsdp-remat": ("tiny", "fsdp", {"model__remat": "full"}),
     "tiny-dp-long": ("tiny", "8x1", {"data__seq_len": 64, "model__tie_embeddings": False}),
+    # more table rows than tokens: the FSDP lookup reads the stored table (tied, and untied: not gathered)
+    "tiny-fsdp-vocab4k": ("tiny", "fsdp", {"model__vocab_size": 4096}),
+    "tiny-fsdp-vocab4k-untied": ("tiny", "fsdp", {"model__vocab_size": 4096, "model__tie_embeddings": False}),
     "small-dp": ("small", "8x1", {}),
     "small-fsdp": ("small", "fsdp", {}),
     "small-tp": ("small", "1x4", {}),  # 4 kv heads: tensor parallel up to 4

@@ -137,8 +137,8 @@ def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, .
     layout = active_layout()
     if layout is None:
         return ()
-    shape = costs.LayoutShape.from_layout(layout)
-    return tuple(costs.stored_lookup_axes(cfg.vocab_size, shape, tokens_bt.size))
+    return tuple(costs.stored_lookup_axes(cfg.vocab_size, tokens_bt.size, layout.axis_sizes, layout.rules,
+                                          layout.param_rules))
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,11 +71,18 @@ def main(argv: list[str]) -> None:
     bind, num_nodes, heartbeat, shutdown, parent, recoverable = argv
     from jaxlib import _jax  # the runtime only: no need to start JAX itself
 
-    service = _jax.get_distributed_runtime_service(  # noqa: F841 - serves while referenced
+    service = _jax.get_distributed_runtime_service(
         bind, int(num_nodes), heartbeat_timeout=int(heartbeat), shutdown_timeout=int(shutdown),
         recoverable=recoverable == "1")
-    while os.getppid() == int(parent):
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    while os.getppid() == int(parent) and not stopping:
         time.sleep(0.2)
+    if stopping:
+        # Process 0 is done (`ServiceHandle.shutdown`): stop serving gracefully, so that the replies
+        # still in flight (another process's disconnect) arrive before the service goes away.
+        service.shutdown()
+        os._exit(0)
     time.sleep(2 * int(heartbeat) + 5)  # the parent died: let the others see it miss its heartbeats
     os._exit(0)
 

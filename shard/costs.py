@@ -83,8 +83,7 @@ class LayoutShape:
         return cls({a: s for a, s in sizes.items()}, dict(base.rules), dict(base.param_rules))
 
     def table(self, param: bool) -> dict[str, tuple[str, ...]]:
-        merged = dict(self.rules) | (dict(self.param_rules) if param else {})
-        return {k: tuple(a for a in v if self.sizes.get(a, 1) > 1) for k, v in merged.items()}
+        return axes_table(self.sizes, self.rules, self.param_rules if param else {})
 
     def ways(self, logical_axes: tuple[str, ...], *, param: bool) -> dict[str, int]:
         """Mesh axes (with sizes) that split a tensor with these logical axes; a mesh axis splits one dim."""
@@ -144,17 +143,31 @@ def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compu
     return total
 
 
-def stored_lookup_axes(vocab_size: int, shape: LayoutShape, tokens: float) -> dict[str, int]:
+def axes_table(sizes: dict[str, int], rules, param_rules=None) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> the mesh axes of size > 1 it is split over (parameters: `param_rules` on top)."""
+    merged = dict(rules) | dict(param_rules or {})
+    return {k: tuple(a for a in v if sizes.get(a, 1) > 1) for k, v in merged.items()}
+
+
+def stored_lookup_axes(vocab_size: int, tokens: float, sizes: dict[str, int], rules,
+                       param_rules) -> dict[str, int]:
     """Mesh axes (with sizes) over which the token lookup reads the embedding table as stored
     (models/llama.py): those that split the stored table's embed dim but not the activations' (FSDP),
     when the ids the devices of that split look up together, `tokens` over the batch ways that remain,
-    are fewer than each device's rows of the table. {} when the lookup reads a gathered table."""
-    acts = set(shape.table(False).get(EMBED, ()))
-    split = {a: shape.sizes[a] for a in shape.table(True).get(EMBED, ()) if a not in acts}
+    are fewer than each device's rows of the table. {} when the lookup reads a gathered table.
+    Takes the mesh and rules apart (not a LayoutShape), as the model asks on any mesh."""
+    acts, params = axes_table(sizes, rules), axes_table(sizes, rules, param_rules)
+    split = {a: sizes[a] for a in params.get(EMBED, ()) if a not in acts.get(EMBED, ())}
     if not split:
         return {}
-    kept = math.prod(shape.sizes[a] for a in shape.table(False).get(BATCH, ()) if a not in split)
-    return split if tokens / kept < vocab_size / shape.degree(VOCAB, param=True) else {}
+    kept = math.prod(sizes[a] for a in acts.get(BATCH, ()) if a not in split)
+    rows = vocab_size / math.prod(sizes[a] for a in params.get(VOCAB, ()))
+    return split if tokens / kept < rows else {}
+
+
+def _stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
+    tokens = _lookup_tokens(work)
+    return stored_lookup_axes(cfg.vocab_size, tokens, shape.sizes, shape.rules, shape.param_rules)
 
 
 def _lookup_tokens(work: Workload) -> float:
@@ -186,7 +199,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
 
     batch_axes = [a for a in shape.table(False).get(BATCH, ())]
     forward_passes = 1 if work.remat == "none" else 2
-    lookup = stored_lookup_axes(cfg.vocab_size, shape, _lookup_tokens(work))
+    lookup = _stored_lookup(cfg, shape, work)
     for name, dims, axes in param_table(cfg):
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -324,7 +337,7 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
 
 def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     """Compute-layout bytes of the input table that an untied model's stored-table lookup never gathers."""
-    lookup = stored_lookup_axes(cfg.vocab_size, shape, _lookup_tokens(work))
+    lookup = _stored_lookup(cfg, shape, work)
     if not lookup or cfg.tie_embeddings:
         return 0.0
     ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())

@@ -10,7 +10,6 @@ process's peak RSS (all 8 simulated devices live in it) and XLA's compiled estim
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -19,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from shard.metrics import read_jsonl
+
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
 
 
 def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path) if path.exists() else []
 
 
 def run(mesh: str, steps: int, workdir: Path) -> dict:

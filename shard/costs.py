@@ -222,11 +222,11 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         for a in batch_axes:
             if a not in gather and a not in local:
                 add(a, ring_all_reduce(compute_bytes / g, shape.sizes[a]))
+    # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
+    # between the split and the batch layout; `tokens`: the ids each device looks up in a step
+    kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)
+    tokens = work.global_batch * work.seq_len / kept
     for a, n in lookup.items():
-        # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged
-        # all-to-all between the split and the batch layout
-        kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)
-        tokens = _lookup_tokens(work) / kept * work.microbatches
         add(a, ring_gather(tokens * 4, n) + 2 * ring_gather(tokens * cfg.d_model / n * work.act_bytes, n))
     m = shape.degree(HEADS)
     if m > 1:

@@ -34,13 +34,10 @@ class Layout:
     def axis_sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
-    def mesh_axes(self, logical: str, *, param: bool = False) -> tuple[str, ...]:
-        """The mesh axes a logical axis is split over (of this mesh; size-1 axes included)."""
-        return self._table(param).get(logical, ())
-
     def degree(self, logical: str, *, param: bool = False) -> int:
         """How many ways a logical axis is split on this mesh."""
-        return math.prod(self.axis_sizes[a] for a in self.mesh_axes(logical, param=param))
+        table = self._table(param)
+        return math.prod(self.axis_sizes[a] for a in table.get(logical, ()))
 
     def _table(self, param: bool) -> dict[str, tuple[str, ...]]:
         merged = dict(self.rules) | (dict(self.param_rules) if param else {})

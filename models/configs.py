@@ -4,8 +4,39 @@ import dataclasses
 from dataclasses import dataclass
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "reference")
+ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
+                            manual: bool = False) -> str:
+    """Why cuDNN's flash attention (jax.nn.dot_product_attention(implementation="cudnn")) can't run
+    attention with these inputs, in a few words; "" when it can.
+
+    `platform` is "cuda" for NVIDIA GPUs. cuDNN takes 16-bit inputs and head dims that are multiples of 8
+    up to 128 (256 on Hopper; the lower bound keeps the answer independent of the GPU), and its sharding
+    rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
+    partly manual shard_map (pipeline stages) its custom partitioning is not used.
+    """
+    if platform != "cuda":
+        return f"it needs an NVIDIA GPU (this run is on {platform})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"it needs bfloat16 or float16 compute (this run computes in {dtype})"
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs a head dim that is a multiple of 8 up to 128 (got {head_dim})"
+    if not same_split:
+        return "it needs heads and kv_heads split over the same mesh axes"
+    if manual:
+        return "it does not run inside pipeline stages"
+    return ""
+
+
+def attention_backend(setting: str, problem: str) -> str:
+    """The attention implementation a `model.attention` setting runs as, given cuDNN's `problem` with the
+    inputs (cudnn_attention_problem): "auto" is "cudnn" when there is none, "xla" otherwise."""
+    if setting == "auto":
+        return "xla" if problem else "cudnn"
+    return setting
 
 
 @dataclass(frozen=True)
@@ -27,7 +58,8 @@ class ModelConfig:
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "xla"
+    # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
+    attention: str = "auto"
     # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
     n_experts: int = 0
     experts_per_token: int = 2  # top-k routing

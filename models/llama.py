@@ -12,13 +12,15 @@ heads per kv head, H head_dim, F mlp, V vocab, L layers.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
 from shard import costs
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
 from shard.models import moe
-from shard.models.configs import ModelConfig
+from shard.errors import ShardError
+from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 from shard.parallel.ring_attention import context_axes, ring_attention
 from shard.rules import active_layout, constrain
 
@@ -235,14 +237,33 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
-    """Causal grouped-query attention; "xla" goes through jax.nn.dot_product_attention (cuDNN flash
-    attention on GPU when it applies), "reference" is the plain einsum version used to check it.
-    When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
+    """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
+    "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
+    (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
+    them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
     if axes := context_axes():
         return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True)
-    if impl == "xla":
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True)
+    if impl in ("auto", "cudnn"):
+        problem = _cudnn_problem(q_btnh)
+        if impl == "cudnn" and problem:
+            raise ShardError(f"model.attention=cudnn can't run here: {problem}; use auto or xla")
+        impl = attention_backend(impl, problem)
+    if impl in ("cudnn", "xla"):
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation=impl)
     return cached_attention(q_btnh, k_bskh, v_bskh, 0)
+
+
+def _cudnn_problem(q_btnh) -> str:
+    """cudnn_attention_problem for this trace: the backend JAX runs on, the inputs' dtype and head dim,
+    and the active layout's split of queries against keys."""
+    backend = jax.extend.backend.get_backend()
+    platform = "cuda" if backend.platform == "gpu" and "cuda" in backend.platform_version.lower() else backend.platform
+    layout = active_layout()
+    same_split = layout is None or (
+        layout.spec((BATCH, LENGTH, HEADS, HEAD_DIM)) == layout.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM)))
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    return cudnn_attention_problem(platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
+                                   head_dim=q_btnh.shape[-1], same_split=same_split, manual=manual)
 
 
 def cached_attention(q_btnh, k_bskh, v_bskh, start):

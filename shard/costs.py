@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from shard.axes import BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
 from shard.errors import ShardError
-from shard.models.configs import ModelConfig
+from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -123,7 +123,7 @@ class Workload:
     act_bytes: int = 2  # compute dtype of activations
     microbatches: int = 1
     remat: str = "none"
-    # XLA:CPU materialises attention probabilities (N x T per token); flash attention on GPUs keeps
+    # XLA's attention materialises the probabilities (N x T per token); cuDNN's flash attention keeps
     # only their normaliser.
     attention_probs: bool = True
 
@@ -132,7 +132,15 @@ class Workload:
         m = cfg.model
         compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
-                   cfg.data.microbatches, m.remat, attention_probs=platform == "cpu")
+                   cfg.data.microbatches, m.remat, attention_probs=keeps_attention_probs(m, platform, compute))
+
+
+def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str) -> bool:
+    """Whether the model's attention on `platform` ("gpu" taken as NVIDIA) materialises its probabilities:
+    every implementation does but cuDNN's flash attention (models.configs.attention_backend)."""
+    problem = cudnn_attention_problem(platform="cuda" if platform == "gpu" else platform, dtype=compute_dtype,
+                                      head_dim=cfg.head_dim)
+    return attention_backend(cfg.attention, problem) != "cudnn"
 
 
 def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compute: bool = False) -> float:

@@ -202,7 +202,9 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
     shape = costs.LayoutShape.of(**sizes)
     on_cpu = hw.name == "cpu"
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
-                          act_bytes=4 if on_cpu else 2, remat=remat, attention_probs=on_cpu)
+                          act_bytes=4 if on_cpu else 2, remat=remat,
+                          attention_probs=costs.keeps_attention_probs(cfg, "cpu" if on_cpu else "gpu",
+                                                                      "float32" if on_cpu else "bfloat16"))
     problems = shape.check_divisible(cfg, global_batch)
     memory = costs.memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:

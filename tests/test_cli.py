@@ -24,6 +24,7 @@ def invoke(*args):
     (["--mesh", "8x1", "--data", "/nonexistent/corpus.txt"], "data path /nonexistent/corpus.txt does not exist"),
     (["--mesh", "8x1", "--set", "optimizer.lrr=1"], "unknown config key 'optimizer.lrr'"),
     (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),
+    (["--mesh", "8x1", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: it needs an NVIDIA GPU"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke("train", *TINY, *args)

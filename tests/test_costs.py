@@ -99,3 +99,22 @@ def test_param_table_matches_the_model(name):
 def test_pipeline_axes_are_refused_until_their_formulas_exist():
     with pytest.raises(Exception, match="no formulas for mesh axis 'stage'"):
         costs.LayoutShape.of(stage=2)
+
+
+
+@pytest.mark.parametrize("attention, platform, head_dim, probs", [
+    ("auto", "gpu", 64, False),  # cuDNN's flash attention keeps only the normaliser
+    ("auto", "gpu", 256, True),  # a head dim cuDNN is not given: XLA's attention
+    ("xla", "gpu", 64, True),
+    ("auto", "cpu", 64, True),
+])
+def test_planned_memory_follows_the_attention_that_runs(attention, platform, head_dim, probs):
+    cfg = tiny_config("8x1", model__attention=attention, model__head_dim=head_dim)
+    assert costs.Workload.from_config(cfg, platform).attention_probs is probs
+
+
+def test_xla_attention_plans_more_memory_than_flash_attention_on_gpus():
+    shape = costs.LayoutShape.of(data=8)
+    total = {a: costs.memory_bytes(cfg.model, shape, costs.Workload.from_config(cfg, "gpu"))["total"]
+             for a in ("auto", "xla") for cfg in [tiny_config("8x1", model__attention=a)]}
+    assert total["xla"] > total["auto"]

@@ -7,18 +7,38 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.models.configs import PRESETS
+from shard.models.configs import PRESETS, attention_backend, cudnn_attention_problem
 from shard.models.llama import causal_attention
 
 
+@pytest.mark.parametrize("impl", ["xla", "auto"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_xla_attention_matches_reference(kv_heads):
+def test_attention_matches_reference(kv_heads, impl):
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(k1, (2, 16, 4, 8))
     k = jax.random.normal(k2, (2, 16, kv_heads, 8))
     v = jax.random.normal(k3, (2, 16, kv_heads, 8))
-    np.testing.assert_allclose(causal_attention(q, k, v, "xla"), causal_attention(q, k, v, "reference"),
+    np.testing.assert_allclose(causal_attention(q, k, v, impl), causal_attention(q, k, v, "reference"),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw, problem", [
+    ({"platform": "cuda", "dtype": "bfloat16", "head_dim": 64}, ""),
+    ({"platform": "cuda", "dtype": "float16", "head_dim": 128}, ""),
+    ({"platform": "cpu", "dtype": "bfloat16", "head_dim": 64}, "NVIDIA GPU"),
+    ({"platform": "rocm", "dtype": "bfloat16", "head_dim": 64}, "NVIDIA GPU"),
+    ({"platform": "cuda", "dtype": "float32", "head_dim": 64}, "bfloat16 or float16"),
+    ({"platform": "cuda", "dtype": "bfloat16", "head_dim": 60}, "multiple of 8"),
+    ({"platform": "cuda", "dtype": "bfloat16", "head_dim": 256}, "up to 128"),
+    ({"platform": "cuda", "dtype": "bfloat16", "head_dim": 64, "same_split": False}, "same mesh axes"),
+    ({"platform": "cuda", "dtype": "bfloat16", "head_dim": 64, "manual": True}, "pipeline stages"),
+])
+def test_auto_attention_takes_cudnn_only_where_it_runs(kw, problem):
+    found = cudnn_attention_problem(**kw)
+    assert problem in found if problem else found == ""
+    assert attention_backend("auto", found) == ("xla" if problem else "cudnn")
+    for setting in ("xla", "cudnn", "reference"):
+        assert attention_backend(setting, found) == setting
 
 
 def test_attention_is_causal():

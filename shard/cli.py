@@ -12,6 +12,7 @@ from rich.table import Table
 
 from shard import config as config_mod
 from shard import host_memory, profiling
+from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 
@@ -69,10 +70,8 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
     import_flax()  # before the model code imports it
 
-    if compile_cache is not None and not jax.config.jax_compilation_cache_dir:
-        compile_cache.mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if compile_cache is not None:
+        use_compile_cache(compile_cache)
     devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
     if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main:
         each = f" in each of {n_proc} processes" if n_proc > 1 else ""

@@ -9,7 +9,8 @@ device's bf16 peak from shard/hardware.toml (on CPU pass --peak-tflops).
 
 Batches that the planner's memory model puts above 1.25x the device's memory are skipped without
 compiling (the model over-estimates accelerator memory, so nothing that fits is skipped); the rest are
-tried from large to small, and the first that runs is reported.
+tried from large to small, and the first that runs is reported. A configuration that fails other than
+by running out of memory is reported, and from then on XLA's attention is used.
 """
 
 import argparse
@@ -22,8 +23,9 @@ from shard.mesh import parse_mesh
 SKIP_ABOVE = 1.25  # x the device's memory, by the planner's (upper-bound) estimate
 
 
-def run_config(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float):
-    sets = [f"model.name={model}", f"model.remat={remat}", f"data.batch={batch}", f"data.seq_len={seq}",
+def run_config(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float, attention: str):
+    sets = [f"model.name={model}", f"model.remat={remat}", f"model.attention={attention}",
+            f"data.batch={batch}", f"data.seq_len={seq}",
             "data.path=synthetic", f"steps={steps}", f"log_every={max(1, steps // 2)}", "mesh.spec=dp",
             f"observe.peak_tflops={peak_tflops}"]
     return config.resolve(config.parse_sets(sets))
@@ -45,10 +47,11 @@ def device_memory_bytes() -> float | None:
 
 
 def measure(cfg) -> dict | None:
-    """The last logged record of a short run (its interval excludes the first step), or None when the
-    batch does not fit in memory."""
+    """The last logged record of a short run (its interval excludes the first step) plus the step's
+    compiled memory, or None when the batch does not fit in memory."""
     try:
-        return train(cfg, run=prepare(cfg))[-1]
+        run = prepare(cfg)
+        return train(cfg, run=run)[-1] | {"compiled_bytes": run.compiled_memory.get("total", 0)}
     except Exception as e:  # noqa: BLE001 -- out of memory shows up as an XLA runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             return None
@@ -63,6 +66,8 @@ def main():
     ap.add_argument("--remat", default="none,dots_no_batch,full")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=0.0)
+    ap.add_argument("--attention", default="auto", help="model.attention; after an error other than out of "
+                    "memory the rest runs with xla")
     args = ap.parse_args()
     xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does, before JAX starts
     import jax
@@ -70,22 +75,35 @@ def main():
     print(f"{args.model}, seq {args.seq}, on {jax.devices()[0].device_kind} x {jax.device_count()}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}", flush=True)
     capacity = device_memory_bytes()
-    for remat in args.remat.split(","):
+    attention = args.attention
+    remats = args.remat.split(",")
+    while remats:
+        remat = remats.pop(0)
         for batch in (int(b) for b in args.batches.split(",")):
-            cfg = run_config(args.model, args.seq, batch, remat, args.steps, args.peak_tflops)
+            cfg = run_config(args.model, args.seq, batch, remat, args.steps, args.peak_tflops, attention)
             if capacity and predicted_bytes(cfg) > SKIP_ABOVE * capacity:
                 continue
-            r = measure(cfg)
+            try:
+                r = measure(cfg)
+            except Exception as e:  # noqa: BLE001 -- one failed configuration must not end the benchmark
+                first = (str(e).strip().splitlines() or [""])[0]
+                print(f"remat {remat:14s} batch {batch:3d}: failed with attention {attention}: "
+                      f"{type(e).__name__}: {first}", flush=True)
+                if attention != "xla":  # this policy and the rest again with XLA's attention
+                    attention = "xla"
+                    remats.insert(0, remat)
+                break
             if r is None:
                 print(f"remat {remat:14s} batch {batch:3d}: out of memory", flush=True)
                 continue
             mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a (no peak)"
+            # the device's peak is the process's so far (JAX cannot reset it); the compiled figure is this step's
             print(f"remat {remat:14s} batch {batch:3d}: {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>8s}  "
-                  f"peak memory {r['mem_peak_bytes'] / 2**30:6.2f} GiB ({r['mem_source']})", flush=True)
+                  f"step memory {r['compiled_bytes'] / 2**30:6.2f} GiB (compiled), peak so far "
+                  f"{r['mem_peak_bytes'] / 2**30:6.2f} GiB ({r['mem_source']})  attention {attention}", flush=True)
             break
         else:
             print(f"remat {remat:14s}: no batch fits")
-
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import grain
 import numpy as np
 
 from shard.errors import ShardError
@@ -142,7 +141,7 @@ class Samples:
     ~75 us a row in its per-element bookkeeping: 1.2 ms of host time per 16-row batch.)
     """
 
-    def __init__(self, source, order: grain.MapDataset | None):
+    def __init__(self, source, order):  # a grain.MapDataset of row indices, or None
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -162,6 +161,8 @@ def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int) -> Sampl
     if path == SYNTHETIC:
         return Samples(SyntheticSource(vocab_size, seq_len, seed), None)
     source = WindowSource(load_tokens(path, vocab_size), seq_len)
+    import grain  # here, not at the top: synthetic data never needs it
+
     return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat())
 
 

@@ -169,13 +169,14 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
 
 
 def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array) -> jax.Array:
+    """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast)."""
     dtype = compute_dtype(cfg)
     x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
     if cfg.tie_embeddings:
-        logits_btv = jnp.einsum("btd,vd->btv", x_btd, _table(cfg, params))
+        logits_btv = jnp.einsum("btd,vd->btv", x_btd, _table(cfg, params), preferred_element_type=jnp.float32)
     else:
         w_dv = constrain(params["unembed"].astype(dtype), (EMBED, VOCAB))
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv)
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv, preferred_element_type=jnp.float32)
     return constrain(logits_btv.astype(jnp.float32), (BATCH, LENGTH, VOCAB))
 
 

@@ -305,10 +305,25 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
                  + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if work.attention_probs else 1) / m) * work.act_bytes
     if work.remat == "none":
         layers = cfg.n_layers * per_layer
-    else:  # each layer keeps its input; one layer's activations live while its backward runs
-        layers = cfg.n_layers * D * work.act_bytes + REMAT_LIVE * per_layer
+    else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
+        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer
     logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
     return tokens * (layers + logits)
+
+
+def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Elements per token one layer keeps for the backward pass beyond its input under the remat policy:
+    "full" nothing; "dots_no_batch" the projections' outputs (q/k/v, attention output, gate/up, down);
+    "dots" also attention's two batched matmuls (scores and the weighted values) where XLA's attention
+    runs (cuDNN's is not a matmul to JAX)."""
+    m = shape.degree(HEADS)
+    projections = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m + 2 * cfg.d_model \
+        + 2 * cfg.mlp_dim / shape.degree(MLP)
+    if work.remat == "dots_no_batch":
+        return projections
+    if work.remat == "dots":
+        return projections + (cfg.n_heads * (work.seq_len + cfg.head_dim) / m if work.attention_probs else 0.0)
+    return 0.0
 
 
 def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:

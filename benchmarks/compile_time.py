@@ -45,8 +45,11 @@ def run_case(model, mesh, devices, seq, batch, cache_dir, platform=None):
         env.update(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     else:
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, "-c", CASE, model, mesh, str(seq), str(batch)], env=env,
-                         capture_output=True, text=True, check=True)
+    # -P: not the working directory first on the path, so `shard` is the installed one (with shard.models)
+    out = subprocess.run([sys.executable, "-P", "-c", CASE, model, mesh, str(seq), str(batch)], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"{model} on mesh {mesh} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -58,14 +61,15 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         first = run_case(args.big, "dp", 1, args.seq, args.batch, cache)
+        print(f"{args.big} (seq {args.seq}, batch {args.batch}, 1 device): step compile "
+              f"{first['step_compile_s']:.1f}s, init {first['init_compile_s']:.1f}s", flush=True)
         hit = run_case(args.big, "dp", 1, args.seq, args.batch, cache)
-    print(f"{args.big} (seq {args.seq}, batch {args.batch}, 1 device): step compile {first['step_compile_s']:.1f}s, "
-          f"init {first['init_compile_s']:.1f}s; from the persistent cache: step {hit['step_compile_s']:.1f}s, "
-          f"init {hit['init_compile_s']:.1f}s")
+    print(f"{args.big} from the persistent cache: step {hit['step_compile_s']:.1f}s, "
+          f"init {hit['init_compile_s']:.1f}s", flush=True)
     for devices, mesh in ((1, "dp"), (8, "dp"), (8, "fsdp_tp:4x2")):
         r = run_case("tiny", mesh, devices, 32, 8, None, platform="cpu")
         print(f"tiny on {devices} device(s), mesh {mesh}: step compile {r['step_compile_s']:.1f}s, "
-              f"init {r['init_compile_s']:.1f}s (import {r['import_s']:.1f}s)")
+              f"init {r['init_compile_s']:.1f}s (import {r['import_s']:.1f}s)", flush=True)
 
 
 if __name__ == "__main__":

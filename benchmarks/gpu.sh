@@ -24,6 +24,7 @@ run() {
     local out=${OUT:-/tmp/gpu-out} site=/tmp/site
     mkdir -p "$out"
     exec > >(tee "$out/gpu.log") 2>&1
+    rm -rf "$site"  # a machine kept warm from an earlier call must not run the earlier code
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
     # shard itself, laid out as installed (models/ and meshes/ become shard.models and shard.meshes)
     cp -r shard "$site/shard" && cp -r models "$site/shard/models" && cp -r meshes "$site/shard/meshes" || exit 1
@@ -32,6 +33,7 @@ run() {
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+    python3 -m pip list 2>/dev/null | grep -iE "^(jax|jaxlib|flax|optax|orbax-checkpoint|protobuf|numpy|grain) "
     # benchmark 2: tokens/s, MFU and peak memory of llama-1b at seq 2048 per remat policy
     timeout 400 python3 benchmarks/mfu.py --batches 48,32,24,16,12,8 --steps 8
     # benchmark 3: compile times (the 1B model on the GPU; the tiny model on simulated CPU devices)

@@ -15,8 +15,11 @@ by running out of memory is reported, and from then on XLA's attention is used.
 
 import argparse
 import os
+import tempfile
+from pathlib import Path
 
 from shard import config, costs, xla_flags
+from shard.compile_cache import use_compile_cache
 from shard.loop import make_layout, prepare, train
 from shard.mesh import parse_mesh
 
@@ -71,6 +74,9 @@ def main():
     args = ap.parse_args()
     xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does, before JAX starts
     import jax
+
+    # as `shard train` does: here every configuration's init is the same program, compiled once
+    use_compile_cache(Path(tempfile.mkdtemp(prefix="shard-mfu-cache-")))
 
     print(f"{args.model}, seq {args.seq}, on {jax.devices()[0].device_kind} x {jax.device_count()}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}", flush=True)

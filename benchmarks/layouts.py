@@ -20,12 +20,12 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from shard import config  # noqa: E402
-from shard.loop import prepare  # noqa: E402
-from shard.parallel import pipeline  # noqa: E402
+from shard import config
+from shard.loop import prepare
+from shard.parallel import pipeline
 
 # (label, mesh, extra --set keys, model override)
 LAYOUTS = [

@@ -13,16 +13,16 @@ import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-from shard import config  # noqa: E402
-from shard.loop import prepare, train  # noqa: E402
-from shard.rules import activation_layout  # noqa: E402
-from shard.step import batch_sharding  # noqa: E402
+from shard import config
+from shard.loop import prepare, train
+from shard.rules import activation_layout
+from shard.step import batch_sharding
 
 
 def hand_written(run, cfg):

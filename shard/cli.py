@@ -4,7 +4,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -24,14 +24,14 @@ err_console = Console(stderr=True, highlight=False)
 DEFAULT_FILL_DEVICES = 8
 
 # Options shared by the commands that build a mesh and a model.
-MeshOpt = Annotated[Optional[str], typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (meshes/) | preset:4x2")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="model preset: tiny, small, moe-tiny, llama-1b, llama-7b, ...")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML config file")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
-SimOpt = Annotated[Optional[int], typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
+MeshOpt = Annotated[str | None, typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (meshes/) | preset:4x2")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="model preset: tiny, small, moe-tiny, llama-1b, llama-7b, ...")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
+SimOpt = Annotated[int | None, typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
 
 
-def _overrides(config: Optional[Path], sets: Optional[list[str]], base: Optional[dict] = None, **flags) -> dict:
+def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = None, **flags) -> dict:
     """defaults < base (a resumed run's config) < config file < flags < --set, as one nested dict."""
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
@@ -204,35 +204,35 @@ class ConsoleProgress:
 def train(
     mesh: MeshOpt = None,
     model: ModelOpt = None,
-    steps: Annotated[Optional[int], typer.Option(help="optimizer steps")] = None,
-    batch: Annotated[Optional[int], typer.Option(help="global batch, in sequences")] = None,
-    seq: Annotated[Optional[int], typer.Option(help="sequence length")] = None,
-    data: Annotated[Optional[str], typer.Option(help="text file/folder, .npy/.bin tokens, or 'synthetic'")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="seed for init and data order")] = None,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="where config, metrics and checkpoints go")] = None,
-    log_every: Annotated[Optional[int], typer.Option("--log-every", help="log every N steps")] = None,
-    profile_steps: Annotated[Optional[str], typer.Option(
+    steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
+    batch: Annotated[int | None, typer.Option(help="global batch, in sequences")] = None,
+    seq: Annotated[int | None, typer.Option(help="sequence length")] = None,
+    data: Annotated[str | None, typer.Option(help="text file/folder, .npy/.bin tokens, or 'synthetic'")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed for init and data order")] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="where config, metrics and checkpoints go")] = None,
+    log_every: Annotated[int | None, typer.Option("--log-every", help="log every N steps")] = None,
+    profile_steps: Annotated[str | None, typer.Option(
         "--profile-steps", help="A:B: profile steps A to B into RUN_DIR/profile and summarise them")] = None,
-    compile_cache: Annotated[Optional[str], typer.Option(
+    compile_cache: Annotated[str | None, typer.Option(
         "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
-    checkpoint_every: Annotated[Optional[int], typer.Option(
+    checkpoint_every: Annotated[int | None, typer.Option(
         "--checkpoint-every", help="save a checkpoint every N steps (the last step and preemption always save)")] = None,
-    keep: Annotated[Optional[int], typer.Option("--keep", help="keep the newest K checkpoints")] = None,
+    keep: Annotated[int | None, typer.Option("--keep", help="keep the newest K checkpoints")] = None,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue the run in --run-dir from its newest complete checkpoint")] = False,
     allow_fresh: Annotated[bool, typer.Option(
         "--allow-fresh", help="with --resume: start from step 0 when there is no checkpoint yet")] = False,
-    init_from: Annotated[Optional[str], typer.Option(
+    init_from: Annotated[str | None, typer.Option(
         "--init-from", help="start from these weights (a shard checkpoint or a Hugging Face folder)")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
-    coordinator: Annotated[Optional[str], typer.Option(help="HOST:PORT of process 0, to start processes by hand (with --num-processes, --process-id)")] = None,
-    num_processes: Annotated[Optional[int], typer.Option("--num-processes", help="processes in the job (explicit form)")] = None,
-    process_id: Annotated[Optional[int], typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
-    cross_host: Annotated[Optional[str], typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
-    failure_timeout: Annotated[Optional[float], typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
-    eval_every: Annotated[Optional[int], typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
+    coordinator: Annotated[str | None, typer.Option(help="HOST:PORT of process 0, to start processes by hand (with --num-processes, --process-id)")] = None,
+    num_processes: Annotated[int | None, typer.Option("--num-processes", help="processes in the job (explicit form)")] = None,
+    process_id: Annotated[int | None, typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
+    cross_host: Annotated[str | None, typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
+    failure_timeout: Annotated[float | None, typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
     import os
@@ -351,7 +351,7 @@ def _init_from_base(source: str) -> dict:
     return {"model": tomllib.loads(saved.read_text()).get("model", {})}
 
 
-def _resume_base(run_dir: Optional[str]) -> dict:
+def _resume_base(run_dir: str | None) -> dict:
     """The config a resumed run starts from: the one saved in its run dir (flags still override it)."""
     if not run_dir:
         raise ShardError("--resume needs --run-dir: the run to continue")
@@ -383,8 +383,8 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
     compiled: Annotated[bool, typer.Option("--compiled", help="also compile the train step (from shapes) and "
                                            "report its collectives, communication efficiency and memory")] = False,
-    batch: Annotated[Optional[int], typer.Option(help="global batch, in sequences (with --compiled)")] = None,
-    seq: Annotated[Optional[int], typer.Option(help="sequence length (with --compiled)")] = None,
+    batch: Annotated[int | None, typer.Option(help="global batch, in sequences (with --compiled)")] = None,
+    seq: Annotated[int | None, typer.Option(help="sequence length (with --compiled)")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
@@ -453,9 +453,9 @@ def plan(
     devices: Annotated[int, typer.Option("--devices", help="accelerators in all")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes they sit in (tensor parallel stays inside one)")] = 1,
     hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100-40g, a100-80g, cpu, or yours")] = "h100",
-    hardware_file: Annotated[Optional[Path], typer.Option("--hardware-file", help="TOML with more hardware")] = None,
+    hardware_file: Annotated[Path | None, typer.Option("--hardware-file", help="TOML with more hardware")] = None,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
-    batch: Annotated[Optional[int], typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
+    batch: Annotated[int | None, typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
     top: Annotated[int, typer.Option(help="rows to print")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="print every layout as JSON")] = False,
     set_: SetOpt = None,
@@ -507,7 +507,7 @@ def bench_collectives(
     min_size: Annotated[int, typer.Option("--min-size", help="smallest message, bytes")] = 1024,
     max_size: Annotated[int, typer.Option("--max-size", help="largest message, bytes")] = 64 * 1024 * 1024,
     iters: Annotated[int, typer.Option(help="timed runs per point (median)")] = 5,
-    kinds: Annotated[Optional[list[str]], typer.Option("--kind", help="only these collectives")] = None,
+    kinds: Annotated[list[str] | None, typer.Option("--kind", help="only these collectives")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON lines")] = False,
     simulate_devices: SimOpt = None,
 ):
@@ -553,7 +553,7 @@ def bench_collectives(
 @app.command()
 def report(
     run_dirs: Annotated[list[str], typer.Argument(help="run directories to compare")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="where the PNGs go (default: report/)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go (default: report/)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ):
     """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
@@ -578,7 +578,7 @@ def report(
     console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
 
 
-def _host_jax(mesh: str = "1x1", simulate_devices: Optional[int] = None):
+def _host_jax(mesh: str = "1x1", simulate_devices: int | None = None):
     """Start JAX for a command that only needs a mesh (generate, import/export): devices as for train."""
     cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
     spec = parse_mesh(cfg.mesh.spec)
@@ -588,9 +588,9 @@ def _host_jax(mesh: str = "1x1", simulate_devices: Optional[int] = None):
 @app.command()
 def generate(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="a shard checkpoint or run dir, or a Hugging Face folder")],
-    prompt: Annotated[Optional[str], typer.Option(help="prompt text (byte-level models)")] = None,
-    prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option("--prompts-file", help="one prompt per line")] = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text (byte-level models)")] = None,
+    prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
+    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="one prompt per line")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0: off")] = 0,
@@ -642,7 +642,7 @@ def generate(
                 emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
             else:
                 print(ByteTokenizer().decode(p), end="", flush=True)
-                emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731
+                emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
             gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
             print(flush=True)
     except ShardError as e:

@@ -80,7 +80,7 @@ class LayoutShape:
         from shard.mesh import load_preset
 
         base = load_preset("default")
-        return cls({a: s for a, s in sizes.items()}, dict(base.rules), dict(base.param_rules))
+        return cls(dict(sizes), dict(base.rules), dict(base.param_rules))
 
     def table(self, param: bool) -> dict[str, tuple[str, ...]]:
         return axes_table(self.sizes, self.rules, self.param_rules if param else {})
@@ -205,7 +205,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         if b:
             out[axis] = out.get(axis, 0.0) + b
 
-    batch_axes = [a for a in shape.table(False).get(BATCH, ())]
+    batch_axes = list(shape.table(False).get(BATCH, ()))
     forward_passes = 1 if work.remat == "none" else 2
     lookup = _stored_lookup(cfg, shape, work)
     for name, dims, axes in param_table(cfg):

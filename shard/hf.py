@@ -172,7 +172,7 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
     weight_map = {}
     for name, shard in zip(names, shards):
         save_file(shard, str(root / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
+        weight_map.update(dict.fromkeys(shard, name))
     total = sum(math.prod(t.shape) * 4 for t in tensors.values())
     (root / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

@@ -339,10 +339,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             if groups is None:
                 groups = [list(range(n_devices))]
             axes = group_axes(groups, axis_names, axis_sizes)
-            if kind == "collective-permute":
-                n = 2 if axes else 1
-            else:
-                n = max(len(g) for g in groups)
+            n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
             if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
                 sizes = sizes[len(sizes) // 2: len(sizes) // 2 + 1] if kind == "all-gather" else sizes[1:2]

@@ -21,8 +21,8 @@ def _leaves_with_paths(tree):
 
 def param_table(spec: StateSpec, layout: Layout) -> list[dict]:
     """One row per parameter: name, shape, dtype, logical axes, PartitionSpec, bytes in all and per device."""
-    shardings = dict((path_str(p), s) for p, s in _leaves_with_paths(spec.shardings["params"]))
-    logical = dict((path_str(p), a) for p, a in _leaves_with_paths_tuples(spec.logical))
+    shardings = {path_str(p): s for p, s in _leaves_with_paths(spec.shardings["params"])}
+    logical = {path_str(p): a for p, a in _leaves_with_paths_tuples(spec.logical)}
     rows = []
     for path, sds in _leaves_with_paths(spec.abstract["params"]):
         name = path_str(path)

@@ -10,7 +10,7 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "a", buffering=1)
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run, closed in on_end
 
     def on_log(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")

@@ -80,9 +80,9 @@ def hardware_for_device(device_kind: str, platform: str, table: dict[str, Hardwa
     best = None
     for hw in table.values():
         model, _, size = hw.name.partition("-")
-        if model in kind and (not size or size.rstrip("gb") + "gb" in kind):
-            if best is None or len(hw.name) > len(best.name):  # the more specific entry wins
-                best = hw
+        matches = model in kind and (not size or size.rstrip("gb") + "gb" in kind)
+        if matches and (best is None or len(hw.name) > len(best.name)):  # the more specific entry wins
+            best = hw
     return best
 
 

@@ -147,7 +147,7 @@ def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     data = batch_sharding(layout)
     return jax.jit(
         step,
-        in_shardings=(spec.shardings, {k: data for k in BATCH_KEYS}),
+        in_shardings=(spec.shardings, dict.fromkeys(BATCH_KEYS, data)),
         out_shardings=(spec.shardings, replicated),
         donate_argnums=0,
     )
@@ -162,7 +162,7 @@ def make_eval_step(spec: StateSpec, layout: Layout):
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
-    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], {k: data for k in BATCH_KEYS}),
+    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], dict.fromkeys(BATCH_KEYS, data)),
                    out_shardings=replicated)
 
 

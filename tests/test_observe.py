@@ -1,6 +1,7 @@
 """What a user watches: TensorBoard events, the profile summary, reports, and the divergence guard."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
     assert [row["layout"] for row in doc["runs"]] == ["fsdp", "2x4"]
     assert doc["runs"][0]["final_loss"] == 2.0 and doc["runs"][1]["median_tokens_per_s"] == 2500.0
     for png in doc["plots"]:
-        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_on_a_directory_that_is_not_a_run(tmp_path):

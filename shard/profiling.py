@@ -117,7 +117,7 @@ def device_timelines(events: list[dict]) -> dict[str, list[dict]]:
 def summarize(trace: Path, steps: int = 1) -> dict:
     """Fractions of the traced window per device timeline, averaged: compute, each collective kind,
     idle, and exposed communication (collective time with no compute running beside it)."""
-    data = json.loads(gzip.decompress(Path(trace).read_bytes()))
+    data = json.loads(gzip.decompress(trace.read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     lines = device_timelines(events)
     if not lines:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from shard.testing import subprocess_env, xla_flags_for_tests
+from shard.testing import subprocess_env, xla_flags_for_tests  # imports no JAX
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags_for_tests(8)).strip()
 _CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"

@@ -11,6 +11,7 @@ save that never finished. Restore reads each array straight into the shardings o
 import functools
 import logging
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ def _configure_orbax() -> None:
     handler = ocp.type_handlers.ArrayHandler(  # orbax's default, but for the threshold
         array_metadata_store=array_metadata_store.Store(),
         min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
+    _drop_closed_loop_callbacks()
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # not the "overriding jax.Array" warning
@@ -50,6 +52,19 @@ def _configure_orbax() -> None:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl_logger.setLevel(level)
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """When one read of a restore fails, orbax closes its asyncio loop while tensorstore's other reads
+    are still in flight; each then reports "Event loop is closed" as an unraisable exception, a
+    traceback apiece after the one-line error. Those, and only those, are dropped."""
+    previous = sys.unraisablehook
+
+    def hook(args) -> None:
+        if not (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"):
+            previous(args)
+
+    sys.unraisablehook = hook
 
 
 @dataclass
@@ -86,7 +101,8 @@ class Checkpoints:
                                        n=cfg.keep_best))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
-            create=not read_only, read_only=read_only,
+            # No directory until the first save: a start that fails before it leaves no trace.
+            create=False, read_only=read_only,
         )
         _configure_orbax()
         handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
@@ -168,6 +184,8 @@ class Checkpoints:
                                      META: ocp.args.JsonRestore()})
         out = self._manager.restore(step, args=args)
         meta = out[META]
+        if int(meta["data_position"]) < 0:  # read as unreadable: restore_latest sets it aside
+            raise ValueError(f"meta has a negative data_position {meta['data_position']}")
         return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
                         config_toml=meta["config"], path=self.path(step))
 
@@ -239,14 +257,20 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
     p = Path(path).absolute()
     if not p.exists():
         raise ShardError(f"checkpoint path {path} does not exist")
+    if not p.is_dir():
+        raise ShardError(f"checkpoint path {path} is a file; give a run dir, its checkpoints/ dir or a step's dir")
     if (p / CHECKPOINTS_DIR).is_dir():
         p = p / CHECKPOINTS_DIR
     if (p / STATE).is_dir() and p.name.isdigit():
         return p.parent, int(p.name)
-    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and (c / STATE).is_dir())
-    if not steps:
+    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit())
+    complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
+    if not complete:
         raise ShardError(f"no complete checkpoint in {path}")
-    return p, steps[-1]
+    if complete[-1] != steps[-1]:  # never an older model in silence
+        raise ShardError(f"the newest checkpoint {p / str(steps[-1])} is damaged (no {STATE}/); pass an older "
+                         f"step's dir to use it, e.g. {p / str(complete[-1])}")
+    return p, complete[-1]
 
 
 def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
@@ -276,8 +300,8 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
     checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
     out = Path(out).absolute()
-    if out.exists() and any(out.iterdir()):
-        raise ShardError(f"export target {out} exists and is not empty; choose another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ShardError(f"export target {out} exists and is not an empty folder; choose another --out")
     params, _, step = read_params(checkpoint)
     if out.exists():
         out.rmdir()

@@ -181,6 +181,41 @@ def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_pa
     assert ckpts.steps() == [2, 4, 6, 8, 10]
 
 
+def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_path):
+    """generate reads the newest step: its error is one line, without orbax's closed-loop tracebacks."""
+    ckpts, _, _ = _copy_checkpoints(reference, tmp_path)
+    for f in (ckpts.path(12) / "state" / "d").iterdir():
+        f.write_bytes(b"garbage")
+    r = subprocess.run([sys.executable, "-m", "shard", "generate", "--checkpoint", str(ckpts.directory),
+                        "--prompt-ids", "1", "--ids", "--max-new-tokens", "1"],
+                       capture_output=True, text=True, env=subprocess_env(1), timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "cannot read checkpoint" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
+    from shard.checkpoint import find_checkpoint
+
+    ckpts, _, _ = _copy_checkpoints(reference, tmp_path)
+    shutil.rmtree(ckpts.path(12) / "state")
+    with pytest.raises(ShardError, match=r"newest checkpoint .*/12 is damaged \(no state/\); pass an older"):
+        find_checkpoint(ckpts.directory)
+    assert find_checkpoint(ckpts.path(10)) == (ckpts.directory, 10)
+
+
+def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):
+    from types import SimpleNamespace
+
+    from shard.checkpoint import _drop_closed_loop_callbacks
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(str(args.exc_value)))
+    _drop_closed_loop_callbacks()
+    for error in (RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")):
+        sys.unraisablehook(SimpleNamespace(exc_type=type(error), exc_value=error))
+    assert seen == ["other", "x"]
+
+
 def test_incomplete_save_is_ignored_and_cleaned_with_a_notice(reference, tmp_path):
     ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
     shutil.copytree(ckpts.path(12), ckpts.directory / f"14{TMP_MARK}")  # a save killed before its rename
@@ -206,7 +241,7 @@ def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
     assert_trees_equal(params, final_state["params"])
     again = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
                                      "--out", str(tmp_path / "params")])
-    assert again.exit_code == 2 and "not empty" in again.output
+    assert again.exit_code == 2 and "not an empty folder" in again.output
 
 
 # -- the CLI's bad inputs: each one line, exit 2, nothing deleted --------------------------------------

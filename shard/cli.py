@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shard import config as config_mod
@@ -16,12 +18,44 @@ from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Messages hold user text (paths, mesh specs, TOML tables): it goes through escape() and no :emoji: codes.
+console = Console(highlight=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, emoji=False)
+
+
+def user_error(e: BaseException) -> ShardError | None:
+    """The one-line error for an exception the user's input or machine causes rather than a bug in
+    shard: a ShardError, a file system error (a file where a folder belongs, no permission, disk full),
+    or running out of device memory. None for anything else, which keeps its traceback."""
+    if isinstance(e, ShardError):
+        return e
+    if isinstance(e, OSError) and not isinstance(e, BrokenPipeError | ConnectionError | TimeoutError):
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+        return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
+    if "RESOURCE_EXHAUSTED" in str(e) or isinstance(e, MemoryError):
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return ShardError(f"out of memory ({first[:160]}); lower --batch or --seq, or set model.remat=full")
+    return None
+
+
+class CommandGroup(typer.core.TyperGroup):
+    """Every command's user errors end the same way: one line on stderr, exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            error = user_error(e)
+            if error is None:
+                raise
+            _fail(error)
+
+
+app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train Transformers on any device mesh: the parallel layout is data, not code.")
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
 
 DEFAULT_FILL_DEVICES = 8
+MAX_SIMULATED_DEVICES = 4096  # 13 s for XLA's CPU platform to start; 100,000 would take hours
 
 # Options shared by the commands that build a mesh and a model.
 MeshOpt = Annotated[str | None, typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (meshes/) | preset:4x2")]
@@ -40,6 +74,8 @@ def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = 
                  "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
                  "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
                  "eval_every": "eval.every"}
+    if flags.get("simulate_devices") is not None and flags["simulate_devices"] <= 0:
+        raise ShardError(f"--simulate-devices must be positive, got {flags['simulate_devices']}")
     out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
@@ -62,8 +98,12 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
         raise ShardError(f"mesh {mesh_spec.describe()} needs {needed} devices, which do not split evenly "
                          f"over {n_proc} processes")
     wanted = cfg.mesh.simulate_devices or needed // n_proc
+    if wanted > MAX_SIMULATED_DEVICES:
+        raise ShardError(f"mesh {mesh_spec.describe()} needs {wanted} devices in one process, more than the "
+                         f"{MAX_SIMULATED_DEVICES} CPU devices shard simulates (XLA's start-up time grows "
+                         "with the square); use `shard plan` for bigger clusters")
     asked = request_host_devices(wanted)
-    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout)
+    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     import jax
 
     from shard.imports import import_flax
@@ -83,7 +123,7 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 def _fail(e: Exception):
     from shard.distributed import abort_peers
 
-    err_console.print(f"[red]error:[/red] {e}", soft_wrap=True)
+    err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
     abort_peers(2)
     raise typer.Exit(2)
 
@@ -106,13 +146,20 @@ RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
 
 
 def _holds_run(path: Path) -> bool:
-    return any((path / name).exists() for name in RUN_FILES)
+    """An empty checkpoints/ is no run: a start that failed before its first step leaves one."""
+    return any((path / name).exists() and not _is_empty_dir(path / name) for name in RUN_FILES)
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
     """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
         path = Path(cfg.run_dir)
+        if path.exists() and not path.is_dir():
+            raise ShardError(f"run dir {path} is a file; choose another --run-dir")
         if not resume and _holds_run(path):
             saved = path / "config.toml"
             if saved.is_file():
@@ -182,7 +229,7 @@ class ConsoleProgress:
             except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
                 warnings = []
             for w in warnings:
-                console.print(f"[yellow]warning:[/yellow] {w}", soft_wrap=True)
+                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
         self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:
@@ -197,7 +244,7 @@ class ConsoleProgress:
             return
         last = records[-1]
         console.print(f"done: {last['step']} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
-                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
+                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -212,7 +259,7 @@ def train(
     run_dir: Annotated[str | None, typer.Option("--run-dir", help="where config, metrics and checkpoints go")] = None,
     log_every: Annotated[int | None, typer.Option("--log-every", help="log every N steps")] = None,
     profile_steps: Annotated[str | None, typer.Option(
-        "--profile-steps", help="A:B: profile steps A to B into RUN_DIR/profile and summarise them")] = None,
+        "--profile-steps", help="profile steps A to B (given as A:B) into RUN_DIR/profile and summarise them")] = None,
     compile_cache: Annotated[str | None, typer.Option(
         "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
     checkpoint_every: Annotated[int | None, typer.Option(
@@ -239,101 +286,102 @@ def train(
 
     from shard import distributed
 
+    if init_from and resume:
+        raise ShardError("--init-from starts a new run and --resume continues one: choose one")
+    base = _resume_base(run_dir) if resume else _init_from_base(init_from) if init_from else None
+    cfg = config_mod.resolve(_overrides(
+        config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
+        run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
+        checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
+        eval_every=eval_every))
+    saved_name = (base or {}).get("model", {}).get("name")
+    if saved_name and cfg.model.name != saved_name:
+        source = f"--resume continues the {saved_name} run in {run_dir}" if resume else \
+            f"--init-from {init_from} holds a {saved_name} model"
+        raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
+    cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    _check_data_path(cfg.data.path)
+    window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
+    main = cluster is None or cluster.process_id == 0
+    # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
+    # runs; until then they only need its parent, for the compile cache.
+    path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
+    devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
+    path = Path(distributed.broadcast_text(str(path)))
+    from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
+    from shard.loop import prepare
+    from shard.loop import train as train_loop
+    from shard.metrics import JsonlWriter, TensorBoardWriter
+    from shard.preemption import StopOnSignal
+
+    def notice(message: str) -> None:
+        if distributed.context().is_main:
+            err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
+
+    checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
+    restore = None
+    if resume:
+        checkpoints.clean_incomplete()
+        if checkpoints.steps():
+            restore = checkpoints.restore_latest
+        elif not allow_fresh:
+            raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
+                             "--allow-fresh to start this run from step 0")
+        else:
+            notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+    if init_from:
+        from shard import weights
+
+        _, loaded = weights.load(init_from)
+        restore = lambda spec: weights.state_from(loaded, spec, cfg.seed, init_from)  # noqa: E731
     try:
-        if init_from and resume:
-            raise ShardError("--init-from starts a new run and --resume continues one: choose one")
-        base = _resume_base(run_dir) if resume else _init_from_base(init_from) if init_from else None
-        cfg = config_mod.resolve(_overrides(
-            config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
-            run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
-            checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
-            eval_every=eval_every))
-        cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
-        mesh_spec = parse_mesh(cfg.mesh.spec)
-        _check_data_path(cfg.data.path)
-        window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
-        main = cluster is None or cluster.process_id == 0
-        # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
-        # runs; until then they only need its parent, for the compile cache.
-        path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
-        devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
-        path = Path(distributed.broadcast_text(str(path)))
-        from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
-        from shard.loop import prepare
-        from shard.loop import train as train_loop
-        from shard.metrics import JsonlWriter, TensorBoardWriter
-        from shard.preemption import StopOnSignal
-
-        def notice(message: str) -> None:
-            if distributed.context().is_main:
-                err_console.print(f"[yellow]{message}[/yellow]", soft_wrap=True)
-
-        checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
-        restore = None
-        if resume:
-            checkpoints.clean_incomplete()
-            if checkpoints.steps():
-                restore = checkpoints.restore_latest
-            elif not allow_fresh:
-                raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
-                                 "--allow-fresh to start this run from step 0")
-            else:
-                notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+        run = prepare(cfg, devices, restore=restore)
         if init_from:
-            from shard import weights
-
-            _, loaded = weights.load(init_from)
-            restore = lambda spec: weights.state_from(loaded, spec, cfg.seed, init_from)  # noqa: E731
+            notice(f"initialised from {init_from}")
+        if run.start_step:
+            notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
+                   f"data position {run.stream.position}")
+        if run.start_step >= cfg.steps:
+            if main:
+                console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is "
+                              f"{cfg.steps}")
+            distributed.finish()
+            return
+        cfg = dataclasses.replace(cfg, run_dir=str(path))
+        config_toml = config_mod.to_toml(cfg)
+        observers = []
+        if main:  # only process 0 prints and writes the run's files
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.toml").write_text(config_toml)
+            observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
+                         TensorBoardWriter(path / "tb")]
+        saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
+        stopper = StopOnSignal(notice)
+        observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
+        if window and main:
+            observers.append(profiler := profiling.Profiler(*window, path / "profile"))
         try:
-            run = prepare(cfg, devices, restore=restore)
-            if init_from:
-                notice(f"initialised from {init_from}")
-            if run.start_step:
-                notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
-                       f"data position {run.stream.position}")
-            if run.start_step >= cfg.steps:
-                if main:
-                    console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is "
-                                  f"{cfg.steps}")
-                distributed.finish()
-                return
-            cfg = dataclasses.replace(cfg, run_dir=str(path))
-            config_toml = config_mod.to_toml(cfg)
-            observers = []
-            if main:  # only process 0 prints and writes the run's files
-                path.mkdir(parents=True, exist_ok=True)
-                (path / "config.toml").write_text(config_toml)
-                observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
-                             TensorBoardWriter(path / "tb")]
-            saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
-            stopper = StopOnSignal(notice)
-            observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
-            if window and main:
-                observers.append(profiler := profiling.Profiler(*window, path / "profile"))
-            try:
-                train_loop(cfg, run=run, observers=observers)
-            finally:  # also on divergence: saves already under way commit; nothing newer is written
-                checkpoints.close()
-        except ShardError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
-            distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
-        if window and main and profiler.summary:
-            console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
-        if run.stopped_at is not None and main:
-            where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
-            console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
-                          f"{run.stopped_at}; checkpoint saved to {where}; "
-                          f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
-        distributed.finish()
-    except ShardError as e:
-        _fail(e)
+            train_loop(cfg, run=run, observers=observers)
+        finally:  # also on divergence: saves already under way commit; nothing newer is written
+            checkpoints.close()
+    except ShardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
+        distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
+    if window and main and profiler.summary:
+        console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
+    if run.stopped_at is not None and main:
+        where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
+        console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
+                      f"{run.stopped_at}; checkpoint saved to {where}; "
+                      f"continue with: shard train --run-dir {path} --resume", soft_wrap=True, markup=False)
+    distributed.finish()
 
 
 def _init_from_base(source: str) -> dict:
     """The model section of the weights' own config (config.json or the checkpoint's config.toml),
     read without JAX, so the run builds exactly that model."""
-    import tomllib
 
     from shard import hf
     from shard.checkpoint import find_checkpoint
@@ -342,13 +390,13 @@ def _init_from_base(source: str) -> dict:
     if not path.exists():
         raise ShardError(f"--init-from: {source} does not exist")
     if (path / "config.json").is_file():
-        cfg = hf.config_from_hf(json.loads((path / "config.json").read_text()), name=path.name or "hf")
+        cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
         return {"model": dataclasses.asdict(cfg)}
     directory, step = find_checkpoint(path)
     saved = directory.parent / "config.toml"
     if not saved.is_file():
         raise ShardError(f"--init-from: no config.toml beside {directory}")
-    return {"model": tomllib.loads(saved.read_text()).get("model", {})}
+    return {"model": config_mod.load_file(str(saved)).get("model", {})}
 
 
 def _resume_base(run_dir: str | None) -> dict:
@@ -367,12 +415,9 @@ def export(
     out: Annotated[Path, typer.Option("--out", help="new directory for the params-only orbax checkpoint")],
 ):
     """Write a checkpoint's params only (for inference or fine-tuning), readable by plain orbax."""
-    try:
-        from shard.checkpoint import export_params
+    from shard.checkpoint import export_params
 
-        target, step = export_params(checkpoint, out)
-    except ShardError as e:
-        _fail(e)
+    target, step = export_params(checkpoint, out)
     console.print(f"exported the params of step {step} to {target}")
 
 
@@ -390,27 +435,24 @@ def inspect(
     simulate_devices: SimOpt = None,
 ):
     """Every parameter's shape, logical axes, PartitionSpec and bytes per device, from shapes alone."""
-    try:
-        cfg = config_mod.resolve(_overrides(config, set_, mesh=mesh, model=model, batch=batch, seq=seq,
-                                            simulate_devices=simulate_devices))
-        mesh_spec = parse_mesh(cfg.mesh.spec)
-        devices = start_devices(cfg, mesh_spec)
-        from shard.inspection import summary
-        from shard.loop import make_layout
-        from shard.state import state_spec
+    cfg = config_mod.resolve(_overrides(config, set_, mesh=mesh, model=model, batch=batch, seq=seq,
+                                        simulate_devices=simulate_devices))
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    devices = start_devices(cfg, mesh_spec)
+    from shard.inspection import summary
+    from shard.loop import make_layout
+    from shard.state import state_spec
 
-        layout = make_layout(cfg, mesh_spec, devices)
-        doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
-        doc["model"] = cfg.model.name
-        if compiled:
-            from shard.analysis import analyze
-            from shard.loop import check_batch
+    layout = make_layout(cfg, mesh_spec, devices)
+    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
+    doc["model"] = cfg.model.name
+    if compiled:
+        from shard.analysis import analyze
+        from shard.loop import check_batch
 
-            check_batch(cfg, layout)
-            doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
-            doc.update(analyze(cfg, layout).to_dict())
-    except ShardError as e:
-        _fail(e)
+        check_batch(cfg, layout)
+        doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
+        doc.update(analyze(cfg, layout).to_dict())
     if as_json:
         print(json.dumps(doc, indent=1))
         return
@@ -464,13 +506,12 @@ def plan(
     from shard.plan import find_hardware, load_hardware
     from shard.plan import plan as make_plan
 
-    try:
-        cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, config_mod.parse_sets(set_ or [])))
-        hw = find_hardware(hardware, load_hardware(hardware_file))
-        global_batch = batch or 2 * devices
-        ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq)
-    except ShardError as e:
-        _fail(e)
+    cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, config_mod.parse_sets(set_ or [])))
+    hw = find_hardware(hardware, load_hardware(hardware_file))
+    if batch is not None and batch <= 0 or top < 0:
+        raise ShardError("--batch must be positive and --top 0 or more")
+    global_batch = batch or 2 * devices
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq)
     best = next((c for c in ranked if c.fits), None)
     if as_json:
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
@@ -515,21 +556,18 @@ def bench_collectives(
     algorithm bandwidth and bus bandwidth as nccl-tests computes them."""
     from shard.hlo import KINDS
 
-    try:
-        cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
-        mesh_spec = parse_mesh(cfg.mesh.spec)
-        for k in kinds or ():
-            if k not in KINDS:
-                raise ShardError(f"unknown collective {k!r} (known: {', '.join(KINDS)})")
-        if min_size <= 0 or max_size < min_size:
-            raise ShardError("--min-size must be positive and at most --max-size")
-        devices = start_devices(cfg, mesh_spec)
-        from shard.bench import bench, sizes_between
-        from shard.mesh import build_mesh
+    cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    for k in kinds or ():
+        if k not in KINDS:
+            raise ShardError(f"unknown collective {k!r} (known: {', '.join(KINDS)})")
+    if min_size <= 0 or max_size < min_size:
+        raise ShardError("--min-size must be positive and at most --max-size")
+    devices = start_devices(cfg, mesh_spec)
+    from shard.bench import bench, sizes_between
+    from shard.mesh import build_mesh
 
-        jmesh = build_mesh(mesh_spec, devices)
-    except ShardError as e:
-        _fail(e)
+    jmesh = build_mesh(mesh_spec, devices)
     table = None
     if not as_json:
         table = Table(title="collectives (nccl-tests conventions; GB/s = 1e9 B/s)")
@@ -559,10 +597,7 @@ def report(
     """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
     from shard.report import report as make_report
 
-    try:
-        doc = make_report(run_dirs, out or Path("report"))
-    except ShardError as e:
-        _fail(e)
+    doc = make_report(run_dirs, out or Path("report"))
     if as_json:
         print(json.dumps(doc, indent=1))
         return
@@ -575,6 +610,10 @@ def report(
         table.add_row(r["run"], r["layout"], str(r["steps"]), f"{r['final_loss']:.4f}",
                       f"{r['median_tokens_per_s']:,.0f}", "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
     console.print(table)
+    for r in doc["runs"]:
+        if r["skipped_lines"]:
+            err_console.print(f"[yellow]{escape(r['run'])}: skipped {r['skipped_lines']} line(s) of metrics.jsonl that "
+                              "are not complete records (a run killed mid-write?)[/yellow]", soft_wrap=True)
     console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
 
 
@@ -603,56 +642,82 @@ def generate(
     """Sample from a model with a KV cache on a mesh, streaming tokens as they come."""
     import codecs
 
-    try:
-        given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
-        if len(given) != 1:
-            raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
-        tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices)
-        from shard import weights
-        from shard.data import ByteTokenizer
-        from shard.generate import Generator, Sampling
-        from shard.loop import make_layout
-        from shard.state import state_spec
+    given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
+    if len(given) != 1:
+        raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
+    if max_new_tokens < 0:
+        raise ShardError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}")
+    texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
+    tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices)
+    from shard import weights
+    from shard.data import ByteTokenizer
+    from shard.generate import Generator, Sampling
+    from shard.loop import make_layout
+    from shard.state import state_spec
 
-        model_cfg, params = weights.load(checkpoint)
-        byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
-        if prompt_ids is not None:
-            try:
-                prompts = [[int(t) for t in prompt_ids.split(",") if t.strip()]]
-            except ValueError:
-                raise ShardError(f"--prompt-ids expects comma-separated integers, got {prompt_ids!r}") from None
+    sampling = Sampling(temperature, top_k, top_p)
+    sampling.validate()  # before the weights are read
+
+    model_cfg, params = weights.load(checkpoint)
+    byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
+    if prompt_ids is not None:
+        prompts = [_parse_ids(prompt_ids, model_cfg.vocab_size)]
+    else:
+        if not byte_level:
+            raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
+                             "tokenizer for it: use --prompt-ids and --ids")
+        prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
+    tcfg = dataclasses.replace(tcfg, model=model_cfg)
+    layout = make_layout(tcfg, mesh_spec, devices)
+    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
+                    max_len=max(len(p) for p in prompts) + max_new_tokens)
+    for n, p in enumerate(prompts):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if ids:
+            emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
         else:
-            if not byte_level:
-                raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
-                                 "tokenizer for it: use --prompt-ids and --ids")
-            if prompts_file is not None and not prompts_file.is_file():
-                raise ShardError(f"prompts file {prompts_file} not found")
-            texts = [prompt] if prompt is not None else [t for t in prompts_file.read_text().splitlines() if t]
-            prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
-        sampling = Sampling(temperature, top_k, top_p)
-        sampling.validate()
-        tcfg = dataclasses.replace(tcfg, model=model_cfg)
-        layout = make_layout(tcfg, mesh_spec, devices)
-        spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
-        gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
-                        max_len=max(len(p) for p in prompts) + max_new_tokens)
-        for n, p in enumerate(prompts):
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            if ids:
-                emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
-            else:
-                print(ByteTokenizer().decode(p), end="", flush=True)
-                emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
-            gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
-            print(flush=True)
-    except ShardError as e:
-        _fail(e)
+            print(ByteTokenizer().decode(p), end="", flush=True)
+            emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
+        gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
+        print(flush=True)
+
+
+def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    """The prompts to sample from: --prompt, or each line of --prompts-file (which must hold one)."""
+    if prompt is not None:
+        return [prompt]
+    if not prompts_file.is_file():
+        raise ShardError(f"prompts file {prompts_file} not found" if not prompts_file.exists()
+                         else f"prompts file {prompts_file} is not a file")
+    try:
+        lines = prompts_file.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise ShardError(f"prompts file {prompts_file} is not UTF-8 text") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ShardError(f"prompts file {prompts_file} holds no prompt (one per line)")
+    if len(prompts) < len(lines):
+        err_console.print(f"[dim]skipping {len(lines) - len(prompts)} blank line(s) of {escape(str(prompts_file))}[/dim]")
+    return prompts
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids: comma-separated token ids, each in the model's vocabulary."""
+    parts = [t.strip() for t in text.split(",")]
+    if not all(p.lstrip("-").isdigit() for p in parts):
+        raise ShardError(f"--prompt-ids expects comma-separated integers like 5,17,99, got {text!r}")
+    ids = [int(p) for p in parts]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ShardError(f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary 0..{vocab_size - 1}")
+    return ids
 
 
 def _check_fresh_out(out: Path) -> None:
     """Never write into (or over) a folder that already holds something."""
-    if out.exists() and any(out.iterdir()):
-        raise ShardError(f"--out {out} exists and is not empty; choose another")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
 
 
 @app.command("import-hf")
@@ -661,30 +726,27 @@ def import_hf(
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
-    try:
-        _check_fresh_out(out)
-        tcfg, mesh_spec, devices = _host_jax("1x1")
-        from shard import weights
-        from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints
-        from shard.loop import make_layout
-        from shard.state import state_spec
+    _check_fresh_out(out)
+    tcfg, mesh_spec, devices = _host_jax("1x1")
+    from shard import weights
+    from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints
+    from shard.loop import make_layout
+    from shard.state import state_spec
 
-        model_cfg, params = weights.load(hf_dir)
-        tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
-        layout = make_layout(tcfg, mesh_spec, devices[:1])
-        spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
-        restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
-        out.mkdir(parents=True, exist_ok=True)
-        config_toml = config_mod.to_toml(tcfg)
-        (out / "config.toml").write_text(config_toml)
-        ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)
-        ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
-        ckpts.wait()
-        ckpts.close()
-        console.print(f"imported {hf_dir} ({model_cfg.num_params() / 1e6:,.1f}M parameters) into {out}; "
-                      f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
-    except ShardError as e:
-        _fail(e)
+    model_cfg, params = weights.load(hf_dir)
+    tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
+    layout = make_layout(tcfg, mesh_spec, devices[:1])
+    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+    restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    config_toml = config_mod.to_toml(tcfg)
+    (out / "config.toml").write_text(config_toml)
+    ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)
+    ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
+    ckpts.wait()
+    ckpts.close()
+    console.print(f"imported {hf_dir} ({model_cfg.num_params() / 1e6:,.1f}M parameters) into {out}; "
+                  f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
 
 
 @app.command("export-hf")
@@ -693,16 +755,13 @@ def export_hf(
     out: Annotated[Path, typer.Option("--out", help="folder to write config.json and safetensors into")],
 ):
     """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
-    try:
-        _check_fresh_out(out)
-        _host_jax()
-        from shard import hf, weights
+    _check_fresh_out(out)
+    _host_jax()
+    from shard import hf, weights
 
-        model_cfg, params = weights.load(checkpoint)
-        files = hf.write_hf_dir(str(out), model_cfg, params)
-        console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
-    except ShardError as e:
-        _fail(e)
+    model_cfg, params = weights.load(checkpoint)
+    files = hf.write_hf_dir(str(out), model_cfg, params)
+    console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
 
 
 def _human(n: float) -> str:

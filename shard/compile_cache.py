@@ -4,6 +4,8 @@ compiled step instead of compiling it again."""
 import os
 from pathlib import Path
 
+from shard.errors import ShardError
+
 
 def use_compile_cache(path: Path) -> None:
     """Cache compiled programs in `path` (unless the user configured JAX's cache already) in a way that
@@ -18,7 +20,12 @@ def use_compile_cache(path: Path) -> None:
     import jax
 
     if not jax.config.jax_compilation_cache_dir:
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            reason = "it is a file" if path.is_file() else e.strerror or str(e)
+            raise ShardError(f"compile cache {path} can't be used: {reason}; choose another --compile-cache "
+                             "or 'none'") from None
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     if "JAX_REMOVE_CUSTOM_PARTITIONING_PTR_FROM_CACHE_KEY" not in os.environ:

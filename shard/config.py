@@ -101,6 +101,7 @@ class ClusterConfig:
 
     cross_host: str = "xla"  # xla: one global mesh (jax.distributed) | mpi: local meshes + the MPI bridge
     failure_timeout: float = 60.0  # seconds before a silent process counts as lost and the others stop
+    join_timeout: float = 300.0  # seconds the processes wait for each other (and the coordinator) at start
     bucket_mb: float = 64.0  # MPI bridge: gradients cross hosts in buckets of at most this size
 
 
@@ -169,8 +170,13 @@ class TrainConfig:
             problems.append("eval.every and eval.processes must be >= 0 and eval.batches positive")
         if self.cluster.cross_host not in ("xla", "mpi"):
             problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
-        if self.cluster.failure_timeout <= 0 or self.cluster.bucket_mb <= 0:
-            problems.append("cluster.failure_timeout and cluster.bucket_mb must be positive")
+        if min(self.cluster.failure_timeout, self.cluster.join_timeout, self.cluster.bucket_mb) <= 0:
+            problems.append("cluster.failure_timeout, cluster.join_timeout and cluster.bucket_mb must be positive")
+        if not 0 <= self.seed < 2**32:
+            problems.append(f"seed must be between 0 and 2**32-1, got {self.seed}")
+        if self.mesh.simulate_devices < 0:
+            problems.append(f"mesh.simulate_devices must be positive (0: what the mesh needs), got "
+                            f"{self.mesh.simulate_devices}")
         if self.optimizer.lr <= 0:
             problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:
@@ -223,12 +229,19 @@ def merge(base: dict, top: dict) -> dict:
 
 def load_file(path: str) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ShardError(f"config file {path} is a directory; give a TOML file")
     if not p.is_file():
         raise ShardError(f"config file {path} not found")
     try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"config file {path} is not valid TOML: {e}") from None
+    sections = {f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)}
+    for key in sections & set(doc):
+        if not isinstance(doc[key], dict):
+            raise ShardError(f"config file {path}: {key} must be a [{key}] table, got {type(doc[key]).__name__}")
+    return doc
 
 
 def _coerce(value, tp, key: str):
@@ -285,9 +298,10 @@ def _build(cls, overrides: dict, prefix: str, base=None):
 
 def resolve(overrides: dict) -> TrainConfig:
     """The validated config from user overrides; `model.name` picks the preset the other model keys amend."""
-    model_over = dict(overrides.get("model", {}))
+    model_over = overrides.get("model", {})
     if not isinstance(model_over, dict):
         raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
+    model_over = dict(model_over)
     name = model_over.get("name", TrainConfig().model.name)
     complete = set(model_over) >= set(field_names())
     if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset

@@ -73,6 +73,8 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
                 tokens = np.concatenate([_read_token_file(f) for f in token_files])
             else:
                 tokens = _read_text_files(files) if files else np.zeros(0, np.uint8)
+        elif not p.is_file():
+            raise ShardError(f"data path {path} is not a regular file or folder")
         elif p.suffix in _TOKEN_SUFFIXES:
             tokens = _read_token_file(p)
         else:
@@ -81,9 +83,10 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         raise ShardError(f"data path {label} is empty: it holds {tokens.size} tokens")
     if tokens.dtype == np.uint8 and vocab_size < BYTE_VOCAB:
         raise ShardError(f"text is tokenized as bytes (256 ids) but model.vocab_size is {vocab_size}")
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise ShardError(f"data {label} holds token id {top}, outside model.vocab_size {vocab_size}")
+    top, bottom = int(tokens.max()), int(tokens.min())
+    if top >= vocab_size or bottom < 0:
+        raise ShardError(f"data {label} holds token id {top if top >= vocab_size else bottom}, outside "
+                         f"0..{vocab_size - 1} (model.vocab_size {vocab_size})")
     return tokens
 
 

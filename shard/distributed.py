@@ -102,7 +102,8 @@ def context() -> Context:
     return _ctx
 
 
-def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0) -> Context:
+def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
+          join_timeout: float = 300.0) -> Context:
     """Join the cluster (before JAX's backends start) and return the context; one process: no-op."""
     global _ctx
     if cross_host not in CROSS_HOST_MODES:
@@ -123,7 +124,7 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     # the watchdog can stop them with an error that names it.
     jax.config.update("jax_enable_recoverability", True)
     timeout = max(1, int(failure_timeout))
-    kwargs = {"initialization_timeout": max(timeout, 300), "heartbeat_timeout_seconds": timeout}
+    kwargs = {"initialization_timeout": max(1, int(join_timeout)), "heartbeat_timeout_seconds": timeout}
     try:
         with service_in_helper():  # process 0's service outlives process 0, so its loss is reported
             _initialize(cluster, kwargs)
@@ -140,6 +141,8 @@ def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
     import jax
 
     if cluster.launcher == "explicit":
+        if cluster.process_id != 0:
+            _wait_for_coordinator(cluster.coordinator, kwargs["initialization_timeout"])
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    cluster_detection_method="deactivate", **kwargs)
     elif cluster.launcher == "mpi":
@@ -149,6 +152,29 @@ def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
         jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
     else:
         jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
+
+
+def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> None:
+    """Until process 0's coordinator accepts connections. JAX's own wait ends by aborting the process
+    from C++ (a fatal log and a stack dump), so an unreachable one is caught here, in one line."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    start = time.monotonic()
+    noticed = False
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise ShardError(f"no coordinator answers at {address} after {waited:.0f}s ({e.strerror or e}); "
+                                 "start process 0 there first, or check the address and firewall") from None
+            if waited >= notice_after and not noticed:
+                sys.stderr.write(f"waiting for the coordinator at {address} (process 0), up to {timeout:.0f}s\n")
+                noticed = True
+            time.sleep(0.5)
 
 
 def barrier(name: str, timeout: float = STARTUP_TIMEOUT) -> None:

@@ -4,6 +4,7 @@ The cache and the parameters are sharded by the same rules as training (batch re
 at a time), so a model too big for one device generates with tensor parallelism.
 """
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ class Sampling:
     top_p: float = 1.0  # 1: off
 
     def validate(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        if not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ShardError("sampling needs temperature >= 0, top-k >= 0 and 0 < top-p <= 1")
 
 

@@ -48,6 +48,10 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json of a dense Llama; a mixture of experts has no such form and is refused."""
+    if cfg.n_experts:
+        raise ShardError(f"model {cfg.name} is a mixture of experts ({cfg.n_experts} experts); export-hf writes "
+                         "dense Llama folders only (shard export writes any model's params)")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -126,35 +130,53 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def read_hf_dir(path: str) -> tuple[dict, dict]:
     """config.json and every tensor of the folder's safetensors files (sharded index or not)."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     root = Path(path)
     if not (root / "config.json").is_file():
         raise ShardError(f"{path} is not a Hugging Face model folder: no config.json")
-    try:
-        hf_config = json.loads((root / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}/config.json is not valid JSON: {e}") from None
+    hf_config = read_json(root / "config.json")
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        sorted(p.name for p in root.glob("*.safetensors"))
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ShardError(f"{index} has no weight_map table")
+        files = sorted(set(map(str, weight_map.values())))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise ShardError(f"{path} holds no .safetensors files")
     tensors: dict = {}
     for f in files:
         if not (root / f).is_file():
             raise ShardError(f"{path}: the index names {f}, which is missing")
-        tensors.update(load_file(str(root / f)))
+        try:
+            tensors.update(load_file(str(root / f)))
+        except SafetensorError as e:
+            raise ShardError(f"{root / f} is not a readable safetensors file ({e}); is it truncated?") from None
     return hf_config, tensors
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a one-line ShardError."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardError(f"{path} must hold a JSON object, not {type(doc).__name__}")
+    return doc
 
 
 def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
     """config.json + safetensors files (with an index when more than one) that transformers loads."""
     from safetensors.numpy import save_file
 
+    hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=1))
+    (root / "config.json").write_text(json.dumps(hf_config, indent=1))
     # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
     shards, current, size = [], {}, 0

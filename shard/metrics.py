@@ -10,7 +10,10 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
+        torn = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run, closed in on_end
+        if torn:  # a run killed mid-line: its torn record stays on a line of its own (read_jsonl skips it)
+            self._f.write("\n")
 
     def on_log(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")
@@ -45,4 +48,22 @@ def _summary_writer_class():
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl; lines that are not records are skipped (see read_records)."""
+    return read_records(path)[0]
+
+
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """The records of a metrics.jsonl, and how many lines were not records (torn by a crash, edited)."""
+    records, skipped = [], 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            skipped += 1
+    return records, skipped

@@ -47,7 +47,10 @@ def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
         path = Path(extra)
         if not path.is_file():
             raise ShardError(f"hardware file {extra} not found")
-        docs.append((str(extra), path.read_text()))
+        try:
+            docs.append((str(extra), path.read_text()))
+        except UnicodeDecodeError:
+            raise ShardError(f"hardware file {extra} is not a text (TOML) file") from None
     table: dict[str, Hardware] = {}
     for label, text in docs:
         try:
@@ -55,18 +58,34 @@ def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
         except tomllib.TOMLDecodeError as e:
             raise ShardError(f"hardware file {label} is not valid TOML: {e}") from None
         for name, entry in doc.items():
-            if not isinstance(entry, dict):
-                raise ShardError(f"hardware file {label}: [{name}] must be a table")
-            unknown = set(entry) - _HW_KEYS
-            missing = _HW_KEYS - {"description", "aliases"} - set(entry)
-            if unknown or missing:
-                what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else \
-                    f"missing key(s) {', '.join(sorted(missing))}"
-                raise ShardError(f"hardware file {label}: [{name}] has {what}")
-            table[name.lower()] = Hardware(name=name.lower(), description=entry.get("description", ""),
-                                           aliases=tuple(a.lower() for a in entry.get("aliases", ())),
-                                           **{k: entry[k] for k in _HW_KEYS - {"description", "aliases"}})
+            table[name.lower()] = _hardware_entry(label, name, entry)
     return table
+
+
+def _hardware_entry(label: str, name: str, entry) -> Hardware:
+    """One [name] table of a hardware file, checked: every figure a positive number."""
+    where = f"hardware file {label}: [{name}]" if name.strip() else f"hardware file {label}: a table with an empty name"
+    if not name.strip():
+        raise ShardError(f"{where}; name each accelerator, e.g. [h100]")
+    if not isinstance(entry, dict):
+        raise ShardError(f"{where} must be a table (a key outside any [section]?)")
+    unknown = set(entry) - _HW_KEYS
+    missing = _HW_KEYS - {"description", "aliases"} - set(entry)
+    if unknown or missing:
+        what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else \
+            f"missing key(s) {', '.join(sorted(missing))}"
+        raise ShardError(f"{where} has {what}")
+    figures = {k: entry[k] for k in _HW_KEYS - {"description", "aliases"}}
+    for key, value in sorted(figures.items()):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf \
+                or (key == "devices_per_node" and not isinstance(value, int)):
+            kind = "a positive whole number" if key == "devices_per_node" else "a positive number"
+            raise ShardError(f"{where}: {key} must be {kind}, got {value!r}")
+    aliases = entry.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ShardError(f"{where}: aliases must be a list of names")
+    return Hardware(name=name.lower(), description=str(entry.get("description", "")),
+                    aliases=tuple(a.lower() for a in aliases), **figures)
 
 
 def hardware_for_device(device_kind: str, platform: str, table: dict[str, Hardware] | None = None) -> Hardware | None:

@@ -5,7 +5,9 @@ import tomllib
 from pathlib import Path
 
 from shard.errors import ShardError
-from shard.metrics import read_jsonl
+from shard.metrics import read_records
+
+RECORD_FIELDS = {"step", "loss", "time_s", "tokens_per_s"}  # what the table and plots read
 
 
 def load_run(run_dir: str) -> dict:
@@ -13,14 +15,20 @@ def load_run(run_dir: str) -> dict:
     metrics, config = path / "metrics.jsonl", path / "config.toml"
     if not metrics.is_file():
         raise ShardError(f"{run_dir} is not a run directory: no metrics.jsonl")
-    records = read_jsonl(metrics)
-    if not records:
-        raise ShardError(f"{run_dir}: metrics.jsonl is empty")
-    cfg = tomllib.loads(config.read_text()) if config.is_file() else {}
+    records, skipped = read_records(metrics)
+    complete = [r for r in records if set(r) >= RECORD_FIELDS]
+    skipped += len(records) - len(complete)
+    if not complete:
+        raise ShardError(f"{run_dir}: metrics.jsonl holds no complete record"
+                         + (f" ({skipped} unreadable line(s))" if skipped else ""))
+    try:
+        cfg = tomllib.loads(config.read_text()) if config.is_file() else {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        cfg = {}  # the layout is then shown as "?"
     model = cfg.get("model", {}).get("name", "?")
     mesh = cfg.get("mesh", {}).get("spec", "?")
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
-            "records": records}
+            "records": complete, "skipped_lines": skipped}
 
 
 def summary_row(run: dict) -> dict:
@@ -32,7 +40,7 @@ def summary_row(run: dict) -> dict:
         "run": run["dir"], "model": run["model"], "layout": run["layout"], "steps": recs[-1]["step"],
         "final_loss": recs[-1]["loss"], "median_tokens_per_s": statistics.median(tps),
         "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
-        "memory_source": recs[-1].get("mem_source"),
+        "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
     }
 
 
@@ -43,6 +51,8 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"--out {out} is a file; give a folder for the plots")
     out.mkdir(parents=True, exist_ok=True)
     charts = [("loss_vs_step.png", "step", "loss"), ("loss_vs_time.png", "time_s", "loss"),
               ("throughput_vs_step.png", "step", "tokens_per_s")]

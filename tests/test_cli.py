@@ -25,12 +25,50 @@ def invoke(*args):
     (["--mesh", "8x1", "--set", "optimizer.lrr=1"], "unknown config key 'optimizer.lrr'"),
     (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),
     (["--mesh", "8x1", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: it needs an NVIDIA GPU"),
+    (["--set", "model=3"], "config key 'model' is a section"),
+    (["--seed", "-1"], "seed must be between 0 and 2**32-1, got -1"),
+    (["--simulate-devices", "-1"], "--simulate-devices must be positive"),
+    (["--mesh", "data=100000"], "more than the 4096 CPU devices shard simulates"),
+    (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
+    (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke("train", *TINY, *args)
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name, content, flag, message", [
+    ("bin.toml", b"\xff\xfe\x00binary", "--config", "is not valid TOML"),
+    ("models.toml", b'[[model]]\nname = "tiny"\n', "--config", "model must be a [model] table, got list"),
+    ("neg.npy", None, "--data", "token id -3, outside 0..255"),
+    ("afile", b"x", "--run-dir", "is a file; choose another --run-dir"),
+    ("afile", b"x", "--init-from", "is a file; give a run dir"),
+])
+def test_bad_files_are_one_line_and_exit_2(tmp_path, name, content, flag, message):
+    import numpy as np
+
+    path = tmp_path / name
+    if content is None:
+        np.save(path, np.array([1, 2, -3, 4], np.int32))
+    else:
+        path.write_bytes(content)
+    result = invoke("train", *TINY, "--mesh", "8x1", flag, str(path))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_path):
+    run = tmp_path / "r"
+    failed = invoke("train", *TINY, "--mesh", "8x1", "--batch", "6", "--run-dir", str(run), "--compile-cache", "none")
+    assert failed.exit_code == 2 and "does not divide" in failed.output
+    assert not (run / "checkpoints").exists()  # so the corrected command is not refused
+    ok = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
+    assert ok.exit_code == 0, ok.output
+    other = invoke("train", "--run-dir", str(run), "--resume", "--model", "small", "--steps", "3")
+    assert other.exit_code == 2 and "continues the tiny run" in other.output
+    assert 'name = "tiny"' in (run / "config.toml").read_text()
 
 
 def test_empty_data_file(tmp_path):
@@ -53,6 +91,13 @@ def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
     # The run dir is never reused by accident.
     again = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r", "--compile-cache", "cc", shared_cache=False)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_a_compile_cache_that_is_a_file(run_shard, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    r = run_shard("train", *TINY, "--run-dir", "r", "--compile-cache", "afile", shared_cache=False)
+    assert r.returncode == 2 and "compile cache afile can't be used: it is a file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "r").exists()
 
 
 def test_explicit_device_count_that_does_not_fit(run_shard):

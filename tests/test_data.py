@@ -59,6 +59,8 @@ def test_token_files_and_folders(tmp_path):
     (lambda d: d / "missing.txt", "does not exist"),
     (lambda d: (d / "empty.txt").write_text("") and None or d / "empty.txt", "is empty"),
     (lambda d: (np.save(d / "big.npy", np.array([1, 300])), d / "big.npy")[1], "token id 300, outside"),
+    (lambda d: (np.save(d / "neg.npy", np.array([1, -1])), d / "neg.npy")[1], "token id -1, outside 0..255"),
+    (lambda d: "/dev/zero", "not a regular file"),
 ])
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(ShardError, match=message):

@@ -263,3 +263,18 @@ def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     # 150-byte buckets: same-dtype neighbours share one until full; a dtype change or an oversized leaf starts anew.
     assert buckets(leaves, 150) == [[0, 1], [2], [3], [4], [5]]
     assert buckets(leaves, 1 << 20) == [[0, 1, 2], [3], [4, 5]]
+
+
+def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
+    from shard.distributed import _wait_for_coordinator
+    from shard.errors import ShardError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ShardError, match=f"no coordinator answers at 127.0.0.1:{port} after"):
+        _wait_for_coordinator(f"127.0.0.1:{port}", timeout=1.0)
+    with socket.socket() as s:  # one that listens is found at once
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _wait_for_coordinator(f"127.0.0.1:{s.getsockname()[1]}", timeout=1.0)

@@ -69,6 +69,31 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):
+    from shard.metrics import JsonlWriter, read_records
+
+    run = tmp_path / "a"
+    _fake_run(run, "fsdp", [3.0, 2.5])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # killed mid-write
+        f.flush()
+    writer = JsonlWriter(run / "metrics.jsonl")  # the resumed run appends
+    writer.on_log({"step": 3, "loss": 2.0, "tokens_per_s": 3000.0, "time_s": 3.0})
+    writer.on_end([])
+    records, skipped = read_records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and skipped == 1
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4}) + "\n")  # a record without a loss
+    r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output[r.output.index("{"):])["runs"][0]
+    assert row["final_loss"] == 2.0 and row["skipped_lines"] == 2
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    r = CliRunner().invoke(app, ["report", str(run), "--out", str(not_a_folder)])
+    assert r.exit_code == 2 and "is a file" in r.output
+
+
 def test_report_on_a_directory_that_is_not_a_run(tmp_path):
     r = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert r.exit_code == 2 and "not a run directory" in r.output

@@ -42,6 +42,8 @@ def test_reference_plan_table_names_the_best_command():
     (["--devices", "30", "--nodes", "8"], "30 devices cannot form 8 equal nodes"),
     (["--devices", "32", "--nodes", "2"], "16 devices per node, but a a100-40g node holds at most 8"),
     (["--model", "gpt9"], "unknown model 'gpt9'"),
+    (["--batch", "0"], "--batch must be positive"),
+    (["--top", "-1"], "--top 0 or more"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
@@ -59,6 +61,26 @@ def test_user_hardware_file(tmp_path):
     f.write_text("[bad]\nbf16_tflops = 1.0\n")
     r = invoke(*REFERENCE, "--hardware-file", str(f))
     assert r.exit_code == 2 and "missing key(s)" in r.output
+
+
+@pytest.mark.parametrize("change, message", [
+    ('bf16_tflops = "abc"', "[mine]: bf16_tflops must be a positive number, got 'abc'"),
+    ("hbm_gbps = 0.0", "hbm_gbps must be a positive number, got 0.0"),
+    ("hbm_gib = -80.0", "hbm_gib must be a positive number"),
+    ("devices_per_node = 8.5", "devices_per_node must be a positive whole number"),
+])
+def test_hardware_figures_must_be_positive_numbers(tmp_path, change, message):
+    figures = {"bf16_tflops": "1.0", "hbm_gib": "80.0", "hbm_gbps": "3000.0", "intra_node_gbps": "400.0",
+               "inter_node_gbps": "50.0", "devices_per_node": "8"}
+    key, _, value = change.partition(" = ")
+    figures[key] = value
+    f = tmp_path / "mine.toml"
+    f.write_text("[mine]\n" + "".join(f"{k} = {v}\n" for k, v in figures.items()))
+    r = invoke(*REFERENCE, "--hardware-file", str(f), "--hardware", "mine")
+    assert r.exit_code == 2, r.output
+    assert message in r.output and len(r.output.strip().splitlines()) == 1
+    f.write_bytes(b"\xff\x00")
+    assert "is not a text (TOML) file" in invoke(*REFERENCE, "--hardware-file", str(f)).output
 
 
 def test_layouts_keep_tensor_parallel_in_a_node():

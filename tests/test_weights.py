@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from shard import hf, models
 from shard.cli import app
+from shard.errors import ShardError
 from shard.models.configs import PRESETS
 
 
@@ -85,6 +86,7 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     (["generate", "--checkpoint", "/nonexistent", "--prompt", "x"], "weights path /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--prompt-ids", "1"], "exactly one of"),
     (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
+    (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be 0"),
 ])
 def test_bad_weights_input(args, message):
     r = invoke(*args)
@@ -95,3 +97,40 @@ def test_shape_mismatch_names_the_parameter(imported, tmp_path):
     r = invoke("train", "--init-from", imported, "--set", "model.mlp_dim=64", "--mesh", "8x1", "--steps", 1,
                "--batch", 8, "--seq", 32, "--run-dir", tmp_path / "bad")
     assert r.exit_code == 2 and "parameter layers/w_down is (2, 128, 64) in the weights but (2, 64, 64)" in r.output, r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", "5,,7"], "--prompt-ids expects comma-separated integers"),
+    (["--prompt-ids", "5,300"], "token id 300 is outside the model's vocabulary 0..255"),
+    (["--prompt", "x", "--temperature", "nan"], "sampling needs temperature >= 0"),
+])
+def test_bad_generate_input(imported, args, message):
+    r = invoke("generate", "--checkpoint", imported, "--max-new-tokens", 2, "--mesh", "8x1", *args)
+    assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "holds no prompt"), (b"\n  \n", "holds no prompt"), (b"\xff\xfe\x00", "is not UTF-8 text"),
+])
+def test_bad_prompts_file(imported, tmp_path, content, message):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(content)
+    r = invoke("generate", "--checkpoint", imported, "--prompts-file", f, "--mesh", "8x1")
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((hf_dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes()[:1000])  # truncated
+    r = invoke("import-hf", broken, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "is not a readable safetensors file" in r.output, r.output
+    (broken / "config.json").write_text("[1, 2]")
+    r = invoke("generate", "--checkpoint", broken, "--prompt", "x")
+    assert r.exit_code == 2 and "must hold a JSON object" in r.output, r.output
+    assert not (tmp_path / "out").exists()
+    moe = dataclasses.replace(PRESETS["moe-tiny"])
+    with pytest.raises(ShardError, match="mixture of experts"):
+        hf.write_hf_dir(str(tmp_path / "moe"), moe, {})
+    assert not (tmp_path / "moe").exists()  # refused before anything is written

@@ -181,6 +181,14 @@ def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_pa
     assert ckpts.steps() == [2, 4, 6, 8, 10]
 
 
+def test_a_negative_data_position_reads_as_unreadable(reference, tmp_path):
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    meta = ckpts.path(12) / "meta" / "metadata"
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"data_position": -5}))
+    assert ckpts.restore_latest(spec).step == 10
+    assert "negative data_position -5" in notices[0] and (ckpts.directory / "corrupt-12").is_dir()
+
+
 def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_path):
     """generate reads the newest step: its error is one line, without orbax's closed-loop tracebacks."""
     ckpts, _, _ = _copy_checkpoints(reference, tmp_path)

@@ -1,6 +1,7 @@
 """Model hyperparameters and the named size presets. Pure data: importing this never imports JAX."""
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -86,8 +87,13 @@ class ModelConfig:
             problems.append(f"model.n_experts must be >= 0, got {self.n_experts}")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             problems.append(f"model.experts_per_token must be in 1..{self.n_experts}, got {self.experts_per_token}")
-        if self.n_experts and self.capacity_factor <= 0:
-            problems.append(f"model.capacity_factor must be positive, got {self.capacity_factor}")
+        if self.n_experts and not 0 < self.capacity_factor < math.inf:
+            problems.append(f"model.capacity_factor must be a positive number, got {self.capacity_factor}")
+        for f in ("rope_theta", "norm_eps"):
+            if not 0 < getattr(self, f) < math.inf:
+                problems.append(f"model.{f} must be a positive number, got {getattr(self, f)}")
+        if not 0 <= self.aux_loss_weight < math.inf:
+            problems.append(f"model.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
         if self.param_dtype not in ("float32", "bfloat16"):
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems

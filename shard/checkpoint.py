@@ -79,6 +79,15 @@ class Restored:
     path: Path
 
 
+def _globless(path: Path) -> Path:
+    """orbax finds the per-process parts of a save by globbing under its path, so a path holding
+    [ or ] saves a checkpoint that can't be read back (exit 0, then a lost run on resume)."""
+    if "[" in str(path) or "]" in str(path):
+        raise ShardError(f"checkpoint path {path} contains [ or ], which orbax reads as a glob pattern: its "
+                         "checkpoints would not read back; choose a path without brackets")
+    return path
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
@@ -90,7 +99,7 @@ class Checkpoints:
 
     def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
                  notice: Callable[[str], None] | None = None, read_only: bool = False):
-        self.directory = Path(directory).absolute()
+        self.directory = _globless(Path(directory).absolute())
         self.cfg = cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
         keep: list = [policies.LatestN(n=cfg.keep)]
@@ -299,7 +308,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
 def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
     checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
-    out = Path(out).absolute()
+    out = _globless(Path(out).absolute())
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"export target {out} exists and is not an empty folder; choose another --out")
     params, _, step = read_params(checkpoint)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -18,8 +19,9 @@ from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 
-# Messages hold user text (paths, mesh specs, TOML tables): it goes through escape() and no :emoji: codes.
-console = Console(highlight=False, emoji=False)
+# Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
+# for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
+console = Console(highlight=False, emoji=False, markup=False)
 err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
@@ -32,9 +34,12 @@ def user_error(e: BaseException) -> ShardError | None:
     if isinstance(e, OSError) and not isinstance(e, BrokenPipeError | ConnectionError | TimeoutError):
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
         return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if "RESOURCE_EXHAUSTED" in str(e) or isinstance(e, MemoryError):
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return ShardError(f"out of memory ({first[:160]}); lower --batch or --seq, or set model.remat=full")
+        return ShardError(f"out of memory ({first[:160]}); to train, lower --batch or --seq, or set "
+                          "model.remat=full")
+    if isinstance(e, RuntimeError) and "Unable to initialize backend" in first:
+        return ShardError(f"{first} (JAX_PLATFORMS is {os.environ.get('JAX_PLATFORMS', 'unset')!r})")
     return None
 
 
@@ -195,6 +200,7 @@ class ConsoleProgress:
         self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
 
     def on_start(self, run) -> None:
+        self.run_start = run.start_step
         self.progress.update(self.task, completed=run.start_step)
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
@@ -219,7 +225,7 @@ class ConsoleProgress:
             + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
             console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
-                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True)
+                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
         if run.hardware is not None:
             from shard.plan import startup_warnings
 
@@ -229,7 +235,7 @@ class ConsoleProgress:
             except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
                 warnings = []
             for w in warnings:
-                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True)
+                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
         self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:
@@ -244,7 +250,12 @@ class ConsoleProgress:
             return
         last = records[-1]
         console.print(f"done: {last['step']} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
-                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True, markup=False)
+                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
+        if last.get("skipped_steps"):
+            ran = last["step"] - self.run_start
+            every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
+            err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
+                              f"{ran} steps run{every}[/yellow]", soft_wrap=True)
 
 
 @app.command()
@@ -282,7 +293,6 @@ def train(
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
-    import os
 
     from shard import distributed
 
@@ -342,6 +352,9 @@ def train(
         if run.start_step:
             notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
                    f"data position {run.stream.position}")
+        if window and window[1] <= run.start_step:
+            notice(f"--profile-steps {profile_steps} ends before step {run.start_step + 1}, where this run "
+                   "resumes: nothing is profiled")
         if run.start_step >= cfg.steps:
             if main:
                 console.print(f"nothing to do: the checkpoint is at step {run.start_step} and --steps is "
@@ -375,7 +388,7 @@ def train(
         where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
         console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
                       f"{run.stopped_at}; checkpoint saved to {where}; "
-                      f"continue with: shard train --run-dir {path} --resume", soft_wrap=True, markup=False)
+                      f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
     distributed.finish()
 
 
@@ -478,7 +491,7 @@ def _print_compiled(doc: dict) -> None:
     for r in doc["collectives"]:
         table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], str(r["count"]),
                       _human(r["bytes_per_device"]), _human(r["compiled_bytes_per_device"]))
-    Console(highlight=False, width=max(console.width, 110)).print(table)
+    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
     for axis, eff in doc["communication_efficiency"].items():
         console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
                       f"{_human(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
@@ -506,7 +519,11 @@ def plan(
     from shard.plan import find_hardware, load_hardware
     from shard.plan import plan as make_plan
 
-    cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, config_mod.parse_sets(set_ or [])))
+    sets = config_mod.parse_sets(set_ or [])
+    if set(sets) - {"model"}:
+        raise ShardError(f"plan takes model.* keys in --set (the rest from its flags: --batch, --seq, ...), got "
+                         f"{sorted(set(sets) - {'model'})[0]}.*")
+    cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
     hw = find_hardware(hardware, load_hardware(hardware_file))
     if batch is not None and batch <= 0 or top < 0:
         raise ShardError("--batch must be positive and --top 0 or more")
@@ -529,7 +546,7 @@ def plan(
         comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={_short(b)}" for a, b in c.comm_bytes.items())
         table.add_row(c.mesh_spec(), c.remat, _short(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
                       f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems))
-    Console(highlight=False, width=max(console.width, 150)).print(table)
+    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 150)).print(table)
     fitting = sum(c.fits for c in ranked)
     console.print(f"{fitting} of {len(ranked)} layouts fit · * = the axis crosses nodes")
     if best:
@@ -563,6 +580,8 @@ def bench_collectives(
             raise ShardError(f"unknown collective {k!r} (known: {', '.join(KINDS)})")
     if min_size <= 0 or max_size < min_size:
         raise ShardError("--min-size must be positive and at most --max-size")
+    if iters <= 0:
+        raise ShardError(f"--iters must be positive, got {iters}")
     devices = start_devices(cfg, mesh_spec)
     from shard.bench import bench, sizes_between
     from shard.mesh import build_mesh
@@ -583,7 +602,7 @@ def bench_collectives(
 
     results = bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
     if table is not None:
-        Console(highlight=False, width=max(console.width, 110)).print(table)
+        Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
     if not results:
         err_console.print("the mesh has no axis of size > 1: nothing to measure")
 
@@ -738,10 +757,10 @@ def import_hf(
     layout = make_layout(tcfg, mesh_spec, devices[:1])
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
     restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
+    ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)  # checks the path; writes nothing yet
     out.mkdir(parents=True, exist_ok=True)
     config_toml = config_mod.to_toml(tcfg)
     (out / "config.toml").write_text(config_toml)
-    ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)
     ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
     ckpts.wait()
     ckpts.close()

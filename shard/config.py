@@ -4,6 +4,8 @@ Unknown keys and ill-typed values are errors, reported once, before JAX starts.
 """
 
 import dataclasses
+import math
+import re
 import tomllib
 import types
 import typing
@@ -170,17 +172,37 @@ class TrainConfig:
             problems.append("eval.every and eval.processes must be >= 0 and eval.batches positive")
         if self.cluster.cross_host not in ("xla", "mpi"):
             problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
-        if min(self.cluster.failure_timeout, self.cluster.join_timeout, self.cluster.bucket_mb) <= 0:
-            problems.append("cluster.failure_timeout, cluster.join_timeout and cluster.bucket_mb must be positive")
+        problems += _out_of_range(self)
         if not 0 <= self.seed < 2**32:
             problems.append(f"seed must be between 0 and 2**32-1, got {self.seed}")
         if self.mesh.simulate_devices < 0:
             problems.append(f"mesh.simulate_devices must be positive (0: what the mesh needs), got "
                             f"{self.mesh.simulate_devices}")
-        if self.optimizer.lr <= 0:
-            problems.append(f"optimizer.lr must be positive, got {self.optimizer.lr}")
         if problems:
             raise ShardError(problems[0])
+
+
+# Numeric keys with a range (the rest are checked above): key -> (test, what it must be).
+_POSITIVE, _NON_NEGATIVE = (lambda v: 0 < v < math.inf, "positive"), (lambda v: 0 <= v < math.inf, ">= 0")
+_RANGES = {
+    "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.eps": _POSITIVE,
+    "optimizer.grad_clip": _POSITIVE, "optimizer.lr": _POSITIVE,
+    "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
+    "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _POSITIVE,
+    "cluster.failure_timeout": _POSITIVE, "cluster.join_timeout": _POSITIVE, "cluster.bucket_mb": _POSITIVE,
+}
+
+
+def _out_of_range(cfg: "TrainConfig") -> list[str]:
+    problems = []
+    for key, (ok, want) in _RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            problems.append(f"{key} must be {want}, got {value}")
+    return problems
 
 
 METRIC_NAMES = ("loss", "grad_norm")  # per-step metrics a checkpoint can be ranked by
@@ -255,7 +277,7 @@ def _coerce(value, tp, key: str):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
             return float(value)
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -263,12 +285,20 @@ def _coerce(value, tp, key: str):
     elif origin is tuple:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
     elif origin in (types.UnionType, typing.Union):
         return value
     name = getattr(tp, "__name__", str(tp))
     raise ShardError(f"config key {key} expects {name}, got {value!r}")
+
+
+def _regex(text: str, key: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise ShardError(f"config key {key}: {text!r} is not a regular expression ({e})") from None
+    return text
 
 
 def _build(cls, overrides: dict, prefix: str, base=None):
@@ -290,7 +320,8 @@ def _build(cls, overrides: dict, prefix: str, base=None):
         elif key == "param_regex":
             if not isinstance(value, dict):
                 raise ShardError(f"config key {dotted} must be a table of regex = [logical axes]")
-            changes[key] = {rx: _coerce(ax, tuple[str, ...], f"{dotted}.{rx}") for rx, ax in value.items()}
+            changes[key] = {_regex(rx, f"{dotted}.{rx}"): _coerce(ax, tuple[str, ...], f"{dotted}.{rx}")
+                            for rx, ax in value.items()}
         else:
             changes[key] = _coerce(value, tp, dotted)
     return dataclasses.replace(base, **changes)

@@ -41,7 +41,14 @@ def embedded_corpus_files() -> list[Path]:
 
 
 def _read_text_files(files: list[Path]) -> np.ndarray:
-    return np.frombuffer(b"\n".join(f.read_bytes() for f in files), dtype=np.uint8)
+    texts = []
+    for f in files:
+        text = f.read_bytes()
+        if b"\0" in text[:65536]:  # text has no NUL bytes; images, archives and executables do
+            raise ShardError(f"data file {f} looks binary (it holds NUL bytes); give text files, or tokens as "
+                             ".npy/.bin")
+        texts.append(text)
+    return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
 
 
 def _read_token_file(path: Path) -> np.ndarray:
@@ -52,6 +59,8 @@ def _read_token_file(path: Path) -> np.ndarray:
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
     except (ValueError, OSError) as e:
         raise ShardError(f"cannot read token file {path}: {e}") from None
+    if not isinstance(tokens, np.ndarray):  # np.load of an .npz archive
+        raise ShardError(f"token file {path} is an archive of arrays, not one .npy array")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ShardError(f"token file {path}: expected a 1-D integer array, got {tokens.dtype} {tokens.shape}")
     return tokens

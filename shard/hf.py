@@ -27,24 +27,39 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         scaling = hf.get("rope_scaling") or rope
         raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) is")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ShardError(f"{flag}=true is not supported: shard's Llama has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
-    try:
-        heads = hf["num_attention_heads"]
-        return ModelConfig(
-            name=name, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=float(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        )
-    except KeyError as e:
-        raise ShardError(f"config.json lacks {e.args[0]!r}") from None
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if hf.get(k) is None]
+    if missing:
+        raise ShardError(f"config.json lacks {missing[0]!r}")
+    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
+             "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+             "intermediate_size": hf["intermediate_size"], "head_dim": hf.get("head_dim")}
+    for key, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6}
+    for key, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
+    heads = sizes["num_attention_heads"]
+    cfg = ModelConfig(
+        name=name, vocab_size=sizes["vocab_size"], d_model=sizes["hidden_size"],
+        n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=sizes["num_key_value_heads"],
+        head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]),
+    )
+    problems = cfg.validate()
+    if problems:
+        raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -99,11 +114,23 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
     """shard's parameter tree from HF tensors; a missing tensor or a wrong shape is a ShardError."""
-    for name, shape in _expected_hf_shapes(cfg).items():
+    expected = _expected_hf_shapes(cfg)
+    for name, shape in expected.items():
         if name not in tensors:
             raise ShardError(f"the checkpoint lacks tensor {name}")
         if tuple(tensors[name].shape) != shape:
             raise ShardError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+        if tensors[name].dtype.kind != "f":
+            raise ShardError(f"tensor {name} is {tensors[name].dtype}; shard imports float weights only "
+                             "(quantized checkpoints are not supported)")
+        if not np.all(np.isfinite(tensors[name])):
+            raise ShardError(f"tensor {name} holds NaN or infinite values")
+    # A tied model may still carry lm_head, and older exports carry RoPE's inverse frequencies (recomputed).
+    extra = sorted(n for n in set(tensors) - set(expected)
+                   if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ShardError(f"the checkpoint holds tensor {extra[0]}, which the config does not describe "
+                         f"({len(extra)} such); check num_hidden_layers and the model type")
 
     def get(name):
         return np.asarray(tensors[name], dtype=dtype)

@@ -49,7 +49,7 @@ def _read_toml(path, label: str) -> dict:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ShardError(f"mesh preset file {label} not found") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"mesh preset {label} is not valid TOML: {e}") from None
 
 
@@ -64,6 +64,8 @@ def _axes_list(value, where: str) -> tuple[str, ...]:
     for v in value:
         if v not in MESH_AXES:
             raise ShardError(f"{where}: unknown mesh axis {v!r} (known: {', '.join(MESH_AXES)})")
+    if len(set(value)) != len(value):
+        raise ShardError(f"{where}: mesh axis named twice in {', '.join(value)}")
     return tuple(value)
 
 
@@ -114,7 +116,11 @@ def load_preset(name_or_path: str) -> MeshSpec:
     unknown = set(doc) - _PRESET_KEYS
     if unknown:
         raise ShardError(f"mesh preset {label}: unknown key(s) {', '.join(sorted(unknown))}")
-    axes = tuple(doc.get("axes", ()))
+    axes = doc.get("axes", ())
+    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+        raise ShardError(f"mesh preset {label}: axes must be a list of names, like [\"data\", \"model\"], "
+                         f"got {axes!r}")
+    axes = tuple(axes)
     if not axes:
         raise ShardError(f"mesh preset {label}: needs `axes`")
     _check_axes(axes, f"mesh preset {label}")

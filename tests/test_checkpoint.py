@@ -181,6 +181,12 @@ def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_pa
     assert ckpts.steps() == [2, 4, 6, 8, 10]
 
 
+def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ShardError, match=r"contains \[ or \], which orbax reads as a glob pattern"):
+        Checkpoints(tmp_path / "[x]" / CHECKPOINTS_DIR)
+    assert not (tmp_path / "[x]").exists()
+
+
 def test_a_negative_data_position_reads_as_unreadable(reference, tmp_path):
     ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
     meta = ckpts.path(12) / "meta" / "metadata"

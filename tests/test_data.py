@@ -61,6 +61,9 @@ def test_token_files_and_folders(tmp_path):
     (lambda d: (np.save(d / "big.npy", np.array([1, 300])), d / "big.npy")[1], "token id 300, outside"),
     (lambda d: (np.save(d / "neg.npy", np.array([1, -1])), d / "neg.npy")[1], "token id -1, outside 0..255"),
     (lambda d: "/dev/zero", "not a regular file"),
+    (lambda d: (d / "a.png").write_bytes(b"\x89PNG\x00\x00") and d, "a.png looks binary"),
+    (lambda d: (np.savez(d / "z.npz", a=np.arange(3)), (d / "z.npz").rename(d / "z.npy"), d / "z.npy")[2],
+     "is an archive of arrays"),
 ])
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(ShardError, match=message):

@@ -73,3 +73,10 @@ def test_preset_file_with_unknown_key(tmp_path):
     p.write_text('axes = ["data"]\nshpe = [2]\n')
     with pytest.raises(ShardError, match="unknown key"):
         parse_mesh(str(p))
+
+
+def test_preset_file_whose_axes_are_not_a_list(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('axes = "data"\n')
+    with pytest.raises(ShardError, match=r"axes must be a list of names, like \["):
+        parse_mesh(str(p))

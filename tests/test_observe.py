@@ -132,6 +132,14 @@ def test_skip_mode_drops_the_bad_update_and_carries_on():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(run.state["params"]))
 
 
+def test_a_run_whose_every_update_was_skipped_says_so(tmp_path):
+    r = CliRunner().invoke(app, ["train", "--model", "tiny", "--mesh", "8x1", "--steps", "2", "--batch", "8",
+                                 "--seq", "32", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none",
+                                 "--set", "guard.action=skip", "--set", "guard.max_grad_norm=1e-9"])
+    assert r.exit_code == 0, r.output
+    assert "dropped the update of 2 of the 2 steps run (every one of them" in r.output
+
+
 def test_bad_profile_window():
     r = CliRunner().invoke(app, ["train", "--model", "tiny", "--mesh", "8x1", "--profile-steps", "5:2"])
     assert r.exit_code == 2 and "A:B with 1 <= A <= B <= 100" in r.output

@@ -44,6 +44,7 @@ def test_reference_plan_table_names_the_best_command():
     (["--model", "gpt9"], "unknown model 'gpt9'"),
     (["--batch", "0"], "--batch must be positive"),
     (["--top", "-1"], "--top 0 or more"),
+    (["--set", "data.batch=7"], "plan takes model.* keys in --set"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
@@ -115,6 +116,11 @@ def test_bench_collectives_json():
                                                        for a in ("data", "model")}
     ar = next(x for x in rows if x["kind"] == "all-reduce" and x["axis"] == "model" and x["size_bytes"] == 4096)
     assert ar["busbw_gbps"] == pytest.approx(ar["algbw_gbps"] * 2 * 3 / 4, rel=1e-3)
+
+
+def test_bench_rejects_no_timed_runs():
+    r = invoke("bench", "collectives", "--mesh", "4", "--iters", "0")
+    assert r.exit_code == 2 and "--iters must be positive" in r.output, r.output
 
 
 def test_bench_rejects_unknown_collective():

@@ -130,6 +130,20 @@ def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
     r = invoke("generate", "--checkpoint", broken, "--prompt", "x")
     assert r.exit_code == 2 and "must hold a JSON object" in r.output, r.output
     assert not (tmp_path / "out").exists()
+    good = hf.read_hf_dir(str(hf_dir))
+    cfg = hf.config_from_hf(good[0])
+    for change, message in ((dict(num_hidden_layers=2.5), "num_hidden_layers must be a positive integer, got 2.5"),
+                            (dict(num_hidden_layers=True), "num_hidden_layers must be a positive integer"),
+                            (dict(rms_norm_eps=-1), "rms_norm_eps must be a positive number"),
+                            (dict(num_key_value_heads=3), "must be a multiple of model.n_kv_heads")):
+        with pytest.raises(ShardError, match=message):
+            hf.config_from_hf(good[0] | change)
+    for name, tensor, message in (("model.layers.2.mlp.up_proj.weight", np.zeros((2, 2), np.float32),
+                                   "holds tensor model.layers.2.mlp.up_proj.weight, which the config does not"),
+                                  ("model.norm.weight", np.full(64, np.nan, np.float32), "holds NaN"),
+                                  ("model.norm.weight", np.ones(64, np.int8), "float weights only")):
+        with pytest.raises(ShardError, match=message):
+            hf.params_from_hf(good[1] | {name: tensor}, cfg)
     moe = dataclasses.replace(PRESETS["moe-tiny"])
     with pytest.raises(ShardError, match="mixture of experts"):
         hf.write_hf_dir(str(tmp_path / "moe"), moe, {})

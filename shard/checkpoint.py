@@ -272,7 +272,7 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
         p = p / CHECKPOINTS_DIR
     if (p / STATE).is_dir() and p.name.isdigit():
         return p.parent, int(p.name)
-    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit())
+    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and c.is_dir())
     complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
     if not complete:
         raise ShardError(f"no complete checkpoint in {path}")

@@ -147,16 +147,11 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
     return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
 
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "checkpoints")
-
-
 def _holds_run(path: Path) -> bool:
-    """An empty checkpoints/ is no run: a start that failed before its first step leaves one."""
-    return any((path / name).exists() and not _is_empty_dir(path / name) for name in RUN_FILES)
-
-
-def _is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not any(path.iterdir())
+    """A run has a checkpoint or a logged step: a start that failed before its first record (a batch
+    that doesn't divide, out of memory in step 1) leaves at most config.toml, which the retry rewrites."""
+    checkpoints, metrics = path / "checkpoints", path / "metrics.jsonl"
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
@@ -380,7 +375,9 @@ def train(
             checkpoints.close()
     except ShardError:
         raise
-    except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
+    except Exception as e:  # a lost peer surfaces as a runtime error in a collective
+        if isinstance(e, OSError) and user_error(e) is not None:
+            raise  # this process's own file system error (a full disk), not a lost peer's
         distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
     if window and main and profiler.summary:
         console.print(profiling.format_summary(profiler.summary), soft_wrap=True)
@@ -723,7 +720,7 @@ def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     """--prompt-ids: comma-separated token ids, each in the model's vocabulary."""
-    parts = [t.strip() for t in text.split(",")]
+    parts = [t.strip() for t in text.strip().removesuffix(",").split(",")]
     if not all(p.lstrip("-").isdigit() for p in parts):
         raise ShardError(f"--prompt-ids expects comma-separated integers like 5,17,99, got {text!r}")
     ids = [int(p) for p in parts]

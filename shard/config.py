@@ -183,12 +183,12 @@ class TrainConfig:
 
 
 # Numeric keys with a range (the rest are checked above): key -> (test, what it must be).
-_POSITIVE, _NON_NEGATIVE = (lambda v: 0 < v < math.inf, "positive"), (lambda v: 0 <= v < math.inf, ">= 0")
+_POSITIVE, _NON_NEGATIVE = (lambda v: 0 < v < math.inf, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
 _RANGES = {
     "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.eps": _POSITIVE,
-    "optimizer.grad_clip": _POSITIVE, "optimizer.lr": _POSITIVE,
+    "optimizer.grad_clip": (lambda v: v > 0, "positive (inf: no clipping)"), "optimizer.lr": _POSITIVE,
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _POSITIVE,
     "cluster.failure_timeout": _POSITIVE, "cluster.join_timeout": _POSITIVE, "cluster.bucket_mb": _POSITIVE,

@@ -76,7 +76,8 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         if not p.exists():
             raise ShardError(f"data path {path} does not exist")
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            files = sorted(f for f in p.rglob("*") if f.is_file()  # not .git/, .cache/, __pycache__/
+                           and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(p).parts))
             token_files = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
             if token_files:
                 tokens = np.concatenate([_read_token_file(f) for f in token_files])

@@ -142,7 +142,8 @@ def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
 
     if cluster.launcher == "explicit":
         if cluster.process_id != 0:
-            _wait_for_coordinator(cluster.coordinator, kwargs["initialization_timeout"])
+            waited = _wait_for_coordinator(cluster.coordinator, kwargs["initialization_timeout"])
+            kwargs = kwargs | {"initialization_timeout": max(1, int(kwargs["initialization_timeout"] - waited))}
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    cluster_detection_method="deactivate", **kwargs)
     elif cluster.launcher == "mpi":
@@ -154,9 +155,10 @@ def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
         jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
 
 
-def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> None:
-    """Until process 0's coordinator accepts connections. JAX's own wait ends by aborting the process
-    from C++ (a fatal log and a stack dump), so an unreachable one is caught here, in one line."""
+def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> float:
+    """Until process 0's coordinator accepts connections; returns the seconds waited. JAX's own wait
+    ends by aborting the process from C++ (a fatal log and a stack dump), so an unreachable coordinator
+    is caught here, in one line."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -165,12 +167,15 @@ def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10
     while True:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-            return
+            return time.monotonic() - start
+        except socket.gaierror as e:
+            raise ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})") from None
         except OSError as e:
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise ShardError(f"no coordinator answers at {address} after {waited:.0f}s ({e.strerror or e}); "
-                                 "start process 0 there first, or check the address and firewall") from None
+                raise ShardError(f"no coordinator answers at {address} after {waited:.0f}s ({e.strerror or e}); is "
+                                 "process 0 running (it may have stopped on an error), and are the address and "
+                                 "firewall right?") from None
             if waited >= notice_after and not noticed:
                 sys.stderr.write(f"waiting for the coordinator at {address} (process 0), up to {timeout:.0f}s\n")
                 noticed = True

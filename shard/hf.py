@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from shard.errors import ShardError
@@ -24,6 +25,8 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if kind not in SUPPORTED_TYPES:
         raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
+    if not isinstance(rope, dict):
+        raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
     if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
         scaling = hf.get("rope_scaling") or rope
         raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) is")
@@ -120,7 +123,7 @@ def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
             raise ShardError(f"the checkpoint lacks tensor {name}")
         if tuple(tensors[name].shape) != shape:
             raise ShardError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
-        if tensors[name].dtype.kind != "f":
+        if tensors[name].dtype.kind != "f" and tensors[name].dtype != ml_dtypes.bfloat16:
             raise ShardError(f"tensor {name} is {tensors[name].dtype}; shard imports float weights only "
                              "(quantized checkpoints are not supported)")
         if not np.all(np.isfinite(tensors[name])):

@@ -32,7 +32,8 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     from shard.checkpoint import read_params
 
     params, config_toml, _ = read_params(path)
-    return config_mod.resolve(tomllib.loads(config_toml)).model, params
+    # only the model is read: the run's other settings (ranges checked by newer versions) don't matter here
+    return config_mod.resolve({"model": tomllib.loads(config_toml).get("model", {})}).model, params
 
 
 def place(params: dict, spec: StateSpec) -> dict:

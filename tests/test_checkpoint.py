@@ -215,6 +215,9 @@ def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
     with pytest.raises(ShardError, match=r"newest checkpoint .*/12 is damaged \(no state/\); pass an older"):
         find_checkpoint(ckpts.directory)
     assert find_checkpoint(ckpts.path(10)) == (ckpts.directory, 10)
+    shutil.rmtree(ckpts.path(12))
+    (ckpts.directory / "2025").write_text("a stray file, not a step")
+    assert find_checkpoint(ckpts.directory) == (ckpts.directory, 10)
 
 
 def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):

@@ -64,6 +64,9 @@ def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_
     failed = invoke("train", *TINY, "--mesh", "8x1", "--batch", "6", "--run-dir", str(run), "--compile-cache", "none")
     assert failed.exit_code == 2 and "does not divide" in failed.output
     assert not (run / "checkpoints").exists()  # so the corrected command is not refused
+    run.mkdir()
+    (run / "config.toml").write_text('[data]\nbatch = 6\n')  # as a run that failed in its first step leaves
+    (run / "metrics.jsonl").write_text("")
     ok = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert ok.exit_code == 0, ok.output
     other = invoke("train", "--run-dir", str(run), "--resume", "--model", "small", "--steps", "3")

@@ -29,12 +29,12 @@ def test_set_overrides_with_types():
     ("model.n_kv_heads=3", "multiple of model.n_kv_heads"),
     ("data.microbatches=3", "multiple of data.microbatches"),
     ("noequals", "key=value"),
-    ("optimizer.grad_clip=-1", r"optimizer.grad_clip must be positive, got -1.0"),
+    ("optimizer.grad_clip=-1", r"optimizer.grad_clip must be positive \(inf: no clipping\), got -1.0"),
     ("optimizer.b2=2", r"optimizer.b2 must be in \[0, 1\)"),
     ("optimizer.lr=nan", "optimizer.lr expects float, got nan"),
-    ("optimizer.lr=inf", "optimizer.lr must be positive, got inf"),
+    ("optimizer.lr=inf", "optimizer.lr must be a finite positive number, got inf"),
     ("guard.max_grad_norm=0", r"guard.max_grad_norm must be positive \(inf: off\)"),
-    ("checkpoint.keep_best=0", "checkpoint.keep_best must be positive"),
+    ("checkpoint.keep_best=0", "checkpoint.keep_best must be a finite positive number"),
     ("model.rope_theta=0", "model.rope_theta must be a positive number"),
     ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
     ('param_regex.(=["embed"]', "is not a regular expression"),
@@ -42,6 +42,8 @@ def test_set_overrides_with_types():
     ('rules.batch=["data","data"]', "mesh axis named twice"),
 ])
 def test_bad_sets(item, message):
+    if item.startswith("optimizer.grad_clip"):
+        assert c.resolve(c.parse_sets(["optimizer.grad_clip=inf"])).optimizer.grad_clip == float("inf")  # off
     with pytest.raises(ShardError, match=message):
         c.resolve(c.parse_sets([item]))
 

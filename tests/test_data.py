@@ -42,6 +42,14 @@ def test_short_last_window_is_padded_and_masked():
     assert last["mask"].tolist() == [[1, 0, 0, 0]]
 
 
+def test_a_text_folder_skips_hidden_and_cache_folders(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    for hidden in (".git/objects/ab", "__pycache__"):
+        (tmp_path / hidden).mkdir(parents=True)
+        (tmp_path / hidden / "blob").write_bytes(b"x\x00\x01binary")
+    assert ByteTokenizer().decode(load_tokens(str(tmp_path), 256)) == "hello"
+
+
 def test_token_files_and_folders(tmp_path):
     np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int32))
     np.arange(50, dtype=np.uint16).tofile(tmp_path / "b.bin")

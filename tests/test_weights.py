@@ -144,6 +144,11 @@ def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
                                   ("model.norm.weight", np.ones(64, np.int8), "float weights only")):
         with pytest.raises(ShardError, match=message):
             hf.params_from_hf(good[1] | {name: tensor}, cfg)
+    import ml_dtypes
+
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in good[1].items()}  # how most HF Llamas are published
+    np.testing.assert_array_equal(hf.params_from_hf(bf16, cfg)["embed"], good[1]["model.embed_tokens.weight"]
+                                  .astype(ml_dtypes.bfloat16).astype(np.float32))
     moe = dataclasses.replace(PRESETS["moe-tiny"])
     with pytest.raises(ShardError, match="mixture of experts"):
         hf.write_hf_dir(str(tmp_path / "moe"), moe, {})

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +19,8 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
+
+CHECKPOINTS_DIR = "checkpoints"  # as shard.checkpoint names it (imported there with JAX)
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -148,10 +151,27 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
 
 
 def _holds_run(path: Path) -> bool:
-    """A run has a checkpoint or a logged step: a start that failed before its first record (a batch
-    that doesn't divide, out of memory in step 1) leaves at most config.toml, which the retry rewrites."""
-    checkpoints, metrics = path / "checkpoints", path / "metrics.jsonl"
-    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (metrics.is_file() and metrics.stat().st_size > 0)
+    """A config.toml (a user's own too: never overwritten), a logged step or a checkpoint."""
+    return (path / "config.toml").exists() or _has_records(path)
+
+
+def _has_records(path: Path) -> bool:
+    """A logged step or a saved checkpoint (an empty checkpoints/ or metrics.jsonl is neither)."""
+    metrics, checkpoints = path / "metrics.jsonl", path / CHECKPOINTS_DIR
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+
+def _forget_unstarted_run(path: Path) -> None:
+    """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
+    files it wrote, so the corrected command may use the same run dir."""
+    if _has_records(path):
+        return
+    for name in ("config.toml", "metrics.jsonl", "tb"):
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
@@ -314,7 +334,7 @@ def train(
     path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
     devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
     path = Path(distributed.broadcast_text(str(path)))
-    from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints
+    from shard.checkpoint import Checkpoints, SaveCheckpoints
     from shard.loop import prepare
     from shard.loop import train as train_loop
     from shard.metrics import JsonlWriter, TensorBoardWriter
@@ -369,10 +389,14 @@ def train(
         observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
         if window and main:
             observers.append(profiler := profiling.Profiler(*window, path / "profile"))
+        finished = False
         try:
             train_loop(cfg, run=run, observers=observers)
+            finished = True
         finally:  # also on divergence: saves already under way commit; nothing newer is written
             checkpoints.close()
+            if not finished and main and not resume and not run.start_step:
+                _forget_unstarted_run(path)
     except ShardError:
         raise
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective
@@ -745,7 +769,7 @@ def import_hf(
     _check_fresh_out(out)
     tcfg, mesh_spec, devices = _host_jax("1x1")
     from shard import weights
-    from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints
+    from shard.checkpoint import Checkpoints
     from shard.loop import make_layout
     from shard.state import state_spec
 

@@ -64,14 +64,28 @@ def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_
     failed = invoke("train", *TINY, "--mesh", "8x1", "--batch", "6", "--run-dir", str(run), "--compile-cache", "none")
     assert failed.exit_code == 2 and "does not divide" in failed.output
     assert not (run / "checkpoints").exists()  # so the corrected command is not refused
-    run.mkdir()
-    (run / "config.toml").write_text('[data]\nbatch = 6\n')  # as a run that failed in its first step leaves
-    (run / "metrics.jsonl").write_text("")
     ok = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert ok.exit_code == 0, ok.output
     other = invoke("train", "--run-dir", str(run), "--resume", "--model", "small", "--steps", "3")
     assert other.exit_code == 2 and "continues the tiny run" in other.output
     assert 'name = "tiny"' in (run / "config.toml").read_text()
+
+
+def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path, monkeypatch):
+    import shard.loop
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2321381353960 bytes.")
+
+    run = tmp_path / "r"
+    with monkeypatch.context() as m:
+        m.setattr(shard.loop, "train", out_of_memory)
+        failed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
+    assert failed.exit_code == 2, failed.output
+    assert "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating" in failed.output
+    assert not any(run.iterdir())  # nothing logged or saved: the files it wrote are gone
+    ok = invoke("train", *TINY, "--mesh", "8x1", "--batch", "16", "--run-dir", str(run), "--compile-cache", "none")
+    assert ok.exit_code == 0, ok.output
 
 
 def test_empty_data_file(tmp_path):

@@ -15,17 +15,24 @@ from shard.errors import ShardError
 from shard.step import batch_sharding, make_eval_step
 
 
+def eval_processes(cfg: TrainConfig, ctx: distributed.Context) -> int:
+    """How many processes evaluate, or a ShardError when the job can't have that eval set (checked by
+    `prepare` before anything compiles)."""
+    n = cfg.eval.processes or ctx.size
+    if n > ctx.size:
+        raise ShardError(f"eval.processes is {n} but the job has {ctx.size} process(es)")
+    if n < ctx.size and ctx.mode != distributed.MPI:
+        raise ShardError("evaluation on fewer than all processes (eval.processes) needs --cross-host mpi: "
+                         "with one global mesh every process holds part of the model")
+    return n
+
+
 class Evaluator:
     """`__call__(params) -> eval loss` on members of the eval set (None elsewhere)."""
 
     def __init__(self, cfg: TrainConfig, run):
         ctx = distributed.context()
-        n = cfg.eval.processes or ctx.size
-        if n > ctx.size:
-            raise ShardError(f"eval.processes is {n} but the job has {ctx.size} process(es)")
-        if n < ctx.size and ctx.mode != distributed.MPI:
-            raise ShardError("evaluation on fewer than all processes (eval.processes) needs --cross-host mpi: "
-                             "with one global mesh every process holds part of the model")
+        n = eval_processes(cfg, ctx)
         self.cfg = cfg
         self.group = distributed.process_set(range(n), name="eval")
         self.step = make_eval_step(run.spec, run.layout)

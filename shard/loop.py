@@ -107,6 +107,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
     returns a shard.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
     ctx = distributed.context()
+    if cfg.eval.every:
+        from shard.evaluate import eval_processes
+
+        eval_processes(cfg, ctx)  # before anything compiles
     if ctx.mode == distributed.MPI:
         return _prepare_bridge(cfg, ctx, devices, restore)
     mesh_spec = parse_mesh(cfg.mesh.spec)

@@ -31,6 +31,7 @@ def invoke(*args):
     (["--mesh", "data=100000"], "more than the 4096 CPU devices shard simulates"),
     (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
     (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),
+    (["--mesh", "8x1", "--eval-every", "1", "--set", "eval.processes=5"], "eval.processes is 5 but the job has 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke("train", *TINY, *args)

@@ -141,50 +141,36 @@ class TrainConfig:
     run_dir: str = ""
 
     def validate(self) -> None:
-        problems = list(self.model.validate())
-        for f in ("steps", "log_every"):
-            if getattr(self, f) <= 0:
-                problems.append(f"{f} must be positive, got {getattr(self, f)}")
-        for f in ("batch", "seq_len", "microbatches"):
-            if getattr(self.data, f) <= 0:
-                problems.append(f"data.{f} must be positive, got {getattr(self.data, f)}")
+        problems = list(self.model.validate()) + _out_of_range(self)
         if self.data.microbatches > 0 and self.data.batch % self.data.microbatches:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
             )
-        if self.pipeline.microbatches <= 0:
-            problems.append(f"pipeline.microbatches must be positive, got {self.pipeline.microbatches}")
         if self.pipeline.schedule not in PIPELINE_SCHEDULES:
             problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                             f"got {self.pipeline.schedule!r}")
         if self.guard.action not in ("stop", "skip"):
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
-        if self.checkpoint.every < 0:
-            problems.append(f"checkpoint.every must be 0 (off) or positive, got {self.checkpoint.every}")
-        if self.checkpoint.keep <= 0:
-            problems.append(f"checkpoint.keep must be positive, got {self.checkpoint.keep}")
         if self.checkpoint.best_mode not in ("min", "max"):
             problems.append(f"checkpoint.best_mode must be min or max, got {self.checkpoint.best_mode!r}")
         if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
             problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
                             f"got {self.checkpoint.best_metric!r}")
-        if self.eval.every < 0 or self.eval.batches <= 0 or self.eval.processes < 0:
-            problems.append("eval.every and eval.processes must be >= 0 and eval.batches positive")
         if self.cluster.cross_host not in ("xla", "mpi"):
             problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
-        problems += _out_of_range(self)
-        if not 0 <= self.seed < 2**32:
-            problems.append(f"seed must be between 0 and 2**32-1, got {self.seed}")
-        if self.mesh.simulate_devices < 0:
-            problems.append(f"mesh.simulate_devices must be positive (0: what the mesh needs), got "
-                            f"{self.mesh.simulate_devices}")
         if problems:
             raise ShardError(problems[0])
 
 
-# Numeric keys with a range (the rest are checked above): key -> (test, what it must be).
+# Every numeric key with a range: dotted key -> (test, what it must be).
 _POSITIVE, _NON_NEGATIVE = (lambda v: 0 < v < math.inf, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
+_COUNT = (lambda v: v > 0, "positive")  # integers: no inf to exclude
 _RANGES = {
+    "steps": _COUNT, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
+    "data.batch": _COUNT, "data.seq_len": _COUNT, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
+    "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
+    "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
+    "mesh.simulate_devices": (lambda v: v >= 0, "positive (0: what the mesh needs)"),
     "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.eps": _POSITIVE,
@@ -198,8 +184,9 @@ _RANGES = {
 def _out_of_range(cfg: "TrainConfig") -> list[str]:
     problems = []
     for key, (ok, want) in _RANGES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = cfg
+        for name in key.split("."):
+            value = getattr(value, name)
         if not ok(value):
             problems.append(f"{key} must be {want}, got {value}")
     return problems

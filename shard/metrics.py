@@ -10,8 +10,8 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        torn = path.is_file() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run, closed in on_end
+        torn = self._f.tell() > 0 and _last_byte(path) != b"\n"
         if torn:  # a run killed mid-line: its torn record stays on a line of its own (read_jsonl skips it)
             self._f.write("\n")
 
@@ -45,6 +45,12 @@ def _summary_writer_class():
     with without("torch"):
         from tensorboardX import SummaryWriter
     return SummaryWriter
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
 
 
 def read_jsonl(path: Path) -> list[dict]:

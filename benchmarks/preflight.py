@@ -1,0 +1,87 @@
+"""Checks gpu.sh runs before the benchmarks: a mismatch between shard and the image's packages found
+here costs seconds, not the device lease. Each check runs in a fresh process.
+
+    python3 benchmarks/preflight.py SITE   # SITE: the --target dir on PYTHONPATH that holds shard
+
+1. `import flax.nnx`. flax up to 0.12.9 subclasses `jax.experimental.hijax.HiPrimitive`, which jax 0.11.2
+   renamed `HiPrim` (google/flax#5596, fixed in flax 0.12.10). If that is the failure, SITE gets a
+   sitecustomize.py that restores the old name, and the import is tried again.
+2. XLA_FLAGS with shard's GPU preset and deterministic flags. XLA aborts at start-up on a flag it doesn't
+   know, so a flag renamed in a newer XLA would end every run. Unknown ones are dropped from SITE's copy
+   of the preset (never from the repository's) and named.
+Exit status 1 when a check still fails.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HIPRIM_ALIAS = '''\
+# written by benchmarks/preflight.py: this image's flax predates its jax (google/flax#5596)
+import jax.experimental.hijax as _hijax
+if not hasattr(_hijax, "HiPrimitive") and hasattr(_hijax, "HiPrim"):
+    _hijax.HiPrimitive = _hijax.HiPrim
+'''
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def check_flax(site: Path) -> bool:
+    r = python("import flax.nnx")
+    if r.returncode == 0:
+        return True
+    print(f"preflight: import flax.nnx failed: {last_line(r.stderr)}", flush=True)
+    if "HiPrimitive" not in r.stderr:
+        return False
+    (site / "sitecustomize.py").write_text(HIPRIM_ALIAS)
+    r = python("import flax.nnx")
+    print(f"preflight: with HiPrimitive = HiPrim: {'imports' if r.returncode == 0 else last_line(r.stderr)}",
+          flush=True)
+    return r.returncode == 0
+
+
+def check_flags(site: Path) -> bool:
+    from shard import xla_flags  # SITE's copy: it is first on sys.path
+
+    flags = xla_flags.merged_flags("", gpu=True, gpu_preset=True, deterministic=True)
+    r = python("import jax; jax.devices()", XLA_FLAGS=flags)
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", r.stderr)
+    if r.returncode == 0:
+        return True
+    if not unknown:
+        print(f"preflight: JAX fails to start with shard's XLA flags: {last_line(r.stderr)}", flush=True)
+        return False
+    names = sorted({f.split("=")[0] for f in unknown.group(1).split()})
+    print(f"preflight: this XLA doesn't know {', '.join(names)}; dropped from the preset for this run", flush=True)
+    with open(site / "shard" / "xla_flags.py", "a") as f:
+        f.write(f"\nfor _flag in {names!r}:  # preflight: unknown to this XLA\n"
+                "    GPU_PRESET.pop(_flag, None)\n    DETERMINISTIC.pop(_flag, None)\n")
+    r = python("from shard import xla_flags; import os, jax; "
+               "os.environ['XLA_FLAGS'] = xla_flags.merged_flags('', gpu=True, gpu_preset=True, deterministic=True)"
+               "; jax.devices()")
+    return r.returncode == 0
+
+
+def main() -> int:
+    site = Path(sys.argv[1])
+    ok = check_flax(site) and check_flags(site)
+    r = python("import importlib.metadata as m, jax\n"
+               "print(*(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', "
+               "'numpy')), sep=', ')\nprint(jax.devices())")
+    print(r.stdout.strip() or last_line(r.stderr), flush=True)
+    print(f"preflight: {'ok' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

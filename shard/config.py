@@ -176,7 +176,7 @@ _RANGES = {
     "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.eps": _POSITIVE,
     "optimizer.grad_clip": (lambda v: v > 0, "positive (inf: no clipping)"), "optimizer.lr": _POSITIVE,
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
-    "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _POSITIVE,
+    "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _POSITIVE, "cluster.join_timeout": _POSITIVE, "cluster.bucket_mb": _POSITIVE,
 }
 

@@ -34,7 +34,7 @@ def test_set_overrides_with_types():
     ("optimizer.lr=nan", "optimizer.lr expects float, got nan"),
     ("optimizer.lr=inf", "optimizer.lr must be a finite positive number, got inf"),
     ("guard.max_grad_norm=0", r"guard.max_grad_norm must be positive \(inf: off\)"),
-    ("checkpoint.keep_best=0", "checkpoint.keep_best must be a finite positive number"),
+    ("checkpoint.keep_best=0", "checkpoint.keep_best must be positive, got 0"),
     ("model.rope_theta=0", "model.rope_theta must be a positive number"),
     ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
     ('param_regex.(=["embed"]', "is not a regular expression"),

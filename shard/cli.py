@@ -313,7 +313,7 @@ def train(
 
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
-    base = _resume_base(run_dir) if resume else _init_from_base(init_from) if init_from else None
+    base = _resume_base(run_dir, allow_fresh) if resume else _init_from_base(init_from) if init_from else None
     cfg = config_mod.resolve(_overrides(
         config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
@@ -433,13 +433,14 @@ def _init_from_base(source: str) -> dict:
     return {"model": config_mod.load_file(str(saved)).get("model", {})}
 
 
-def _resume_base(run_dir: str | None) -> dict:
-    """The config a resumed run starts from: the one saved in its run dir (flags still override it)."""
+def _resume_base(run_dir: str | None, allow_fresh: bool = False) -> dict:
+    """The config a resumed run starts from: the one saved in its run dir (flags still override it).
+    With --allow-fresh a run dir that doesn't exist yet is a first start."""
     if not run_dir:
         raise ShardError("--resume needs --run-dir: the run to continue")
     saved = Path(run_dir) / "config.toml"
-    if not Path(run_dir).is_dir():
-        raise ShardError(f"--resume: run dir {run_dir} does not exist")
+    if not Path(run_dir).is_dir() and not allow_fresh:
+        raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
     return config_mod.load_file(str(saved)) if saved.is_file() else {}
 
 

@@ -337,8 +337,7 @@ def test_sigterm_and_kill_9_at_random_moments_then_resume_continues_exactly(refe
     """Every restart resumes from the newest complete checkpoint; the stitched run equals the
     uninterrupted one bitwise. One trial kills the trainer while an async save is being written."""
     _, ref_losses, _, _ = reference
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir = tmp_path / "run"  # not there yet: --resume --allow-fresh is also right for the first start
     ckpt_dir = run_dir / CHECKPOINTS_DIR
     args = ["train", "--run-dir", str(run_dir), "--resume", "--allow-fresh", "--model", "tiny", "--mesh", "2x4",
             "--steps", str(STEPS), "--batch", "8", "--seq", "32", "--log-every", "1", "--checkpoint-every", "1",

@@ -244,7 +244,7 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
     overlappable = sum(v for a, v in comm_s.items() if a != MODEL)
     step = max(local + tp, overlappable)
     serial = local + sum(comm_s.values())
-    mfu = flops / devices / (step * hw.bf16_tflops * 1e12)
+    mfu = costs.mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
     return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
                      tokens / step, tuple(problems))
 

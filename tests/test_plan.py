@@ -31,6 +31,19 @@ def test_reference_plan_is_stable():
     assert all(c["fits"] for c in doc["layouts"][:3])
 
 
+def test_plan_reports_mfu_as_train_does():
+    # one MFU definition: useful work (causal attention at half) over the predicted step, never remat's
+    from shard import costs
+    from shard.models.configs import PRESETS
+    from shard.plan import evaluate
+
+    cfg, hw = PRESETS["llama-13b-24l"], find_hardware("a100-40gb", load_hardware())
+    for remat in ("none", "full"):
+        c = evaluate(cfg, {"data": 2, "fsdp": 8, "model": 2}, remat, hw, 8, 64, 2048)
+        useful = costs.mfu_flops_per_token(cfg, 2048) * 64 * 2048 / 32
+        assert c.mfu == pytest.approx(useful / (c.step_s * hw.bf16_tflops * 1e12))
+
+
 def test_reference_plan_table_names_the_best_command():
     r = invoke(*REFERENCE)
     assert r.exit_code == 0, r.output

@@ -24,10 +24,10 @@ from orbax.checkpoint import checkpoint_managers as policies
 from shard import distributed
 from shard.config import CheckpointConfig
 from shard.errors import ShardError
+from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
 from shard.rules import path_str
 from shard.state import StateSpec
 
-CHECKPOINTS_DIR = "checkpoints"
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
 STATE, META = "state", "meta"
@@ -79,15 +79,6 @@ class Restored:
     path: Path
 
 
-def _globless(path: Path) -> Path:
-    """orbax finds the per-process parts of a save by globbing under its path, so a path holding
-    [ or ] saves a checkpoint that can't be read back (exit 0, then a lost run on resume)."""
-    if "[" in str(path) or "]" in str(path):
-        raise ShardError(f"checkpoint path {path} contains [ or ], which orbax reads as a glob pattern: its "
-                         "checkpoints would not read back; choose a path without brackets")
-    return path
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
@@ -99,7 +90,7 @@ class Checkpoints:
 
     def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
                  notice: Callable[[str], None] | None = None, read_only: bool = False):
-        self.directory = _globless(Path(directory).absolute())
+        self.directory = globless(Path(directory).absolute())
         self.cfg = cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
         keep: list = [policies.LatestN(n=cfg.keep)]
@@ -308,9 +299,8 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
 def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
     checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
-    out = _globless(Path(out).absolute())
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ShardError(f"export target {out} exists and is not an empty folder; choose another --out")
+    out = globless(Path(out).absolute())
+    check_fresh_out(out)
     params, _, step = read_params(checkpoint)
     if out.exists():
         out.rmdir()

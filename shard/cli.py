@@ -19,8 +19,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-
-CHECKPOINTS_DIR = "checkpoints"  # as shard.checkpoint names it (imported there with JAX)
+from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -197,6 +196,7 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"
+    globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
     return path
 
 
@@ -755,19 +755,13 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def _check_fresh_out(out: Path) -> None:
-    """Never write into (or over) a folder that already holds something."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
-
-
 @app.command("import-hf")
 def import_hf(
     hf_dir: Annotated[Path, typer.Argument(help="a local Hugging Face Llama folder (config.json + *.safetensors)")],
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
-    _check_fresh_out(out)
+    check_fresh_out(out)
     tcfg, mesh_spec, devices = _host_jax("1x1")
     from shard import weights
     from shard.checkpoint import Checkpoints
@@ -796,7 +790,7 @@ def export_hf(
     out: Annotated[Path, typer.Option("--out", help="folder to write config.json and safetensors into")],
 ):
     """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
-    _check_fresh_out(out)
+    check_fresh_out(out)
     _host_jax()
     from shard import hf, weights
 

@@ -185,6 +185,9 @@ def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ShardError, match=r"contains \[ or \], which orbax reads as a glob pattern"):
         Checkpoints(tmp_path / "[x]" / CHECKPOINTS_DIR)
     assert not (tmp_path / "[x]").exists()
+    r = invoke("train", *TINY, "--run-dir", str(tmp_path / "[x]"))  # train refuses it before the compile cache
+    assert r.exit_code == 2 and "contains [ or ]" in r.output and len(r.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_negative_data_position_reads_as_unreadable(reference, tmp_path):

@@ -21,7 +21,6 @@ all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -426,7 +425,3 @@ def bytes_by_axes(items: list[Collective], logical: bool = True,
         for a in c.axes:
             out[a] += b * (axis_sizes[a] - 1) / total
     return dict(out)
-
-
-def to_json(items: list[Collective]) -> str:
-    return json.dumps([c.__dict__ for c in items])

@@ -128,9 +128,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
 
 def _fail(e: Exception):
-    from shard.distributed import abort_peers
+    from shard.distributed import abort_peers, publish_error
 
     err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+    publish_error(str(e))  # several processes: the others say why this one stopped
     abort_peers(2)
     raise typer.Exit(2)
 
@@ -400,8 +401,8 @@ def train(
     except ShardError:
         raise
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective
-        if isinstance(e, OSError) and user_error(e) is not None:
-            raise  # this process's own file system error (a full disk), not a lost peer's
+        if user_error(e) is not None:
+            raise  # this process's own error (out of memory, a full disk), not a lost peer's
         distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
     if window and main and profiler.summary:
         console.print(profiling.format_summary(profiler.summary), soft_wrap=True)

@@ -13,6 +13,7 @@ the process count and the mode, as Horovod's `hvd.rank()` does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ from shard.errors import ShardError
 XLA, MPI = "xla", "mpi"
 CROSS_HOST_MODES = (XLA, MPI)
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
+_ERROR_KEY = "shard/error/{rank}"  # coordination-service key: why process `rank` stopped
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
 
 _MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
@@ -239,7 +241,8 @@ def fail(error: BaseException) -> None:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
     if missing:
-        _lost(f"lost process {', '.join(map(str, missing))} of {ctx.size} ({first})")
+        named = _lost_processes(missing)
+        _lost(named if "stopped on:" in named else f"{named} ({first})")
     _lost(f"a cross-process collective failed: {first}")
 
 
@@ -298,6 +301,34 @@ def writes_shared_files() -> bool:
     return _ctx.mode != MPI or _ctx.is_main
 
 
+def publish_error(message: str) -> None:
+    """Before this process stops on a user error (out of memory, a missing file on this host), leave
+    the reason with the coordination service, which outlives every process (shard.coordinator), so
+    the others name it instead of only a lost process."""
+    if _ctx.mode != XLA or _ctx.size < 2:
+        return
+    from jax._src import distributed as jax_distributed
+
+    with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
+        jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank), message[:500],
+                                                          allow_overwrite=True)
+
+
+def _lost_processes(missing: list[int]) -> str:
+    """'lost process 1 of 2', with the reason a lost process left (publish_error) when there is one."""
+    from jax._src import distributed as jax_distributed
+
+    reasons = []
+    for rank in missing:
+        try:
+            reason = jax_distributed.global_state.client.key_value_try_get(_ERROR_KEY.format(rank=rank))
+        except Exception:  # noqa: BLE001 - no reason left (a crash or kill), or the service is gone
+            continue
+        reasons.append(f"process {rank} stopped on: {reason}")
+    names = f"lost process {', '.join(map(str, missing))} of {_ctx.size}"
+    return f"{names} ({'; '.join(reasons)})" if reasons else names
+
+
 def abort_peers(code: int) -> None:
     """After a user error on one process of an MPI-bridge job: take the whole job down, since the other
     ranks would otherwise wait in their next MPI call (and this one in MPI_Finalize) for ever."""
@@ -354,8 +385,8 @@ class _Watchdog:
         while not self._stop.wait(self.interval):
             missing = self.missing()
             if missing and not self._stop.is_set():
-                names = ", ".join(map(str, missing))
-                _lost(f"lost process {names} of {self.size} (it exited, or sent no heartbeat for "
+                named = _lost_processes(missing)
+                _lost(named if "stopped on:" in named else f"{named} (it exited, or sent no heartbeat for "
                       f"{self.timeout:g}s)")
 
 

@@ -225,6 +225,39 @@ def test_a_lost_process_stops_the_other(tmp_path, lost):
     assert "Check failure" not in err and "Traceback" not in err
 
 
+OOM_AT_STEP_3 = """
+from shard import data
+_next = data.BatchStream.next
+def _next_or_oom(self):
+    if self.position >= 16:  # the third global batch of 8
+        raise MemoryError("simulated on this process only")
+    return _next(self)
+data.BatchStream.next = _next_or_oom
+"""
+
+
+def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path):
+    """Process 1 runs out of memory mid-run: it stops with its one line (exit 2), and process 0 says
+    why process 1 was lost, not only that it was (exit 3)."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(OOM_AT_STEP_3)
+    args = ["--model", "tiny", "--steps", "6", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x1",
+            "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_port()}",
+            "--num-processes", "2"]
+    procs = []
+    for rank in (0, 1):
+        env = child_env()
+        if rank == 1:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "inject"), env.get("PYTHONPATH")]))
+        procs.append(subprocess.Popen(shard_cmd(*args, "--process-id", str(rank)), cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    (rc0, _, err0), (rc1, _, err1) = finish(procs, timeout=300)
+    assert rc1 == 2 and "error: out of memory (simulated on this process only)" in err1, err1[-3000:]
+    assert rc0 == 3, err0[-3000:]
+    assert "error: lost process 1 of 2 (process 1 stopped on: out of memory (simulated" in err0, err0[-3000:]
+    assert "Traceback" not in err0 + err1
+
+
 def test_a_process_reads_only_its_block_of_each_global_batch():
     """With the MPI bridge, process p of P builds rows [p*B/P, (p+1)*B/P) of every global batch, and only
     those samples are read."""

@@ -330,6 +330,10 @@ def train(
     _check_data_path(cfg.data.path)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
     main = cluster is None or cluster.process_id == 0
+    from shard.data import unused_files_note
+
+    if main and (note := unused_files_note(cfg.data.path)):
+        err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
     # runs; until then they only need its parent, for the compile cache.
     path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")

@@ -66,6 +66,26 @@ def _read_token_file(path: Path) -> np.ndarray:
     return tokens
 
 
+def folder_files(folder: Path) -> list[Path]:
+    """A data folder's files, sorted; not those under hidden folders (.git/, .cache/) or __pycache__/."""
+    return sorted(f for f in folder.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(folder).parts))
+
+
+def unused_files_note(path: str) -> str | None:
+    """A folder of token files trains on those only: a line naming what else it holds, or None."""
+    p = Path(path)
+    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir():
+        return None
+    files = folder_files(p)
+    tokens = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
+    others = [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
+    if not tokens or not others:
+        return None
+    return (f"data folder {p} holds {len(tokens)} token file(s) (.npy/.bin), so its {len(others)} other file(s) "
+            f"are not read (e.g. {others[0].relative_to(p)})")
+
+
 def load_tokens(path: str, vocab_size: int) -> np.ndarray:
     """One long 1-D token stream from the source named by `path`."""
     if path == EMBEDDED:
@@ -76,8 +96,7 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         if not p.exists():
             raise ShardError(f"data path {path} does not exist")
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file()  # not .git/, .cache/, __pycache__/
-                           and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(p).parts))
+            files = folder_files(p)
             token_files = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
             if token_files:
                 tokens = np.concatenate([_read_token_file(f) for f in token_files])

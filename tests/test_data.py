@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shard.data import (BatchStream, ByteTokenizer, SyntheticSource, WindowSource, embedded_corpus_files,
-                        load_tokens, sample_dataset, split_window)
+                        load_tokens, sample_dataset, split_window, unused_files_note)
 from shard.errors import ShardError
 from shard.testing import fake_mesh
 
@@ -61,6 +61,11 @@ def test_token_files_and_folders(tmp_path):
     (text / "x.txt").write_text("hello")
     (text / "y.txt").write_text("world")
     assert ByteTokenizer().decode(load_tokens(str(text), 256)) == "hello\nworld"
+    # token files win over text in one folder, and train says what it leaves unread
+    assert load_tokens(str(tmp_path), 256).size == 150
+    assert unused_files_note(str(tmp_path)) == (f"data folder {tmp_path} holds 2 token file(s) (.npy/.bin), so its "
+                                                "2 other file(s) are not read (e.g. text/x.txt)")
+    assert unused_files_note(str(text)) is None and unused_files_note(str(tmp_path / "a.npy")) is None
 
 
 @pytest.mark.parametrize("make, message", [

@@ -128,11 +128,11 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
 
 def _fail(e: Exception):
-    from shard.distributed import abort_peers, publish_error
+    from shard.distributed import abort_peers, leave_on_error
 
     err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-    publish_error(str(e))  # several processes: the others say why this one stopped
-    abort_peers(2)
+    leave_on_error(str(e), 2)  # several processes under jax.distributed: the others name why; exits here
+    abort_peers(2)  # the MPI bridge: take the job down
     raise typer.Exit(2)
 
 
@@ -161,12 +161,13 @@ def _has_records(path: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
-def _forget_unstarted_run(path: Path) -> None:
+def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
     """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
-    files it wrote, so the corrected command may use the same run dir."""
+    files it wrote, so the corrected command may use the same run dir; a config.toml that was there
+    before (a --resume --allow-fresh base) stays."""
     if _has_records(path):
         return
-    for name in ("config.toml", "metrics.jsonl", "tb"):
+    for name in ("metrics.jsonl", "tb") if keep_config else ("config.toml", "metrics.jsonl", "tb"):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
@@ -197,7 +198,6 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"
-    globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
     return path
 
 
@@ -337,6 +337,7 @@ def train(
     # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
     # runs; until then they only need its parent, for the compile cache.
     path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
+    globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
     devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
     path = Path(distributed.broadcast_text(str(path)))
     from shard.checkpoint import Checkpoints, SaveCheckpoints
@@ -385,6 +386,7 @@ def train(
         config_toml = config_mod.to_toml(cfg)
         observers = []
         if main:  # only process 0 prints and writes the run's files
+            had_config = (path / "config.toml").exists()  # a --resume base: never removed
             path.mkdir(parents=True, exist_ok=True)
             (path / "config.toml").write_text(config_toml)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
@@ -400,8 +402,8 @@ def train(
             finished = True
         finally:  # also on divergence: saves already under way commit; nothing newer is written
             checkpoints.close()
-            if not finished and main and not resume and not run.start_step:
-                _forget_unstarted_run(path)
+            if not finished and main and not run.start_step:  # a first start (--resume --allow-fresh too)
+                _forget_unstarted_run(path, keep_config=had_config)
     except ShardError:
         raise
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective

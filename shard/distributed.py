@@ -241,8 +241,7 @@ def fail(error: BaseException) -> None:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
     if missing:
-        named = _lost_processes(missing)
-        _lost(named if "stopped on:" in named else f"{named} ({first})")
+        _lost(_lost_processes(missing, first))
     _lost(f"a cross-process collective failed: {first}")
 
 
@@ -301,32 +300,39 @@ def writes_shared_files() -> bool:
     return _ctx.mode != MPI or _ctx.is_main
 
 
-def publish_error(message: str) -> None:
-    """Before this process stops on a user error (out of memory, a missing file on this host), leave
-    the reason with the coordination service, which outlives every process (shard.coordinator), so
-    the others name it instead of only a lost process."""
+def leave_on_error(message: str, code: int) -> None:
+    """This process stops on an error of its own (out of memory, a file missing on this host). With
+    several processes under jax.distributed: stop the watchdog (whose polls would fail as this process
+    disconnects), leave `message` with the coordination service so the others name it when they find
+    this process gone, and exit with `code` at once. JAX's exit-time shutdown would wait for the others
+    and, on process 0, stop the service's helper before they read the message; left alone, the helper
+    serves for twice the heartbeat timeout after process 0 is gone (shard.coordinator)."""
     if _ctx.mode != XLA or _ctx.size < 2:
         return
     from jax._src import distributed as jax_distributed
 
+    if _ctx._watchdog:
+        _ctx._watchdog.stop()
     with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
         jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank), message[:500],
                                                           allow_overwrite=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-def _lost_processes(missing: list[int]) -> str:
-    """'lost process 1 of 2', with the reason a lost process left (publish_error) when there is one."""
+def _lost_processes(missing: list[int], otherwise: str) -> str:
+    """'lost process 1 of 2 (why)': the reason a lost process left (leave_on_error), else `otherwise`."""
     from jax._src import distributed as jax_distributed
 
     reasons = []
     for rank in missing:
         try:
             reason = jax_distributed.global_state.client.key_value_try_get(_ERROR_KEY.format(rank=rank))
-        except Exception:  # noqa: BLE001 - no reason left (a crash or kill), or the service is gone
+        except Exception:  # noqa: BLE001 - none left (a crash or a kill), or the service is gone
             continue
         reasons.append(f"process {rank} stopped on: {reason}")
-    names = f"lost process {', '.join(map(str, missing))} of {_ctx.size}"
-    return f"{names} ({'; '.join(reasons)})" if reasons else names
+    return f"lost process {', '.join(map(str, missing))} of {_ctx.size} ({'; '.join(reasons) or otherwise})"
 
 
 def abort_peers(code: int) -> None:
@@ -385,9 +391,7 @@ class _Watchdog:
         while not self._stop.wait(self.interval):
             missing = self.missing()
             if missing and not self._stop.is_set():
-                named = _lost_processes(missing)
-                _lost(named if "stopped on:" in named else f"{named} (it exited, or sent no heartbeat for "
-                      f"{self.timeout:g}s)")
+                _lost(_lost_processes(missing, f"it exited, or sent no heartbeat for {self.timeout:g}s"))
 
 
 # --- MPI -------------------------------------------------------------------------------------------

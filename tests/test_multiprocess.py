@@ -236,9 +236,11 @@ data.BatchStream.next = _next_or_oom
 """
 
 
-def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path):
-    """Process 1 runs out of memory mid-run: it stops with its one line (exit 2), and process 0 says
-    why process 1 was lost, not only that it was (exit 3)."""
+@pytest.mark.parametrize("failing", [1, 0], ids=["worker", "coordinator"])
+def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path, failing):
+    """One process runs out of memory mid-run: it stops with its one line (exit 2), and the other says
+    why it was lost, not only that it was (exit 3). Process 0 too: the coordination service's helper
+    outlives it, and its reason with it."""
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(OOM_AT_STEP_3)
     args = ["--model", "tiny", "--steps", "6", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x1",
@@ -247,14 +249,17 @@ def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path):
     procs = []
     for rank in (0, 1):
         env = child_env()
-        if rank == 1:
+        if rank == failing:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "inject"), env.get("PYTHONPATH")]))
         procs.append(subprocess.Popen(shard_cmd(*args, "--process-id", str(rank)), cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     (rc0, _, err0), (rc1, _, err1) = finish(procs, timeout=300)
-    assert rc1 == 2 and "error: out of memory (simulated on this process only)" in err1, err1[-3000:]
-    assert rc0 == 3, err0[-3000:]
-    assert "error: lost process 1 of 2 (process 1 stopped on: out of memory (simulated" in err0, err0[-3000:]
+    (rc_failed, err_failed), (rc_other, err_other) = ((rc1, err1), (rc0, err0)) if failing else ((rc0, err0), (rc1, err1))
+    assert rc_failed == 2, err_failed[-3000:]
+    assert err_failed.count("error:") == 1 and "error: out of memory (simulated on this process only)" in err_failed
+    assert rc_other == 3, err_other[-3000:]
+    assert f"error: lost process {failing} of 2 (process {failing} stopped on: out of memory (simulated" in err_other, \
+        err_other[-3000:]
     assert "Traceback" not in err0 + err1
 
 

@@ -38,7 +38,7 @@ print(json.dumps({"import_s": t1 - t0, "step_compile_s": t2 - t1, "init_compile_
 
 def run_case(model, mesh, devices, seq, batch, cache_dir, platform=None, attention="auto"):
     """One compile in a fresh process; `platform="cpu"` for simulated devices on a machine with a GPU.
-    None, after printing why, when it fails: one failed case must not end the benchmark."""
+    {"error": stderr}, after printing it, when it fails: one failed case must not end the benchmark."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     if platform:
         env["JAX_PLATFORMS"] = platform
@@ -52,7 +52,7 @@ def run_case(model, mesh, devices, seq, batch, cache_dir, platform=None, attenti
     if out.returncode:
         print(f"{model} on mesh {mesh} with attention {attention} failed (exit {out.returncode}):\n"
               f"{out.stderr[-3000:]}", flush=True)
-        return None
+        return {"error": out.stderr}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -62,25 +62,30 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
+    measured = 0
     with tempfile.TemporaryDirectory() as cache:
         attention = "auto"
         first = run_case(args.big, "dp", 1, args.seq, args.batch, cache)
-        if first is None:  # e.g. cuDNN attention failing on this CUDA: XLA's attention
+        if "error" in first and "RESOURCE_EXHAUSTED" not in first["error"]:  # e.g. cuDNN attention on this CUDA
             attention = "xla"
             first = run_case(args.big, "dp", 1, args.seq, args.batch, cache, attention=attention)
-        if first is not None:
+        if "error" not in first:
+            measured += 1
             print(f"{args.big} (seq {args.seq}, batch {args.batch}, 1 device, attention {attention}): step compile "
                   f"{first['step_compile_s']:.1f}s, init {first['init_compile_s']:.1f}s", flush=True)
             hit = run_case(args.big, "dp", 1, args.seq, args.batch, cache, attention=attention)
-            if hit is not None:
+            if "error" not in hit:
+                measured += 1
                 print(f"{args.big} from the persistent cache: step {hit['step_compile_s']:.1f}s, "
                       f"init {hit['init_compile_s']:.1f}s", flush=True)
     for devices, mesh in ((1, "dp"), (8, "dp"), (8, "fsdp_tp:4x2")):
         r = run_case("tiny", mesh, devices, 32, 8, None, platform="cpu")
-        if r is not None:
+        if "error" not in r:
+            measured += 1
             print(f"tiny on {devices} device(s), mesh {mesh}: step compile {r['step_compile_s']:.1f}s, "
                   f"init {r['init_compile_s']:.1f}s (import {r['import_s']:.1f}s)", flush=True)
+    return 0 if measured else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

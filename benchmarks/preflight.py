@@ -5,7 +5,8 @@ here costs seconds, not the device lease. Each check runs in a fresh process.
 
 1. `import flax.nnx`. flax up to 0.12.9 subclasses `jax.experimental.hijax.HiPrimitive`, which jax 0.11.2
    renamed `HiPrim` (google/flax#5596, fixed in flax 0.12.10). If that is the failure, SITE gets a
-   sitecustomize.py that restores the old name, and the import is tried again.
+   sitecustomize.py that restores the old name (importing jax at every start, so JAX_PLATFORMS set
+   inside a script comes too late: the GPU benchmarks don't), and the import is tried again.
 2. XLA_FLAGS with shard's GPU preset and deterministic flags. XLA aborts at start-up on a flag it doesn't
    know, so a flag renamed in a newer XLA would end every run. Unknown ones are dropped from SITE's copy
    of the preset (never from the repository's) and named.
@@ -27,8 +28,11 @@ if not hasattr(_hijax, "HiPrimitive") and hasattr(_hijax, "HiPrim"):
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, **env), capture_output=True,
-                          text=True, timeout=300, check=False)
+    try:
+        return subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, **env), capture_output=True,
+                              text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(code, 124, "", "timed out after 300 s")
 
 
 def last_line(text: str) -> str:
@@ -43,7 +47,10 @@ def check_flax(site: Path) -> bool:
     print(f"preflight: import flax.nnx failed: {last_line(r.stderr)}", flush=True)
     if "HiPrimitive" not in r.stderr:
         return False
-    (site / "sitecustomize.py").write_text(HIPRIM_ALIAS)
+    # the image's own sitecustomize, if any, would be shadowed by SITE's: run it from ours
+    found = python("import importlib.util as u; s = u.find_spec('sitecustomize'); print(s.origin if s else '')")
+    chained = f"exec(open({found.stdout.strip()!r}).read())\n" if found.stdout.strip() else ""
+    (site / "sitecustomize.py").write_text(HIPRIM_ALIAS + chained)
     r = python("import flax.nnx")
     print(f"preflight: with HiPrimitive = HiPrim: {'imports' if r.returncode == 0 else last_line(r.stderr)}",
           flush=True)
@@ -69,6 +76,8 @@ def check_flags(site: Path) -> bool:
     r = python("from shard import xla_flags; import os, jax; "
                "os.environ['XLA_FLAGS'] = xla_flags.merged_flags('', gpu=True, gpu_preset=True, deterministic=True)"
                "; jax.devices()")
+    if r.returncode:
+        print(f"preflight: JAX still fails to start: {last_line(r.stderr)}", flush=True)
     return r.returncode == 0
 
 

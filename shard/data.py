@@ -66,20 +66,21 @@ def _read_token_file(path: Path) -> np.ndarray:
     return tokens
 
 
-def folder_files(folder: Path) -> list[Path]:
-    """A data folder's files, sorted; not those under hidden folders (.git/, .cache/) or __pycache__/."""
-    return sorted(f for f in folder.rglob("*") if f.is_file()
-                  and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(folder).parts))
+def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
+    """A data folder's token files (.npy/.bin) and its other files, sorted; not those under hidden
+    folders (.git/, .cache/) or __pycache__/. Token files win: the others are read only when there are
+    none."""
+    files = sorted(f for f in folder.rglob("*") if f.is_file()
+                   and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(folder).parts))
+    return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
 
 
 def unused_files_note(path: str) -> str | None:
-    """A folder of token files trains on those only: a line naming what else it holds, or None."""
+    """A line naming the files a folder of token files leaves unread, or None."""
     p = Path(path)
     if path in (EMBEDDED, SYNTHETIC) or not p.is_dir():
         return None
-    files = folder_files(p)
-    tokens = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
-    others = [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
+    tokens, others = folder_sources(p)
     if not tokens or not others:
         return None
     return (f"data folder {p} holds {len(tokens)} token file(s) (.npy/.bin), so its {len(others)} other file(s) "
@@ -96,12 +97,11 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         if not p.exists():
             raise ShardError(f"data path {path} does not exist")
         if p.is_dir():
-            files = folder_files(p)
-            token_files = [f for f in files if f.suffix in _TOKEN_SUFFIXES]
+            token_files, text_files = folder_sources(p)
             if token_files:
                 tokens = np.concatenate([_read_token_file(f) for f in token_files])
             else:
-                tokens = _read_text_files(files) if files else np.zeros(0, np.uint8)
+                tokens = _read_text_files(text_files) if text_files else np.zeros(0, np.uint8)
         elif not p.is_file():
             raise ShardError(f"data path {path} is not a regular file or folder")
         elif p.suffix in _TOKEN_SUFFIXES:

@@ -339,6 +339,9 @@ def abort_peers(code: int) -> None:
     """After a user error on one process of an MPI-bridge job: take the whole job down, since the other
     ranks would otherwise wait in their next MPI call (and this one in MPI_Finalize) for ever."""
     if _ctx.mode == MPI and _ctx.size > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
         _mpi_world().Abort(code)
 
 

@@ -33,9 +33,9 @@ run() {
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     # flax that can't import beside this jax, or XLA flags this XLA doesn't know: mended or named in seconds
-    timeout 300 python3 benchmarks/preflight.py "$site" || exit 1
+    timeout 150 python3 benchmarks/preflight.py "$site" || exit 1
     # benchmark 2: tokens/s, MFU and peak memory of llama-1b at seq 2048 per remat policy
-    timeout 400 python3 benchmarks/mfu.py --batches 48,32,24,16,12,8 --steps 8
+    timeout 360 python3 benchmarks/mfu.py --batches 48,32,24,16,12,8 --steps 8
     # benchmark 3: compile times (the 1B model on the GPU; the tiny model on simulated CPU devices)
     timeout 150 python3 benchmarks/compile_time.py
 }

@@ -30,9 +30,9 @@ if not hasattr(_hijax, "HiPrimitive") and hasattr(_hijax, "HiPrim"):
 def python(code: str, **env: str) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, **env), capture_output=True,
-                              text=True, timeout=300, check=False)
+                              text=True, timeout=120, check=False)
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(code, 124, "", "timed out after 300 s")
+        return subprocess.CompletedProcess(code, 124, "", "timed out after 120 s")
 
 
 def last_line(text: str) -> str:

@@ -128,11 +128,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
 
 def _fail(e: Exception):
-    from shard.distributed import abort_peers, leave_on_error
+    from shard.distributed import leave_on_error
 
     err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-    leave_on_error(str(e), 2)  # several processes under jax.distributed: the others name why; exits here
-    abort_peers(2)  # the MPI bridge: take the job down
+    leave_on_error(str(e), 2)  # several processes: the others learn of it (or the job stops); exits there
     raise typer.Exit(2)
 
 

@@ -301,14 +301,22 @@ def writes_shared_files() -> bool:
 
 
 def leave_on_error(message: str, code: int) -> None:
-    """This process stops on an error of its own (out of memory, a file missing on this host). With
-    several processes under jax.distributed: stop the watchdog (whose polls would fail as this process
-    disconnects), leave `message` with the coordination service so the others name it when they find
-    this process gone, and exit with `code` at once. JAX's exit-time shutdown would wait for the others
-    and, on process 0, stop the service's helper before they read the message; left alone, the helper
-    serves for twice the heartbeat timeout after process 0 is gone (shard.coordinator)."""
-    if _ctx.mode != XLA or _ctx.size < 2:
+    """This process stops on an error of its own (out of memory, a file missing on this host), with
+    exit `code`; one process: returns (the caller exits). Several processes:
+    - jax.distributed: stop the watchdog (whose polls would fail as this process disconnects), leave
+      `message` with the coordination service so the others name it when they find this process gone,
+      and exit at once. JAX's exit-time shutdown would wait for the others and, on process 0, stop the
+      service's helper before they read the message; left alone, the helper serves for twice the
+      heartbeat timeout after process 0 is gone (shard.coordinator).
+    - the MPI bridge: take the whole job down, since the other ranks would otherwise wait in their next
+      MPI call (and this one in MPI_Finalize) for ever."""
+    if _ctx.size < 2:
         return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _ctx.mode == MPI:
+        time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
+        _mpi_world().Abort(code)
     from jax._src import distributed as jax_distributed
 
     if _ctx._watchdog:
@@ -316,8 +324,6 @@ def leave_on_error(message: str, code: int) -> None:
     with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
         jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank), message[:500],
                                                           allow_overwrite=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
     os._exit(code)
 
 
@@ -333,16 +339,6 @@ def _lost_processes(missing: list[int], otherwise: str) -> str:
             continue
         reasons.append(f"process {rank} stopped on: {reason}")
     return f"lost process {', '.join(map(str, missing))} of {_ctx.size} ({'; '.join(reasons) or otherwise})"
-
-
-def abort_peers(code: int) -> None:
-    """After a user error on one process of an MPI-bridge job: take the whole job down, since the other
-    ranks would otherwise wait in their next MPI call (and this one in MPI_Finalize) for ever."""
-    if _ctx.mode == MPI and _ctx.size > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
-        _mpi_world().Abort(code)
 
 
 def _lost(reason: str) -> None:

@@ -311,6 +311,10 @@ def train(
 
     from shard import distributed
 
+    # The cluster comes from flags and the launcher alone; from here on, an error on this process
+    # reaches the others (distributed.leave_on_error), even before it joins them.
+    cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
+    distributed.expect(cluster)
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
     base = _resume_base(run_dir, allow_fresh) if resume else _init_from_base(init_from) if init_from else None
@@ -324,7 +328,7 @@ def train(
         source = f"--resume continues the {saved_name} run in {run_dir}" if resume else \
             f"--init-from {init_from} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
-    cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
+    distributed.expect(cluster, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None

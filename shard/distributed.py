@@ -31,6 +31,7 @@ CROSS_HOST_MODES = (XLA, MPI)
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
 _ERROR_KEY = "shard/error/{rank}"  # coordination-service key: why process `rank` stopped
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
+_JOIN_GRACE = 10.0  # seconds past the join timeout before a join that has not completed is given up
 
 _MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                   ("PMIX_RANK", "PMIX_SIZE"))
@@ -98,16 +99,27 @@ class Context:
 
 
 _ctx = Context()
+_expected: tuple[ClusterSpec, float, float] | None = None  # expect(): to join, with its timeouts
+_join_stuck = False  # a join that was given up still waits inside the runtime
 
 
 def context() -> Context:
     return _ctx
 
 
+def expect(cluster: ClusterSpec | None, failure_timeout: float = 60.0, join_timeout: float = 300.0) -> None:
+    """Note the cluster this process is about to join (None: one process). A process that stops on an
+    error of its own before joining then still reaches the others (`leave_on_error`), who would
+    otherwise wait for it until the join timeout and stop without knowing why."""
+    global _expected
+    _expected = (cluster, failure_timeout, join_timeout) if cluster is not None else None
+
+
 def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
           join_timeout: float = 300.0) -> Context:
     """Join the cluster (before JAX's backends start) and return the context; one process: no-op."""
-    global _ctx
+    global _ctx, _expected
+    _expected = None  # from here on, an error is this join's own (or later): it is not joined again
     if cross_host not in CROSS_HOST_MODES:
         raise ShardError(f"--cross-host must be one of {', '.join(CROSS_HOST_MODES)}, got {cross_host!r}")
     if cluster is None:
@@ -122,30 +134,62 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
         return _ctx
     import jax
 
-    # Recoverable tasks: a lost process no longer aborts every other one from inside the runtime, so
-    # the watchdog can stop them with an error that names it.
-    jax.config.update("jax_enable_recoverability", True)
-    timeout = max(1, int(failure_timeout))
-    kwargs = {"initialization_timeout": max(1, int(join_timeout)), "heartbeat_timeout_seconds": timeout}
-    try:
-        with service_in_helper():  # process 0's service outlives process 0, so its loss is reported
-            _initialize(cluster, kwargs)
-    except (RuntimeError, ValueError) as e:  # XlaRuntimeError is a RuntimeError
-        raise ShardError(f"could not join the {cluster.launcher} cluster as process {cluster.process_id} of "
-                         f"{cluster.num_processes}: {str(e).splitlines()[0]}") from None
+    _join(cluster, failure_timeout, join_timeout)
     _ctx = Context(XLA, jax.process_index(), jax.process_count(), failure_timeout)
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
     return _ctx
 
 
-def _initialize(cluster: ClusterSpec, kwargs: dict) -> None:
+def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> None:
+    """`jax.distributed.initialize`, waited for at most the join timeout. The runtime's own deadline
+    ends in a native abort (a C++ check failure, exit 134), so the join runs in a thread with a later
+    deadline, and this one gives up first, with a ShardError; Ctrl-C also ends the wait."""
+    global _join_stuck
     import jax
 
+    # Recoverable tasks: a lost process no longer aborts every other one from inside the runtime, so
+    # the watchdog can stop them with an error that names it.
+    jax.config.update("jax_enable_recoverability", True)
+    outcome: list[BaseException | None] = []
+
+    def connect():
+        try:
+            with service_in_helper():  # process 0's service outlives process 0, so its loss is reported
+                _initialize(cluster, join_timeout, max(1, int(failure_timeout)))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append(e)
+
+    joining = threading.Thread(target=connect, name="shard-join", daemon=True)
+    joining.start()
+    where = f"the {cluster.launcher} cluster as process {cluster.process_id} of {cluster.num_processes}"
+    try:
+        joining.join(join_timeout + _JOIN_GRACE)
+    except KeyboardInterrupt:
+        _join_stuck = True
+        raise ShardError(f"interrupted while joining {where}") from None
+    if not outcome:
+        _join_stuck = True  # the runtime still waits in that thread: leave_on_error exits at once
+        raise ShardError(f"could not join {where}: not every process connected within {join_timeout:g}s (one may "
+                         "have stopped on an error before joining, or not have started); cluster.join_timeout "
+                         "sets the wait")
+    error = outcome[0]
+    if isinstance(error, RuntimeError | ValueError) and not isinstance(error, ShardError):  # XlaRuntimeError too
+        raise ShardError(f"could not join {where}: {str(error).splitlines()[0]}") from None
+    if error is not None:
+        raise error
+
+
+def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: int) -> None:
+    import jax
+
+    # The runtime's deadline comes after _join's, so that _join reports a join that never completes.
+    kwargs = {"initialization_timeout": int(join_timeout + 2 * _JOIN_GRACE),
+              "heartbeat_timeout_seconds": heartbeat_timeout}
     if cluster.launcher == "explicit":
         if cluster.process_id != 0:
-            waited = _wait_for_coordinator(cluster.coordinator, kwargs["initialization_timeout"])
-            kwargs = kwargs | {"initialization_timeout": max(1, int(kwargs["initialization_timeout"] - waited))}
+            _wait_for_coordinator(cluster.coordinator, join_timeout)
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    cluster_detection_method="deactivate", **kwargs)
     elif cluster.launcher == "mpi":
@@ -241,7 +285,7 @@ def fail(error: BaseException) -> None:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
     if missing:
-        _lost(_lost_processes(missing, first))
+        _stop_on_lost(missing, first)
     _lost(f"a cross-process collective failed: {first}")
 
 
@@ -309,43 +353,76 @@ def leave_on_error(message: str, code: int) -> None:
       service's helper before they read the message; left alone, the helper serves for twice the
       heartbeat timeout after process 0 is gone (shard.coordinator).
     - the MPI bridge: take the whole job down, since the other ranks would otherwise wait in their next
-      MPI call (and this one in MPI_Finalize) for ever."""
-    if _ctx.size < 2:
-        return
+      MPI call (and this one in MPI_Finalize) for ever.
+    - not joined yet (see `expect`): join first, then leave as above; under an MPI launcher, start MPI
+      and take the job down, as the others wait in MPI's start-up for this rank."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _join_stuck:  # the runtime still waits in a thread; an orderly exit would wait with it
+        os._exit(code)
+    if _expected is not None:
+        _join_to_leave(code)
+    if _ctx.size < 2:
+        return
     if _ctx.mode == MPI:
-        time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
-        _mpi_world().Abort(code)
+        _mpi_abort(code)
     from jax._src import distributed as jax_distributed
 
     if _ctx._watchdog:
         _ctx._watchdog.stop()
     with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
-        jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank), message[:500],
-                                                          allow_overwrite=True)
+        jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank),
+                                                          f"{code} {message[:500]}", allow_overwrite=True)
     os._exit(code)
 
 
-def _lost_processes(missing: list[int], otherwise: str) -> str:
-    """'lost process 1 of 2 (why)': the reason a lost process left (leave_on_error), else `otherwise`."""
+def _join_to_leave(code: int) -> None:
+    """Join the expected cluster only to leave it (leave_on_error); exit `code` when that fails."""
+    cluster, failure_timeout, join_timeout = _expected
+    if cluster.launcher == "mpi":
+        with contextlib.suppress(ShardError):  # no mpi4py: nothing to tell the others with
+            _mpi_abort(code)
+        os._exit(code)
+    sys.stderr.write(f"waiting up to {join_timeout:g}s for the other {cluster.num_processes - 1} process(es) to "
+                     "join, to tell them why this one stops\n")
+    try:
+        start(cluster, XLA, failure_timeout, join_timeout)
+    except BaseException:  # noqa: BLE001 - this process is stopping on its own error already
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _mpi_abort(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
+    _mpi_world().Abort(code)
+
+
+def _stop_on_lost(missing: list[int], otherwise: str) -> None:
+    """Stop with 'lost process 1 of 2 (why)': the reason a lost process left (leave_on_error), else
+    `otherwise`. When every lost process left one, exit with its code (2: the job stopped on a user's
+    error, which a restart would meet again), else EXIT_LOST_PROCESS."""
     from jax._src import distributed as jax_distributed
 
-    reasons = []
+    reasons, codes = [], set()
     for rank in missing:
         try:
-            reason = jax_distributed.global_state.client.key_value_try_get(_ERROR_KEY.format(rank=rank))
+            left = jax_distributed.global_state.client.key_value_try_get(_ERROR_KEY.format(rank=rank))
         except Exception:  # noqa: BLE001 - none left (a crash or a kill), or the service is gone
             continue
+        code, _, reason = left.partition(" ")
         reasons.append(f"process {rank} stopped on: {reason}")
-    return f"lost process {', '.join(map(str, missing))} of {_ctx.size} ({'; '.join(reasons) or otherwise})"
+        codes.add(int(code))
+    code = codes.pop() if len(reasons) == len(missing) and len(codes) == 1 else EXIT_LOST_PROCESS
+    _lost(f"lost process {', '.join(map(str, missing))} of {_ctx.size} ({'; '.join(reasons) or otherwise})", code)
 
 
-def _lost(reason: str) -> None:
+def _lost(reason: str, code: int = EXIT_LOST_PROCESS) -> None:
     """Stop this process at once with a one-line error (threads may be stuck inside a collective)."""
     sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")
     sys.stderr.flush()
-    os._exit(EXIT_LOST_PROCESS)
+    os._exit(code)
 
 
 class _Watchdog:
@@ -390,7 +467,7 @@ class _Watchdog:
         while not self._stop.wait(self.interval):
             missing = self.missing()
             if missing and not self._stop.is_set():
-                _lost(_lost_processes(missing, f"it exited, or sent no heartbeat for {self.timeout:g}s"))
+                _stop_on_lost(missing, f"it exited, or sent no heartbeat for {self.timeout:g}s")
 
 
 # --- MPI -------------------------------------------------------------------------------------------

@@ -239,8 +239,8 @@ data.BatchStream.next = _next_or_oom
 @pytest.mark.parametrize("failing", [1, 0], ids=["worker", "coordinator"])
 def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path, failing):
     """One process runs out of memory mid-run: it stops with its one line (exit 2), and the other says
-    why it was lost, not only that it was (exit 3). Process 0 too: the coordination service's helper
-    outlives it, and its reason with it."""
+    why it was lost, not only that it was, and exits with the same code (a restart would meet the same
+    error). Process 0 too: the coordination service's helper outlives it, and its reason with it."""
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(OOM_AT_STEP_3)
     args = ["--model", "tiny", "--steps", "6", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x1",
@@ -257,10 +257,52 @@ def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path, failing):
     (rc_failed, err_failed), (rc_other, err_other) = ((rc1, err1), (rc0, err0)) if failing else ((rc0, err0), (rc1, err1))
     assert rc_failed == 2, err_failed[-3000:]
     assert err_failed.count("error:") == 1 and "error: out of memory (simulated on this process only)" in err_failed
-    assert rc_other == 3, err_other[-3000:]
+    assert rc_other == 2, err_other[-3000:]
     assert f"error: lost process {failing} of 2 (process {failing} stopped on: out of memory (simulated" in err_other, \
         err_other[-3000:]
     assert "Traceback" not in err0 + err1
+
+
+@pytest.mark.parametrize("failing", [1, 0], ids=["worker", "coordinator"])
+def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
+    """A data path missing on one host only: that process stops before it joins the cluster, so it
+    joins only to leave its reason, and the other names it instead of waiting out the join timeout
+    (whose end was a native abort, exit 134)."""
+    args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--mesh", "2x1", "--run-dir", "r",
+            "--failure-timeout", "10", "--set", "cluster.join_timeout=120",
+            "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    procs = [subprocess.Popen(shard_cmd(*args, "--process-id", str(rank),
+                                        *(["--data", "not-on-this-host.txt"] if rank == failing else [])),
+                              cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outs = finish(procs, timeout=300)
+    (rc_failed, _, err_failed), (rc_other, _, err_other) = outs[failing], outs[1 - failing]
+    assert rc_failed == 2, err_failed[-3000:]
+    assert err_failed.count("error:") == 1 and "error: data path not-on-this-host.txt does not exist" in err_failed
+    assert rc_other == 2, err_other[-3000:]
+    assert (f"error: lost process {failing} of 2 (process {failing} stopped on: data path not-on-this-host.txt "
+            "does not exist)") in err_other, err_other[-3000:]
+    assert "Traceback" not in err_failed + err_other and "Check failure" not in err_failed + err_other
+    assert not (tmp_path / "r").exists()
+
+
+@needs_mpi
+def test_an_error_before_joining_under_mpiexec_stops_the_job(tmp_path):
+    """Under mpiexec the other ranks wait in MPI's start-up for the failing one: it starts MPI and
+    takes the job down, where the job used to hang for ever."""
+    script = tmp_path / "rank1_misses_its_data.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from shard.cli import main
+        if os.environ.get("PMI_RANK") == "1":
+            sys.argv += ["--data", "not-on-this-host.txt"]
+        main()
+    """))
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script), "train", *TINY, "--mesh", "2x1",
+                        "--run-dir", "r"], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "error: data path not-on-this-host.txt does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_a_process_reads_only_its_block_of_each_global_batch():

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -52,10 +53,16 @@ class CommandGroup(typer.core.TyperGroup):
         try:
             return super().invoke(ctx)
         except Exception as e:
+            distributed = sys.modules.get("shard.distributed")
+            if distributed:
+                distributed.wait_if_stopping()  # another thread is reporting the cause and exits
             error = user_error(e)
             if error is None:
                 raise
             _fail(error)
+        finally:  # a cluster one command expected to join is not the next one's (in-process calls)
+            if distributed := sys.modules.get("shard.distributed"):
+                distributed.expect(None)
 
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -314,7 +321,7 @@ def train(
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (distributed.leave_on_error), even before it joins them.
     cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
-    distributed.expect(cluster)
+    distributed.expect(cluster, cross_host or distributed.XLA, failure_timeout or 60.0)
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
     base = _resume_base(run_dir, allow_fresh) if resume else _init_from_base(init_from) if init_from else None
@@ -328,7 +335,7 @@ def train(
         source = f"--resume continues the {saved_name} run in {run_dir}" if resume else \
             f"--init-from {init_from} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
-    distributed.expect(cluster, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None

@@ -16,11 +16,15 @@ timeout, plus 5 s), then exits.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+
+from shard.errors import ShardError
 
 
 class ServiceHandle:
@@ -41,11 +45,29 @@ class ServiceHandle:
 def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 100,
                   shutdown_timeout: int = 300, recoverable: bool = False, **_unused) -> ServiceHandle:
     """Start the helper with JAX's arguments (the signature of `get_distributed_runtime_service`)."""
+    _check_port_free(bind_address)
     args = [bind_address, str(num_nodes), str(int(heartbeat_timeout)), str(int(shutdown_timeout)),
             str(os.getpid()), "1" if recoverable else "0"]
     proc = subprocess.Popen([sys.executable, "-m", "shard.coordinator", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return ServiceHandle(proc)
+
+
+def _check_port_free(bind_address: str) -> None:
+    """The service's port must be free: gRPC would share it with another service (say a previous
+    run's, still serving for a failed run's last processes), and this job's processes could meet
+    that one instead."""
+    port = int(bind_address.rpartition(":")[2])
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no use
+        try:
+            s.bind(("::" if socket.has_ipv6 else "", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # (no IPv6 on this host, say): leave it to the service
+            raise ShardError(f"the coordinator's port {port} is in use (by another job, or a previous run's "
+                             f"coordination service, which serves up to twice the failure timeout after its "
+                             "process 0 is gone); choose another port, or wait") from None
 
 
 @contextlib.contextmanager

@@ -29,7 +29,8 @@ from shard.errors import ShardError
 XLA, MPI = "xla", "mpi"
 CROSS_HOST_MODES = (XLA, MPI)
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
-_ERROR_KEY = "shard/error/{rank}"  # coordination-service key: why process `rank` stopped
+_ERROR_PREFIX = "shard/error/"
+_ERROR_KEY = _ERROR_PREFIX + "{rank}"  # coordination-service key: "CODE why" process `rank` stopped
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
 _JOIN_GRACE = 10.0  # seconds past the join timeout before a join that has not completed is given up
 
@@ -99,25 +100,31 @@ class Context:
 
 
 _ctx = Context()
-_expected: tuple[ClusterSpec, float, float] | None = None  # expect(): to join, with its timeouts
+_expected: tuple[ClusterSpec, str, float, float] | None = None  # expect(): to join, and how
 _join_stuck = False  # a join that was given up still waits inside the runtime
+_stopping = threading.Lock()  # held by the thread that stops this process (_stop_once)
 
 
 def context() -> Context:
     return _ctx
 
 
-def expect(cluster: ClusterSpec | None, failure_timeout: float = 60.0, join_timeout: float = 300.0) -> None:
-    """Note the cluster this process is about to join (None: one process). A process that stops on an
-    error of its own before joining then still reaches the others (`leave_on_error`), who would
-    otherwise wait for it until the join timeout and stop without knowing why."""
+def expect(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
+           join_timeout: float = 300.0) -> None:
+    """Note the cluster this process is about to join (None: one process, or forget it). A process
+    that stops on an error of its own before joining then still reaches the others
+    (`leave_on_error`), who would otherwise wait for it until the join timeout and stop without
+    knowing why."""
     global _expected
-    _expected = (cluster, failure_timeout, join_timeout) if cluster is not None else None
+    _expected = (cluster, cross_host, failure_timeout, join_timeout) if cluster is not None else None
 
 
 def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
           join_timeout: float = 300.0) -> Context:
-    """Join the cluster (before JAX's backends start) and return the context; one process: no-op."""
+    """Join the cluster (before JAX's backends start) and return the context; one process: no-op.
+
+    A ShardError from a join that did not complete within `join_timeout` leaves the runtime waiting in
+    a thread, to abort the process natively later: exit after it (leave_on_error does)."""
     global _ctx, _expected
     _expected = None  # from here on, an error is this join's own (or later): it is not joined again
     if cross_host not in CROSS_HOST_MODES:
@@ -151,6 +158,8 @@ def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> 
     # Recoverable tasks: a lost process no longer aborts every other one from inside the runtime, so
     # the watchdog can stop them with an error that names it.
     jax.config.update("jax_enable_recoverability", True)
+    if cluster.launcher == "mpi":
+        _mpi_world()  # MPI starts in this thread, the one that makes the later MPI calls
     outcome: list[BaseException | None] = []
 
     def connect():
@@ -347,15 +356,13 @@ def writes_shared_files() -> bool:
 def leave_on_error(message: str, code: int) -> None:
     """This process stops on an error of its own (out of memory, a file missing on this host), with
     exit `code`; one process: returns (the caller exits). Several processes:
-    - jax.distributed: stop the watchdog (whose polls would fail as this process disconnects), leave
-      `message` with the coordination service so the others name it when they find this process gone,
-      and exit at once. JAX's exit-time shutdown would wait for the others and, on process 0, stop the
-      service's helper before they read the message; left alone, the helper serves for twice the
-      heartbeat timeout after process 0 is gone (shard.coordinator).
+    - jax.distributed: stop the watchdog, leave `CODE message` with the coordination service (the
+      others' watchdogs find it within a second, name it and stop), and exit at once. Process 0 first
+      waits until the others are gone and stops the service (`_leave_service`).
     - the MPI bridge: take the whole job down, since the other ranks would otherwise wait in their next
       MPI call (and this one in MPI_Finalize) for ever.
-    - not joined yet (see `expect`): join first, then leave as above; under an MPI launcher, start MPI
-      and take the job down, as the others wait in MPI's start-up for this rank."""
+    - not joined yet (see `expect`): join first, then leave as above; under MPI, start MPI and take
+      the job down, as the others wait in MPI's start-up for this rank."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _join_stuck:  # the runtime still waits in a thread; an orderly exit would wait with it
@@ -370,16 +377,46 @@ def leave_on_error(message: str, code: int) -> None:
 
     if _ctx._watchdog:
         _ctx._watchdog.stop()
-    with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
+    _stop_once()
+    try:
         jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank),
                                                           f"{code} {message[:500]}", allow_overwrite=True)
+    except Exception:  # noqa: BLE001 - the service is gone: the others will see a lost process only
+        os._exit(code)
+    _leave_service()
     os._exit(code)
+
+
+def _bounded(fn, seconds: float = 5.0) -> None:
+    """fn() in a daemon thread, waited for at most `seconds`: a call into a service that may be gone."""
+    def call():
+        with contextlib.suppress(Exception):
+            fn()
+
+    thread = threading.Thread(target=call, name="shard-bounded-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+def _leave_service() -> None:
+    """On the way out of a failed run. Process 0 waits, up to the failure timeout, until the others
+    have left, then stops the coordination service (its helper), so that a rerun on the same port
+    meets no stale one. Another process disconnects, so that the others see it gone at once rather
+    than after the heartbeat timeout."""
+    from jax._src import distributed as jax_distributed
+
+    if _ctx.rank == 0 and _ctx._watchdog:
+        others = set(range(1, _ctx.size))
+        _ctx._watchdog.wait_until(lambda missing: others <= set(missing) or missing == [0], _ctx.failure_timeout)
+        _bounded(jax_distributed.shutdown)  # the client, then the service
+    elif (client := jax_distributed.global_state.client) is not None:
+        _bounded(client.shutdown)
 
 
 def _join_to_leave(code: int) -> None:
     """Join the expected cluster only to leave it (leave_on_error); exit `code` when that fails."""
-    cluster, failure_timeout, join_timeout = _expected
-    if cluster.launcher == "mpi":
+    cluster, cross_host, failure_timeout, join_timeout = _expected
+    if cluster.launcher == "mpi" or cross_host == MPI:
         with contextlib.suppress(ShardError):  # no mpi4py: nothing to tell the others with
             _mpi_abort(code)
         os._exit(code)
@@ -412,6 +449,8 @@ def _stop_on_lost(missing: list[int], otherwise: str) -> None:
         except Exception:  # noqa: BLE001 - none left (a crash or a kill), or the service is gone
             continue
         code, _, reason = left.partition(" ")
+        if not code.isdigit():  # left without a code (an older shard)
+            code, reason = str(EXIT_LOST_PROCESS), left
         reasons.append(f"process {rank} stopped on: {reason}")
         codes.add(int(code))
     code = codes.pop() if len(reasons) == len(missing) and len(codes) == 1 else EXIT_LOST_PROCESS
@@ -420,9 +459,25 @@ def _stop_on_lost(missing: list[int], otherwise: str) -> None:
 
 def _lost(reason: str, code: int = EXIT_LOST_PROCESS) -> None:
     """Stop this process at once with a one-line error (threads may be stuck inside a collective)."""
+    _stop_once()
     sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")
     sys.stderr.flush()
+    _leave_service()
     os._exit(code)
+
+
+def wait_if_stopping() -> None:
+    """If another thread is stopping this process (it found a process lost, or this one failed), wait
+    for it to exit: an error in this thread is then a consequence (a collective cut short), not news."""
+    if _stopping.locked():
+        threading.Event().wait()
+
+
+def _stop_once() -> None:
+    """The first thread to stop this process goes on; another (the watchdog and the main thread may
+    both find a lost process) waits here for its exit, so one line is printed."""
+    if not _stopping.acquire(blocking=False):
+        threading.Event().wait()
 
 
 class _Watchdog:
@@ -445,14 +500,17 @@ class _Watchdog:
         self._stop.set()
 
     def missing(self) -> list[int]:
-        """Processes the coordination service no longer counts as live; [0] when it is unreachable."""
+        """Processes the coordination service no longer counts as live, or that left the reason they
+        stop (leave_on_error); [0] when the service is unreachable."""
         from jax._src import distributed as jax_distributed
 
+        client = jax_distributed.global_state.client
         try:
-            live = jax_distributed.global_state.client.get_live_nodes(list(range(self.size)))
+            live = client.get_live_nodes(list(range(self.size)))
+            left = {int(key.rpartition("/")[2]) for key, _ in client.key_value_dir_get(_ERROR_PREFIX)}
         except Exception:  # noqa: BLE001 - the coordinator (process 0) is gone
             return [0]
-        return sorted(set(range(self.size)) - set(live))
+        return sorted((set(range(self.size)) - set(live) | left) - {_ctx.rank})
 
     def wait_until(self, done, timeout: float) -> list[int]:
         """Poll the missing processes until `done(missing)` holds or `timeout` passes; the last answer."""

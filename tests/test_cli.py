@@ -156,3 +156,18 @@ def test_inspect_table(run_shard):
     r = run_shard("inspect", "--mesh", "fsdp", "--model", "tiny")
     assert r.returncode == 0, r.stderr
     assert "layers/wq" in r.stdout and "fsdp" in r.stdout and "optimizer state" in r.stdout
+
+
+def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
+    """`train` notes the cluster it will join, so that an error before joining still reaches the other
+    processes; a later command in the same interpreter (a notebook, these tests) must not inherit it,
+    or its first user error would try to join that cluster."""
+    from shard import cli, distributed
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug, after the cluster was noted")
+
+    monkeypatch.setattr(cli.config_mod, "resolve", bug)
+    result = invoke("train", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1")
+    assert isinstance(result.exception, RuntimeError)
+    assert distributed._expected is None

@@ -267,15 +267,21 @@ def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path, failing):
 def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
     """A data path missing on one host only: that process stops before it joins the cluster, so it
     joins only to leave its reason, and the other names it instead of waiting out the join timeout
-    (whose end was a native abort, exit 134)."""
+    (whose end was a native abort, exit 134). With the default failure timeout (60 s), longer than
+    gloo's fixed 30 s, the other must learn it from the reason left, not from a missed heartbeat. The
+    corrected command then runs on the same port: the failed run's coordination service is gone."""
+    port = free_port()
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--mesh", "2x1", "--run-dir", "r",
-            "--failure-timeout", "10", "--set", "cluster.join_timeout=120",
-            "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-    procs = [subprocess.Popen(shard_cmd(*args, "--process-id", str(rank),
-                                        *(["--data", "not-on-this-host.txt"] if rank == failing else [])),
-                              cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    outs = finish(procs, timeout=300)
+            "--set", "cluster.join_timeout=120", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+
+    def start(missing_data_on=None):
+        return [subprocess.Popen(shard_cmd(*args, "--process-id", str(rank),
+                                           *(["--data", "not-on-this-host.txt"] if rank == missing_data_on else [])),
+                                 cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+                for rank in (0, 1)]
+
+    outs = finish(start(missing_data_on=failing), timeout=300)
     (rc_failed, _, err_failed), (rc_other, _, err_other) = outs[failing], outs[1 - failing]
     assert rc_failed == 2, err_failed[-3000:]
     assert err_failed.count("error:") == 1 and "error: data path not-on-this-host.txt does not exist" in err_failed
@@ -284,6 +290,8 @@ def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
             "does not exist)") in err_other, err_other[-3000:]
     assert "Traceback" not in err_failed + err_other and "Check failure" not in err_failed + err_other
     assert not (tmp_path / "r").exists()
+    rerun = finish(start(), timeout=300)
+    assert [rc for rc, _, _ in rerun] == [0, 0], rerun[0][2][-3000:] + rerun[1][2][-3000:]
 
 
 @needs_mpi
@@ -343,6 +351,46 @@ def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     # 150-byte buckets: same-dtype neighbours share one until full; a dtype change or an oversized leaf starts anew.
     assert buckets(leaves, 150) == [[0, 1], [2], [3], [4], [5]]
     assert buckets(leaves, 1 << 20) == [[0, 1, 2], [3], [4, 5]]
+
+
+def test_a_coordinator_port_in_use_is_refused():
+    """gRPC would share a port with a service already there (say a failed run's, still serving its
+    last processes): this job's processes could meet that one instead of their own."""
+    from shard.coordinator import _check_port_free
+    from shard.errors import ShardError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ShardError, match=f"the coordinator's port {port} is in use"):
+            _check_port_free(f"[::]:{port}")
+    _check_port_free(f"[::]:{port}")  # closed: free again
+
+
+def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
+    """A reason left without its exit code (an older shard in the job): named, and exit code 3."""
+    from jax._src import distributed as jax_distributed
+
+    from shard import distributed
+
+    class Client:
+        def key_value_try_get(self, key):
+            return {"shard/error/1": "out of memory (old format)", "shard/error/2": "2 no such file"}[key]
+
+    stopped = []
+    monkeypatch.setattr(jax_distributed.global_state, "client", Client())
+    monkeypatch.setattr(distributed, "_ctx", distributed.Context(distributed.XLA, 0, 3))
+    monkeypatch.setattr(distributed, "_lost", lambda reason, code=3: stopped.append((reason, code)))
+    distributed._stop_on_lost([1], "no reason")
+    distributed._stop_on_lost([2], "no reason")
+    distributed._stop_on_lost([1, 2], "no reason")
+    assert stopped == [
+        ("lost process 1 of 3 (process 1 stopped on: out of memory (old format))", 3),
+        ("lost process 2 of 3 (process 2 stopped on: no such file)", 2),
+        ("lost process 1, 2 of 3 (process 1 stopped on: out of memory (old format); process 2 stopped on: no "
+         "such file)", 3),
+    ]
 
 
 def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():

@@ -113,6 +113,24 @@ def test_srun_two_processes_match_one(slurm, tmp_path):
     np.testing.assert_allclose(losses, train_losses(tiny_config("2x4")), rtol=1e-5)
 
 
+def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):
+    """Without -K, srun lets the other task run on when one exits: task 1 misses its data, joins only
+    to leave its reason, and task 0 names it (it used to wait out the join timeout and abort natively)."""
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests())
+    script = tmp_path / "task1_misses_its_data.py"
+    script.write_text("import os, sys\nfrom shard.cli import main\n"
+                      "if os.environ['SLURM_PROCID'] == '1':\n    sys.argv += ['--data', 'not-on-this-host.txt']\nmain()\n")
+    args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--mesh", "2x1", "--run-dir", "r",
+            "--set", "cluster.join_timeout=120"]
+    r = subprocess.run(["srun", "-n", "2", "-O", "-I30", sys.executable, "-u", str(script), "train", *args],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "error: data path not-on-this-host.txt does not exist" in r.stderr
+    assert ("error: lost process 1 of 2 (process 1 stopped on: data path not-on-this-host.txt does not exist); "
+            "stopping process 0") in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "Check failure" not in r.stderr
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
       "SLURM_LOCALID": "1"}, ClusterSpec("slurm", 4, 3)),

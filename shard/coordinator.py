@@ -56,18 +56,21 @@ def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 10
 def _check_port_free(bind_address: str) -> None:
     """The service's port must be free: gRPC would share it with another service (say a previous
     run's, still serving for a failed run's last processes), and this job's processes could meet
-    that one instead."""
-    port = int(bind_address.rpartition(":")[2])
-    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no use
+    that one instead. Checked on the address the service binds ('[::]:P': every interface, IPv6 or,
+    where the kernel has none, IPv4); any other failure to bind is left to the service to report."""
+    host, _, port = bind_address.rpartition(":")
+    host = host.strip("[]")
+    for address in [host] if host not in ("", "::", "0.0.0.0") else ["::", "0.0.0.0"]:
         try:
-            s.bind(("::" if socket.has_ipv6 else "", port))
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no use
+                s.bind((address, int(port)))
+            return
         except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                return  # (no IPv6 on this host, say): leave it to the service
-            raise ShardError(f"the coordinator's port {port} is in use (by another job, or a previous run's "
-                             f"coordination service, which serves up to twice the failure timeout after its "
-                             "process 0 is gone); choose another port, or wait") from None
+            if e.errno == errno.EADDRINUSE:
+                raise ShardError(f"the coordinator's port {port} is in use (by another job, or a previous run's "
+                                 "coordination service, which serves up to twice the failure timeout after its "
+                                 "process 0 is gone); choose another port, or wait") from None
 
 
 @contextlib.contextmanager

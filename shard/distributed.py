@@ -103,6 +103,7 @@ _ctx = Context()
 _expected: tuple[ClusterSpec, str, float, float] | None = None  # expect(): to join, and how
 _join_stuck = False  # a join that was given up still waits inside the runtime
 _stopping = threading.Lock()  # held by the thread that stops this process (_stop_once)
+_stopper: int | None = None  # that thread's id
 
 
 def context() -> Context:
@@ -306,7 +307,10 @@ def broadcast_text(text: str) -> str:
         from jax.experimental import multihost_utils
 
         raw = np.frombuffer(text.encode().ljust(1024, b"\0")[:1024], np.uint8)
-        out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+        try:
+            out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+            fail(e)
         return bytes(out.astype(np.uint8)).rstrip(b"\0").decode()
     return text
 
@@ -379,12 +383,12 @@ def leave_on_error(message: str, code: int) -> None:
         _ctx._watchdog.stop()
     _stop_once()
     try:
-        jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank),
-                                                          f"{code} {message[:500]}", allow_overwrite=True)
-    except Exception:  # noqa: BLE001 - the service is gone: the others will see a lost process only
+        with contextlib.suppress(Exception):  # the service is gone: the others will see a lost process only
+            jax_distributed.global_state.client.key_value_set(_ERROR_KEY.format(rank=_ctx.rank),
+                                                              f"{code} {message[:500]}", allow_overwrite=True)
+            _leave_service()
+    finally:
         os._exit(code)
-    _leave_service()
-    os._exit(code)
 
 
 def _bounded(fn, seconds: float = 5.0) -> None:
@@ -460,24 +464,29 @@ def _stop_on_lost(missing: list[int], otherwise: str) -> None:
 def _lost(reason: str, code: int = EXIT_LOST_PROCESS) -> None:
     """Stop this process at once with a one-line error (threads may be stuck inside a collective)."""
     _stop_once()
-    sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")
-    sys.stderr.flush()
-    _leave_service()
-    os._exit(code)
+    try:
+        with contextlib.suppress(OSError):  # stderr closed: stop all the same
+            sys.stderr.write(f"error: {reason}; stopping process {_ctx.rank}\n")
+            sys.stderr.flush()
+        _leave_service()
+    finally:
+        os._exit(code)
 
 
 def wait_if_stopping() -> None:
     """If another thread is stopping this process (it found a process lost, or this one failed), wait
     for it to exit: an error in this thread is then a consequence (a collective cut short), not news."""
-    if _stopping.locked():
+    if _stopping.locked() and _stopper != threading.get_ident():
         threading.Event().wait()
 
 
 def _stop_once() -> None:
     """The first thread to stop this process goes on; another (the watchdog and the main thread may
     both find a lost process) waits here for its exit, so one line is printed."""
+    global _stopper
     if not _stopping.acquire(blocking=False):
         threading.Event().wait()
+    _stopper = threading.get_ident()
 
 
 class _Watchdog:

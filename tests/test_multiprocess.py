@@ -363,9 +363,44 @@ def test_a_coordinator_port_in_use_is_refused():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ShardError, match=f"the coordinator's port {port} is in use"):
-            _check_port_free(f"[::]:{port}")
+        for address in (f"[::]:{port}", f"127.0.0.1:{port}"):
+            with pytest.raises(ShardError, match=f"the coordinator's port {port} is in use"):
+                _check_port_free(address)
+        _check_port_free(f"127.0.0.2:{port}")  # another interface: free there
     _check_port_free(f"[::]:{port}")  # closed: free again
+
+
+def test_a_process_stops_even_when_its_stderr_is_gone(monkeypatch):
+    """The thread that stops the process exits it whatever happens on the way (a closed stderr here);
+    an error it causes in its own thread does not make it wait for itself."""
+    import io
+    import threading
+
+    from shard import distributed
+
+    class Exited(BaseException):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    left = []
+    monkeypatch.setattr(distributed, "_stopping", threading.Lock())
+    monkeypatch.setattr(distributed.os, "_exit", exit_)
+    monkeypatch.setattr(distributed.sys, "stderr", ClosedPipe())
+    monkeypatch.setattr(distributed, "_leave_service", lambda: left.append(True))
+    with pytest.raises(Exited) as exited:
+        distributed._lost("lost process 1 of 2", 3)
+    assert exited.value.args == (3,) and left == [True]
+    waited = threading.Thread(target=distributed.wait_if_stopping, daemon=True)
+    waited.start()
+    waited.join(5)
+    assert waited.is_alive()  # another thread waits for the stopping one to exit the process
+    distributed.wait_if_stopping()  # the stopping thread itself goes on
 
 
 def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):

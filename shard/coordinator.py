@@ -70,7 +70,8 @@ def _check_port_free(bind_address: str) -> None:
             if e.errno == errno.EADDRINUSE:
                 raise ShardError(f"the coordinator's port {port} is in use (by another job, or a previous run's "
                                  "coordination service, which serves up to twice the failure timeout after its "
-                                 "process 0 is gone); choose another port, or wait") from None
+                                 "process 0 is gone); choose another port (--coordinator HOST:PORT; under "
+                                 "srun, JAX_COORDINATOR_PORT), or wait") from None
 
 
 @contextlib.contextmanager

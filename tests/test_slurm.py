@@ -102,7 +102,9 @@ def slurm(tmp_path_factory):
 
 
 def test_srun_two_processes_match_one(slurm, tmp_path):
-    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests())
+    # JAX derives srun's coordinator port from the job id, and job ids restart at 1 in every test
+    # cluster: a free port (JAX_COORDINATOR_PORT), so an earlier run's lingering service is not met.
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(_free_port()))
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
             "--run-dir", "r"]
     r = subprocess.run(["srun", "-n", "2", "-O", "-K", "-I30", sys.executable, "-u", "-m", "shard", "train", *args],
@@ -116,7 +118,7 @@ def test_srun_two_processes_match_one(slurm, tmp_path):
 def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):
     """Without -K, srun lets the other task run on when one exits: task 1 misses its data, joins only
     to leave its reason, and task 0 names it (it used to wait out the join timeout and abort natively)."""
-    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests())
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(_free_port()))
     script = tmp_path / "task1_misses_its_data.py"
     script.write_text("import os, sys\nfrom shard.cli import main\n"
                       "if os.environ['SLURM_PROCID'] == '1':\n    sys.argv += ['--data', 'not-on-this-host.txt']\nmain()\n")

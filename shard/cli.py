@@ -321,7 +321,9 @@ def train(
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (distributed.leave_on_error), even before it joins them.
     cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
-    distributed.expect(cluster, cross_host or distributed.XLA, failure_timeout or 60.0)
+    defaults = config_mod.ClusterConfig()  # until the config is read
+    distributed.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
+                       defaults.join_timeout)
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
     base = _resume_base(run_dir, allow_fresh) if resume else _init_from_base(init_from) if init_from else None

@@ -211,8 +211,8 @@ def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: in
         jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
 
 
-def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> float:
-    """Until process 0's coordinator accepts connections; returns the seconds waited. JAX's own wait
+def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> None:
+    """Until process 0's coordinator accepts connections, at most `timeout` seconds. JAX's own wait
     ends by aborting the process from C++ (a fatal log and a stack dump), so an unreachable coordinator
     is caught here, in one line."""
     import socket
@@ -223,7 +223,7 @@ def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10
     while True:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-            return time.monotonic() - start
+            return
         except socket.gaierror as e:
             raise ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})") from None
         except OSError as e:
@@ -275,8 +275,7 @@ def finish() -> None:
         if ctx.rank == 0:
             # Process 0 owns the coordination service (shard.coordinator): let the others disconnect
             # before it stops, or their own shutdown fails and aborts them.
-            others = set(range(1, ctx.size))
-            ctx._watchdog.wait_until(lambda missing: others <= set(missing), ctx.failure_timeout)
+            _wait_for_the_others_to_leave(ctx)
         jax.distributed.shutdown()
     elif ctx.mode == MPI:
         _mpi_world().Barrier()
@@ -410,11 +409,15 @@ def _leave_service() -> None:
     from jax._src import distributed as jax_distributed
 
     if _ctx.rank == 0 and _ctx._watchdog:
-        others = set(range(1, _ctx.size))
-        _ctx._watchdog.wait_until(lambda missing: others <= set(missing) or missing == [0], _ctx.failure_timeout)
-        _bounded(jax_distributed.shutdown)  # the client, then the service
-    elif (client := jax_distributed.global_state.client) is not None:
-        _bounded(client.shutdown)
+        _wait_for_the_others_to_leave(_ctx)
+    _bounded(jax_distributed.shutdown)  # the client, and on process 0 the service
+
+
+def _wait_for_the_others_to_leave(ctx: Context) -> None:
+    """Process 0, before it stops the service: until every other process has left it (or the service
+    is gone), at most the failure timeout."""
+    others = set(range(1, ctx.size))
+    ctx._watchdog.wait_until(lambda missing: others <= set(missing) or missing == [0], ctx.failure_timeout)
 
 
 def _join_to_leave(code: int) -> None:
@@ -434,8 +437,6 @@ def _join_to_leave(code: int) -> None:
 
 
 def _mpi_abort(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
     time.sleep(0.5)  # the launcher forwards this rank's error line before the abort tears the job down
     _mpi_world().Abort(code)
 

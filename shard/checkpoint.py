@@ -302,9 +302,10 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     out = globless(Path(out).absolute())
     check_fresh_out(out)
     params, _, step = read_params(checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)  # a file in the way fails here, not in orbax's thread
     if out.exists():
         out.rmdir()
-    saver = ocp.StandardCheckpointer()
-    saver.save(out, params)
-    saver.wait_until_finished()
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(out, params)
+        saver.wait_until_finished()
     return out, step

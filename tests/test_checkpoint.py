@@ -264,6 +264,19 @@ def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
     assert again.exit_code == 2 and "not an empty folder" in again.output
 
 
+def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):
+    """A file where --out's parent folder belongs: orbax's save thread used to fail there and leave
+    threads waiting for ever, so the process printed a traceback and an error, then never exited."""
+    _, _, _, ckpts = reference
+    (tmp_path / "afile").touch()
+    done = subprocess.run([sys.executable, "-m", "shard", "export", "--checkpoint", str(ckpts.directory.parent),
+                           "--out", str(tmp_path / "afile" / "params")],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'afile'}: File exists", done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
 # -- the CLI's bad inputs: each one line, exit 2, nothing deleted --------------------------------------
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32", "--mesh", "2x4"]

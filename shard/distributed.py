@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shard.coordinator import service_in_helper
+from shard.coordinator import ServiceHandle, service_in_helper
 from shard.errors import ShardError
 
 XLA, MPI = "xla", "mpi"
@@ -369,6 +369,7 @@ def leave_on_error(message: str, code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if _join_stuck:  # the runtime still waits in a thread; an orderly exit would wait with it
+        _stop_helper_service()
         os._exit(code)
     if _expected is not None:
         _join_to_leave(code)
@@ -388,6 +389,16 @@ def leave_on_error(message: str, code: int) -> None:
             _leave_service()
     finally:
         os._exit(code)
+
+
+def _stop_helper_service() -> None:
+    """Process 0 after a join it gave up: stop its coordination service's helper, which would otherwise
+    serve on (and hold the port) for twice the failure timeout."""
+    from jax._src import distributed as jax_distributed
+
+    service = getattr(jax_distributed.global_state, "service", None)
+    if isinstance(service, ServiceHandle):
+        service.shutdown()
 
 
 def _bounded(fn, seconds: float = 5.0) -> None:

@@ -294,6 +294,21 @@ def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
     assert [rc for rc, _, _ in rerun] == [0, 0], rerun[0][2][-3000:] + rerun[1][2][-3000:]
 
 
+def test_a_process_0_that_gives_up_joining_stops_its_service(tmp_path):
+    """Process 0 started alone: one line when the join timeout ends, and its coordination service (the
+    helper) stops with it, so the port is free for the corrected command at once."""
+    from shard.coordinator import _check_port_free
+
+    port = free_port()
+    [(rc, _, err)] = finish([subprocess.Popen(
+        shard_cmd(*TINY, "--mesh", "2x1", "--run-dir", "r", "--set", "cluster.join_timeout=2",
+                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"),
+        cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)], timeout=120)
+    assert rc == 2, err[-3000:]
+    assert err.count("error:") == 1 and "could not join the explicit cluster as process 0 of 2" in err, err[-3000:]
+    _check_port_free(f"[::]:{port}")  # the helper would hold it for twice the failure timeout
+
+
 @needs_mpi
 def test_an_error_before_joining_under_mpiexec_stops_the_job(tmp_path):
     """Under mpiexec the other ranks wait in MPI's start-up for the failing one: it starts MPI and

@@ -7,7 +7,7 @@ allocated: a 13B model is analysed on a laptop's simulated devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shard import costs, hlo
 from shard.config import TrainConfig
@@ -26,12 +26,14 @@ class StepAnalysis:
     compiled_bytes_by_axes: dict[str, float]  # as compiled (CPU: reduce-scatter as all-reduce, ...)
     minimum_bytes_by_axes: dict[str, float]  # analytic minimum for this layout (shard.costs)
     platform: str
+    unmodelled_axes: dict[str, str] = field(default_factory=dict)  # axis -> parallelism, no minimum
 
     @property
     def efficiency(self) -> dict[str, float]:
-        """Analytic minimum / logical bytes moved, per mesh axis (1.0 where nothing moves)."""
+        """Analytic minimum / logical bytes moved, per mesh axis (1.0 where nothing moves); not for the
+        axes whose traffic the cost model leaves out."""
         out = {}
-        for axis in sorted(set(self.bytes_by_axes) | set(self.minimum_bytes_by_axes)):
+        for axis in sorted((set(self.bytes_by_axes) | set(self.minimum_bytes_by_axes)) - set(self.unmodelled_axes)):
             moved = self.bytes_by_axes.get(axis, 0.0)
             need = self.minimum_bytes_by_axes.get(axis, 0.0)
             out[axis] = round(need / moved, 4) if moved else (1.0 if not need else float("inf"))
@@ -45,8 +47,10 @@ class StepAnalysis:
             "collectives": hlo.summarize(self.collectives),
             "bytes_per_axis": {k: int(v) for k, v in self.bytes_by_axes.items()},
             "compiled_bytes_per_axis": {k: int(v) for k, v in self.compiled_bytes_by_axes.items()},
-            "minimum_bytes_per_axis": {k: int(v) for k, v in self.minimum_bytes_by_axes.items()},
+            "minimum_bytes_per_axis": {k: int(v) for k, v in self.minimum_bytes_by_axes.items()
+                                       if k not in self.unmodelled_axes},
             "communication_efficiency": self.efficiency,
+            "unmodelled_axes": self.unmodelled_axes,
             "efficiency_basis": "logical collectives (CPU all-reduce+slice counted as reduce-scatter, "
                                 "add of two all-reduces as one), ring algorithm bytes on the wire",
             "flops_per_device": self.flops,
@@ -94,4 +98,5 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
         platform=layout.mesh.devices.flat[0].platform,
+        unmodelled_axes=costs.unmodelled_axes(shape),
     )

@@ -536,6 +536,9 @@ def _print_compiled(doc: dict) -> None:
     for axis, eff in doc["communication_efficiency"].items():
         console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
                       f"{_human(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
+    for axis, parallelism in doc["unmodelled_axes"].items():
+        console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, no analytic minimum "
+                      f"({parallelism} has no formula yet)")
     m = doc["memory"]
     console.print(f"memory per device {_human(m['total'])} (arguments {_human(m['arguments'])} + temporaries "
                   f"{_human(m['temporaries'])} + outputs {_human(m['outputs'])} - aliased {_human(m['aliased'])}) · "

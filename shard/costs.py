@@ -3,9 +3,9 @@ activation memory, FLOPs. Pure functions of the model's hyperparameters, the mes
 rule tables; docs/formulas.md derives each formula. `shard.analysis` checks them against the compiled
 step, `shard.plan` uses them to rank layouts.
 
-Mesh axes covered: data (DP), fsdp (ZeRO-3) and model (Megatron TP), and their products. Pipeline
-(`stage`) and sequence parallelism belong to the parallelism issue: `LayoutShape` has their sizes as a
-seam, and any size other than 1 is refused until their formulas are added here.
+Mesh axes covered: data (DP), fsdp (ZeRO-3) and model (Megatron TP), and their products. Pipeline,
+context, expert and sequence parallelism have no formulas yet: `unmodelled_axes` names the axes whose
+traffic they move, and no minimum is claimed for those.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
-from shard.errors import ShardError
+from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEAD_DIM, HEADS, KV_HEADS, LAYERS,
+                        MLP, MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -60,15 +60,9 @@ def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str,
 class LayoutShape:
     """Mesh axis sizes and the rules that place logical axes on them: all a cost formula needs."""
 
-    sizes: dict[str, int]  # mesh axis -> size (data, fsdp, model; stage and seq are issue 6's seam)
+    sizes: dict[str, int]  # mesh axis -> size
     rules: dict[str, tuple[str, ...]]  # activations (and parameters)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameters only, on top
-
-    def __post_init__(self):
-        for axis in ("stage", "seq"):
-            if self.sizes.get(axis, 1) != 1:
-                raise ShardError(f"the cost model has no formulas for mesh axis {axis!r} yet (pipeline and "
-                                 "sequence parallelism come with their own issue)")
 
     @classmethod
     def from_layout(cls, layout) -> LayoutShape:
@@ -181,6 +175,27 @@ def _stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict
 def _lookup_tokens(work: Workload) -> float:
     """Token ids one lookup sees: a microbatch's."""
     return work.global_batch * work.seq_len / work.microbatches
+
+
+MODELLED_AXES = (DATA, FSDP, MODEL)
+_PARALLELISM = {STAGE: "pipeline parallel", CONTEXT: "context parallel", EXPERT_AXIS: "expert parallel"}
+
+
+def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
+    """Mesh axes (of size > 1) whose traffic `comm_bytes` leaves out, each with the parallelism that
+    moves it: an axis other than data, fsdp and model; the axes that split the residual stream's length
+    (Megatron-SP turns their all-reduces into reduce-scatters and all-gathers, and gathers again in the
+    backward pass); and under expert parallelism every axis, since the token dispatch changes the
+    batch layout. No minimum, so no efficiency, is claimed for them."""
+    out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
+    for a in shape.table(False).get(RES_LENGTH, ()):
+        if shape.sizes[a] > 1:
+            out.setdefault(a, "sequence parallel")
+    if shape.sizes.get(EXPERT_AXIS, 1) > 1:
+        for a, n in shape.sizes.items():
+            if n > 1:
+                out.setdefault(a, "expert parallel")
+    return out
 
 
 def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:

@@ -7,7 +7,7 @@ from flax import nnx
 from shard.models.configs import PRESETS
 
 from shard import costs, models
-from shard.analysis import analyze
+from shard.analysis import StepAnalysis, analyze
 from shard.loop import make_layout
 from shard.mesh import parse_mesh
 from shard.rules import logical_axes_of, path_str
@@ -96,9 +96,24 @@ def test_param_table_matches_the_model(name):
     assert table == {n: (shapes[n], flat[n]) for n in shapes}
 
 
-def test_pipeline_axes_are_refused_until_their_formulas_exist():
-    with pytest.raises(Exception, match="no formulas for mesh axis 'stage'"):
-        costs.LayoutShape.of(stage=2)
+def test_axes_without_formulas_claim_no_minimum():
+    """Pipeline, context and expert axes, and the model axis under Megatron-SP, have no formula: no
+    efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the context axis)."""
+    from shard.mesh import load_preset
+
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, fsdp=2, model=2)) == {}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(stage=2, data=4)) == {"stage": "pipeline parallel"}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, context=4)) == {"context": "context parallel"}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4)) == {"expert": "expert parallel",
+                                                                             "data": "expert parallel"}
+    sp = load_preset("sp")
+    assert costs.unmodelled_axes(costs.LayoutShape({"data": 4, "model": 2}, dict(sp.rules), dict(sp.param_rules))) \
+        == {"model": "sequence parallel"}
+    analysis = StepAnalysis(collectives=[], memory={}, flops=0.0, model_flops=0.0,
+                            bytes_by_axes={"data": 10.0, "context": 99.0}, compiled_bytes_by_axes={},
+                            minimum_bytes_by_axes={"data": 10.0}, platform="cpu",
+                            unmodelled_axes={"context": "context parallel"})
+    assert analysis.efficiency == {"data": 1.0}
 
 
 

@@ -20,7 +20,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, LOCK_FILE, RunDirLock, check_fresh_out, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -63,6 +63,11 @@ class CommandGroup(typer.core.TyperGroup):
         finally:  # a cluster one command expected to join is not the next one's (in-process calls)
             if distributed := sys.modules.get("shard.distributed"):
                 distributed.expect(None)
+            while _at_command_end:
+                _at_command_end.pop()()
+
+
+_at_command_end: list = []  # what a command holds until it ends, however it ends (a run dir's lock)
 
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -173,12 +178,16 @@ def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
     before (a --resume --allow-fresh base) stays."""
     if _has_records(path):
         return
-    for name in ("metrics.jsonl", "tb") if keep_config else ("config.toml", "metrics.jsonl", "tb"):
+    for name in (LOCK_FILE, "metrics.jsonl", "tb") if keep_config else (LOCK_FILE, "config.toml", "metrics.jsonl", "tb"):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
         else:
             target.unlink(missing_ok=True)
+
+
+def _already_holds_run(path: Path) -> ShardError:
+    return ShardError(f"run dir {path} already holds a run; pass --resume to continue it or choose another --run-dir")
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
@@ -199,8 +208,7 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                     key, there, here = diff[0]
                     raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
                                      f"{here!r} here); choose another --run-dir")
-            raise ShardError(f"run dir {path} already holds a run; pass --resume to continue it "
-                             "or choose another --run-dir")
+            raise _already_holds_run(path)
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"
@@ -362,6 +370,11 @@ def train(
         if distributed.context().is_main:
             err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
 
+    lock = RunDirLock(path)
+    if main:  # for the whole run, whatever ends it; a new run dir is locked once it is made, below
+        _at_command_end.append(lock.release)
+        if path.is_dir():
+            lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
     restore = None
     if resume:
@@ -400,6 +413,9 @@ def train(
         if main:  # only process 0 prints and writes the run's files
             had_config = (path / "config.toml").exists()  # a --resume base: never removed
             path.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+            if not resume and _holds_run(path):  # a run that began (and ended) in it since _run_dir looked
+                raise _already_holds_run(path)
             (path / "config.toml").write_text(config_toml)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]

@@ -1,11 +1,16 @@
 """Paths shard writes, and the ones it refuses to write to; no JAX, so the CLI checks them before
 any device starts."""
 
+import errno
+import fcntl
+import os
+import socket
 from pathlib import Path
 
 from shard.errors import ShardError
 
 CHECKPOINTS_DIR = "checkpoints"  # a run dir's checkpoints, one folder per step
+LOCK_FILE = ".lock"  # in a run dir: held by the `shard train` that writes it
 
 
 def globless(path: Path) -> Path:
@@ -21,3 +26,36 @@ def check_fresh_out(out: Path) -> None:
     """Never write into (or over) a folder that already holds something."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
+
+
+class RunDirLock:
+    """One `shard train` writes a run dir at a time: an exclusive `flock` on RUN_DIR/.lock, taken
+    before the run writes or removes anything there and held until it ends (the kernel drops it when
+    the process dies, so a killed run never leaves it held). The file names its holder. On a file
+    system without locks the run goes on unlocked."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 200).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return
+            raise ShardError(f"run dir {self.run_dir} is in use by another shard train ({holder or 'holder unknown'}); "
+                             "wait for it to end, or choose another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

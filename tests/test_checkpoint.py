@@ -27,6 +27,7 @@ from shard.errors import ShardError
 from shard.loop import make_layout, prepare, train
 from shard.mesh import parse_mesh
 from shard.metrics import read_jsonl
+from shard.paths import RunDirLock
 from shard.preemption import StopOnSignal
 from shard.state import state_spec
 from shard.testing import devices_for, subprocess_env, tiny_config
@@ -308,6 +309,30 @@ def test_run_dir_of_another_config_without_resume(tmp_path):
     again = invoke("train", *TINY, "--run-dir", str(tmp_path))
     assert again.exit_code == 2 and "already holds a run; pass --resume" in again.output
     assert (tmp_path / "config.toml").read_text() == config_mod.to_toml(same)  # untouched
+
+
+def test_a_run_dir_in_use_is_refused_before_anything_is_removed(reference, tmp_path):
+    """A second train into a run dir that a running train holds: one line, and the running one's save
+    in progress (an unfinished step folder) is not taken for a dead save and removed. Once the lock is
+    free, --resume goes on (and cleans it)."""
+    _, _, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir)
+    in_progress = run_dir / CHECKPOINTS_DIR / f"{STEPS + 2}{TMP_MARK}"
+    in_progress.mkdir()
+    held = RunDirLock(run_dir)
+    held.acquire()
+    try:
+        for args in (["--resume"], ["--resume", "--allow-fresh"]):
+            result = invoke("train", "--run-dir", str(run_dir), *args)
+            assert result.exit_code == 2 and result.output.count("error:") == 1, result.output
+            assert f"run dir {run_dir} is in use by another shard train (pid {os.getpid()} on " in result.output
+        assert in_progress.is_dir()
+    finally:
+        held.release()
+    done = invoke("train", "--run-dir", str(run_dir), "--resume")
+    assert done.exit_code == 0 and "nothing to do" in done.output, done.output
+    assert not in_progress.exists()
 
 
 # -- real processes: elastic restart on other device counts, SIGTERM, kill -9 ------------------------

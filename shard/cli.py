@@ -46,6 +46,16 @@ def user_error(e: BaseException) -> ShardError | None:
     return None
 
 
+def _usage_error(e: BaseException) -> ShardError | None:
+    """A flag a command can't take (unknown, malformed, missing its value) as one line, like every other
+    user error, instead of the usage box. Typer's usage errors are the exceptions with exit code 2."""
+    if not isinstance(e, typer.exceptions.TyperException) or getattr(e, "exit_code", None) != 2 \
+            or type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+        return None
+    ctx = getattr(e, "ctx", None)
+    return ShardError(f"{e.format_message()}" + (f" (see {ctx.command_path} --help)" if ctx else ""))
+
+
 class CommandGroup(typer.core.TyperGroup):
     """Every command's user errors end the same way: one line on stderr, exit code 2."""
 
@@ -56,7 +66,7 @@ class CommandGroup(typer.core.TyperGroup):
             distributed = sys.modules.get("shard.distributed")
             if distributed:
                 distributed.wait_if_stopping()  # another thread is reporting the cause and exits
-            error = user_error(e)
+            error = user_error(e) or _usage_error(e)
             if error is None:
                 raise
             _fail(error)

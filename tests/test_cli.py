@@ -32,6 +32,9 @@ def invoke(*args):
     (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
     (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),
     (["--mesh", "8x1", "--eval-every", "1", "--set", "eval.processes=5"], "eval.processes is 5 but the job has 1"),
+    (["--steps", "1.5"], "Invalid value for '--steps'"),  # the CLI library's usage errors, one line too
+    (["--bogus"], "No such option: --bogus (see "),
+    (["--steps"], "Option '--steps' requires an argument"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke("train", *TINY, *args)

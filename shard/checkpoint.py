@@ -10,6 +10,7 @@ save that never finished. Restore reads each array straight into the shardings o
 
 import functools
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -46,12 +47,21 @@ def _configure_orbax() -> None:
         min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
     _drop_closed_loop_callbacks()
     absl_logger = logging.getLogger("absl")
+    if _orbax_thread_tracebacks not in absl_logger.filters:
+        absl_logger.addFilter(_orbax_thread_tracebacks)
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # not the "overriding jax.Array" warning
     try:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl_logger.setLevel(level)
+
+
+def _orbax_thread_tracebacks(record: logging.LogRecord) -> bool:
+    """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
+    disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
+    where the CLI reports it in one line."""
+    return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 def _drop_closed_loop_callbacks() -> None:
@@ -208,7 +218,7 @@ class Checkpoints:
                             f"{CORRUPT_PREFIX}{step}, {fallback}")
                 self._set_aside(step)
         raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
-                         f"{CORRUPT_PREFIX}<step>); run without --resume to start fresh")
+                         f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 
     def _set_aside(self, step: int) -> None:
         if distributed.is_main_process():
@@ -302,9 +312,8 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     out = globless(Path(out).absolute())
     check_fresh_out(out)
     params, _, step = read_params(checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)  # a file in the way fails here, not in orbax's thread
-    if out.exists():
-        out.rmdir()
+    out.mkdir(parents=True, exist_ok=True)  # a file in the way, no permission: here, not in orbax's thread
+    out.rmdir()  # orbax makes it, from a temporary folder
     with ocp.StandardCheckpointer() as saver:
         saver.save(out, params)
         saver.wait_until_finished()

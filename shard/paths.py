@@ -23,9 +23,14 @@ def globless(path: Path) -> Path:
 
 
 def check_fresh_out(out: Path) -> None:
-    """Never write into (or over) a folder that already holds something."""
+    """Never write into (or over) a folder that already holds something, nor among a run's checkpoints,
+    where it would be taken for the newest one."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
+    parent = out.absolute().parent
+    if parent.name == CHECKPOINTS_DIR and (parent.parent / "config.toml").is_file():
+        raise ShardError(f"--out {out} is in the checkpoints folder of the run in {parent.parent}, where it would "
+                         "be read as one of its checkpoints; choose a path outside it")
 
 
 class RunDirLock:

@@ -274,8 +274,21 @@ def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):
                            "--out", str(tmp_path / "afile" / "params")],
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'afile'}: File exists", done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'afile' / 'params'}: Not a directory", \
+        done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_export_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path):
+    """It would be read as the run's newest checkpoint (and found damaged) by resume, generate, export."""
+    _, _, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir)
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(run_dir),
+                                      "--out", str(run_dir / CHECKPOINTS_DIR / "99")])
+    assert result.exit_code == 2 and "is in the checkpoints folder of the run in" in result.output, result.output
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir()) == \
+        sorted(p.name for p in ckpts.directory.iterdir())
 
 
 # -- the CLI's bad inputs: each one line, exit 2, nothing deleted --------------------------------------

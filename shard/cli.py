@@ -28,19 +28,29 @@ console = Console(highlight=False, emoji=False, markup=False)
 err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
-def user_error(e: BaseException) -> ShardError | None:
+# What to change when a command runs out of device memory.
+_OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
+                         "generate": "lower --batch or --max-new-tokens, or shorten the prompts",
+                         "inspect": "lower --batch or --seq"}
+
+
+def user_error(e: BaseException, command: str | None = "train") -> ShardError | None:
     """The one-line error for an exception the user's input or machine causes rather than a bug in
-    shard: a ShardError, a file system error (a file where a folder belongs, no permission, disk full),
-    or running out of device memory. None for anything else, which keeps its traceback."""
+    shard: a ShardError, a file system error (a file where a folder belongs, no permission, disk full,
+    also when tensorstore reports it), or running out of device memory. None for anything else, which
+    keeps its traceback."""
     if isinstance(e, ShardError):
         return e
     if isinstance(e, OSError) and not isinstance(e, BrokenPipeError | ConnectionError | TimeoutError):
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
         return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if "RESOURCE_EXHAUSTED" in str(e) or isinstance(e, MemoryError):
-        return ShardError(f"out of memory ({first[:160]}); to train, lower --batch or --seq, or set "
-                          "model.remat=full")
+    if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints): the OS's reason is last
+        reason = str(e).rsplit(": ", 1)[-1].split(" [os_error_code")[0]
+        return ShardError(f"{reason} ({first[:200]})")
+    if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in first or isinstance(e, MemoryError):
+        advice = _OUT_OF_MEMORY_ADVICE.get(command or "")
+        return ShardError(f"out of memory ({first[:160]})" + (f"; {advice}" if advice else ""))
     if isinstance(e, RuntimeError) and "Unable to initialize backend" in first:
         return ShardError(f"{first} (JAX_PLATFORMS is {os.environ.get('JAX_PLATFORMS', 'unset')!r})")
     return None
@@ -66,7 +76,7 @@ class CommandGroup(typer.core.TyperGroup):
             distributed = sys.modules.get("shard.distributed")
             if distributed:
                 distributed.wait_if_stopping()  # another thread is reporting the cause and exits
-            error = user_error(e) or _usage_error(e)
+            error = user_error(e, ctx.invoked_subcommand) or _usage_error(e)
             if error is None:
                 raise
             _fail(error)
@@ -692,12 +702,13 @@ def report(
         return
     table = Table(title="runs")
     for col in ("run", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # run paths whole, never "/tmp/ru…"
     for r in doc["runs"]:
         mem = _human(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
             if r["peak_memory_bytes"] is not None else "-"
-        table.add_row(r["run"], r["layout"], str(r["steps"]), f"{r['final_loss']:.4f}",
-                      f"{r['median_tokens_per_s']:,.0f}", "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
+        loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
+                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
     console.print(table)
     for r in doc["runs"]:
         if r["skipped_lines"]:

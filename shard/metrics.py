@@ -16,7 +16,9 @@ class JsonlWriter:
             self._f.write("\n")
 
     def on_log(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        # strict JSON: a non-finite value (the NaN loss of a step the guard skipped) is written as null
+        strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self._f.write(json.dumps(strict, allow_nan=False) + "\n")
 
     def on_end(self, records: list[dict]) -> None:
         self._f.close()

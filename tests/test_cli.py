@@ -174,3 +174,31 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
     result = invoke("train", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1")
     assert isinstance(result.exception, RuntimeError)
     assert distributed._expected is None
+
+
+def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_command():
+    from shard.cli import user_error
+
+    full = ValueError('RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database at local file '
+                      '"/r/checkpoints/2.orbax-checkpoint-tmp/": Failed to write 841986 bytes to file 5: No space '
+                      "left on device [os_error_code='28']")
+    assert str(user_error(full)).startswith("No space left on device (RESOURCE_EXHAUSTED: Error writing")
+    oom = RuntimeError("INTERNAL: Out of memory allocating 38836157792 bytes.")
+    assert str(user_error(oom, "generate")) == ("out of memory (INTERNAL: Out of memory allocating 38836157792 "
+                                                "bytes.); lower --batch or --max-new-tokens, or shorten the prompts")
+    assert str(user_error(oom, "bench")) == "out of memory (INTERNAL: Out of memory allocating 38836157792 bytes.)"
+    assert "model.remat=full" in str(user_error(MemoryError(), "train"))
+
+
+def test_orbax_thread_tracebacks_are_dropped_from_the_log():
+    import logging
+
+    from shard.checkpoint import _orbax_thread_tracebacks
+
+    def record(path, exc_info):
+        return logging.LogRecord("absl", logging.ERROR, path, 1, "save failed", None, exc_info)
+
+    failed = (ValueError, ValueError("x"), None)
+    assert not _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", failed))
+    assert _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", None))  # a message alone
+    assert _orbax_thread_tracebacks(record("/site-packages/jax/x.py", failed))

@@ -209,3 +209,19 @@ def test_nan_between_saves_leaves_the_last_good_checkpoint_newest(tmp_path):
     assert restored.step == 4
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state["params"]))
     again.close()
+
+
+def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tmp_path):
+    """metrics.jsonl is strict JSON (a NaN token breaks strict parsers), and report takes the null."""
+    from shard.metrics import JsonlWriter
+
+    run = tmp_path / "a"
+    _fake_run(run, "dp", [3.0])
+    writer = JsonlWriter(run / "metrics.jsonl")
+    writer.on_log({"step": 2, "loss": float("nan"), "grad_norm": float("inf"), "tokens_per_s": 3000.0, "time_s": 2.0})
+    writer.on_end([])
+    last = (run / "metrics.jsonl").read_text().splitlines()[-1]
+    assert json.loads(last, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))["loss"] is None
+    r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert "│ -" in r.output or " - " in r.output

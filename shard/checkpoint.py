@@ -9,6 +9,7 @@ save that never finished. Restore reads each array straight into the shardings o
 """
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -260,6 +261,21 @@ class SaveCheckpoints:
 
     def on_end(self, records: list[dict]) -> None:
         self.checkpoints.wait()
+
+
+def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
+    """The config (TOML text) the newest checkpoint in `checkpoints` was saved with, and its step; None
+    when no step holds a readable one. Each save keeps a copy in its meta item."""
+    if not checkpoints.is_dir():
+        return None
+    for step in sorted((int(c.name) for c in checkpoints.iterdir() if c.name.isdigit()), reverse=True):
+        try:
+            meta = json.loads((checkpoints / str(step) / META / "metadata").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("config"), str):
+            return meta["config"], step
+    return None
 
 
 def find_checkpoint(path: Path | str) -> tuple[Path, int]:

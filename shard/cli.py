@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -494,9 +495,23 @@ def _resume_base(run_dir: str | None, allow_fresh: bool = False) -> dict:
     if not run_dir:
         raise ShardError("--resume needs --run-dir: the run to continue")
     saved = Path(run_dir) / "config.toml"
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ShardError(f"--resume: run dir {run_dir} is a file")
     if not Path(run_dir).is_dir() and not allow_fresh:
         raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
-    return config_mod.load_file(str(saved)) if saved.is_file() else {}
+    if saved.is_file():
+        return config_mod.load_file(str(saved))
+    from shard.checkpoint import config_saved_with
+
+    if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
+        text, step = found
+        err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with checkpoint "
+                          f"{step}[/yellow]", soft_wrap=True)
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ShardError(f"--resume: the config saved with checkpoint {step} is not valid TOML: {e}") from None
+    return {}
 
 
 @app.command()

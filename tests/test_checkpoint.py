@@ -324,6 +324,22 @@ def test_run_dir_of_another_config_without_resume(tmp_path):
     assert (tmp_path / "config.toml").read_text() == config_mod.to_toml(same)  # untouched
 
 
+def test_resume_without_config_toml_uses_the_checkpoints_copy(reference, tmp_path):
+    """A lost config.toml used to resume the default model (then a shape mismatch); each checkpoint
+    keeps the config it was saved with."""
+    _, _, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir)
+    (run_dir / "config.toml").unlink()
+    result = invoke("train", "--run-dir", str(run_dir), "--resume")
+    assert result.exit_code == 0, result.output
+    assert f"config.toml is missing: using the config saved with checkpoint {STEPS}" in result.output
+    assert "nothing to do: the checkpoint is at step" in result.output
+    (tmp_path / "afile").touch()
+    a_file = invoke("train", "--run-dir", str(tmp_path / "afile"), "--resume")
+    assert a_file.exit_code == 2 and "is a file" in a_file.output
+
+
 def test_a_run_dir_in_use_is_refused_before_anything_is_removed(reference, tmp_path):
     """A second train into a run dir that a running train holds: one line, and the running one's save
     in progress (an unfinished step folder) is not taken for a dead save and removed. Once the lock is

@@ -18,7 +18,7 @@ AXES_FOR_BARE_SHAPE = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
 FILL = -1  # a shape entry that takes whatever devices the other axes leave
 
 _PRESET_KEYS = {"description", "axes", "shape", "rules", "param_rules"}
-_BARE_SHAPE = re.compile(r"^\d+(x\d+)*$")
+_BARE_SHAPE = re.compile(r"^-?\d+(x-?\d+)*$")  # one size may be -1: the devices there are
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def parse_mesh(spec: str) -> MeshSpec:
         shape = tuple(int(s) for s in spec.split("x"))
         if len(shape) not in AXES_FOR_BARE_SHAPE:
             raise ShardError(f"mesh {spec}: a bare shape has 1 to 3 dimensions; name the axes instead (data=2,...)")
-        _check_shape(shape, len(shape), f"mesh {spec}")
+        shape = _check_shape(shape, len(shape), f"mesh {spec}")
         return MeshSpec(AXES_FOR_BARE_SHAPE[len(shape)], shape, default.rules, default.param_rules, spec)
     if "=" in spec:
         axes, shape = [], []

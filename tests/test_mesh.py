@@ -12,6 +12,7 @@ from shard.mesh import build_mesh, parse_mesh, preset_names, resolve_shape
     ("2x2x2", ("data", "fsdp", "model"), (2, 2, 2)),
     ("data=2,fsdp=2,model=2", ("data", "fsdp", "model"), (2, 2, 2)),
     ("fsdp_tp:4x2", ("fsdp", "model"), (4, 2)),
+    ("-1x4", ("data", "model"), (-1, 4)),  # -1: the devices there are, as in the other forms
 ])
 def test_forms(spec, axes, shape):
     m = parse_mesh(spec)

@@ -330,7 +330,12 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     params, _, step = read_params(checkpoint)
     out.mkdir(parents=True, exist_ok=True)  # a file in the way, no permission: here, not in orbax's thread
     out.rmdir()  # orbax makes it, from a temporary folder
-    with ocp.StandardCheckpointer() as saver:
-        saver.save(out, params)
-        saver.wait_until_finished()
+    try:
+        with ocp.StandardCheckpointer() as saver:
+            saver.save(out, params)
+            saver.wait_until_finished()
+    except BaseException:  # a full disk: no half-written export left behind
+        for partial in out.parent.glob(f"{out.name}{TMP_MARK}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out, step

@@ -279,6 +279,30 @@ def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypatch):
+    import errno
+
+    import shard.checkpoint as checkpoint_mod
+
+    class DiskFills:  # what orbax does on a full disk: a temporary folder, then the error
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def save(self, out, params):
+            Path(f"{out}{TMP_MARK}-1700000000").mkdir()
+            raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(checkpoint_mod.ocp, "StandardCheckpointer", DiskFills)
+    _, _, _, ckpts = reference
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
+                                      "--out", str(tmp_path / "params")])
+    assert result.exit_code == 2 and "No space left on device" in result.output, result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path):
     """It would be read as the run's newest checkpoint (and found damaged) by resume, generate, export."""
     _, _, _, ckpts = reference

@@ -327,9 +327,9 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
     out = globless(Path(out).absolute())
     check_fresh_out(out)
-    params, _, step = read_params(checkpoint)
     out.mkdir(parents=True, exist_ok=True)  # a file in the way, no permission: here, not in orbax's thread
     out.rmdir()  # orbax makes it, from a temporary folder
+    params, _, step = read_params(checkpoint)
     try:
         with ocp.StandardCheckpointer() as saver:
             saver.save(out, params)

@@ -21,7 +21,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, LOCK_FILE, RunDirLock, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -47,7 +47,7 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
         return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints): the OS's reason is last
-        reason = str(e).rsplit(": ", 1)[-1].split(" [os_error_code")[0]
+        reason = str(e).split(" [os_error_code")[0].rsplit(": ", 1)[-1]
         return ShardError(f"{reason} ({first[:200]})")
     if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in first or isinstance(e, MemoryError):
         advice = _OUT_OF_MEMORY_ADVICE.get(command or "")
@@ -60,9 +60,8 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
 def _usage_error(e: BaseException) -> ShardError | None:
     """A flag a command can't take (unknown, malformed, missing its value) as one line, like every other
     user error, instead of the usage box. Typer's usage errors are the exceptions with exit code 2."""
-    if not isinstance(e, typer.exceptions.TyperException) or getattr(e, "exit_code", None) != 2 \
-            or type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
-        return None
+    if not any(c.__name__ == "UsageError" for c in type(e).__mro__) or type(e).__name__ == "NoArgsIsHelpError":
+        return None  # (typer bundles its own click; older ones use click's, of the same names)
     ctx = getattr(e, "ctx", None)
     return ShardError(f"{e.format_message()}" + (f" (see {ctx.command_path} --help)" if ctx else ""))
 
@@ -199,7 +198,7 @@ def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
     before (a --resume --allow-fresh base) stays."""
     if _has_records(path):
         return
-    for name in (LOCK_FILE, "metrics.jsonl", "tb") if keep_config else (LOCK_FILE, "config.toml", "metrics.jsonl", "tb"):
+    for name in ("metrics.jsonl", "tb") if keep_config else ("config.toml", "metrics.jsonl", "tb"):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
@@ -355,7 +354,8 @@ def train(
                        defaults.join_timeout)
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
-    base = _resume_base(run_dir, allow_fresh) if resume else _init_from_base(init_from) if init_from else None
+    main = cluster is None or cluster.process_id == 0
+    base = _resume_base(run_dir, allow_fresh, quiet=not main) if resume else _init_from_base(init_from) if init_from else None
     cfg = config_mod.resolve(_overrides(
         config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
@@ -370,7 +370,6 @@ def train(
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
-    main = cluster is None or cluster.process_id == 0
     from shard.data import unused_files_note
 
     if main and (note := unused_files_note(cfg.data.path)):
@@ -392,9 +391,10 @@ def train(
             err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
 
     lock = RunDirLock(path)
+    existed = path.is_dir()
     if main:  # for the whole run, whatever ends it; a new run dir is locked once it is made, below
         _at_command_end.append(lock.release)
-        if path.is_dir():
+        if existed:
             lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
     restore = None
@@ -435,8 +435,9 @@ def train(
             had_config = (path / "config.toml").exists()  # a --resume base: never removed
             path.mkdir(parents=True, exist_ok=True)
             lock.acquire()
-            if not resume and _holds_run(path):  # a run that began (and ended) in it since _run_dir looked
-                raise _already_holds_run(path)
+            if not existed and _holds_run(path):  # another train made it (and may have ended) meanwhile
+                raise ShardError(f"run dir {path} was started by another shard train while this one "
+                                 "prepared; run the command again (with --resume to continue that run)")
             (path / "config.toml").write_text(config_toml)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]
@@ -489,7 +490,7 @@ def _init_from_base(source: str) -> dict:
     return {"model": config_mod.load_file(str(saved)).get("model", {})}
 
 
-def _resume_base(run_dir: str | None, allow_fresh: bool = False) -> dict:
+def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:
     """The config a resumed run starts from: the one saved in its run dir (flags still override it).
     With --allow-fresh a run dir that doesn't exist yet is a first start."""
     if not run_dir:
@@ -505,8 +506,9 @@ def _resume_base(run_dir: str | None, allow_fresh: bool = False) -> dict:
 
     if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
         text, step = found
-        err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with checkpoint "
-                          f"{step}[/yellow]", soft_wrap=True)
+        if not quiet:
+            err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with "
+                              f"checkpoint {step}[/yellow]", soft_wrap=True)
         try:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -1,6 +1,7 @@
 """Paths shard writes, and the ones it refuses to write to; no JAX, so the CLI checks them before
 any device starts."""
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -28,7 +29,8 @@ def check_fresh_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
     parent = out.absolute().parent
-    if parent.name == CHECKPOINTS_DIR and (parent.parent / "config.toml").is_file():
+    if parent.name == CHECKPOINTS_DIR and (parent.parent / "config.toml").is_file() \
+            and any(p.name.isdigit() and p.is_dir() for p in parent.iterdir()):
         raise ShardError(f"--out {out} is in the checkpoints folder of the run in {parent.parent}, where it would "
                          "be read as one of its checkpoints; choose a path outside it")
 
@@ -36,31 +38,43 @@ def check_fresh_out(out: Path) -> None:
 class RunDirLock:
     """One `shard train` writes a run dir at a time: an exclusive `flock` on RUN_DIR/.lock, taken
     before the run writes or removes anything there and held until it ends (the kernel drops it when
-    the process dies, so a killed run never leaves it held). The file names its holder. On a file
-    system without locks the run goes on unlocked."""
+    the process dies, so a killed run never leaves it held). The file names its holder and is removed
+    on release; a lock taken on a file that was removed meanwhile is taken again on the new one. On a
+    file system without locks the run goes on unlocked."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        if self._fd is not None:
-            return
-        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.read(fd, 200).decode(errors="replace").strip()
-            os.close(fd)
-            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return
-            raise ShardError(f"run dir {self.run_dir} is in use by another shard train ({holder or 'holder unknown'}); "
-                             "wait for it to end, or choose another --run-dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        self._fd = fd
+        path = self.run_dir / LOCK_FILE
+        while self._fd is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = os.read(fd, 200).decode(errors="replace").strip()
+                os.close(fd)
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return
+                raise ShardError(f"run dir {self.run_dir} is in use by another shard train "
+                                 f"({holder or 'holder unknown'}); wait for it to end, or choose another "
+                                 "--run-dir") from None
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != os.fstat(fd).st_ino:  # released (and removed) by its holder as we opened it
+                os.close(fd)
+                continue
+            self._fd = fd
+            with contextlib.suppress(OSError):  # a full disk: the lock holds all the same
+                os.ftruncate(fd, 0)
+                os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
 
     def release(self) -> None:
         if self._fd is not None:
+            with contextlib.suppress(OSError):
+                (self.run_dir / LOCK_FILE).unlink()
             os.close(self._fd)
             self._fd = None

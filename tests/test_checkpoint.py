@@ -386,6 +386,7 @@ def test_a_run_dir_in_use_is_refused_before_anything_is_removed(reference, tmp_p
     done = invoke("train", "--run-dir", str(run_dir), "--resume")
     assert done.exit_code == 0 and "nothing to do" in done.output, done.output
     assert not in_progress.exists()
+    assert not (run_dir / ".lock").exists()  # released, and its file removed
 
 
 # -- real processes: elastic restart on other device counts, SIGTERM, kill -9 ------------------------

@@ -183,6 +183,8 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
                       '"/r/checkpoints/2.orbax-checkpoint-tmp/": Failed to write 841986 bytes to file 5: No space '
                       "left on device [os_error_code='28']")
     assert str(user_error(full)).startswith("No space left on device (RESOURCE_EXHAUSTED: Error writing")
+    quota = ValueError("UNKNOWN: Failed writing: \"/r/x\": Disk quota exceeded [os_error_code=122]\nAdditional: step 4")
+    assert str(user_error(quota)).startswith("Disk quota exceeded (UNKNOWN: Failed writing")
     oom = RuntimeError("INTERNAL: Out of memory allocating 38836157792 bytes.")
     assert str(user_error(oom, "generate")) == ("out of memory (INTERNAL: Out of memory allocating 38836157792 "
                                                 "bytes.); lower --batch or --max-new-tokens, or shorten the prompts")
@@ -202,3 +204,18 @@ def test_orbax_thread_tracebacks_are_dropped_from_the_log():
     assert not _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", failed))
     assert _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", None))  # a message alone
     assert _orbax_thread_tracebacks(record("/site-packages/jax/x.py", failed))
+
+
+def test_usage_errors_of_click_itself_are_one_line_too():
+    """Older typer raises click's own UsageError: recognised by name, like typer's bundled copy."""
+    from shard.cli import _usage_error
+
+    class UsageError(Exception):
+        exit_code = 2
+        ctx = None
+
+        def format_message(self):
+            return "No such option: --x"
+
+    assert str(_usage_error(UsageError())) == "No such option: --x"
+    assert _usage_error(ValueError("x")) is None

@@ -240,6 +240,8 @@ def load_file(path: str) -> dict:
     p = Path(path)
     if p.is_dir():
         raise ShardError(f"config file {path} is a directory; give a TOML file")
+    if p.exists() and not p.is_file():
+        raise ShardError(f"config file {path} is not a regular file; give a TOML file")
     if not p.is_file():
         raise ShardError(f"config file {path} not found")
     try:

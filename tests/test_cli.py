@@ -24,6 +24,7 @@ def invoke(*args):
     (["--mesh", "8x1", "--data", "/nonexistent/corpus.txt"], "data path /nonexistent/corpus.txt does not exist"),
     (["--mesh", "8x1", "--set", "optimizer.lrr=1"], "unknown config key 'optimizer.lrr'"),
     (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),
+    (["--mesh", "8x1", "--config", "/dev/null"], "config file /dev/null is not a regular file"),
     (["--mesh", "8x1", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: it needs an NVIDIA GPU"),
     (["--set", "model=3"], "config key 'model' is a section"),
     (["--seed", "-1"], "seed must be between 0 and 2**32-1, got -1"),

@@ -213,7 +213,9 @@ def apply_rope(x_btnh, cos_th, sin_th):
 def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position."""
-    h_btd = rms_norm(x_btd, p["attn_norm"], cfg.norm_eps)
+    # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
+    # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
+    h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
     # q, k and v come out of one einsum over a weight grouped by kv head, (D, K, G + 2, H): with heads
     # split for tensor parallel, the backward pass then all-reduces one input gradient, not three.
     # The grouping is local to each device (model divides K) and leaves the parameters as they are.
@@ -281,7 +283,7 @@ def cached_attention(q_btnh, k_bskh, v_bskh, start):
 
 
 def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
-    h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps)
+    h_btd = constrain(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))  # as in attention
     # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
     w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
     gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))

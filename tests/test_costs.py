@@ -29,6 +29,8 @@ CASES = {
     "small-fsdp": ("small", "fsdp", {}),
     "small-tp": ("small", "1x4", {}),  # 4 kv heads: tensor parallel up to 4
     "small-dp_tp": ("small", "2x4", {}),
+    "tiny-tp2": ("tiny", "data=4,model=2", {"data__seq_len": 128}),
+    "tiny-sp": ("tiny", "sp", {"data__seq_len": 128}),  # the same mesh, the residual stream split on model
 }
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp") and k.count("-") == 1]
 
@@ -133,3 +135,13 @@ def test_xla_attention_plans_more_memory_than_flash_attention_on_gpus():
     total = {a: costs.memory_bytes(cfg.model, shape, costs.Workload.from_config(cfg, "gpu"))["total"]
              for a in ("auto", "xla") for cfg in [tiny_config("8x1", model__attention=a)]}
     assert total["xla"] > total["auto"]
+
+
+def test_sequence_parallel_moves_no_more_than_tensor_parallel(analysed):
+    """Megatron-SP turns each activation all-reduce into a reduce-scatter and an all-gather: the same
+    bytes. Left to itself XLA gathered the weights instead and moved q, k, v all-to-all (1.77 MiB
+    against TP's 1.26 MiB); the model gathers the normed activations itself."""
+    _, _, tp = analysed("tiny-tp2")
+    _, _, sp = analysed("tiny-sp")
+    assert not [c for c in sp.collectives if c.kind == "all-to-all"]
+    assert sp.bytes_by_axes["model"] <= tp.bytes_by_axes["model"] * 1.01, (sp.bytes_by_axes, tp.bytes_by_axes)

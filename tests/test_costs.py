@@ -60,7 +60,7 @@ def test_communication_efficiency_is_at_least_0_9(name, analysed):
         assert 0.9 <= value <= 1.1, (name, axis, value, a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [k for k in CASES if k != "tiny-sp"])  # SP has no formula (unmodelled_axes)
 def test_planner_agrees_with_the_compiler(name, analysed):
     cfg, layout, a = analysed(name)
     shape = costs.LayoutShape.from_layout(layout)

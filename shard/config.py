@@ -162,8 +162,13 @@ class TrainConfig:
             raise ShardError(problems[0])
 
 
+def is_positive_number(value) -> bool:
+    """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+
+
 # Every numeric key with a range: dotted key -> (test, what it must be).
-_POSITIVE, _NON_NEGATIVE = (lambda v: 0 < v < math.inf, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
+_POSITIVE, _NON_NEGATIVE = (is_positive_number, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
 _COUNT = (lambda v: v > 0, "positive")  # integers: no inf to exclude
 _RANGES = {
     "steps": _COUNT, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),

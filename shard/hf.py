@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from shard.config import is_positive_number
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 
@@ -49,7 +50,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
     numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6}
     for key, value in numbers.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        if not is_positive_number(value):
             raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
     heads = sizes["num_attention_heads"]
     cfg = ModelConfig(

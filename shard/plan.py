@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shard import costs
 from shard.axes import DATA, FSDP, MODEL
+from shard.config import is_positive_number
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 
@@ -77,8 +78,7 @@ def _hardware_entry(label: str, name: str, entry) -> Hardware:
         raise ShardError(f"{where} has {what}")
     figures = {k: entry[k] for k in _HW_KEYS - {"description", "aliases"}}
     for key, value in sorted(figures.items()):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf \
-                or (key == "devices_per_node" and not isinstance(value, int)):
+        if not is_positive_number(value) or (key == "devices_per_node" and not isinstance(value, int)):
             kind = "a positive whole number" if key == "devices_per_node" else "a positive number"
             raise ShardError(f"{where}: {key} must be {kind}, got {value!r}")
     aliases = entry.get("aliases", [])

@@ -113,6 +113,8 @@ def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = 
                  "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
                  "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
                  "eval_every": "eval.every"}
+    if flags.get("run_dir") is not None and not flags["run_dir"].strip():
+        raise ShardError("empty --run-dir: name a folder, or leave the flag out for runs/<model>-<mesh>-<time>")
     if flags.get("simulate_devices") is not None and flags["simulate_devices"] <= 0:
         raise ShardError(f"--simulate-devices must be positive, got {flags['simulate_devices']}")
     out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})

@@ -29,6 +29,7 @@ def invoke(*args):
     (["--set", "model=3"], "config key 'model' is a section"),
     (["--seed", "-1"], "seed must be between 0 and 2**32-1, got -1"),
     (["--simulate-devices", "-1"], "--simulate-devices must be positive"),
+    (["--run-dir", ""], "empty --run-dir"),
     (["--mesh", "data=100000"], "more than the 4096 CPU devices shard simulates"),
     (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
     (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),

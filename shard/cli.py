@@ -140,7 +140,9 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
                          f"over {n_proc} processes")
     wanted = cfg.mesh.simulate_devices or needed // n_proc
     if wanted > MAX_SIMULATED_DEVICES:
-        raise ShardError(f"mesh {mesh_spec.describe()} needs {wanted} devices in one process, more than the "
+        what = f"--simulate-devices {wanted} asks for" if cfg.mesh.simulate_devices else \
+            f"mesh {mesh_spec.describe()} needs {wanted} devices in one process,"
+        raise ShardError(f"{what} more than the "
                          f"{MAX_SIMULATED_DEVICES} CPU devices shard simulates (XLA's start-up time grows "
                          "with the square); use `shard plan` for bigger clusters")
     asked = request_host_devices(wanted)

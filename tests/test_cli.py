@@ -31,6 +31,7 @@ def invoke(*args):
     (["--simulate-devices", "-1"], "--simulate-devices must be positive"),
     (["--run-dir", ""], "empty --run-dir"),
     (["--mesh", "data=100000"], "more than the 4096 CPU devices shard simulates"),
+    (["--mesh", "8x1", "--simulate-devices", "100000"], "--simulate-devices 100000 asks for more than the 4096"),
     (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
     (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),
     (["--mesh", "8x1", "--eval-every", "1", "--set", "eval.processes=5"], "eval.processes is 5 but the job has 1"),

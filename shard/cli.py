@@ -59,9 +59,10 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
 
 def _usage_error(e: BaseException) -> ShardError | None:
     """A flag a command can't take (unknown, malformed, missing its value) as one line, like every other
-    user error, instead of the usage box. Typer's usage errors are the exceptions with exit code 2."""
+    user error, instead of the usage box. Known by class name: typer bundles its own click, older typer
+    uses click's, and both name it UsageError (NoArgsIsHelpError, one of them, is the help: left alone)."""
     if not any(c.__name__ == "UsageError" for c in type(e).__mro__) or type(e).__name__ == "NoArgsIsHelpError":
-        return None  # (typer bundles its own click; older ones use click's, of the same names)
+        return None
     ctx = getattr(e, "ctx", None)
     return ShardError(f"{e.format_message()}" + (f" (see {ctx.command_path} --help)" if ctx else ""))
 

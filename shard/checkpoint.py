@@ -265,7 +265,8 @@ class SaveCheckpoints:
 
 def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
     """The config (TOML text) the newest checkpoint in `checkpoints` was saved with, and its step; None
-    when no step holds a readable one. Each save keeps a copy in its meta item."""
+    when no step holds a readable one. Each save keeps a copy in its meta item, read here as plain
+    JSON: orbax's reader would start JAX, before `train` has set the device count."""
     if not checkpoints.is_dir():
         return None
     for step in sorted((int(c.name) for c in checkpoints.iterdir() if c.name.isdigit()), reverse=True):

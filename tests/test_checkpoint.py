@@ -297,8 +297,7 @@ def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypat
 
     monkeypatch.setattr(checkpoint_mod.ocp, "StandardCheckpointer", DiskFills)
     _, _, _, ckpts = reference
-    result = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
-                                      "--out", str(tmp_path / "params")])
+    result = invoke("export", "--checkpoint", str(ckpts.directory.parent), "--out", str(tmp_path / "params"))
     assert result.exit_code == 2 and "No space left on device" in result.output, result.output
     assert list(tmp_path.iterdir()) == []
 
@@ -308,8 +307,7 @@ def test_export_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path):
     _, _, _, ckpts = reference
     run_dir = tmp_path / "run"
     shutil.copytree(ckpts.directory.parent, run_dir)
-    result = CliRunner().invoke(app, ["export", "--checkpoint", str(run_dir),
-                                      "--out", str(run_dir / CHECKPOINTS_DIR / "99")])
+    result = invoke("export", "--checkpoint", str(run_dir), "--out", str(run_dir / CHECKPOINTS_DIR / "99"))
     assert result.exit_code == 2 and "is in the checkpoints folder of the run in" in result.output, result.output
     assert sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir()) == \
         sorted(p.name for p in ckpts.directory.iterdir())

@@ -64,7 +64,7 @@ def compile_step(cfg: TrainConfig, layout: Layout):
     from shard.step import abstract_batch, make_train_step
 
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    jitted = make_train_step(spec, layout, cfg.data.microbatches)
+    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     return jitted.lower(spec.abstract_with_shardings(),
                         abstract_batch(layout, cfg.data.batch, cfg.data.seq_len)).compile()
 

@@ -31,7 +31,10 @@ CASES = {
     "small-dp_tp": ("small", "2x4", {}),
     "tiny-tp2": ("tiny", "data=4,model=2", {"data__seq_len": 128}),
     "tiny-sp": ("tiny", "sp", {"data__seq_len": 128}),  # the same mesh, the residual stream split on model
+    "tiny-pp-1f1b": ("tiny", "pipeline", {"pipeline__schedule": "1f1b"}),  # stage=2, data=4
+    "tiny-pp-gpipe": ("tiny", "pipeline", {"pipeline__schedule": "gpipe"}),
 }
+UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp") and k.count("-") == 1]
 
 
@@ -60,7 +63,7 @@ def test_communication_efficiency_is_at_least_0_9(name, analysed):
         assert 0.9 <= value <= 1.1, (name, axis, value, a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
-@pytest.mark.parametrize("name", [k for k in CASES if k != "tiny-sp"])  # SP has no formula (unmodelled_axes)
+@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES])
 def test_planner_agrees_with_the_compiler(name, analysed):
     cfg, layout, a = analysed(name)
     shape = costs.LayoutShape.from_layout(layout)
@@ -145,3 +148,13 @@ def test_sequence_parallel_moves_no_more_than_tensor_parallel(analysed):
     _, _, sp = analysed("tiny-sp")
     assert not [c for c in sp.collectives if c.kind == "all-to-all"]
     assert sp.bytes_by_axes["model"] <= tp.bytes_by_axes["model"] * 1.01, (sp.bytes_by_axes, tp.bytes_by_axes)
+
+
+
+def test_the_compiled_step_follows_the_pipeline_config(analysed):
+    """`inspect --compiled` compiles the configured schedule (it once compiled the default 1F1B for every
+    config): GPipe passes activations on M + S - 1 forward and as many backward ticks, 1F1B on every one
+    of its 2(M + S - 1) ticks in both directions."""
+    permutes = {name: sum(c.count for c in analysed(name)[2].collectives if c.kind == "collective-permute")
+                for name in ("tiny-pp-1f1b", "tiny-pp-gpipe")}
+    assert permutes["tiny-pp-gpipe"] < permutes["tiny-pp-1f1b"], permutes

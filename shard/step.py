@@ -61,6 +61,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     pipe = pipe or PipelineConfig()
     M = pipe.microbatches
     head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
+    replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
     def head_loss(head, y_btd, aux_m):
         return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
@@ -71,11 +72,12 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
         aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
         head = {k: params[k] for k in head_keys}
         if pipe.schedule == "gpipe":
-            y_mbtd = pipeline.gpipe_layers(cfg, layout.mesh, params["layers"], x_mbtd)
+            y_mbtd = pipeline.gpipe_layers(cfg, layout.mesh, params["layers"], x_mbtd, replicas)
             nll_m, count_m = jax.vmap(head_loss, in_axes=(None, 0, 0))(head, y_mbtd, aux)
             nll, count = jnp.sum(nll_m), jnp.sum(count_m)
         else:
-            nll, count = pipeline.one_f_one_b(cfg, layout.mesh, M, head_loss)(params["layers"], head, x_mbtd, aux)
+            nll, count = pipeline.one_f_one_b(cfg, layout.mesh, M, head_loss, replicas)(
+                params["layers"], head, x_mbtd, aux)
         return nll, (nll, count, jnp.zeros((), jnp.float32))
 
     return piped

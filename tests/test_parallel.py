@@ -39,7 +39,9 @@ def dense_reference():
 
 @pytest.mark.parametrize("mesh, schedule", [
     ("stage=2,data=4", "gpipe"),
+    ("stage=2,data=4", "1f1b"),
     ("stage=2,data=2,model=2", "1f1b"),
+    ("stage=2,data=2,fsdp=2", "gpipe"),  # data manual in the schedule, fsdp left to the partitioner
     ("stage=4,fsdp=2", "1f1b"),
 ])
 def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference):

@@ -2,8 +2,14 @@
 into M microbatches, on a GPipe or 1F1B schedule.
 
 Both schedules run the model's own pieces (models.llama: embed_tokens, run_layers, head_logits) inside
-one `jax.shard_map` that is manual over `stage` only, so data, FSDP and tensor parallelism keep working
+one `jax.shard_map` that is manual over `stage` and the pure data-parallel axes (`replicas`: mesh axes
+that split the batch and hold whole copies of the parameters). FSDP and tensor parallelism keep working
 on the other mesh axes by their rules.
+
+Why the replica axes are manual: left to the partitioner, the weight gradient of every backward tick is
+all-reduced over `data` inside the schedule's loop (the sum over the batch is taken where the gradient
+is made), M times per step. Manual, each replica accumulates its own partial gradient and the schedule
+ends with one psum over the replica axes.
 
 - GPipe: a forward loop of M + S - 1 ticks (each stage applies its layers, then a ppermute passes the
   activations on); `jax.grad` differentiates it, so activations of all M microbatches are kept.
@@ -24,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shard.axes import STAGE
+from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.models import llama
 from shard.models.configs import ModelConfig
@@ -153,12 +159,44 @@ def _stage_fn(cfg: ModelConfig):
     return stage
 
 
-def _vary(tree):
-    return jax.tree.map(lambda x: lax.pcast(x, (STAGE,), to="varying"), tree)
+def _vary(tree, axes=(STAGE,)):
+    """Mark every leaf as varying over `axes` (those it does not vary over yet)."""
+    def one(x):
+        missing = tuple(a for a in axes if a not in _varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
-def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array) -> jax.Array:
-    """The layer stack applied to M microbatches on a GPipe schedule (differentiable)."""
+def _varying_axes(x) -> frozenset:
+    """The manual axes `x` varies over (jax 0.10: `manual_axis_type.varying`; older: `vma`)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else aval.vma)
+
+
+def replica_axes(mesh, param_specs) -> tuple[str, ...]:
+    """The mesh axes a pipeline schedule treats as manual data-parallel replicas: `data` when the mesh
+    splits it (more than one way) and no parameter is sharded over it (`param_specs`: the
+    PartitionSpecs of the parameters)."""
+    if mesh.shape.get(DATA, 1) == 1:
+        return ()
+    for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
+        for entry in spec:
+            if entry == DATA or (isinstance(entry, tuple) and DATA in entry):
+                return ()
+    return (DATA,)
+
+
+def _rows(replicas: tuple[str, ...]) -> P:
+    """Spec of a (microbatch, rows, ...) array whose rows split over the replica axes."""
+    return P(None, replicas or None)
+
+
+def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
+                 replicas: tuple[str, ...] = ()) -> jax.Array:
+    """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `replicas`: the
+    manual data-parallel axes (see `replica_axes`)."""
     stage_fn = _stage_fn(cfg)
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
 
@@ -166,6 +204,8 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array) -> jax
         S, s = lax.axis_size(STAGE), lax.axis_index(STAGE)
         M = x_mbtd.shape[0]
         x_mbtd = _vary(x_mbtd)
+        # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
+        layers = _vary(layers, replicas)
         perm = [(j, (j + 1) % S) for j in range(S)]
 
         def tick(t, carry):
@@ -182,15 +222,18 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array) -> jax
         _, out_mbtd = lax.fori_loop(0, M + S - 1, tick, init)
         return lax.psum(out_mbtd, STAGE)  # only the last stage wrote
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P()), out_specs=P(),
-                         axis_names={STAGE})(layers, x_mbtd)
+    rows = _rows(replicas)
+    return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rows), out_specs=rows,
+                         axis_names={STAGE, *replicas})(layers, x_mbtd)
 
 
-def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
+def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
     """`f(layers, head, x_mbtd, aux) -> (nll, count)` on a 1F1B schedule, differentiable by custom_vjp.
 
     `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
     (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
+    `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
+    at the end.
     """
     S = mesh.shape[STAGE]
     sch = schedule("1f1b", S, M)
@@ -208,9 +251,12 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
 
     def body(layers, head, x_mbtd, aux):
         s = lax.axis_index(STAGE)
-        head, x_mbtd, aux = _vary((head, x_mbtd, aux))
+        everywhere = (STAGE, *replicas)
+        layers = _vary(layers, replicas)
+        head, x_mbtd, aux = _vary((head, x_mbtd, aux), everywhere)
         tables = jnp.asarray(np.stack([op, sch.mb, recv_f, recv_b], -1))
-        zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree))  # noqa: E731
+        zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
+                                        everywhere)
         act = x_mbtd[0]
         fwd_perm = [(j, (j + 1) % S) for j in range(S)]
         bwd_perm = [(j, (j - 1) % S) for j in range(S)]
@@ -249,25 +295,28 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss):
             recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
             return c | {"recv_f": recv_f, "recv_b": recv_b}
 
-        buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype))  # noqa: E731
+        buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype), everywhere)  # noqa: E731
+        scalar = _vary(jnp.zeros((), jnp.float32), everywhere)
         carry = {
-            "g_layers": zeros_like(layers), "g_head": zeros_like(head),
-            "nll": _vary(jnp.zeros((), jnp.float32)), "count": _vary(jnp.zeros((), jnp.float32)),
+            "g_layers": zeros_like(layers), "g_head": zeros_like(head), "nll": scalar, "count": scalar,
             "xin": buf(K), "gin": buf(K), "dx": buf(M),
             "send_f": buf(1)[0], "send_b": buf(1)[0], "recv_f": buf(1)[0], "recv_b": buf(1)[0],
         }
         c = lax.fori_loop(0, sch.ticks, tick, carry)
-        total = lambda x: lax.psum(x, STAGE)  # noqa: E731  (each is nonzero on one stage only)
+        # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
+        total = lambda x: lax.psum(x, everywhere)  # noqa: E731
         like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
-        return (total(c["nll"]), total(c["count"]), like(c["g_layers"], layers),
+        g_layers = jax.tree.map(lambda g: lax.psum(g, replicas), c["g_layers"]) if replicas else c["g_layers"]
+        return (total(c["nll"]), total(c["count"]), like(g_layers, layers),
                 like(jax.tree.map(total, c["g_head"]), head),
-                total(c["dx"]))
+                lax.psum(c["dx"], STAGE))
 
     def run(layers, head, x_mbtd, aux):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
         rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), P(), rep(aux)),
-                             out_specs=(P(), P(), layer_spec, rep(head), P()), axis_names={STAGE})(
+        rows = _rows(replicas)
+        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, jax.tree.map(lambda _: rows, aux)),
+                             out_specs=(P(), P(), layer_spec, rep(head), rows), axis_names={STAGE, *replicas})(
             layers, head, x_mbtd, aux)
 
     @jax.custom_vjp

@@ -299,6 +299,9 @@ class ConsoleProgress:
     def on_log(self, r: dict) -> None:
         self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
 
+    def on_abort(self) -> None:  # the error that follows gets a clean line
+        self.progress.stop()
+
     def on_end(self, records: list[dict]) -> None:
         self.progress.stop()
         if not records:

@@ -5,7 +5,10 @@ Observers (console, metrics.jsonl, TensorBoard, profiler, checkpoints, signals) 
 `saves_at(step, final)` (whether on_state will save: the divergence guard then checks every step up to
 it first, so a diverged state is never saved), `on_state(step, state, data_position, metrics, final)`
 (after each step, before the state is donated to the next one), `should_stop()` (asked after each
-step: stop after it, e.g. on preemption) and `on_end(records)`; the loop itself prints and writes nothing.
+step: stop after it, e.g. on preemption), `on_end(records)` (in reverse order: the checkpoint saver has
+finished its last save before the console reports the run done) and `on_abort()` (instead of `on_end`
+when the run or an `on_end` raised: let go of files and the display, report nothing); the loop itself
+prints and writes nothing.
 """
 
 import concurrent.futures
@@ -241,13 +244,17 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
         from shard.evaluate import Evaluator
 
         evaluator = Evaluator(cfg, run)
+    waiting = list(observers)  # not yet ended, in the order they end: last registered first
     try:
         records = _run_steps(cfg, run, observers, evaluator)
+        while waiting:
+            getattr(waiting[-1], "on_end", lambda r: None)(records)
+            waiting.pop()
     finally:
         if evaluator:
             evaluator.close()
-    for o in observers:
-        getattr(o, "on_end", lambda r: None)(records)
+        for o in reversed(waiting):  # an error: the run did not end as planned
+            getattr(o, "on_abort", lambda: None)()
     return records
 
 

@@ -23,6 +23,9 @@ class JsonlWriter:
     def on_end(self, records: list[dict]) -> None:
         self._f.close()
 
+    def on_abort(self) -> None:
+        self._f.close()
+
 
 class TensorBoardWriter:
     """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
@@ -37,6 +40,9 @@ class TensorBoardWriter:
         self._w.flush()
 
     def on_end(self, records: list[dict]) -> None:
+        self._w.close()
+
+    def on_abort(self) -> None:
         self._w.close()
 
 

@@ -42,6 +42,9 @@ class StopOnSignal:
         return local
 
     def on_end(self, records: list[dict]) -> None:
+        self.on_abort()
+
+    def on_abort(self) -> None:  # the handlers this one replaced come back
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()

@@ -38,6 +38,8 @@ class Profiler:
     def __init__(self, first: int, last: int, out_dir: Path):
         self.first, self.last, self.out_dir = first, last, out_dir
         self.summary: dict | None = None
+        self._tracing = False
+        self._step = 0  # the newest step seen
 
     def on_start(self, run) -> None:
         if self.first == 1:
@@ -46,19 +48,37 @@ class Profiler:
     def on_step(self, step: int, outputs=None) -> None:
         import jax
 
+        self._step = step
         if step == self.first - 1:
             jax.block_until_ready(outputs)
             self._start()
         if step == self.last:
             jax.block_until_ready(outputs)
-            jax.profiler.stop_trace()
-            self.summary = summarize(find_trace(self.out_dir), steps=self.last - self.first + 1)
-            (self.out_dir / "profile_summary.json").write_text(json.dumps(self.summary, indent=1))
+            self._stop(summarize_steps=True)
+
+    def on_end(self, records: list[dict]) -> None:
+        """A run that stopped inside the window (a signal, --steps) gets the steps it traced."""
+        self._stop(summarize_steps=self._step >= self.first)
+
+    def on_abort(self) -> None:
+        self._stop(summarize_steps=False)
 
     def _start(self) -> None:
         import jax
 
         jax.profiler.start_trace(str(self.out_dir), create_perfetto_trace=True)
+        self._tracing = True
+
+    def _stop(self, summarize_steps: bool) -> None:
+        import jax
+
+        if not self._tracing:
+            return
+        self._tracing = False
+        jax.profiler.stop_trace()
+        if summarize_steps:
+            self.summary = summarize(find_trace(self.out_dir), steps=min(self._step, self.last) - self.first + 1)
+            (self.out_dir / "profile_summary.json").write_text(json.dumps(self.summary, indent=1))
 
 
 def find_trace(out_dir: Path) -> Path:

@@ -47,6 +47,37 @@ def test_profile_is_written_and_summarised(tmp_path):
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace TensorBoard's profile plugin reads
 
 
+def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):
+    profiler = Profiler(2, 10, tmp_path)  # --steps 3 ends the run inside the window
+    train(tiny_config("8x1", steps=3), devices=devices_for("8x1"), observers=[profiler])
+    assert profiler.summary["steps"] == 2
+    assert json.loads((tmp_path / "profile_summary.json").read_text()) == profiler.summary
+
+
+class _Recorder:
+    def __init__(self, name, events, fail_at_end=False):
+        self.name, self.events, self.fail_at_end = name, events, fail_at_end
+
+    def on_end(self, records):
+        self.events.append(f"{self.name}.end")
+        if self.fail_at_end:
+            raise OSError("the final save failed")
+
+    def on_abort(self):
+        self.events.append(f"{self.name}.abort")
+
+
+def test_observers_end_last_first_and_an_end_that_fails_aborts_the_rest():
+    """The console (registered first) ends last, so "done" follows the final save; when that save
+    fails, the console only lets go of its display (no "done" line before the error)."""
+    events = []
+    observers = [_Recorder("console", events), _Recorder("saver", events, fail_at_end=True),
+                 _Recorder("signals", events)]
+    with pytest.raises(OSError, match="final save"):
+        train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=observers)
+    assert events == ["signals.end", "saver.end", "saver.abort", "console.abort"]
+
+
 def _fake_run(path, mesh, losses):
     path.mkdir()
     (path / "config.toml").write_text(f'[model]\nname = "tiny"\n[mesh]\nspec = "{mesh}"\n')

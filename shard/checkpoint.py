@@ -47,9 +47,10 @@ def _configure_orbax() -> None:
         array_metadata_store=array_metadata_store.Store(),
         min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
     _drop_closed_loop_callbacks()
+    for name in ("absl", "asyncio"):
+        if _orbax_thread_tracebacks not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_orbax_thread_tracebacks)
     absl_logger = logging.getLogger("absl")
-    if _orbax_thread_tracebacks not in absl_logger.filters:
-        absl_logger.addFilter(_orbax_thread_tracebacks)
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # not the "overriding jax.Array" warning
     try:
@@ -61,8 +62,14 @@ def _configure_orbax() -> None:
 def _orbax_thread_tracebacks(record: logging.LogRecord) -> bool:
     """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
     disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
-    where the CLI reports it in one line."""
-    return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+    where the CLI reports it in one line. Also asyncio's "Task exception was never retrieved" for an
+    orbax write task that failed beside the one reported (logged when the task is collected, after the
+    error line)."""
+    orbax = f"{os.sep}orbax{os.sep}"
+    if record.name == "asyncio":
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and orbax in message)
+    return not (record.exc_info and orbax in record.pathname)
 
 
 def _drop_closed_loop_callbacks() -> None:

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -46,15 +47,24 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
         return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints): the OS's reason is last
-        reason = str(e).split(" [os_error_code")[0].rsplit(": ", 1)[-1]
-        return ShardError(f"{reason} ({first[:200]})")
+    if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints)
+        return ShardError(_tensorstore_file_error(str(e)))
     if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in first or isinstance(e, MemoryError):
         advice = _OUT_OF_MEMORY_ADVICE.get(command or "")
         return ShardError(f"out of memory ({first[:160]})" + (f"; {advice}" if advice else ""))
     if isinstance(e, RuntimeError) and "Unable to initialize backend" in first:
         return ShardError(f"{first} (JAX_PLATFORMS is {os.environ.get('JAX_PLATFORMS', 'unset')!r})")
     return None
+
+
+def _tensorstore_file_error(text: str) -> str:
+    """`PATH: REASON` from tensorstore's file error: the OS's reason is the last `: ` part once the
+    bracketed annotations (`[os_error_code='28']`, `[tensorstore_spec='{...}']`, kilobytes of JSON) are
+    dropped; the path is the first local file it names."""
+    bare = re.sub(r" \[\w+=(?:'[^']*'|[^\]\s]*)\]", "", text.strip().splitlines()[0])
+    reason = bare.rsplit(": ", 1)[-1].strip()
+    paths = re.findall(r'"(/[^"]*)"', bare)
+    return f"{paths[0]}: {reason}" if paths else f"{reason} ({bare[:200]})"
 
 
 def _usage_error(e: BaseException) -> ShardError | None:

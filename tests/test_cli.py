@@ -185,9 +185,15 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
     full = ValueError('RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database at local file '
                       '"/r/checkpoints/2.orbax-checkpoint-tmp/": Failed to write 841986 bytes to file 5: No space '
                       "left on device [os_error_code='28']")
-    assert str(user_error(full)).startswith("No space left on device (RESOURCE_EXHAUSTED: Error writing")
+    assert str(user_error(full)) == "/r/checkpoints/2.orbax-checkpoint-tmp/: No space left on device"
+    # opening an array: the reason comes before kilobytes of JSON spec (in single quotes)
+    spec = '{"context":{"cache_pool":{}},"kvstore":{"path":"/r/checkpoints/5.orbax-checkpoint-tmp/x/"}}'
+    opening = ValueError('RESOURCE_EXHAUSTED: Error opening "zarr" driver: Error writing "count/.zarray" in OCDBT '
+                         'database at local file "/r/checkpoints/5.orbax-checkpoint-tmp/x/": No space left on '
+                         f"device [tensorstore_spec='{spec}'] [os_error_code='28']")
+    assert str(user_error(opening)) == "/r/checkpoints/5.orbax-checkpoint-tmp/x/: No space left on device"
     quota = ValueError("UNKNOWN: Failed writing: \"/r/x\": Disk quota exceeded [os_error_code=122]\nAdditional: step 4")
-    assert str(user_error(quota)).startswith("Disk quota exceeded (UNKNOWN: Failed writing")
+    assert str(user_error(quota)) == "/r/x: Disk quota exceeded"
     oom = RuntimeError("INTERNAL: Out of memory allocating 38836157792 bytes.")
     assert str(user_error(oom, "generate")) == ("out of memory (INTERNAL: Out of memory allocating 38836157792 "
                                                 "bytes.); lower --batch or --max-new-tokens, or shorten the prompts")
@@ -207,6 +213,14 @@ def test_orbax_thread_tracebacks_are_dropped_from_the_log():
     assert not _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", failed))
     assert _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", None))  # a message alone
     assert _orbax_thread_tracebacks(record("/site-packages/jax/x.py", failed))
+
+    def task(coro_file):  # asyncio's report of a task collected with its exception unread
+        msg = (f"Task exception was never retrieved\nfuture: <Task finished coro=<write() defined at {coro_file}:126> "
+               "exception=ValueError('No space left on device')>")
+        return logging.LogRecord("asyncio", logging.ERROR, "/lib/asyncio/base_events.py", 1, msg, None, failed)
+
+    assert not _orbax_thread_tracebacks(task("/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
+    assert _orbax_thread_tracebacks(task("/work/mine.py"))
 
 
 def test_usage_errors_of_click_itself_are_one_line_too():

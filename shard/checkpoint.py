@@ -335,15 +335,21 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
     out = globless(Path(out).absolute())
     check_fresh_out(out)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)  # a file in the way, no permission: here, not in orbax's thread
     out.rmdir()  # orbax makes it, from a temporary folder
-    params, _, step = read_params(checkpoint)
     try:
+        params, _, step = read_params(checkpoint)
         with ocp.StandardCheckpointer() as saver:
             saver.save(out, params)
             saver.wait_until_finished()
-    except BaseException:  # a full disk: no half-written export left behind
+    except BaseException:  # a bad checkpoint, a full disk: nothing of the export left behind
         for partial in out.parent.glob(f"{out.name}{TMP_MARK}*"):
             shutil.rmtree(partial, ignore_errors=True)
+        for folder in made[1:]:  # the folders made for it, while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return out, step

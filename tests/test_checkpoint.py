@@ -297,9 +297,11 @@ def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypat
 
     monkeypatch.setattr(checkpoint_mod.ocp, "StandardCheckpointer", DiskFills)
     _, _, _, ckpts = reference
-    result = invoke("export", "--checkpoint", str(ckpts.directory.parent), "--out", str(tmp_path / "params"))
+    (tmp_path / "exports").mkdir()  # there before: stays
+    result = invoke("export", "--checkpoint", str(ckpts.directory.parent), "--out",
+                    str(tmp_path / "exports" / "new" / "deeper" / "params"))
     assert result.exit_code == 2 and "No space left on device" in result.output, result.output
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.rglob("*")] == ["exports"]  # and not the folders made for it
 
 
 def test_export_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path):

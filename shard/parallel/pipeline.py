@@ -160,19 +160,11 @@ def _stage_fn(cfg: ModelConfig):
 
 
 def _vary(tree, axes=(STAGE,)):
-    """Mark every leaf as varying over `axes` (those it does not vary over yet)."""
-    def one(x):
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
-
-
-def _varying_axes(x) -> frozenset:
-    """The manual axes `x` varies over (jax 0.10: `manual_axis_type.varying`; older: `vma`)."""
-    aval = jax.typeof(x)
-    kind = getattr(aval, "manual_axis_type", None)
-    return frozenset(kind.varying if kind is not None else aval.vma)
+    """Mark every leaf as varying over `axes`, which must be axes it does not vary over yet (the
+    callers know: an input varies over the manual axes its in_spec splits it on, a constant over none)."""
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: lax.pcast(x, tuple(axes), to="varying"), tree)
 
 
 def replica_axes(mesh, param_specs) -> tuple[str, ...]:
@@ -252,8 +244,9 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
     def body(layers, head, x_mbtd, aux):
         s = lax.axis_index(STAGE)
         everywhere = (STAGE, *replicas)
-        layers = _vary(layers, replicas)
-        head, x_mbtd, aux = _vary((head, x_mbtd, aux), everywhere)
+        layers = _vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
+        head = _vary(head, everywhere)
+        x_mbtd, aux = _vary((x_mbtd, aux), (STAGE,))
         tables = jnp.asarray(np.stack([op, sch.mb, recv_f, recv_b], -1))
         zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
                                         everywhere)

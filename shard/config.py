@@ -109,12 +109,18 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out loss every `every` steps (0: never) over `batches` global batches drawn with seed + 1,
-    computed by a process set of the first `processes` processes (0: all; fewer needs --cross-host mpi)."""
+    """Held-out loss every `every` steps (0: never) over `batches` global batches, computed by a process
+    set of the first `processes` processes (0: all; fewer needs --cross-host mpi).
+
+    The held-out windows come from `path` when given (a file or folder, like data.path); otherwise they
+    are the last `holdout` share of data.path's windows, which training then never reads (synthetic
+    data: fresh random tokens, seed + 1)."""
 
     every: int = 0
     batches: int = 2
     processes: int = 0
+    path: str = ""
+    holdout: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,7 @@ _RANGES = {
     "data.batch": _COUNT, "data.seq_len": _COUNT, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
+    "eval.holdout": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive): the share of data.path held out"),
     "mesh.simulate_devices": (lambda v: v >= 0, "positive (0: what the mesh needs)"),
     "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),

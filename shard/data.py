@@ -188,14 +188,53 @@ class Samples:
         return self.source.read(indices)
 
 
-def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int) -> Samples:
-    """An infinite, seeded, random-access dataset of (seq_len + 1)-token windows."""
+def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdout: float = 0.0,
+                   part: str = "all") -> Samples:
+    """An infinite, seeded, random-access dataset of (seq_len + 1)-token windows.
+
+    With `holdout`, the source's windows split in two: `part="train"` reads all but the last `holdout`
+    share of them, `part="eval"` only those (held out: training never sees them); synthetic data has no
+    split (each seed gives fresh tokens)."""
     if path == SYNTHETIC:
         return Samples(SyntheticSource(vocab_size, seq_len, seed), None)
-    source = WindowSource(load_tokens(path, vocab_size), seq_len)
+    tokens = load_tokens(path, vocab_size)
+    if holdout and part != "all":
+        tokens = _split(tokens, seq_len, holdout, path)[part == "eval"]
+    return _shuffled(WindowSource(tokens, seq_len), seed)
+
+
+def _split(tokens: np.ndarray, seq_len: int, holdout: float, path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the last `holdout` share of the windows, at least one, is
+    held out, cut on a window boundary."""
+    windows = len(WindowSource(tokens, seq_len))
+    held = max(1, round(windows * holdout))
+    if held >= windows:
+        raise ShardError(f"data {path or 'corpus'} holds {windows} window(s) of {seq_len + 1} tokens: too few "
+                         f"to hold out eval.holdout={holdout:g} of them for evaluation; give eval.path, or more "
+                         "data, or a shorter --seq")
+    cut = (windows - held) * seq_len
+    return tokens[:cut], tokens[cut:]
+
+
+def _shuffled(source: "WindowSource", seed: int) -> Samples:
     import grain  # here, not at the top: synthetic data never needs it
 
     return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat())
+
+
+def training_samples(cfg) -> Samples:
+    """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it."""
+    holdout = cfg.eval.holdout if cfg.eval.every and not cfg.eval.path else 0.0
+    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed, holdout=holdout,
+                          part="train")
+
+
+def eval_samples(cfg) -> Samples:
+    """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
+    if cfg.eval.path:
+        return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1)
+    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1,
+                          holdout=cfg.eval.holdout, part="eval")
 
 
 def split_window(windows: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Held-out loss on a process set: the trainer's own use of `shard.distributed.process_set`.
+"""Held-out loss (eval.path, or data.path's held-out tail: shard.data.eval_samples) on a process set:
+the trainer's own use of `shard.distributed.process_set`.
 
 The first `eval.processes` processes form the set "eval"; each member evaluates its block of every
 held-out batch on its own mesh and the set sums (loss, tokens) over its members only, while the other
@@ -10,7 +11,7 @@ import numpy as np
 
 from shard import distributed
 from shard.config import TrainConfig
-from shard.data import BatchStream, sample_dataset
+from shard.data import BatchStream, eval_samples
 from shard.errors import ShardError
 from shard.step import batch_sharding, make_eval_step
 
@@ -36,7 +37,7 @@ class Evaluator:
         self.cfg = cfg
         self.group = distributed.process_set(range(n), name="eval")
         self.step = make_eval_step(run.spec, run.layout)
-        dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1)
+        dataset = eval_samples(cfg)
         if ctx.mode == distributed.MPI:
             if cfg.data.batch % n:
                 raise ShardError(f"global batch {cfg.data.batch} does not divide over {n} eval processes")

@@ -25,7 +25,7 @@ from shard import distributed
 from shard.analysis import memory_of
 from shard.config import GuardConfig, TrainConfig
 from shard.costs import mfu_flops_per_token
-from shard.data import BatchStream, sample_dataset
+from shard.data import BatchStream, training_samples
 from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
@@ -120,7 +120,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
+    dataset = training_samples(cfg)
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -177,7 +177,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     rows = cfg.data.batch // ctx.size
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset = sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed)
+    dataset = training_samples(cfg)
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
     if restore is None:  # same seed everywhere: the replicas start equal

@@ -1,12 +1,16 @@
 """Token sources, determinism, padding, and the sharded global batch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from shard.config import EvalConfig
 from shard.data import (BatchStream, ByteTokenizer, SyntheticSource, WindowSource, embedded_corpus_files,
-                        load_tokens, sample_dataset, split_window, unused_files_note)
+                        eval_samples, load_tokens, sample_dataset, split_window, training_samples,
+                        unused_files_note)
 from shard.errors import ShardError
-from shard.testing import fake_mesh
+from shard.testing import fake_mesh, tiny_config
 
 
 def test_embedded_corpus_is_real_text():
@@ -32,6 +36,33 @@ def test_epochs_are_reshuffled(tmp_path):
     first = [ds[i][0] for i in range(n)]
     second = [ds[i][0] for i in range(n, 2 * n)]
     assert sorted(first) == sorted(second) and first != second
+
+
+def test_evaluation_holds_out_the_tail_of_the_data_and_training_never_reads_it(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(1000, dtype=np.int32))  # token id = position: where a window is from
+    path = str(tmp_path / "t.npy")
+    cfg = tiny_config("1x1", data__path=path, data__seq_len=9, model__vocab_size=1000, eval__every=5,
+                      eval__holdout=0.1)
+    train, held = training_samples(cfg), eval_samples(cfg)
+    train_ids = {int(t) for i in range(300) for t in train[i] if t >= 0}
+    held_ids = {int(t) for i in range(50) for t in held[i] if t >= 0}
+    assert max(train_ids) < min(held_ids) == 900  # 111 windows of 9 steps: the last 11 held out
+    assert max(held_ids) == 999
+    # without evaluation nothing is held out; with eval.path the held-out data is that file
+    assert max(int(t) for i in range(300) for t in training_samples(dataclasses.replace(cfg, eval=EvalConfig()))[i]) == 999
+    np.save(tmp_path / "e.npy", np.full(50, 7, np.int32))
+    other = dataclasses.replace(cfg, eval=EvalConfig(every=5, path=str(tmp_path / "e.npy")))
+    assert {int(t) for t in eval_samples(other)[0] if t >= 0} == {7}
+    assert max(int(t) for i in range(300) for t in training_samples(other)[i]) == 999
+
+
+def test_too_little_data_to_hold_out_is_an_error(tmp_path):
+    (tmp_path / "t.txt").write_text("abcdefghij")
+    cfg = tiny_config("1x1", data__path=str(tmp_path / "t.txt"), data__seq_len=9, eval__every=5)
+    with pytest.raises(ShardError, match=r"holds 1 window\(s\) of 10 tokens: too few to hold out eval.holdout=0.05"):
+        training_samples(cfg)
+    with pytest.raises(ShardError, match="eval.holdout must be between 0 and 1"):
+        tiny_config("1x1", eval__holdout=1.0)
 
 
 def test_short_last_window_is_padded_and_masked():

@@ -207,8 +207,8 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     - axes that shard parameters but not their compute (fsdp): each weight is all-gathered for the
       forward pass, and a layer's weights again for the backward pass when remat recomputes it;
     - model: Megatron's all-reduces of (batch, length, embed) activations: two per layer forward
-      (attention and MLP outputs), two backward (their input gradients), one more forward per layer
-      pass recomputed by remat; the vocab-parallel embedding lookup and logits add one each, plus three
+      (attention and MLP outputs), two backward (their input gradients), and the attention output's
+      again under full remat; the vocab-parallel embedding lookup and logits add one each, plus three
       (batch, length) float32 reductions for the softmax;
     - a lookup from the stored table (`stored_lookup_axes`): the ids gathered and the looked-up rows and
       their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
@@ -256,7 +256,9 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         model_axis = shape.table(False)[HEADS][0]
         tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
         act = tokens * cfg.d_model * work.act_bytes
-        per_layer = 2 * forward_passes + 2
+        # Full remat recomputes the attention output's all-reduce (the MLP's input needs it), not the
+        # MLP output's (that is the layer's output, kept); the dots policies keep both outputs.
+        per_layer = 4 + (work.remat == "full")
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
             n_ar += 2

@@ -68,12 +68,14 @@ class Run:
 def make_layout(cfg: TrainConfig, mesh_spec: MeshSpec, devices=None) -> Layout:
     """The mesh for these devices, with the preset's rules amended by the config's."""
     mesh = build_mesh(mesh_spec, devices)
-    return Layout(
+    layout = Layout(
         mesh=mesh,
         rules=mesh_spec.rules | cfg.rules,
         param_rules=mesh_spec.param_rules | cfg.param_rules,
         regex_rules=tuple(cfg.param_regex.items()),
     )
+    layout.check_activations()
+    return layout
 
 
 def check_batch(cfg: TrainConfig, layout: Layout) -> None:

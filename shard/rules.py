@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shard.axes import ACTIVATION_LAYOUTS
 from shard.errors import ShardError
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -71,6 +72,12 @@ class Layout:
 
     def sharding(self, logical_axes, *, param: bool = False, what: str = "") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(tuple(logical_axes), param=param, what=what))
+
+    def check_activations(self) -> None:
+        """A ShardError unless every activation layout the models use (ACTIVATION_LAYOUTS) has a valid
+        spec: the rules are checked before anything is traced, by every command that builds a layout."""
+        for logical in ACTIVATION_LAYOUTS:
+            self.spec(logical, what="activation")
 
 
 def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: PartitionSpec, mesh) -> None:

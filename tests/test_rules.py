@@ -1,5 +1,7 @@
 """Rules place every parameter where they say; inspect's bytes are the real shards' bytes."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -112,6 +114,18 @@ def test_one_mesh_axis_on_two_dimensions_is_an_error():
     layout = _layout()
     with pytest.raises(ShardError, match="used by both 'heads' and 'mlp'"):
         layout.spec(("heads", "mlp"))
+
+
+@pytest.mark.parametrize("rule, message", [
+    ({"batch": ("model",)}, "'model' is used by both 'batch' and 'heads'"),
+    ({"length": ("model",)}, "'model' is used by both 'length' and 'heads'"),
+    ({"head_dim": ("data",)}, "'data' is used by both 'batch' and 'head_dim'"),
+])
+def test_rules_that_no_activation_can_take_are_refused_with_the_layout(rule, message):
+    """Checked where the layout is built (inspect, plan's check, train), not first when the step traces."""
+    cfg = tiny_config("2x4")
+    with pytest.raises(ShardError, match=f"activation: mesh axis {message}"):
+        make_layout(dataclasses.replace(cfg, rules=cfg.rules | rule), parse_mesh("2x4"), devices_for("2x4"))
 
 
 def test_logical_axis_without_rule_is_an_error():

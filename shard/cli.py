@@ -282,7 +282,7 @@ class ConsoleProgress:
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
             f"mesh {mesh} on {where}"
-            + f" · model {cfg.model.name} ({cfg.model.num_params() / 1e6:.2f}M params)"
+            + f" · model {cfg.model.name} ({_param_count(cfg.model.num_params())} params)"
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
             + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
                f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
@@ -640,27 +640,37 @@ def plan(
                          f"{sorted(set(sets) - {'model'})[0]}.*")
     cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
     hw = find_hardware(hardware, load_hardware(hardware_file))
-    if batch is not None and batch <= 0 or top < 0:
-        raise ShardError("--batch must be positive and --top 0 or more")
-    global_batch = batch or 2 * devices
+    if top < 0:
+        raise ShardError(f"--top must be 0 or more, got {top}")
+    global_batch = 2 * devices if batch is None else batch
     ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq)
     best = next((c for c in ranked if c.fits), None)
     if as_json:
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
                           "batch": global_batch, "seq_len": seq,
+                          "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
                           "best": best.command(cfg.model.name, global_batch, seq) if best else None,
                           "layouts": [c.to_dict() for c in ranked]}, indent=1))
         return
-    console.print(f"{cfg.model.name} ({cfg.model.num_params() / 1e9:.2f}B params) on {devices} x {hw.name} in "
+    if cfg.model.n_experts:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(_MOE_NOT_PLANNED)}", soft_wrap=True)
+    console.print(f"{cfg.model.name} ({_param_count(cfg.model.num_params())} params) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
-    table = Table(box=None, pad_edge=False)
-    for col in ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits"):
-        table.add_column(col, justify="right" if col in ("mem/dev", "step", "serial", "MFU") else "left",
-                         no_wrap=True)
+    columns = ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits")
+    rows = []
     for c in ranked[:top]:
         comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={_short(b)}" for a, b in c.comm_bytes.items())
-        table.add_row(c.mesh_spec(), c.remat, _short(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
-                      f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems))
+        rows.append((c.mesh_spec(), c.remat, _short(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
+                     f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems)))
+    table = Table(box=None, pad_edge=False)
+    for i, col in enumerate(columns):
+        if col == "fits":  # the problems, however long, fold under their column; the figures stay whole
+            table.add_column(col, overflow="fold", min_width=12)
+        else:
+            table.add_column(col, justify="right" if col in ("mem/dev", "step", "serial", "MFU") else "left",
+                             no_wrap=True, min_width=max(len(r[i]) for r in [columns, *rows]))
+    for row in rows:
+        table.add_row(*row)
     Console(highlight=False, emoji=False, markup=False, width=max(console.width, 150)).print(table)
     fitting = sum(c.fits for c in ranked)
     console.print(f"{fitting} of {len(ranked)} layouts fit · * = the axis crosses nodes")
@@ -899,6 +909,15 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+_MOE_NOT_PLANNED = ("mixture-of-experts layers are planned as dense ones (no expert axis; routing, dispatch and "
+                    "capacity not modelled): check a layout with shard inspect --compiled")
+
+
+def _param_count(n: int) -> str:
+    """A parameter count as people say it: 0.10M, 124.44M, 13.08B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def _short(n: float) -> str:

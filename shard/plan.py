@@ -253,15 +253,14 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
          seq_len: int) -> list[Candidate]:
     """All layouts, the fitting ones first, fastest first. Step times within 2% count as a tie, broken
     by the time with nothing overlapped (less exposed traffic), then by memory."""
-    if devices <= 0 or nodes <= 0:
-        raise ShardError("--devices and --nodes must be positive")
+    for flag, value in (("--devices", devices), ("--nodes", nodes), ("--batch", global_batch), ("--seq", seq_len)):
+        if value <= 0:
+            raise ShardError(f"{flag} must be positive, got {value}")
     if devices % nodes:
         raise ShardError(f"{devices} devices cannot form {nodes} equal nodes; give --devices a multiple of --nodes")
     per_node = devices // nodes
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
-    if global_batch <= 0 or seq_len <= 0:
-        raise ShardError("--batch and --seq must be positive")
     out = [evaluate(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
            for sizes in layouts(devices, per_node) for remat in REMAT_CHOICES]
     fastest = min((c.step_s for c in out), default=1.0)

@@ -55,8 +55,10 @@ def test_reference_plan_table_names_the_best_command():
     (["--devices", "30", "--nodes", "8"], "30 devices cannot form 8 equal nodes"),
     (["--devices", "32", "--nodes", "2"], "16 devices per node, but a a100-40g node holds at most 8"),
     (["--model", "gpt9"], "unknown model 'gpt9'"),
-    (["--batch", "0"], "--batch must be positive"),
-    (["--top", "-1"], "--top 0 or more"),
+    (["--batch", "0"], "--batch must be positive, got 0"),
+    (["--seq", "0"], "--seq must be positive, got 0"),
+    (["--devices", "-8"], "--devices must be positive, got -8"),
+    (["--top", "-1"], "--top must be 0 or more, got -1"),
     (["--set", "data.batch=7"], "plan takes model.* keys in --set"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
@@ -65,6 +67,14 @@ def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     r = invoke("plan", *[x for kv in base.items() for x in kv])
     assert r.exit_code == 2, r.output
     assert message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_mixture_of_experts_plan_says_it_is_planned_as_dense():
+    r = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--seq", "128", "--batch", "16")
+    assert r.exit_code == 0, r.output
+    assert "warning: mixture-of-experts layers are planned as dense ones" in r.output
+    as_json = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--json")
+    assert "routing, dispatch and capacity not modelled" in json.loads(as_json.stdout)["warnings"][0]
 
 
 def test_user_hardware_file(tmp_path):

@@ -289,6 +289,13 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 bad = first_divergence(steps, grad_norms, cfg.guard)
                 if bad:
                     run.state = None  # diverged: nothing downstream may save it
+                    values = dict(steps)[bad[0]]
+                    record = {"step": bad[0], "loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]),
+                              "lr": float(values["lr"]), "tokens_seen": bad[0] * tokens_per_step,
+                              "time_s": time.perf_counter() - start, "diverged": bad[1]}
+                    records.append(record)  # the step that diverged stays on record (metrics.jsonl)
+                    for o in observers:
+                        getattr(o, "on_log", lambda r: None)(record)
                     raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
             else:
                 skipped += int(sum(m["skipped"] for _, m in steps))

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from shard.cli import app
 from shard.errors import DivergenceError
 from shard.loop import prepare, train
-from shard.metrics import TensorBoardWriter
+from shard.metrics import JsonlWriter, TensorBoardWriter
 from shard.profiling import Profiler
 from shard.testing import devices_for, tiny_config
 
@@ -144,13 +144,15 @@ def _plant_nan(run, at_step):
     run.stream.next = next_batch
 
 
-def test_nan_stops_the_run_naming_the_step():
+def test_nan_stops_the_run_naming_the_step_and_its_record_is_kept(tmp_path):
     cfg = tiny_config("8x1", steps=6, log_every=3)
     run = prepare(cfg, devices_for("8x1"))
     _plant_nan(run, 2)
     with pytest.raises(DivergenceError, match="at step 2"):
-        train(cfg, run=run)
+        train(cfg, run=run, observers=[JsonlWriter(tmp_path / "metrics.jsonl")])
     assert run.state is None  # nothing downstream can save the diverged state
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 2 and record["loss"] is None and "at step 2" in record["diverged"]
 
 
 def test_skip_mode_drops_the_bad_update_and_carries_on():

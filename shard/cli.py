@@ -301,6 +301,10 @@ class ConsoleProgress:
                 warnings = []
             for w in warnings:
                 console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
+        from shard.data import repetition_note
+
+        if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
+            console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)
         self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:

@@ -176,6 +176,11 @@ class Samples:
     def __init__(self, source, order):  # a grain.MapDataset of row indices, or None
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
 
+    @property
+    def windows(self) -> int | None:
+        """Distinct windows the source holds (None: unbounded, synthetic)."""
+        return len(self.source) if isinstance(self.source, WindowSource) else None
+
     def __getitem__(self, i: int) -> np.ndarray:
         return self.rows(i, i + 1)[0]
 
@@ -220,6 +225,15 @@ def _shuffled(source: "WindowSource", seed: int) -> Samples:
     import grain  # here, not at the top: synthetic data never needs it
 
     return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat())
+
+
+def repetition_note(samples: Samples, global_batch: int, seq_len: int) -> str | None:
+    """A line when the data holds fewer distinct windows than one global batch, else None."""
+    n = samples.windows
+    if n is None or n >= global_batch:
+        return None
+    return (f"the training data holds {n} window(s) of {seq_len + 1} tokens, fewer than one global batch of "
+            f"{global_batch}: every batch repeats them")
 
 
 def training_samples(cfg) -> Samples:

@@ -7,8 +7,8 @@ import pytest
 
 from shard.config import EvalConfig
 from shard.data import (BatchStream, ByteTokenizer, SyntheticSource, WindowSource, embedded_corpus_files,
-                        eval_samples, load_tokens, sample_dataset, split_window, training_samples,
-                        unused_files_note)
+                        eval_samples, load_tokens, repetition_note, sample_dataset, split_window,
+                        training_samples, unused_files_note)
 from shard.errors import ShardError
 from shard.testing import fake_mesh, tiny_config
 
@@ -63,6 +63,15 @@ def test_too_little_data_to_hold_out_is_an_error(tmp_path):
         training_samples(cfg)
     with pytest.raises(ShardError, match="eval.holdout must be between 0 and 1"):
         tiny_config("1x1", eval__holdout=1.0)
+
+
+def test_data_smaller_than_one_batch_is_named(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world!")
+    small = sample_dataset(str(tmp_path / "t.txt"), 256, 32, seed=0)
+    assert repetition_note(small, 8, 32) == ("the training data holds 1 window(s) of 33 tokens, fewer than one "
+                                             "global batch of 8: every batch repeats them")
+    assert repetition_note(small, 1, 32) is None
+    assert repetition_note(sample_dataset("synthetic", 256, 32, seed=0), 8, 32) is None
 
 
 def test_short_last_window_is_padded_and_masked():

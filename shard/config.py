@@ -278,7 +278,9 @@ def _coerce(value, tp, key: str):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):
+                raise ShardError(f"config key {key} expects a number, got nan")
             return float(value)
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

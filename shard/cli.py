@@ -167,10 +167,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     if compile_cache is not None:
         use_compile_cache(compile_cache)
     devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
-    if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main:
+    if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main and not cfg.mesh.simulate_devices:
         each = f" in each of {n_proc} processes" if n_proc > 1 else ""
         err_console.print(f"[dim]simulating {wanted} CPU devices{each} (XLA host platform); "
-                          "set --simulate-devices to change[/dim]")
+                          "set --simulate-devices to change[/dim]", soft_wrap=True)
     return devices
 
 
@@ -231,6 +231,9 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
         path = Path(cfg.run_dir)
         if path.exists() and not path.is_dir():
             raise ShardError(f"run dir {path} is a file; choose another --run-dir")
+        above = next(p for p in path.absolute().parents if p.exists())
+        if not above.is_dir():
+            raise ShardError(f"run dir {path} can't be made: {above} is a file; choose another --run-dir")
         if not resume and _holds_run(path):
             saved = path / "config.toml"
             if saved.is_file():
@@ -321,7 +324,8 @@ class ConsoleProgress:
         if not records:
             return
         last = records[-1]
-        console.print(f"done: {last['step']} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
+        losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
+        console.print(f"done: {last['step']} steps, loss {losses}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
             ran = last["step"] - self.run_start
@@ -589,7 +593,8 @@ def inspect(
     for col in ("parameter", "shape", "logical axes", "PartitionSpec", "per device"):
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in doc["params"]:
-        spec = "(" + ", ".join("None" if e is None else str(e) for e in r["partition_spec"]) + ")"
+        spec = "(" + ", ".join("None" if e is None else e if isinstance(e, str) else "(" + ", ".join(e) + ")"
+                               for e in r["partition_spec"]) + ")"
         table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
                       _human(r["bytes_per_device"]))
     console.print(table)
@@ -711,6 +716,9 @@ def bench_collectives(
         raise ShardError("--min-size must be positive and at most --max-size")
     if iters <= 0:
         raise ShardError(f"--iters must be positive, got {iters}")
+    if all(n == 1 for n in mesh_spec.shape):  # from the flag alone (a -1 size may fill several devices)
+        raise ShardError(f"mesh {mesh_spec.describe()} has no axis of size > 1: nothing to measure; give a mesh "
+                         "with one, e.g. --mesh 8x1")
     devices = start_devices(cfg, mesh_spec)
     from shard.bench import bench, sizes_between
     from shard.mesh import build_mesh
@@ -729,11 +737,9 @@ def bench_collectives(
             table.add_row(r["kind"], r["axis"], str(r["devices"]), _human(r["size_bytes"]),
                           f"{r['time_us']:.1f}us", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}")
 
-    results = bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
+    bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
     if table is not None:
         Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
-    if not results:
-        err_console.print("the mesh has no axis of size > 1: nothing to measure")
 
 
 @app.command()

@@ -66,6 +66,13 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, name, content, flag, messag
     assert message in result.output and len(result.output.strip().splitlines()) == 1
 
 
+def test_a_run_dir_under_a_file_is_named_before_the_compile_cache(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "afile" / "sub"))
+    assert result.exit_code == 2, result.output
+    assert f"run dir {tmp_path / 'afile' / 'sub'} can't be made: {tmp_path / 'afile'} is a file" in result.output
+
+
 def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_path):
     run = tmp_path / "r"
     failed = invoke("train", *TINY, "--mesh", "8x1", "--batch", "6", "--run-dir", str(run), "--compile-cache", "none")

@@ -149,3 +149,8 @@ def test_bench_rejects_no_timed_runs():
 def test_bench_rejects_unknown_collective():
     r = invoke("bench", "collectives", "--mesh", "2x4", "--kind", "broadcast")
     assert r.exit_code == 2 and "unknown collective 'broadcast'" in r.output
+
+
+def test_bench_on_a_mesh_without_traffic_is_an_error():
+    r = invoke("bench", "collectives", "--mesh", "1x1")
+    assert r.exit_code == 2 and "mesh data=1,model=1 has no axis of size > 1: nothing to measure" in r.output, r.output

@@ -221,6 +221,12 @@ def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
             target.unlink(missing_ok=True)
 
 
+def _held_out_change(was: float, now: float) -> str:
+    share = lambda f: f"the last {f:.0%} of the data" if f else "none of the data"  # noqa: E731
+    return (f"evaluation held out {share(was)} from training and now holds out {share(now)} (eval.every, "
+            "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
+
+
 def _already_holds_run(path: Path) -> ShardError:
     return ShardError(f"run dir {path} already holds a run; pass --resume to continue it or choose another --run-dir")
 
@@ -393,6 +399,12 @@ def train(
             f"--init-from {init_from} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    if resume and base and main:
+        from shard.data import held_out_share
+
+        was, now = held_out_share(config_mod.resolve(base)), held_out_share(cfg)
+        if was != now:
+            err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None

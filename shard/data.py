@@ -236,11 +236,15 @@ def repetition_note(samples: Samples, global_batch: int, seq_len: int) -> str | 
             f"{global_batch}: every batch repeats them")
 
 
+def held_out_share(cfg) -> float:
+    """The share of data.path's windows a TrainConfig keeps from training (for evaluation), 0 for none."""
+    return cfg.eval.holdout if cfg.eval.every and not cfg.eval.path else 0.0
+
+
 def training_samples(cfg) -> Samples:
     """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it."""
-    holdout = cfg.eval.holdout if cfg.eval.every and not cfg.eval.path else 0.0
-    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed, holdout=holdout,
-                          part="train")
+    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed,
+                          holdout=held_out_share(cfg), part="train")
 
 
 def eval_samples(cfg) -> Samples:

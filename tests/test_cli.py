@@ -243,3 +243,13 @@ def test_usage_errors_of_click_itself_are_one_line_too():
 
     assert str(_usage_error(UsageError())) == "No such option: --x"
     assert _usage_error(ValueError("x")) is None
+
+
+def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp_path):
+    run = tmp_path / "r"
+    first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
+    assert first.exit_code == 0, first.output
+    resumed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "3",
+                     "--eval-every", "1", "--compile-cache", "none")  # TINY's 2 steps, and one more
+    assert resumed.exit_code == 0, resumed.output
+    assert "now holds out the last 5% of the data" in resumed.output and "not an exact resume" in resumed.output

@@ -418,6 +418,10 @@ def train(
     globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
     devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
     path = Path(distributed.broadcast_text(str(path)))
+    from shard.agreement import check_same_config, check_shared_run_dir
+
+    check_shared_run_dir(path)
+    check_same_config(cfg)
     from shard.checkpoint import Checkpoints, SaveCheckpoints
     from shard.loop import prepare
     from shard.loop import train as train_loop

@@ -299,18 +299,21 @@ def fail(error: BaseException) -> None:
 
 
 def broadcast_text(text: str) -> str:
-    """Process 0's `text` on every process (e.g. the run dir it chose); one process: unchanged."""
+    """Process 0's `text` on every process (e.g. the run dir it chose, its config); one process:
+    unchanged."""
     if _ctx.mode == MPI:
         return _mpi_world().bcast(text, root=0)
     if _ctx.mode == XLA and _ctx.size > 1:
         from jax.experimental import multihost_utils
 
-        raw = np.frombuffer(text.encode().ljust(1024, b"\0")[:1024], np.uint8)
-        try:
+        data = text.encode()
+        try:  # its length first, so every process passes an array of process 0's size
+            size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int64(len(data)))))
+            raw = np.frombuffer(data.ljust(size, b"\0")[:size] or b"\0", np.uint8)
             out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             fail(e)
-        return bytes(out.astype(np.uint8)).rstrip(b"\0").decode()
+        return bytes(out.astype(np.uint8))[:size].decode()
     return text
 
 

@@ -87,6 +87,39 @@ def own_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if GLOO_BANNER.sub("", line)]
 
 
+def _two(tmp_path, args0, args1, cwd1=None):
+    """Processes 0 and 1 of one job, each with its own arguments (and process 1's working directory)."""
+    port = free_port()
+    procs = [subprocess.Popen(shard_cmd(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                        "--process-id", str(i)),
+                              cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, (args, cwd) in enumerate([(args0, tmp_path), (args1, cwd1 or tmp_path)])]
+    return finish(procs)
+
+
+def test_processes_started_with_different_configs_stop_at_once_naming_the_key(tmp_path):
+    """Before, a different --batch trained silently on mismatched batches; a different --steps hung."""
+    base = [*TINY, "--mesh", "2x4", "--run-dir", "r"]
+    (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, base, [*base, "--batch", "16"])
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "process 1 was started with a different config from process 0's: data.batch is 8 on process 0, 16 " \
+           "here" in err1
+    assert "another process of this job was started with a different config" in err0
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_dir_that_is_not_one_shared_folder_is_refused(tmp_path):
+    """A relative --run-dir from two working directories (or a local disk per host): the first save
+    never completed and both processes waited for ever."""
+    (tmp_path / "elsewhere").mkdir()
+    args = [*TINY, "--mesh", "2x4", "--run-dir", "r"]
+    (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, args, args, cwd1=tmp_path / "elsewhere")
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "run dir r is not one folder shared by every process (this process does not see it)" in err1
+    assert "(another process does not see it)" in err0
+    assert not list(tmp_path.rglob(".shard-shared-*"))  # the marker is gone
+
+
 def test_two_processes_match_one(tmp_path, reference):
     procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_port())
     (rc0, out0, err0), (rc1, out1, err1) = finish(procs)

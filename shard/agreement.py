@@ -1,0 +1,73 @@
+"""Start-up checks that the processes of one job agree: the same config, and (under the global mesh)
+one run dir that all of them see. Without them a job started with different commands trains on
+mismatched batches or waits in a collective for ever, and one whose run dir is a different folder on
+each host never finishes its first checkpoint.
+
+Both run once every process has joined, before anything is compiled or written; a mismatch is a
+ShardError on every process.
+"""
+
+import dataclasses
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+
+from shard import config as config_mod
+from shard import distributed
+from shard.errors import ShardError
+
+# Keys that may differ between the processes of one job: process 0 alone picks the run dir's name.
+PER_PROCESS_KEYS = ("run_dir",)
+
+
+def check_same_config(cfg: config_mod.TrainConfig) -> None:
+    """Every process resolved the same config as process 0 (from the flags, files and --set it got)."""
+    mine = config_mod.to_toml(dataclasses.replace(cfg, run_dir=""))
+    theirs = distributed.broadcast_text(mine)
+    differs = theirs != mine
+    if not distributed.any_process(differs):
+        return
+    if not differs:
+        raise ShardError("another process of this job was started with a different config; start every "
+                         "process with the same command")
+    diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), cfg, ignore=PER_PROCESS_KEYS)
+    what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
+    raise ShardError(f"process {distributed.context().rank} was started with a different config "
+                                f"from process 0's{what}; start every process with the same command")
+
+
+def check_shared_run_dir(path: Path) -> None:
+    """Under the global mesh every process writes its checkpoint shards under the run dir, so `path`
+    (process 0's string, read from each process's working directory) must be one folder that all of
+    them see. Process 0 leaves a marker file in it (or its nearest existing parent) and the others
+    look for it there."""
+    ctx = distributed.context()
+    if ctx.mode != distributed.XLA or ctx.size < 2:
+        return
+    levels = (path.absolute(), *path.absolute().parents)  # the run dir, then the folders above it
+    made: Path | None = None
+    marker = ""  # "UP/NAME": file NAME in the folder UP levels above the run dir
+    if ctx.is_main:
+        up = next(i for i, p in enumerate(levels) if p.is_dir())
+        try:
+            fd, name = tempfile.mkstemp(prefix=".shard-shared-", dir=levels[up])
+            os.close(fd)
+            made, marker = Path(name), f"{up}/{Path(name).name}"
+        except OSError:  # not writable: making the run dir will say so
+            pass
+    marker = distributed.broadcast_text(marker)
+    missing = False
+    if marker:
+        up, name = marker.split("/", 1)
+        missing = int(up) >= len(levels) or not (levels[int(up)] / name).exists()
+    try:
+        lost = distributed.any_process(missing)
+    finally:
+        if made is not None:
+            made.unlink(missing_ok=True)
+    if lost:
+        where = "this process does not see it" if missing else "another process does not see it"
+        raise ShardError(
+            f"run dir {path} is not one folder shared by every process ({where}): with --cross-host xla each "
+            "process writes its checkpoint shards there; give an absolute --run-dir on a shared file system")

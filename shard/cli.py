@@ -22,7 +22,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, LOCK_FILE, RunDirLock, check_fresh_out, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -196,6 +196,9 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
     return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
 
 
+_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, LOCK_FILE, "profile")  # what a run writes
+
+
 def _holds_run(path: Path) -> bool:
     """A config.toml (a user's own too: never overwritten), a logged step or a checkpoint."""
     return (path / "config.toml").exists() or _has_records(path)
@@ -237,8 +240,8 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
         path = Path(cfg.run_dir)
         if path.exists() and not path.is_dir():
             raise ShardError(f"run dir {path} is a file; choose another --run-dir")
-        above = next(p for p in path.absolute().parents if p.exists())
-        if not above.is_dir():
+        above = next((p for p in path.absolute().parents if p.exists()), None)  # None: path is /
+        if above is not None and not above.is_dir():
             raise ShardError(f"run dir {path} can't be made: {above} is a file; choose another --run-dir")
         if not resume and _holds_run(path):
             saved = path / "config.toml"
@@ -247,12 +250,22 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                     theirs = config_mod.resolve(config_mod.load_file(str(saved)))
                 except ShardError:
                     theirs = None
-                diff = config_mod.differences(theirs, cfg, ignore=("run_dir",)) if theirs else []
+                # how the processes meet is not the run's identity
+                diff = config_mod.differences(theirs, cfg, ignore=("run_dir", "cluster")) if theirs else []
                 if diff:
                     key, there, here = diff[0]
                     raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
                                      f"{here!r} here); choose another --run-dir")
+            if not _has_records(path):  # its start died before its first step was logged or saved
+                raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
+                                 "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
+                                 "another --run-dir")
             raise _already_holds_run(path)
+        if not resume and path.is_dir():
+            foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES)
+            if foreign:
+                raise ShardError(f"run dir {path} holds files that are not a shard run (e.g. {foreign[0]}); give a "
+                                 "new or empty folder")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"

@@ -344,7 +344,7 @@ def test_run_dir_of_another_config_without_resume(tmp_path):
     same = tiny_config("2x4", steps=2, data__batch=8, data__seq_len=32, log_every=10)
     (tmp_path / "config.toml").write_text(config_mod.to_toml(same))
     again = invoke("train", *TINY, "--run-dir", str(tmp_path))
-    assert again.exit_code == 2 and "already holds a run; pass --resume" in again.output
+    assert again.exit_code == 2 and "holds a run that never logged a step" in again.output  # nothing to resume
     assert (tmp_path / "config.toml").read_text() == config_mod.to_toml(same)  # untouched
 
 

@@ -1,6 +1,7 @@
 """The command line: bad input is one line and exit code 2; device simulation; train and inspect end to end."""
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -253,3 +254,27 @@ def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp
                      "--eval-every", "1", "--compile-cache", "none")  # TINY's 2 steps, and one more
     assert resumed.exit_code == 0, resumed.output
     assert "now holds out the last 5% of the data" in resumed.output and "not an exact resume" in resumed.output
+
+
+def test_a_run_dir_holding_other_files_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path))
+    assert result.exit_code == 2 and "holds files that are not a shard run (e.g. notes.txt)" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):
+    """What a start that died natively (no cleanup) leaves: its config and empty files. The cluster keys
+    it was started with don't make it another config."""
+    from shard import config as config_mod
+
+    first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none",
+                   "--set", "cluster.failure_timeout=30")
+    assert first.exit_code == 0, first.output
+    (tmp_path / "r" / "metrics.jsonl").write_text("")
+    shutil.rmtree(tmp_path / "r" / "checkpoints")
+    saved = config_mod.load_file(str(tmp_path / "r" / "config.toml"))
+    assert saved["cluster"]["failure_timeout"] == 30
+    again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none")
+    assert again.exit_code == 2 and "never logged a step or saved a checkpoint" in again.output, again.output
+    assert "--resume --allow-fresh" in again.output

@@ -27,15 +27,35 @@ def load_run(run_dir: str) -> dict:
         cfg = {}  # the layout is then shown as "?"
     model = cfg.get("model", {}).get("name", "?")
     mesh = cfg.get("mesh", {}).get("spec", "?")
+    trained, latest_start = as_trained(complete)
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
-            "records": complete, "skipped_lines": skipped}
+            "records": trained, "latest_start": latest_start, "skipped_lines": skipped}
+
+
+def as_trained(records: list[dict]) -> tuple[list[dict], int]:
+    """The records of a run as it trained, and the first step of its latest start.
+
+    Each start (a resume, perhaps on another mesh) appends to metrics.jsonl with its clock at 0 and
+    repeats the steps after the checkpoint it resumed from: the last record of a step is the one that
+    counts, and `time_s` is made to run on across starts."""
+    by_step: dict[int, dict] = {}
+    offset, last_raw, last_time, last_step = 0.0, None, 0.0, None
+    latest = records[0]["step"]
+    for r in records:
+        if last_raw is not None and (r["time_s"] < last_raw or r["step"] <= last_step):  # a new start
+            offset, latest = last_time, r["step"]
+        by_step[r["step"]] = {**r, "time_s": r["time_s"] + offset}
+        last_raw, last_time, last_step = r["time_s"], r["time_s"] + offset, r["step"]
+    return [by_step[s] for s in sorted(by_step)], latest
 
 
 def summary_row(run: dict) -> dict:
+    """The table's row: loss at the end; speed, MFU and memory of the latest start (the layout shown)."""
     recs = run["records"]
-    tps = [r["tokens_per_s"] for r in recs[1:]] or [recs[0]["tokens_per_s"]]  # first interval warms up
-    mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]
-    peaks = [r["mem_peak_bytes"] for r in recs if "mem_peak_bytes" in r]
+    latest = [r for r in recs if r["step"] >= run["latest_start"]]
+    tps = [r["tokens_per_s"] for r in latest[1:]] or [latest[0]["tokens_per_s"]]  # first interval warms up
+    mfu = [r["mfu"] for r in latest if r.get("mfu") is not None]
+    peaks = [r["mem_peak_bytes"] for r in latest if "mem_peak_bytes" in r]
     return {
         "run": run["dir"], "model": run["model"], "layout": run["layout"], "steps": recs[-1]["step"],
         "final_loss": recs[-1]["loss"], "median_tokens_per_s": statistics.median(tps),

@@ -100,6 +100,25 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_resumed_run_is_read_as_it_trained():
+    """Steps 1-4 on one mesh, a resume from step 2's checkpoint on another (its clock restarts at 0, and
+    steps 3-4 come again), then a resume that repeats nothing: the last record of each step counts,
+    time runs on, and speed and memory are the latest start's."""
+    from shard.report import as_trained, summary_row
+
+    rec = lambda step, t, tps, mem: {"step": step, "loss": 4.0 - step / 10, "time_s": t, "tokens_per_s": tps,  # noqa: E731
+                                     "mem_peak_bytes": mem}
+    records = [rec(1, 1.0, 100, 9), rec(2, 2.0, 100, 9), rec(3, 3.0, 100, 9), rec(4, 4.0, 100, 9),
+               rec(3, 0.5, 200, 5), rec(4, 1.0, 200, 5), rec(5, 0.4, 300, 6), rec(6, 0.8, 300, 6)]
+    trained, latest = as_trained(records)
+    assert [(r["step"], r["time_s"]) for r in trained] == [(1, 1.0), (2, 2.0), (3, 4.5), (4, 5.0), (5, 5.4),
+                                                            (6, 5.8)]
+    assert latest == 5
+    row = summary_row({"dir": "r", "model": "tiny", "layout": "fsdp", "records": trained, "latest_start": latest,
+                       "skipped_lines": 0})
+    assert row["median_tokens_per_s"] == 300 and row["peak_memory_bytes"] == 6 and row["steps"] == 6
+
+
 def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):
     from shard.metrics import JsonlWriter, read_records
 

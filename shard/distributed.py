@@ -33,6 +33,7 @@ _ERROR_PREFIX = "shard/error/"
 _ERROR_KEY = _ERROR_PREFIX + "{rank}"  # coordination-service key: "CODE why" process `rank` stopped
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
 _JOIN_GRACE = 10.0  # seconds past the join timeout before a join that has not completed is given up
+_JOIN_NOTICE_AFTER = 10.0  # seconds of waiting to join before process 0 says it waits
 
 _MPI_RANK_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                   ("PMIX_RANK", "PMIX_SIZE"))
@@ -74,8 +75,16 @@ def plan(env: Mapping[str, str], coordinator: str | None = None, num_processes: 
         host, sep, port = coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ShardError(f"--coordinator expects HOST:PORT, got {coordinator!r}")
-        if num_processes < 1 or not 0 <= process_id < num_processes:
+        if num_processes < 1:
+            raise ShardError(f"--num-processes must be 1 or more, got {num_processes}")
+        if not 0 <= process_id < num_processes:
             raise ShardError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
+        launched = detect(env)
+        if launched and launched.num_processes > 1 and \
+                (launched.num_processes, launched.process_id) != (num_processes, process_id):
+            raise ShardError(f"--num-processes {num_processes} --process-id {process_id} disagree with the "
+                             f"{launched.launcher} launcher, which started this as process {launched.process_id} of "
+                             f"{launched.num_processes}; leave the three flags out under a launcher")
         cluster = ClusterSpec("explicit", num_processes, process_id, coordinator)
     else:
         cluster = detect(env)
@@ -175,7 +184,11 @@ def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> 
     joining.start()
     where = f"the {cluster.launcher} cluster as process {cluster.process_id} of {cluster.num_processes}"
     try:
-        joining.join(join_timeout + _JOIN_GRACE)
+        joining.join(min(_JOIN_NOTICE_AFTER, join_timeout + _JOIN_GRACE))
+        if joining.is_alive() and cluster.process_id == 0:  # the others print their own wait for process 0
+            sys.stderr.write(f"waiting for the other {cluster.num_processes - 1} process(es) to join, up to "
+                             f"{join_timeout:.0f}s (cluster.join_timeout)\n")
+        joining.join(max(0.0, join_timeout + _JOIN_GRACE - _JOIN_NOTICE_AFTER))
     except KeyboardInterrupt:
         _join_stuck = True
         raise ShardError(f"interrupted while joining {where}") from None

@@ -157,3 +157,9 @@ def test_plan():
         plan({}, "10.0.0.1", 2, 0)
     with pytest.raises(ShardError, match="--process-id must be in 0..1"):
         plan({}, "h:1", 2, 2)
+    with pytest.raises(ShardError, match="--num-processes must be 1 or more, got 0"):
+        plan({}, "h:1", 0, 0)
+    # under mpiexec the flags may repeat what the launcher says, not contradict it (both ranks were 0)
+    assert plan({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 1) == ClusterSpec("explicit", 2, 1, "h:1")
+    with pytest.raises(ShardError, match="disagree with the mpi launcher, which started this as process 1 of 2"):
+        plan({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 0)

@@ -74,12 +74,17 @@ def _orbax_thread_tracebacks(record: logging.LogRecord) -> bool:
 
 def _drop_closed_loop_callbacks() -> None:
     """When one read of a restore fails, orbax closes its asyncio loop while tensorstore's other reads
-    are still in flight; each then reports "Event loop is closed" as an unraisable exception, a
-    traceback apiece after the one-line error. Those, and only those, are dropped."""
+    are still in flight; each then reports "Event loop is closed", or its own read error from a
+    coroutine that is never awaited, as an unraisable exception: a traceback apiece (with the whole
+    TensorStore spec) after the one-line notice. Those, and only those, are dropped."""
     previous = sys.unraisablehook
+    orbax = f"{os.sep}orbax{os.sep}"
 
     def hook(args) -> None:
-        if not (args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"):
+        closed_loop = args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
+        code = getattr(getattr(args, "object", None), "cr_code", None)  # a coroutine's
+        orbax_read = code is not None and orbax in code.co_filename
+        if not (closed_loop or orbax_read):
             previous(args)
 
     sys.unraisablehook = hook
@@ -98,7 +103,11 @@ class Restored:
 
 
 def _first_line(e: BaseException) -> str:
+    """`Type: first line`, to 200 characters. orbax wraps a failed array read in a generic Exception
+    ("... See full TensorStore details: <bound method ..."): the error it wraps is named instead."""
     text = str(e).strip().splitlines()
+    if text and " See full TensorStore details" in text[0] and e.__cause__ is not None:
+        return _first_line(e.__cause__)
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
 
 
@@ -300,6 +309,9 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
     steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and c.is_dir())
     complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
     if not complete:
+        if (p / "_CHECKPOINT_METADATA").is_file() and not steps:
+            raise ShardError(f"{path} is a plain orbax checkpoint (what shard export writes), not a training "
+                             "checkpoint; give a run dir, its checkpoints/ dir or a step's dir")
         raise ShardError(f"no complete checkpoint in {path}")
     if complete[-1] != steps[-1]:  # never an older model in silence
         raise ShardError(f"the newest checkpoint {p / str(steps[-1])} is damaged (no {STATE}/); pass an older "

@@ -233,8 +233,13 @@ def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatc
     monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(str(args.exc_value)))
     _drop_closed_loop_callbacks()
     for error in (RuntimeError("Event loop is closed"), RuntimeError("other"), ValueError("x")):
-        sys.unraisablehook(SimpleNamespace(exc_type=type(error), exc_value=error))
-    assert seen == ["other", "x"]
+        sys.unraisablehook(SimpleNamespace(exc_type=type(error), exc_value=error, object=None))
+    # a read that failed inside an orbax coroutine nobody awaits any more; and one of someone else's
+    orbax_read = SimpleNamespace(cr_code=SimpleNamespace(co_filename="/site-packages/orbax/checkpoint/x.py"))
+    mine = SimpleNamespace(cr_code=SimpleNamespace(co_filename="/work/mine.py"))
+    for coroutine, error in ((orbax_read, ValueError("read")), (mine, ValueError("mine"))):
+        sys.unraisablehook(SimpleNamespace(exc_type=ValueError, exc_value=error, object=coroutine))
+    assert seen == ["other", "x", "mine"]
 
 
 def test_incomplete_save_is_ignored_and_cleaned_with_a_notice(reference, tmp_path):
@@ -263,6 +268,9 @@ def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
     again = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
                                      "--out", str(tmp_path / "params")])
     assert again.exit_code == 2 and "not an empty folder" in again.output
+    read_back = CliRunner().invoke(app, ["export", "--checkpoint", str(tmp_path / "params"), "--out",
+                                         str(tmp_path / "again")])
+    assert read_back.exit_code == 2 and "is a plain orbax checkpoint (what shard export writes)" in read_back.output
 
 
 def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):

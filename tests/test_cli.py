@@ -231,6 +231,19 @@ def test_orbax_thread_tracebacks_are_dropped_from_the_log():
     assert _orbax_thread_tracebacks(task("/work/mine.py"))
 
 
+def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():
+    from shard.checkpoint import _first_line
+
+    try:
+        try:
+            raise ValueError('OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database')
+        except ValueError as cause:
+            raise Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore "
+                            "details: <bound method pybind11_detail_function_record.spec of TensorStore({\n") from cause
+    except Exception as e:  # noqa: BLE001
+        assert _first_line(e) == 'ValueError: OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database'
+
+
 def test_usage_errors_of_click_itself_are_one_line_too():
     """Older typer raises click's own UsageError: recognised by name, like typer's bundled copy."""
     from shard.cli import _usage_error

@@ -344,7 +344,9 @@ class ConsoleProgress:
             return
         last = records[-1]
         losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
-        console.print(f"done: {last['step']} steps, loss {losses}, "
+        ran = f"{last['step']} steps" if not self.run_start else \
+            f"{last['step'] - self.run_start} steps ({self.run_start + 1}-{last['step']}, resumed)"
+        console.print(f"done: {ran}, loss {losses}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
             ran = last["step"] - self.run_start
@@ -412,6 +414,9 @@ def train(
             f"--init-from {init_from} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    if cluster is None and cfg.cluster.cross_host == distributed.MPI:
+        err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
+                          "so this is one process[/yellow]", soft_wrap=True)
     if resume and base and main:
         from shard.data import held_out_share
 

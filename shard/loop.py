@@ -12,6 +12,7 @@ prints and writes nothing.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -239,15 +240,16 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     """Run from run.start_step to cfg.steps (or until an observer asks to stop); returns the logged
     records (also sent to the observers)."""
     run = run or prepare(cfg, devices)
-    for o in observers:
-        getattr(o, "on_start", lambda r: None)(run)
     evaluator = None
-    if cfg.eval.every:
-        from shard.evaluate import Evaluator
-
-        evaluator = Evaluator(cfg, run)
-    waiting = list(observers)  # not yet ended, in the order they end: last registered first
+    waiting = []  # started and not yet ended, in the order they end: last started first
     try:
+        for o in observers:
+            getattr(o, "on_start", lambda r: None)(run)
+            waiting.append(o)
+        if cfg.eval.every:
+            from shard.evaluate import Evaluator
+
+            evaluator = Evaluator(cfg, run)
         records = _run_steps(cfg, run, observers, evaluator)
         while waiting:
             getattr(waiting[-1], "on_end", lambda r: None)(records)
@@ -256,7 +258,8 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
         if evaluator:
             evaluator.close()
         for o in reversed(waiting):  # an error: the run did not end as planned
-            getattr(o, "on_abort", lambda: None)()
+            with contextlib.suppress(Exception):  # the error under way is the one to report
+                getattr(o, "on_abort", lambda: None)()
     return records
 
 
@@ -270,6 +273,30 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
     skipped = 0
+
+    def make_record(step: int, values: dict) -> dict:
+        """One step's record: its metrics, and speed and memory over the steps since the last record."""
+        now = time.perf_counter()
+        elapsed = now - last_time
+        record = {
+            "step": step,
+            "loss": float(values["loss"]),
+            "grad_norm": float(values["grad_norm"]),
+            "lr": float(values["lr"]),
+            "tokens_per_s": (step - last_step) * tokens_per_step / elapsed,
+            "step_time_s": elapsed / (step - last_step),
+            "tokens_seen": step * tokens_per_step,
+            "time_s": now - start,
+            **device_memory(run),
+        }
+        if run.peak_flops:
+            record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
+        if run.pipeline:
+            record["pipeline_bubble"] = run.pipeline["bubble"]
+        if "aux_loss" in values:
+            record["aux_loss"] = float(values["aux_loss"])
+        return record
+
     for i in range(run.start_step + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
@@ -289,10 +316,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 bad = first_divergence(steps, grad_norms, cfg.guard)
                 if bad:
                     run.state = None  # diverged: nothing downstream may save it
-                    values = dict(steps)[bad[0]]
-                    record = {"step": bad[0], "loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]),
-                              "lr": float(values["lr"]), "tokens_seen": bad[0] * tokens_per_step,
-                              "time_s": time.perf_counter() - start, "diverged": bad[1]}
+                    record = make_record(bad[0], dict(steps)[bad[0]]) | {"diverged": bad[1]}
                     records.append(record)  # the step that diverged stays on record (metrics.jsonl)
                     for o in observers:
                         getattr(o, "on_log", lambda r: None)(record)
@@ -300,26 +324,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             else:
                 skipped += int(sum(m["skipped"] for _, m in steps))
         if logging:
-            values = steps[-1][1]
-            now = time.perf_counter()
-            elapsed = now - last_time
-            record = {
-                "step": i,
-                "loss": float(values["loss"]),
-                "grad_norm": float(values["grad_norm"]),
-                "lr": float(values["lr"]),
-                "tokens_per_s": (i - last_step) * tokens_per_step / elapsed,
-                "step_time_s": elapsed / (i - last_step),
-                "tokens_seen": i * tokens_per_step,
-                "time_s": now - start,
-                **device_memory(run),
-            }
-            if run.peak_flops:
-                record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
-            if run.pipeline:
-                record["pipeline_bubble"] = run.pipeline["bubble"]
-            if "aux_loss" in values:
-                record["aux_loss"] = float(values["aux_loss"])
+            record = make_record(i, steps[-1][1])
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             if evaluator and (i % cfg.eval.every == 0 or i == cfg.steps):

@@ -291,3 +291,14 @@ def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):
     again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none")
     assert again.exit_code == 2 and "never logged a step or saved a checkpoint" in again.output, again.output
     assert "--resume --allow-fresh" in again.output
+
+
+def test_a_diverged_run_ends_in_one_line_and_keeps_that_steps_record(tmp_path):
+    """Through the console too: the record of the diverged step has the usual fields (it once lacked
+    tokens_per_s, and the progress display raised KeyError over the divergence)."""
+    run = tmp_path / "r"
+    result = invoke("train", *TINY, "--steps", "20", "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none",
+                    "--set", "optimizer.lr=1e6", "--set", "optimizer.warmup_steps=0")
+    assert result.exit_code == 2 and "error: training diverged:" in result.output, result.output
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "diverged" in last and last["tokens_per_s"] > 0 and f"at step {last['step']}" in last["diverged"]

@@ -55,8 +55,13 @@ def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):
 
 
 class _Recorder:
-    def __init__(self, name, events, fail_at_end=False):
-        self.name, self.events, self.fail_at_end = name, events, fail_at_end
+    def __init__(self, name, events, fail_at_end=False, fail_at_start=False):
+        self.name, self.events, self.fail_at_end, self.fail_at_start = name, events, fail_at_end, fail_at_start
+
+    def on_start(self, run):
+        if self.fail_at_start:
+            raise OSError("cannot start")
+        self.events.append(f"{self.name}.start")
 
     def on_end(self, records):
         self.events.append(f"{self.name}.end")
@@ -75,7 +80,13 @@ def test_observers_end_last_first_and_an_end_that_fails_aborts_the_rest():
                  _Recorder("signals", events)]
     with pytest.raises(OSError, match="final save"):
         train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=observers)
-    assert events == ["signals.end", "saver.end", "saver.abort", "console.abort"]
+    assert events == ["console.start", "saver.start", "signals.start", "signals.end", "saver.end", "saver.abort",
+                      "console.abort"]
+    events.clear()  # an observer that can't start: those started before it let go
+    observers = [_Recorder("console", events), _Recorder("profiler", events, fail_at_start=True)]
+    with pytest.raises(OSError, match="cannot start"):
+        train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=observers)
+    assert events == ["console.start", "console.abort"]
 
 
 def _fake_run(path, mesh, losses):

@@ -19,13 +19,15 @@ EXPERT_BATCH = "expert_batch"  # B once tokens are dispatched to experts: the ba
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, RES_LENGTH, EXPERT,
                 EXPERT_BATCH)
 
-# The activation layouts the models constrain (models/llama.py, models/moe.py): a rule table must give
-# each of them a valid PartitionSpec (no mesh axis twice), which is checked before anything is traced.
+# The layouts the models constrain with the activation rules (models/llama.py, the cast embedding tables
+# included; models/moe.py): a rule table must give each a valid PartitionSpec (no mesh axis twice),
+# which is checked before anything is traced.
 ACTIVATION_LAYOUTS = (
     (BATCH, LENGTH), (BATCH, LENGTH, EMBED), (BATCH, RES_LENGTH, EMBED), (BATCH, LENGTH, HEADS, HEAD_DIM),
-    (BATCH, LENGTH, KV_HEADS, HEAD_DIM), (BATCH, LENGTH, MLP), (BATCH, LENGTH, VOCAB),
-    (EXPERT, EXPERT_BATCH, None, EMBED), (EXPERT, EXPERT_BATCH, None, MLP),
+    (BATCH, LENGTH, KV_HEADS, HEAD_DIM), (BATCH, LENGTH, MLP), (BATCH, LENGTH, VOCAB), (VOCAB, EMBED),
+    (EMBED, VOCAB),
 )
+MOE_ACTIVATION_LAYOUTS = ((EXPERT, EXPERT_BATCH, None, EMBED), (EXPERT, EXPERT_BATCH, None, MLP))
 
 # Mesh axes shard knows how to use. Order is the outer-to-inner order of a mesh built from them:
 # pipeline stages outermost (point-to-point traffic, once per microbatch), then the data-parallel

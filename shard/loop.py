@@ -75,7 +75,7 @@ def make_layout(cfg: TrainConfig, mesh_spec: MeshSpec, devices=None) -> Layout:
         param_rules=mesh_spec.param_rules | cfg.param_rules,
         regex_rules=tuple(cfg.param_regex.items()),
     )
-    layout.check_activations()
+    layout.check_activations(moe=bool(cfg.model.n_experts))
     return layout
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.axes import ACTIVATION_LAYOUTS
+from shard.axes import ACTIVATION_LAYOUTS, MOE_ACTIVATION_LAYOUTS
 from shard.errors import ShardError
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -73,10 +73,11 @@ class Layout:
     def sharding(self, logical_axes, *, param: bool = False, what: str = "") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(tuple(logical_axes), param=param, what=what))
 
-    def check_activations(self) -> None:
-        """A ShardError unless every activation layout the models use (ACTIVATION_LAYOUTS) has a valid
-        spec: the rules are checked before anything is traced, by every command that builds a layout."""
-        for logical in ACTIVATION_LAYOUTS:
+    def check_activations(self, moe: bool = False) -> None:
+        """A ShardError unless every activation layout the models use (ACTIVATION_LAYOUTS, and with
+        `moe` the expert layers' too) has a valid spec: the rules are checked before anything is
+        traced, by every command that builds a layout."""
+        for logical in ACTIVATION_LAYOUTS + (MOE_ACTIVATION_LAYOUTS if moe else ()):
             self.spec(logical, what="activation")
 
 

@@ -120,6 +120,7 @@ def test_one_mesh_axis_on_two_dimensions_is_an_error():
     ({"batch": ("model",)}, "'model' is used by both 'batch' and 'heads'"),
     ({"length": ("model",)}, "'model' is used by both 'length' and 'heads'"),
     ({"head_dim": ("data",)}, "'data' is used by both 'batch' and 'head_dim'"),
+    ({"embed": ("model",)}, "'model' is used by both 'vocab' and 'embed'"),  # the cast embedding table
 ])
 def test_rules_that_no_activation_can_take_are_refused_with_the_layout(rule, message):
     """Checked where the layout is built (inspect, plan's check, train), not first when the step traces."""

@@ -479,8 +479,8 @@ def train(
         if run.start_step:
             notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
                    f"data position {run.stream.position}")
-        if window and window[1] <= run.start_step:
-            notice(f"--profile-steps {profile_steps} ends before step {run.start_step + 1}, where this run "
+        if window and window[0] <= run.start_step:  # a trace opens before the window's first step
+            notice(f"--profile-steps {profile_steps} starts before step {run.start_step + 1}, where this run "
                    "resumes: nothing is profiled")
         if run.start_step >= cfg.steps:
             if main:

@@ -42,7 +42,8 @@ class Profiler:
         self._step = 0  # the newest step seen
 
     def on_start(self, run) -> None:
-        if self.first == 1:
+        self._step = run.start_step
+        if run.start_step == self.first - 1:  # the window opens with this run's first step
             self._start()
 
     def on_step(self, step: int, outputs=None) -> None:
@@ -52,7 +53,7 @@ class Profiler:
         if step == self.first - 1:
             jax.block_until_ready(outputs)
             self._start()
-        if step == self.last:
+        if step == self.last and self._tracing:
             jax.block_until_ready(outputs)
             self._stop(summarize_steps=True)
 

@@ -54,6 +54,18 @@ def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):
     assert json.loads((tmp_path / "profile_summary.json").read_text()) == profiler.summary
 
 
+def test_a_run_resumed_past_the_profile_windows_start_traces_nothing(tmp_path):
+    """It traced from the resume to the end and summarised that as the window's 3 steps."""
+    from types import SimpleNamespace
+
+    profiler = Profiler(1, 3, tmp_path)
+    profiler.on_start(SimpleNamespace(start_step=10))
+    for step in range(11, 15):
+        profiler.on_step(step)
+    profiler.on_end([])
+    assert profiler.summary is None and not list(tmp_path.iterdir())
+
+
 class _Recorder:
     def __init__(self, name, events, fail_at_end=False, fail_at_start=False):
         self.name, self.events, self.fail_at_end, self.fail_at_start = name, events, fail_at_end, fail_at_start

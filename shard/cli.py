@@ -59,9 +59,9 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
 
 def _tensorstore_file_error(text: str) -> str:
     """`PATH: REASON` from tensorstore's file error: the OS's reason is the last `: ` part once the
-    bracketed annotations (`[os_error_code='28']`, `[tensorstore_spec='{...}']`, kilobytes of JSON) are
-    dropped; the path is the first local file it names."""
-    bare = re.sub(r" \[\w+=(?:'[^']*'|[^\]\s]*)\]", "", text.strip().splitlines()[0])
+    bracketed annotations (`[os_error_code='28']`, `[source locations='...']`, `[tensorstore_spec='{...}']`,
+    kilobytes of JSON) are dropped; the path is the first local file it names."""
+    bare = re.sub(r" \[[\w ]+=(?:'[^']*'|[^\]\s]*)\]", "", text.strip()).splitlines()[0]
     reason = bare.rsplit(": ", 1)[-1].strip()
     paths = re.findall(r'"(/[^"]*)"', bare)
     return f"{paths[0]}: {reason}" if paths else f"{reason} ({bare[:200]})"

@@ -200,6 +200,10 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
                          'database at local file "/r/checkpoints/5.orbax-checkpoint-tmp/x/": No space left on '
                          f"device [tensorstore_spec='{spec}'] [os_error_code='28']")
     assert str(user_error(opening)) == "/r/checkpoints/5.orbax-checkpoint-tmp/x/: No space left on device"
+    located = ValueError("RESOURCE_EXHAUSTED: Failed writing: \"/r/c/2/d/ab\": No space left on device "
+                         "[os_error_code='28'] [source locations='tensorstore/internal/os/file_util_posix.cc:380\n"
+                         "tensorstore/kvstore/file/file_key_value_store.cc:362']")
+    assert str(user_error(located)) == "/r/c/2/d/ab: No space left on device"
     quota = ValueError("UNKNOWN: Failed writing: \"/r/x\": Disk quota exceeded [os_error_code=122]\nAdditional: step 4")
     assert str(user_error(quota)) == "/r/x: Disk quota exceeded"
     oom = RuntimeError("INTERNAL: Out of memory allocating 38836157792 bytes.")

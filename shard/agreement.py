@@ -17,13 +17,14 @@ from shard import config as config_mod
 from shard import distributed
 from shard.errors import ShardError
 
-# Keys that may differ between the processes of one job: process 0 alone picks the run dir's name.
+# Top-level string keys that may differ between the processes of one job (blanked before comparing):
+# process 0 alone picks the run dir's name.
 PER_PROCESS_KEYS = ("run_dir",)
 
 
 def check_same_config(cfg: config_mod.TrainConfig) -> None:
     """Every process resolved the same config as process 0 (from the flags, files and --set it got)."""
-    mine = config_mod.to_toml(dataclasses.replace(cfg, run_dir=""))
+    mine = config_mod.to_toml(dataclasses.replace(cfg, **dict.fromkeys(PER_PROCESS_KEYS, "")))
     theirs = distributed.broadcast_text(mine)
     differs = theirs != mine
     if not distributed.any_process(differs):

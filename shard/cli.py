@@ -22,7 +22,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, LOCK_FILE, RunDirLock, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -182,11 +182,11 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
-def _check_data_path(path: str) -> None:
+def _check_data_path(path: str, key: str = "data path") -> None:
     from shard.data import EMBEDDED, SYNTHETIC
 
     if path not in (EMBEDDED, SYNTHETIC) and not Path(path).exists():
-        raise ShardError(f"data path {path} does not exist")
+        raise ShardError(f"{key} {path} does not exist")
 
 
 def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
@@ -196,7 +196,8 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
     return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
 
 
-_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, LOCK_FILE, "profile")  # what a run writes
+# What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
+_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
 
 
 def _holds_run(path: Path) -> bool:
@@ -258,11 +259,11 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                                      f"{here!r} here); choose another --run-dir")
             if not _has_records(path):  # its start died before its first step was logged or saved
                 raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
-                                 "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
-                                 "another --run-dir")
+                                 "start that crashed, or one still starting); pass --resume --allow-fresh to start "
+                                 "it again, or choose another --run-dir")
             raise _already_holds_run(path)
         if not resume and path.is_dir():
-            foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES)
+            foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
             if foreign:
                 raise ShardError(f"run dir {path} holds files that are not a shard run (e.g. {foreign[0]}); give a "
                                  "new or empty folder")
@@ -344,9 +345,9 @@ class ConsoleProgress:
             return
         last = records[-1]
         losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
-        ran = f"{last['step']} steps" if not self.run_start else \
+        steps = f"{last['step']} steps" if not self.run_start else \
             f"{last['step'] - self.run_start} steps ({self.run_start + 1}-{last['step']}, resumed)"
-        console.print(f"done: {ran}, loss {losses}, "
+        console.print(f"done: {steps}, loss {losses}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
             ran = last["step"] - self.run_start
@@ -425,6 +426,8 @@ def train(
             err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
+    if cfg.eval.every and cfg.eval.path:
+        _check_data_path(cfg.eval.path, "eval.path")
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
     from shard.data import unused_files_note
 
@@ -771,7 +774,9 @@ def bench_collectives(
             table.add_row(r["kind"], r["axis"], str(r["devices"]), _human(r["size_bytes"]),
                           f"{r['time_us']:.1f}us", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}")
 
-    bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show)
+    if not bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show):
+        raise ShardError(f"mesh {mesh_spec.describe(tuple(jmesh.shape.values()))} has no axis of size > 1 on "
+                         f"{len(devices)} device(s): nothing to measure")
     if table is not None:
         Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
 

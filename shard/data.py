@@ -237,8 +237,9 @@ def repetition_note(samples: Samples, global_batch: int, seq_len: int) -> str | 
 
 
 def held_out_share(cfg) -> float:
-    """The share of data.path's windows a TrainConfig keeps from training (for evaluation), 0 for none."""
-    return cfg.eval.holdout if cfg.eval.every and not cfg.eval.path else 0.0
+    """The share of data.path's windows a TrainConfig keeps from training (for evaluation), 0 for none
+    (synthetic data holds nothing out: evaluation draws fresh tokens)."""
+    return cfg.eval.holdout if cfg.eval.every and not cfg.eval.path and cfg.data.path != SYNTHETIC else 0.0
 
 
 def training_samples(cfg) -> Samples:

@@ -79,8 +79,8 @@ def plan(env: Mapping[str, str], coordinator: str | None = None, num_processes: 
             raise ShardError(f"--num-processes must be 1 or more, got {num_processes}")
         if not 0 <= process_id < num_processes:
             raise ShardError(f"--process-id must be in 0..{num_processes - 1}, got {process_id}")
-        launched = detect(env)
-        if launched and launched.num_processes > 1 and \
+        launched = detect(env)  # an MPI launcher's ranks (SLURM's variables may be a batch step's, not srun's)
+        if launched and launched.launcher == "mpi" and launched.num_processes > 1 and \
                 (launched.num_processes, launched.process_id) != (num_processes, process_id):
             raise ShardError(f"--num-processes {num_processes} --process-id {process_id} disagree with the "
                              f"{launched.launcher} launcher, which started this as process {launched.process_id} of "

@@ -21,7 +21,7 @@ class JsonlWriter:
         self._f.write(json.dumps(strict, allow_nan=False) + "\n")
 
     def on_end(self, records: list[dict]) -> None:
-        self._f.close()
+        self.on_abort()
 
     def on_abort(self) -> None:
         self._f.close()
@@ -40,7 +40,7 @@ class TensorBoardWriter:
         self._w.flush()
 
     def on_end(self, records: list[dict]) -> None:
-        self._w.close()
+        self.on_abort()
 
     def on_abort(self) -> None:
         self._w.close()

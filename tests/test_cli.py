@@ -306,3 +306,13 @@ def test_a_diverged_run_ends_in_one_line_and_keeps_that_steps_record(tmp_path):
     assert result.exit_code == 2 and "error: training diverged:" in result.output, result.output
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert "diverged" in last and last["tokens_per_s"] > 0 and f"at step {last['step']}" in last["diverged"]
+
+
+def test_hidden_leftovers_do_not_make_a_run_dir_foreign_and_a_missing_eval_path_is_named(tmp_path):
+    (tmp_path / ".DS_Store").write_text("")
+    (tmp_path / ".shard-shared-abc").write_text("")  # a marker left by a process 0 that died at start
+    missing = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path), "--eval-every", "1",
+                     "--set", f"eval.path={tmp_path / 'nope.txt'}")
+    assert missing.exit_code == 2 and f"eval.path {tmp_path / 'nope.txt'} does not exist" in missing.output
+    ok = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path), "--compile-cache", "none")
+    assert ok.exit_code == 0, ok.output

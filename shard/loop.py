@@ -287,6 +287,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             "step_time_s": elapsed / (step - last_step),
             "tokens_seen": step * tokens_per_step,
             "time_s": now - start,
+            "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
             **device_memory(run),
         }
         if run.peak_flops:

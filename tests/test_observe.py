@@ -140,6 +140,11 @@ def test_a_resumed_run_is_read_as_it_trained():
     row = summary_row({"dir": "r", "model": "tiny", "layout": "fsdp", "records": trained, "latest_start": latest,
                        "skipped_lines": 0})
     assert row["median_tokens_per_s"] == 300 and row["peak_memory_bytes"] == 6 and row["steps"] == 6
+    # a start whose clock and steps both run on past the last record: known by its start_step
+    early = [rec(1, 0.5, 100, 9) | {"start_step": 0}, rec(12, 5.0, 200, 5) | {"start_step": 11},
+             rec(13, 6.0, 200, 5) | {"start_step": 11}]
+    trained, latest = as_trained(early)
+    assert latest == 12 and [r["time_s"] for r in trained] == [0.5, 5.5, 6.5]
 
 
 def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):

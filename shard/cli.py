@@ -244,6 +244,8 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
         above = next((p for p in path.absolute().parents if p.exists()), None)  # None: path is /
         if above is not None and not above.is_dir():
             raise ShardError(f"run dir {path} can't be made: {above} is a file; choose another --run-dir")
+        if path.is_dir():
+            RunDirLock(path).check_free()  # a run still starting there is in use, not "crashed"
         if not resume and _holds_run(path):
             saved = path / "config.toml"
             if saved.is_file():
@@ -259,8 +261,8 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                                      f"{here!r} here); choose another --run-dir")
             if not _has_records(path):  # its start died before its first step was logged or saved
                 raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
-                                 "start that crashed, or one still starting); pass --resume --allow-fresh to start "
-                                 "it again, or choose another --run-dir")
+                                 "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
+                                 "another --run-dir")
             raise _already_holds_run(path)
         if not resume and path.is_dir():
             foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))

@@ -57,9 +57,7 @@ class RunDirLock:
                 os.close(fd)
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     return
-                raise ShardError(f"run dir {self.run_dir} is in use by another shard train "
-                                 f"({holder or 'holder unknown'}); wait for it to end, or choose another "
-                                 "--run-dir") from None
+                raise self._in_use(holder) from None
             try:
                 current = os.stat(path).st_ino
             except FileNotFoundError:
@@ -71,6 +69,26 @@ class RunDirLock:
             with contextlib.suppress(OSError):  # a full disk: the lock holds all the same
                 os.ftruncate(fd, 0)
                 os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+
+    def check_free(self) -> None:
+        """The "in use" ShardError when another shard train holds the lock now; takes nothing and
+        makes no file (a start's first look at a run dir, before it decides what the folder holds)."""
+        try:
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise self._in_use(os.read(fd, 200).decode(errors="replace").strip()) from None
+        finally:
+            os.close(fd)
+
+    def _in_use(self, holder: str) -> ShardError:
+        return ShardError(f"run dir {self.run_dir} is in use by another shard train ({holder or 'holder unknown'}); "
+                          "wait for it to end, or choose another --run-dir")
 
     def release(self) -> None:
         if self._fd is not None:

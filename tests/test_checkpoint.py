@@ -384,7 +384,7 @@ def test_a_run_dir_in_use_is_refused_before_anything_is_removed(reference, tmp_p
     held = RunDirLock(run_dir)
     held.acquire()
     try:
-        for args in (["--resume"], ["--resume", "--allow-fresh"]):
+        for args in (["--resume"], ["--resume", "--allow-fresh"], []):  # [] once said "already holds a run"
             result = invoke("train", "--run-dir", str(run_dir), *args)
             assert result.exit_code == 2 and result.output.count("error:") == 1, result.output
             assert f"run dir {run_dir} is in use by another shard train (pid {os.getpid()} on " in result.output

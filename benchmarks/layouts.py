@@ -65,7 +65,7 @@ def time_steps(run, steps: int) -> float:
 
 
 def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "") -> None:
-    print(f"{'model':<9} {'layout':<40} {'peak MiB/dev':>12} {'params MiB/dev':>14} {'step ms':>9} {'loss':>7}")
+    print(f"{'model':<9} {'layout':<40} {'step MiB/dev':>12} {'params MiB/dev':>14} {'step ms':>9} {'loss':>7}")
     for model in models:
         for label, mesh, sets, moe in LAYOUTS:
             name = "moe-tiny" if moe else model
@@ -80,7 +80,7 @@ def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "")
             mem = run.compiled_memory
             params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(run.state["params"]))
             loss = float(run.step_fn(run.state, run.stream.next())[1]["loss"])
-            print(f"{name:<9} {label:<40} {mem['peak'] / 2**20:>12.2f} {params / 2**20:>14.2f} {ms:>9.1f} "
+            print(f"{name:<9} {label:<40} {mem['total'] / 2**20:>12.2f} {params / 2**20:>14.2f} {ms:>9.1f} "
                   f"{loss:>7.3f}", flush=True)
 
 

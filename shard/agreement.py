@@ -35,7 +35,7 @@ def check_same_config(cfg: config_mod.TrainConfig) -> None:
     diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), cfg, ignore=PER_PROCESS_KEYS)
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
     raise ShardError(f"process {distributed.context().rank} was started with a different config "
-                                f"from process 0's{what}; start every process with the same command")
+                     f"from process 0's{what}; start every process with the same command")
 
 
 def check_shared_run_dir(path: Path) -> None:
@@ -60,8 +60,8 @@ def check_shared_run_dir(path: Path) -> None:
     marker = distributed.broadcast_text(marker)
     missing = False
     if marker:
-        up, name = marker.split("/", 1)
-        missing = int(up) >= len(levels) or not (levels[int(up)] / name).exists()
+        above, name = marker.split("/", 1)
+        missing = int(above) >= len(levels) or not (levels[int(above)] / name).exists()
     try:
         lost = distributed.any_process(missing)
     finally:

@@ -264,7 +264,7 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                                  "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
                                  "another --run-dir")
             raise _already_holds_run(path)
-        if not resume and path.is_dir():
+        if path.is_dir() and not _holds_run(path):  # --resume --allow-fresh too would start one here
             foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
             if foreign:
                 raise ShardError(f"run dir {path} holds files that are not a shard run (e.g. {foreign[0]}); give a "

@@ -275,8 +275,9 @@ def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp
 
 def test_a_run_dir_holding_other_files_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path))
-    assert result.exit_code == 2 and "holds files that are not a shard run (e.g. notes.txt)" in result.output
+    for more in ([], ["--resume", "--allow-fresh"]):
+        result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path), *more)
+        assert result.exit_code == 2 and "holds files that are not a shard run (e.g. notes.txt)" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 

@@ -127,8 +127,8 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Ar
     if split:
         table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
         x_btd = jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0)
-    else:
-        x_btd = jnp.take(_table(cfg, params), tokens_bt, axis=0)
+    else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
+        x_btd = constrain(jnp.take(_table(cfg, params), tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
     return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
 
 

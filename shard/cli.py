@@ -423,7 +423,9 @@ def train(
     if resume and base and main:
         from shard.data import held_out_share
 
-        was, now = held_out_share(config_mod.resolve(base)), held_out_share(cfg)
+        # a config saved before eval.holdout existed trained on every window
+        was = held_out_share(config_mod.resolve(base)) if "holdout" in base.get("eval", {}) else 0.0
+        now = held_out_share(cfg)
         if was != now:
             err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)

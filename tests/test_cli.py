@@ -271,6 +271,17 @@ def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp
                      "--eval-every", "1", "--compile-cache", "none")  # TINY's 2 steps, and one more
     assert resumed.exit_code == 0, resumed.output
     assert "now holds out the last 5% of the data" in resumed.output and "not an exact resume" in resumed.output
+    # a run saved before eval.holdout existed (its config has no such key) trained on every window
+    old = tmp_path / "old"
+    first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(old), "--eval-every", "1", "--compile-cache",
+                   "none")
+    assert first.exit_code == 0, first.output
+    saved = (old / "config.toml").read_text()
+    assert "holdout = 0.05\n" in saved
+    (old / "config.toml").write_text(saved.replace("holdout = 0.05\n", ""))
+    resumed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(old), "--resume", "--steps", "3",
+                     "--compile-cache", "none")
+    assert resumed.exit_code == 0 and "now holds out the last 5% of the data" in resumed.output, resumed.output
 
 
 def test_a_run_dir_holding_other_files_is_refused(tmp_path):

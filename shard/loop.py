@@ -298,6 +298,11 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             record["aux_loss"] = float(values["aux_loss"])
         return record
 
+    def publish(record: dict) -> None:
+        records.append(record)
+        for o in observers:
+            getattr(o, "on_log", lambda r: None)(record)
+
     for i in range(run.start_step + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
@@ -317,10 +322,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 bad = first_divergence(steps, grad_norms, cfg.guard)
                 if bad:
                     run.state = None  # diverged: nothing downstream may save it
-                    record = make_record(bad[0], dict(steps)[bad[0]]) | {"diverged": bad[1]}
-                    records.append(record)  # the step that diverged stays on record (metrics.jsonl)
-                    for o in observers:
-                        getattr(o, "on_log", lambda r: None)(record)
+                    # the step that diverged stays on record (metrics.jsonl)
+                    publish(make_record(bad[0], dict(steps)[bad[0]]) | {"diverged": bad[1]})
                     raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
             else:
                 skipped += int(sum(m["skipped"] for _, m in steps))
@@ -332,9 +335,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 eval_loss = evaluator(state["params"])  # None on processes outside the eval set
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
-            records.append(record)
-            for o in observers:
-                getattr(o, "on_log", lambda r: None)(record)
+            publish(record)
             last_time, last_step = time.perf_counter(), i  # evaluation is not step time
         for o in observers:
             getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)

@@ -59,17 +59,19 @@ def _configure_orbax() -> None:
         absl_logger.setLevel(level)
 
 
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"  # in the path of orbax's own files
+
+
 def _orbax_thread_tracebacks(record: logging.LogRecord) -> bool:
     """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
     disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
     where the CLI reports it in one line. Also asyncio's "Task exception was never retrieved" for an
     orbax write task that failed beside the one reported (logged when the task is collected, after the
     error line)."""
-    orbax = f"{os.sep}orbax{os.sep}"
     if record.name == "asyncio":
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and orbax in message)
-    return not (record.exc_info and orbax in record.pathname)
+        return not (message.startswith("Task exception was never retrieved") and _ORBAX_SOURCE in message)
+    return not (record.exc_info and _ORBAX_SOURCE in record.pathname)
 
 
 def _drop_closed_loop_callbacks() -> None:
@@ -78,12 +80,11 @@ def _drop_closed_loop_callbacks() -> None:
     coroutine that is never awaited, as an unraisable exception: a traceback apiece (with the whole
     TensorStore spec) after the one-line notice. Those, and only those, are dropped."""
     previous = sys.unraisablehook
-    orbax = f"{os.sep}orbax{os.sep}"
 
     def hook(args) -> None:
         closed_loop = args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
         code = getattr(getattr(args, "object", None), "cr_code", None)  # a coroutine's
-        orbax_read = code is not None and orbax in code.co_filename
+        orbax_read = code is not None and _ORBAX_SOURCE in code.co_filename
         if not (closed_loop or orbax_read):
             previous(args)
 

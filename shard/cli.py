@@ -231,10 +231,6 @@ def _held_out_change(was: float, now: float) -> str:
             "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
 
 
-def _already_holds_run(path: Path) -> ShardError:
-    return ShardError(f"run dir {path} already holds a run; pass --resume to continue it or choose another --run-dir")
-
-
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
     """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
@@ -263,7 +259,8 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                 raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
                                  "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
                                  "another --run-dir")
-            raise _already_holds_run(path)
+            raise ShardError(f"run dir {path} already holds a run; pass --resume to continue it or choose another "
+                             "--run-dir")
         if path.is_dir() and not _holds_run(path):  # --resume --allow-fresh too would start one here
             foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
             if foreign:

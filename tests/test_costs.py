@@ -161,10 +161,12 @@ def test_sequence_parallel_moves_no_more_than_tensor_parallel(analysed):
 def test_pipeline_sums_data_parallel_gradients_once(name, analysed):
     """The pipeline's shard_map is manual over `data` too, so each replica accumulates its own gradient
     and the schedule ends with one psum. Left to the partitioner, every backward tick all-reduced its
-    layer gradient over data: 1F1B moved 17x the minimum (efficiency 0.057), GPipe 3.9x."""
+    layer gradient over data: 1F1B moved 17x the minimum (efficiency 0.057), GPipe 3.9x. 1F1B hands the
+    tied embedding's head gradient out unreduced over data, so it meets the lookup's gradient in one add
+    (it read 0.801 while the schedule reduced it itself)."""
     _, _, a = analysed(name)
     assert "stage" in a.unmodelled_axes
-    assert a.efficiency["data"] >= 0.75, (a.bytes_by_axes, a.minimum_bytes_by_axes)
+    assert a.efficiency["data"] >= 0.99, (a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
 

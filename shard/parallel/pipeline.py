@@ -9,7 +9,9 @@ on the other mesh axes by their rules.
 Why the replica axes are manual: left to the partitioner, the weight gradient of every backward tick is
 all-reduced over `data` inside the schedule's loop (the sum over the batch is taken where the gradient
 is made), M times per step. Manual, each replica accumulates its own partial gradient and the schedule
-ends with one psum over the replica axes.
+ends with one psum over the replica axes. 1F1B's head gradient leaves the schedule summed over stages
+only, one copy per replica: with tied embeddings it meets the lookup's gradient in one add, which
+XLA:GPU's AllReduceReassociate reduces over the replicas once.
 
 - GPipe: a forward loop of M + S - 1 ticks (each stage applies its layers, then a ppermute passes the
   activations on); `jax.grad` differentiates it, so activations of all M microbatches are kept.
@@ -297,19 +299,21 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
         }
         c = lax.fori_loop(0, sch.ticks, tick, carry)
         # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
+        # The head's gradient goes out per replica (stacked), summed over them outside (see the docstring).
         total = lambda x: lax.psum(x, everywhere)  # noqa: E731
         like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
         g_layers = jax.tree.map(lambda g: lax.psum(g, replicas), c["g_layers"]) if replicas else c["g_layers"]
         return (total(c["nll"]), total(c["count"]), like(g_layers, layers),
-                like(jax.tree.map(total, c["g_head"]), head),
+                like(jax.tree.map(lambda g: lax.psum(g, STAGE)[None], c["g_head"]), head),
                 lax.psum(c["dx"], STAGE))
 
     def run(layers, head, x_mbtd, aux):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
         rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+        per_replica = lambda tree: jax.tree.map(lambda _: P(replicas or None), tree)  # noqa: E731
         rows = _rows(replicas)
         return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, jax.tree.map(lambda _: rows, aux)),
-                             out_specs=(P(), P(), layer_spec, rep(head), rows), axis_names={STAGE, *replicas})(
+                             out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
             layers, head, x_mbtd, aux)
 
     @jax.custom_vjp
@@ -319,6 +323,7 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
 
     def loss_fwd(layers, head, x_mbtd, aux):
         nll, count, g_layers, g_head, dx = run(layers, head, x_mbtd, aux)
+        g_head = jax.tree.map(lambda g: g.sum(0), g_head)
         return (nll, count), (g_layers, g_head, dx, aux)
 
     def loss_bwd(res, cotangents):

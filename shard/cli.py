@@ -698,6 +698,8 @@ def plan(
                           "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
                           "best": best.command(cfg.model.name, global_batch, seq) if best else None,
                           "layouts": [c.to_dict() for c in ranked]}, indent=1))
+        if best is None:
+            raise typer.Exit(1)
         return
     if cfg.model.n_experts:
         err_console.print(f"[yellow]warning:[/yellow] {escape(_MOE_NOT_PLANNED)}", soft_wrap=True)
@@ -725,6 +727,7 @@ def plan(
         console.print(f"best: {best.command(cfg.model.name, global_batch, seq)}")
     else:
         console.print("no layout fits: add devices, shorten --seq, or lower --batch")
+        raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts
 
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Measure the machine.")

@@ -69,6 +69,17 @@ def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     assert message in r.output and len(r.output.strip().splitlines()) == 1
 
 
+def test_a_plan_where_nothing_fits_exits_1():
+    """The table (or JSON) still prints in full; the status tells a script there is no layout to run."""
+    args = ("plan", "--model", "llama-13b-24l", "--devices", "1", "--hardware", "a100-40g")
+    r = invoke(*args)
+    assert r.exit_code == 1, r.output
+    assert "0 of 2 layouts fit" in r.output and r.output.rstrip().endswith(
+        "no layout fits: add devices, shorten --seq, or lower --batch")
+    as_json = invoke(*args, "--json")
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["best"] is None
+
+
 def test_a_mixture_of_experts_plan_says_it_is_planned_as_dense():
     r = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--seq", "128", "--batch", "16")
     assert r.exit_code == 0, r.output

@@ -81,13 +81,20 @@ class Layout:
             self.spec(logical, what="activation")
 
 
+def mesh_axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: None, one axis name, or a tuple of them."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: PartitionSpec, mesh) -> None:
     """Each sharded dimension must split evenly; say which tensor, dimension and mesh axes if not."""
     sizes = dict(mesh.shape)
     for dim, (n, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
-        if entry is None:
+        axes = mesh_axes_of(entry)
+        if not axes:
             continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
         ways = math.prod(sizes[a] for a in axes)
         if n % ways:
             axes_text = "x".join(f"{a}={sizes[a]}" for a in axes)
@@ -219,7 +226,5 @@ def constrain(x: jax.Array, logical_axes: tuple[str | None, ...], *, param: bool
 
 
 def _without(entry, axes: set):
-    if entry is None:
-        return None
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
+    kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
     return kept[0] if len(kept) == 1 else (kept or None)

@@ -36,6 +36,7 @@ from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.models import llama
 from shard.models.configs import ModelConfig
+from shard.rules import mesh_axes_of
 
 IDLE, FWD, BWD = 0, 1, 2
 BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss
@@ -176,9 +177,8 @@ def replica_axes(mesh, param_specs) -> tuple[str, ...]:
     if mesh.shape.get(DATA, 1) == 1:
         return ()
     for spec in jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P)):
-        for entry in spec:
-            if entry == DATA or (isinstance(entry, tuple) and DATA in entry):
-                return ()
+        if any(DATA in mesh_axes_of(entry) for entry in spec):
+            return ()
     return (DATA,)
 
 

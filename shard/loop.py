@@ -102,7 +102,8 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     if stages > 1:
         from shard.parallel import pipeline
 
-        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m))
+        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
+                       layout.degree("length"))
     experts = layout.degree("expert", param=True)
     if cfg.model.n_experts % experts if cfg.model.n_experts else False:
         raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "

@@ -173,6 +173,8 @@ def _check(mesh: str, **sets):
     ("stage=2,data=4", {"data__batch": 16, "pipeline__microbatches": 3}, r"does not split into pipeline.microbatches=3"),
     ("cp", {"data__seq_len": 30}, r"sequence length 30 does not divide over 4 devices \(context=4"),
     ("ep", {"model__name": "moe-tiny", "model__n_experts": 6}, r"6 experts do not divide over the expert axis"),
+    # it crashed in Shardy's verifier with a traceback (ring attention's shard_map nested in the stages')
+    ("stage=2,context=4", {}, r"context parallelism \(ring attention over `length`\) does not run inside"),
 ])
 def test_bad_layouts_are_clear_errors(mesh, sets, message):
     with pytest.raises(ShardError, match=message):

@@ -47,13 +47,19 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int) -> None:
-    """Errors a user can cause, before anything is traced."""
+def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
+          context_ways: int = 1) -> None:
+    """Errors a user can cause, before anything is traced. `context_ways`: how many ways the layout
+    splits `length` (context parallelism)."""
     if cfg.n_layers % stages:
         raise ShardError(f"pipeline: {cfg.n_layers} layers do not split into {stages} stages; use a stage "
                          f"count that divides model.n_layers")
     if cfg.n_experts:
         raise ShardError("pipeline: mixture-of-experts models are not pipelined yet; drop the stage axis")
+    if context_ways > 1:
+        # Ring attention is a shard_map of its own; Shardy refuses it nested in the stages' (jax 0.10).
+        raise ShardError("pipeline: context parallelism (ring attention over `length`) does not run inside "
+                         "pipeline stages yet; drop the stage axis or the one `length` maps to")
     if batch_per_replica % microbatches:
         raise ShardError(f"pipeline: the batch ({batch_per_replica} rows per data-parallel replica) does not "
                          f"split into pipeline.microbatches={microbatches}")

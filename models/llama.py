@@ -245,6 +245,9 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
     them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
     if axes := context_axes():
+        if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
+            raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
+                             f"{'x'.join(axes)}) uses ring attention; use auto")
         return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True)
     if impl in ("auto", "cudnn"):
         problem = _cudnn_problem(q_btnh)

@@ -27,6 +27,7 @@ def invoke(*args):
     (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),
     (["--mesh", "8x1", "--config", "/dev/null"], "config file /dev/null is not a regular file"),
     (["--mesh", "8x1", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: it needs an NVIDIA GPU"),
+    (["--mesh", "cp", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: context parallelism"),
     (["--set", "model=3"], "config key 'model' is a section"),
     (["--seed", "-1"], "seed must be between 0 and 2**32-1, got -1"),
     (["--simulate-devices", "-1"], "--simulate-devices must be positive"),

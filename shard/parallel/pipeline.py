@@ -176,6 +176,21 @@ def _vary(tree, axes=(STAGE,)):
     return jax.tree.map(lambda x: lax.pcast(x, tuple(axes), to="varying"), tree)
 
 
+def _summed_in_f32_on_cpu(fn, x: jax.Array, mesh) -> jax.Array:
+    """`fn(x)` for a psum over `stage` (or a cast whose transpose is one), in float32 on CPU: XLA:CPU
+    promotes a bfloat16 all-reduce to float32 anyway, and aborts doing so on these reducers
+    (AllReducePromotion: "Invalid binary instruction opcode copy") when the mesh has automatic axes
+    beside the manual ones. Elsewhere `fn(x)` as it is."""
+    if x.dtype == jnp.float32 or mesh.devices.flat[0].platform != "cpu":
+        return fn(x)
+    return fn(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _from_one_stage(x: jax.Array, mesh) -> jax.Array:
+    """Activations that one stage wrote (the others hold zeros), on every stage: a psum over `stage`."""
+    return _summed_in_f32_on_cpu(lambda a: lax.psum(a, STAGE), x, mesh)
+
+
 def replica_axes(mesh, param_specs) -> tuple[str, ...]:
     """The mesh axes a pipeline schedule treats as manual data-parallel replicas: `data` when the mesh
     splits it (more than one way) and no parameter is sharded over it (`param_specs`: the
@@ -203,7 +218,7 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
     def body(layers, x_mbtd):
         S, s = lax.axis_size(STAGE), lax.axis_index(STAGE)
         M = x_mbtd.shape[0]
-        x_mbtd = _vary(x_mbtd)
+        x_mbtd = _summed_in_f32_on_cpu(_vary, x_mbtd, mesh)  # the backward psums its gradient over stages
         # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
         layers = _vary(layers, replicas)
         perm = [(j, (j + 1) % S) for j in range(S)]
@@ -220,7 +235,7 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
 
         init = (jnp.zeros_like(x_mbtd[0]), jnp.zeros_like(x_mbtd))
         _, out_mbtd = lax.fori_loop(0, M + S - 1, tick, init)
-        return lax.psum(out_mbtd, STAGE)  # only the last stage wrote
+        return _from_one_stage(out_mbtd, mesh)  # only the last stage wrote
 
     rows = _rows(replicas)
     return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rows), out_specs=rows,
@@ -311,7 +326,7 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
         g_layers = jax.tree.map(lambda g: lax.psum(g, replicas), c["g_layers"]) if replicas else c["g_layers"]
         return (total(c["nll"]), total(c["count"]), like(g_layers, layers),
                 like(jax.tree.map(lambda g: lax.psum(g, STAGE)[None], c["g_head"]), head),
-                lax.psum(c["dx"], STAGE))
+                _from_one_stage(c["dx"], mesh))
 
     def run(layers, head, x_mbtd, aux):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)

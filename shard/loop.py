@@ -33,6 +33,11 @@ from shard.rules import Layout
 from shard.state import StateSpec, compile_init, init_state, state_spec
 from shard.step import abstract_batch, batch_sharding, make_train_step
 
+# Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
+# host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
+# simulated devices on 2 cores ("Termination timeout ... only 6 of them arrived", then an abort).
+MAX_STEPS_AHEAD = 2
+
 
 @dataclass
 class Run:
@@ -308,6 +313,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
         pending.append((i, metrics))
+        if len(pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
+            jax.block_until_ready(pending[-MAX_STEPS_AHEAD - 1][1])
         # Ask every observer (a list, not a short-circuit): with several processes each one's
         # should_stop() takes part in a collective that all processes must reach.
         stopping = any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419

@@ -8,10 +8,12 @@ process has finished, so a directory named by a bare step number is complete and
 save that never finished. Restore reads each array straight into the shardings of the mesh at hand.
 """
 
+import errno
 import functools
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -110,6 +112,24 @@ def _first_line(e: BaseException) -> str:
     if text and " See full TensorStore details" in text[0] and e.__cause__ is not None:
         return _first_line(e.__cause__)
     return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+# Reads that fail for the machine's sake, not the checkpoint's: every other checkpoint would fail the same
+# way, so falling back would set good ones aside in turn. By errno, also as tensorstore's os_error_code.
+_MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _machine_error(e: BaseException) -> bool:
+    """Out of device or host memory, no permission, too many open files: somewhere in the cause chain."""
+    while e is not None:
+        text = str(e)
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
+            return True
+        codes = {e.errno} if isinstance(e, OSError) else {int(c) for c in re.findall(r"os_error_code=\D?(\d+)", text)}
+        if codes & _MACHINE_ERRNOS:
+            return True
+        e = e.__cause__
+    return False
 
 
 class Checkpoints:
@@ -230,7 +250,10 @@ class Checkpoints:
                 return self.restore(step, spec)
             except ShardError:
                 raise
-            except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, JSONDecodeError, ...
+            except Exception as e:  # orbax/tensorstore raise ValueError, OSError, JSONDecodeError, ...
+                if _machine_error(e):  # not this checkpoint's fault: it stays where it is
+                    raise ShardError(f"cannot read checkpoint {self.path(step)} ({_first_line(e)}); it is left "
+                                     "in place") from e
                 fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
                 self.notice(f"checkpoint {self.path(step)} is unreadable ({_first_line(e)}); set aside as "
                             f"{CORRUPT_PREFIX}{step}, {fallback}")

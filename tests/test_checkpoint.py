@@ -182,6 +182,27 @@ def test_corrupt_newest_falls_back_to_the_previous_and_says_so(reference, tmp_pa
     assert ckpts.steps() == [2, 4, 6, 8, 10]
 
 
+@pytest.mark.parametrize("error, cause", [
+    (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.00GiB."), None),
+    (PermissionError(13, "Permission denied", "state/d/0"), None),
+    (Exception("Reading array failed. See full TensorStore details: <bound method ...>"),  # orbax's wrapper
+     ValueError('OPEN: error opening "/x/state/d/0" [os_error_code=13]: Permission denied')),
+])
+def test_a_read_the_machine_fails_sets_nothing_aside(reference, tmp_path, monkeypatch, error, cause):
+    """Out of memory (resuming onto fewer devices) or no permission would fail every checkpoint in turn:
+    falling back set each good one aside and then offered a fresh start."""
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+
+    def fail(step, spec):
+        raise error from cause
+
+    monkeypatch.setattr(ckpts, "restore", fail)
+    with pytest.raises(ShardError, match=r"cannot read checkpoint \S*checkpoints/12 \(.*\); it is left in place"):
+        ckpts.restore_latest(spec)
+    assert notices == [] and ckpts.steps() == [2, 4, 6, 8, 10, 12]
+    assert not list(ckpts.directory.glob("corrupt-*"))
+
+
 def test_a_path_with_brackets_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ShardError, match=r"contains \[ or \], which orbax reads as a glob pattern"):
         Checkpoints(tmp_path / "[x]" / CHECKPOINTS_DIR)

@@ -52,9 +52,11 @@ class Generator:
 
     def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int):
         self.cfg, self.max_len = model_cfg, max_len
-        # One prompt at a time: the batch is replicated, the other rules (tensor parallel) apply.
-        self.layout = Layout(layout.mesh, dict(layout.rules) | {"batch": ()}, layout.param_rules,
-                             layout.regex_rules)
+        # One prompt at a time, one token per decode step: the batch and the sequence are replicated (a
+        # context-parallel split of a cache of any length would have to divide it); the other rules
+        # (tensor parallel) apply.
+        self.layout = Layout(layout.mesh, dict(layout.rules) | {"batch": (), "length": (), "res_length": ()},
+                             layout.param_rules, layout.regex_rules)
         self.params = params
         self.cache_sharding = self.layout.sharding(CACHE_AXES, what="KV cache")
         replicated = NamedSharding(layout.mesh, PartitionSpec())

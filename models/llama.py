@@ -157,7 +157,9 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
-            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype)
+            # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
+            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype,
+                                         dropless=cache is not None)
         else:
             ffn_btd, aux = mlp_block(x_btd, p, cfg, dtype), jnp.zeros((), jnp.float32)
         return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (aux, kv)

@@ -74,10 +74,13 @@ def router_probs(h_btd: jax.Array, router_de: jax.Array) -> jax.Array:
     return jax.nn.softmax(logits_bte, axis=-1)
 
 
-def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """The MoE feed-forward of one layer on the normalised residual; returns its output and aux loss."""
+def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
+    """The MoE feed-forward of one layer on the normalised residual; returns its output and aux loss.
+    `dropless`: each expert has a slot for every token of the group (a token picks an expert once), so
+    none is dropped, whatever the length: generation's prefill and decode steps then compute the same."""
     T = h_btd.shape[1]
-    cap = capacity(T, cfg.n_experts, cfg.experts_per_token, cfg.capacity_factor)
+    cap = T if dropless else capacity(T, cfg.n_experts, cfg.experts_per_token, cfg.capacity_factor)
     dispatch_btec, combine_btec, aux = route(router_probs(h_btd, p["router"]), cfg.experts_per_token, cap)
     # The all-to-all: rows split over (data, expert) become experts split over expert.
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))

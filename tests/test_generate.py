@@ -42,6 +42,24 @@ def test_cached_greedy_decoding_equals_recomputing_the_full_forward(single):
     assert tokens == seq[len(PROMPT):]
 
 
+def test_mixture_of_experts_generation_drops_no_token():
+    """Routing capacity came from each call's length: a 7-token prefill dropped tokens that decode steps
+    (length 1) never drop. Generation is dropless: it equals the full forward with room for every token."""
+    import dataclasses
+
+    from flax import nnx
+
+    cfg, params, gen = _generator("1x1", model__name="moe-tiny")
+    tokens = gen.generate(PROMPT, 8, Sampling(temperature=0))
+    roomy = dataclasses.replace(cfg.model, capacity_factor=cfg.model.n_experts / cfg.model.experts_per_token)
+    model = models.build(roomy)
+    nnx.update(model, nnx.State(jax.device_get(params)))
+    seq = list(PROMPT)
+    for _ in range(8):
+        seq.append(int(jnp.argmax(model(jnp.asarray([seq]))[0, -1])))
+    assert tokens == seq[len(PROMPT):]
+
+
 def test_tensor_parallel_generation_gives_the_same_tokens(single):
     _, _, gen1 = single
     _, _, gen8 = _generator("2x4")

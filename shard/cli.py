@@ -231,6 +231,20 @@ def _held_out_change(was: float, now: float) -> str:
             "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
 
 
+# What the learning-rate schedule is made of (warmup, then cosine decay over `steps`): shard.state.
+_SCHEDULE_KEYS = ("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
+
+
+def _schedule_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> str | None:
+    """The notice for a resume whose learning-rate schedule differs from the run's so far, or None."""
+    changed = [(k, a, b) for k, a, b in config_mod.differences(saved, cfg) if k in _SCHEDULE_KEYS]
+    if not changed:
+        return None
+    what = ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
+    return (f"the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows "
+            "the new one, so this is not an exact resume")
+
+
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
     """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
@@ -344,12 +358,14 @@ class ConsoleProgress:
             return
         last = records[-1]
         losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
-        steps = f"{last['step']} steps" if not self.run_start else \
-            f"{last['step'] - self.run_start} steps ({self.run_start + 1}-{last['step']}, resumed)"
+        ran = last["step"] - self.run_start
+        plural = lambda n: f"{n} step" + ("s" if n != 1 else "")  # noqa: E731
+        steps = plural(last["step"]) if not self.run_start else \
+            f"{plural(ran)} ({self.run_start + 1}-{last['step']}, resumed)" if ran > 1 else \
+            f"{plural(ran)} ({last['step']}, resumed)"
         console.print(f"done: {steps}, loss {losses}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
-            ran = last["step"] - self.run_start
             every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
             err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
                               f"{ran} steps run{every}[/yellow]", soft_wrap=True)
@@ -425,6 +441,8 @@ def train(
         now = held_out_share(cfg)
         if was != now:
             err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
+        if note := _schedule_change(config_mod.resolve(base), cfg):
+            err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
     if cfg.eval.every and cfg.eval.path:

@@ -264,7 +264,7 @@ def test_usage_errors_of_click_itself_are_one_line_too():
     assert _usage_error(ValueError("x")) is None
 
 
-def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp_path):
+def test_a_resume_that_changes_the_windows_or_the_schedule_says_so(tmp_path):
     run = tmp_path / "r"
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert first.exit_code == 0, first.output
@@ -272,6 +272,13 @@ def test_turning_evaluation_on_at_a_resume_says_training_reads_other_windows(tmp
                      "--eval-every", "1", "--compile-cache", "none")  # TINY's 2 steps, and one more
     assert resumed.exit_code == 0, resumed.output
     assert "now holds out the last 5% of the data" in resumed.output and "not an exact resume" in resumed.output
+    # more steps stretch the cosine (and here the warmup): the learning rate after the resume moves
+    assert "the learning-rate schedule changes (steps 2 -> 3)" in resumed.output
+    again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "4",
+                   "--set", "optimizer.lr=1e-3", "--compile-cache", "none")
+    assert again.exit_code == 0, again.output
+    assert "(optimizer.lr 0.002 -> 0.001, steps 3 -> 4)" in again.output and "holds out" not in again.output
+    assert "done: 1 step (4, resumed)" in again.output
     # a run saved before eval.holdout existed (its config has no such key) trained on every window
     old = tmp_path / "old"
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(old), "--eval-every", "1", "--compile-cache",

@@ -708,13 +708,17 @@ def plan(
     if top < 0:
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
-    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq)
+    # A remat policy given with --set is planned alone; the other model keys go into the best command.
+    remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else None
+    passed_on = tuple(item.strip() for item in set_ or ()
+                      if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, **({"remats": remats} if remats else {}))
     best = next((c for c in ranked if c.fits), None)
     if as_json:
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
                           "batch": global_batch, "seq_len": seq,
                           "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
-                          "best": best.command(cfg.model.name, global_batch, seq) if best else None,
+                          "best": best.command(cfg.model.name, global_batch, seq, passed_on) if best else None,
                           "layouts": [c.to_dict() for c in ranked]}, indent=1))
         if best is None:
             raise typer.Exit(1)
@@ -742,7 +746,7 @@ def plan(
     fitting = sum(c.fits for c in ranked)
     console.print(f"{fitting} of {len(ranked)} layouts fit · * = the axis crosses nodes")
     if best:
-        console.print(f"best: {best.command(cfg.model.name, global_batch, seq)}")
+        console.print(f"best: {best.command(cfg.model.name, global_batch, seq, passed_on)}", soft_wrap=True)  # one line to copy
     else:
         console.print("no layout fits: add devices, shorten --seq, or lower --batch")
         raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts

@@ -8,6 +8,7 @@ tests/test_plan.py on simulated devices.
 from __future__ import annotations
 
 import math
+import shlex
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -167,8 +168,11 @@ class Candidate:
         used = {a: n for a, n in self.sizes.items() if n > 1} or {DATA: 1}
         return ",".join(f"{a}={n}" for a, n in used.items())
 
-    def command(self, model: str, batch: int, seq: int) -> str:
+    def command(self, model: str, batch: int, seq: int, sets: tuple[str, ...] = ()) -> str:
+        """The `shard train` command for this layout; `sets`: the plan's own `--set key=value` items
+        (model changes), passed on so the command trains the model that was planned."""
         cmd = f"shard train --model {model} --mesh {self.mesh_spec()} --batch {batch} --seq {seq}"
+        cmd += "".join(f" --set {shlex.quote(item)}" for item in sets)
         return cmd + (f" --set model.remat={self.remat}" if self.remat != "none" else "")
 
     def to_dict(self) -> dict:
@@ -250,9 +254,10 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
 
 
 def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
-         seq_len: int) -> list[Candidate]:
-    """All layouts, the fitting ones first, fastest first. Step times within 2% count as a tie, broken
-    by the time with nothing overlapped (less exposed traffic), then by memory."""
+         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES) -> list[Candidate]:
+    """All layouts (each with every remat policy in `remats`), the fitting ones first, fastest first.
+    Step times within 2% count as a tie, broken by the time with nothing overlapped (less exposed
+    traffic), then by memory."""
     for flag, value in (("--devices", devices), ("--nodes", nodes), ("--batch", global_batch), ("--seq", seq_len)):
         if value <= 0:
             raise ShardError(f"{flag} must be positive, got {value}")
@@ -262,7 +267,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
     out = [evaluate(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
-           for sizes in layouts(devices, per_node) for remat in REMAT_CHOICES]
+           for sizes in layouts(devices, per_node) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),
                                       c.step_s_serial, c.memory["total"]))

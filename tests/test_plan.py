@@ -69,6 +69,19 @@ def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     assert message in r.output and len(r.output.strip().splitlines()) == 1
 
 
+def test_the_best_command_trains_the_model_that_was_planned():
+    """`--set model.*` changes the model planned: the best command passes them on (it dropped them, so the
+    command trained the preset), and a remat policy given is the only one planned."""
+    r = invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.n_layers=8", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["best"].endswith(" --seq 2048 --set model.n_layers=8")
+    table = invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.n_layers=8")
+    assert "--seq 2048 --set model.n_layers=8\n" in table.output  # whole, on one line
+    pinned = json.loads(invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.remat=full",
+                               "--json").stdout)
+    assert {c["remat"] for c in pinned["layouts"]} == {"full"} and pinned["best"].endswith("--set model.remat=full")
+
+
 def test_a_plan_where_nothing_fits_exits_1():
     """The table (or JSON) still prints in full; the status tells a script there is no layout to run."""
     args = ("plan", "--model", "llama-13b-24l", "--devices", "1", "--hardware", "a100-40g")

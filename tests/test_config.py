@@ -61,3 +61,20 @@ def test_file_then_set_precedence(tmp_path):
     p.write_text('steps = 5\n[optimizer]\nlr = 0.01\n[model]\nname = "tiny"\n')
     cfg = c.resolve(c.merge(c.load_file(str(p)), c.parse_sets(["optimizer.lr=0.02"])))
     assert (cfg.steps, cfg.optimizer.lr, cfg.model.name) == (5, 0.02, "tiny")
+
+
+def test_docs_config_md_lists_every_key_with_its_default():
+    """docs/config.md is the reference for the keys: each one, with the default `config.toml` writes."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    documented = dict(re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \|", doc, re.M))
+    written, section = {}, ""
+    for line in c.to_toml(c.resolve({})).splitlines():
+        if line.startswith("["):
+            section = line.strip("[]") + "."
+        elif " = " in line:
+            key, value = line.split(" = ", 1)
+            written[section + key] = value
+    assert documented == written

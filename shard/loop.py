@@ -280,17 +280,18 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     grad_norms: list[float] = []
     skipped = 0
 
-    def make_record(step: int, values: dict) -> dict:
-        """One step's record: its metrics, and speed and memory over the steps since the last record."""
+    def make_record(step: int, values: dict, synced: int | None = None) -> dict:
+        """One step's record: its metrics, and speed and memory over the steps since the last record
+        (`synced`: the step the host waited for, when later than `step`: the time runs to it)."""
         now = time.perf_counter()
-        elapsed = now - last_time
+        elapsed, timed = now - last_time, (synced or step) - last_step
         record = {
             "step": step,
             "loss": float(values["loss"]),
             "grad_norm": float(values["grad_norm"]),
             "lr": float(values["lr"]),
-            "tokens_per_s": (step - last_step) * tokens_per_step / elapsed,
-            "step_time_s": elapsed / (step - last_step),
+            "tokens_per_s": timed * tokens_per_step / elapsed,
+            "step_time_s": elapsed / timed,
             "tokens_seen": step * tokens_per_step,
             "time_s": now - start,
             "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
@@ -321,7 +322,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         final = stopping or i == cfg.steps
         for o in observers:
             getattr(o, "on_step", lambda s, out: None)(i, (state, metrics))
-        logging = i % cfg.log_every == 0 or final
+        evaluating = evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
+        logging = i % cfg.log_every == 0 or final or evaluating  # an evaluation is logged when it runs
         saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
         if logging or saving:
             steps = jax.device_get(pending)
@@ -331,7 +333,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 if bad:
                     run.state = None  # diverged: nothing downstream may save it
                     # the step that diverged stays on record (metrics.jsonl)
-                    publish(make_record(bad[0], dict(steps)[bad[0]]) | {"diverged": bad[1]})
+                    publish(make_record(bad[0], dict(steps)[bad[0]], synced=i) | {"diverged": bad[1]})
                     raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
             else:
                 skipped += int(sum(m["skipped"] for _, m in steps))
@@ -339,7 +341,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             record = make_record(i, steps[-1][1])
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
-            if evaluator and (i % cfg.eval.every == 0 or i == cfg.steps):
+            if evaluating:
                 eval_loss = evaluator(state["params"])  # None on processes outside the eval set
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss

@@ -191,6 +191,14 @@ def _plant_nan(run, at_step):
     run.stream.next = next_batch
 
 
+def test_evaluation_runs_on_its_own_steps_and_is_logged_there(tmp_path):
+    """`eval.every` apart from `log_every`: it only ran where the two met (here, step 12 alone)."""
+    cfg = tiny_config("8x1", steps=6, log_every=4, eval__every=3)
+    records = train(cfg, devices=devices_for("8x1"))
+    assert [r["step"] for r in records] == [3, 4, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+
+
 def test_nan_stops_the_run_naming_the_step_and_its_record_is_kept(tmp_path):
     cfg = tiny_config("8x1", steps=6, log_every=3)
     run = prepare(cfg, devices_for("8x1"))

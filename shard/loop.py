@@ -53,10 +53,16 @@ class Run:
     hardware: object = None  # the hardware table's entry for these devices, if any
     start_step: int = 0  # the step the state holds: 0, or the step of the checkpoint resumed from
     stopped_at: int | None = None  # set when an observer's should_stop() ended the loop early
+    replicas: int = 1  # processes that each run this mesh (the MPI bridge); 1: the mesh is the whole job
 
     @property
     def mesh(self):
         return self.layout.mesh
+
+    @property
+    def devices_in_all(self) -> int:
+        """The job's devices: the global mesh's, or under the MPI bridge each process's mesh times N."""
+        return self.mesh.size * self.replicas
 
     @property
     def pipeline(self) -> dict:
@@ -199,7 +205,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)))
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step)
+    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size)
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
@@ -222,8 +228,9 @@ def device_memory(run: Run) -> dict:
         return {"mem_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
                 "mem_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats), "mem_source": "device"}
     m = run.compiled_memory
-    return {"mem_in_use_bytes": m.get("arguments", 0), "mem_peak_bytes": m.get("total", 0),
-            "mem_source": "compiled"}
+    if not m:  # the MPI bridge compiles on the first call: no estimate to give
+        return {}
+    return {"mem_in_use_bytes": m["arguments"], "mem_peak_bytes": m["total"], "mem_source": "compiled"}
 
 
 def first_divergence(steps: list[tuple[int, dict]], history: list[float], guard: GuardConfig):
@@ -298,7 +305,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             **device_memory(run),
         }
         if run.peak_flops:
-            record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.mesh.size * run.peak_flops)
+            record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.devices_in_all * run.peak_flops)
         if run.pipeline:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if "aux_loss" in values:

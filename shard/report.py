@@ -55,8 +55,9 @@ def summary_row(run: dict) -> dict:
     """The table's row: loss at the end; speed, MFU and memory of the latest start (the layout shown)."""
     recs = run["records"]
     latest = [r for r in recs if r["step"] >= run["latest_start"]]
-    tps = [r["tokens_per_s"] for r in latest[1:]] or [latest[0]["tokens_per_s"]]  # first interval warms up
-    mfu = [r["mfu"] for r in latest if r.get("mfu") is not None]
+    steady = latest[1:] or latest  # the first interval warms up
+    tps = [r["tokens_per_s"] for r in steady]
+    mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
     peaks = [r["mem_peak_bytes"] for r in latest if "mem_peak_bytes" in r]
     return {
         "run": run["dir"], "model": run["model"], "layout": run["layout"], "steps": recs[-1]["step"],

@@ -147,7 +147,8 @@ def test_mpiexec_detects_the_cluster(tmp_path, reference):
     ("2x1", 1, ["--eval-every", "1", "--set", "eval.processes=1"], 2),
 ])
 def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_process, extra, resume_at):
-    cmd = shard_cmd(*TINY, "--mesh", mesh, "--run-dir", "r", "--cross-host", "mpi", *extra)
+    cmd = shard_cmd(*TINY, "--mesh", mesh, "--run-dir", "r", "--cross-host", "mpi", "--set", "observe.peak_tflops=1",
+                    *extra)
     if resume_at is not None:
         cmd += ["--checkpoint-every", str(resume_at)]
 
@@ -167,6 +168,14 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
         (run / "metrics.jsonl").write_text("".join(lines[:resume_at]))
         assert f"resumed from step {resume_at}" in launch("--resume").stderr
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[1 if extra else 0], rtol=1e-5)
+    # MFU over the job's devices (it divided by one process's), and no memory figure where none is known
+    from shard.costs import mfu_flops_per_token
+    from shard.models.configs import PRESETS
+
+    devices = 2 * per_process
+    for rec in read_jsonl(tmp_path / "r" / "metrics.jsonl"):
+        assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * mfu_flops_per_token(PRESETS["tiny"], 32) / (devices * 1e12))
+        assert "mem_peak_bytes" not in rec
     if extra:
         records = read_jsonl(tmp_path / "r" / "metrics.jsonl")
         np.testing.assert_allclose([rec["eval_loss"] for rec in records], reference[2], rtol=1e-5)

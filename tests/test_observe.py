@@ -130,9 +130,9 @@ def test_a_resumed_run_is_read_as_it_trained():
     from shard.report import as_trained, summary_row
 
     rec = lambda step, t, tps, mem: {"step": step, "loss": 4.0 - step / 10, "time_s": t, "tokens_per_s": tps,  # noqa: E731
-                                     "mem_peak_bytes": mem}
+                                     "mem_peak_bytes": mem, "mfu": tps / 1000}
     records = [rec(1, 1.0, 100, 9), rec(2, 2.0, 100, 9), rec(3, 3.0, 100, 9), rec(4, 4.0, 100, 9),
-               rec(3, 0.5, 200, 5), rec(4, 1.0, 200, 5), rec(5, 0.4, 300, 6), rec(6, 0.8, 300, 6)]
+               rec(3, 0.5, 200, 5), rec(4, 1.0, 200, 5), rec(5, 0.4, 150, 6), rec(6, 0.8, 300, 6)]
     trained, latest = as_trained(records)
     assert [(r["step"], r["time_s"]) for r in trained] == [(1, 1.0), (2, 2.0), (3, 4.5), (4, 5.0), (5, 5.4),
                                                             (6, 5.8)]
@@ -140,6 +140,7 @@ def test_a_resumed_run_is_read_as_it_trained():
     row = summary_row({"dir": "r", "model": "tiny", "layout": "fsdp", "records": trained, "latest_start": latest,
                        "skipped_lines": 0})
     assert row["median_tokens_per_s"] == 300 and row["peak_memory_bytes"] == 6 and row["steps"] == 6
+    assert row["mfu"] == 0.3  # from the same steps as the speed: the warm-up interval left out of both
     # a start whose clock and steps both run on past the last record: known by its start_step
     early = [rec(1, 0.5, 100, 9) | {"start_step": 0}, rec(12, 5.0, 200, 5) | {"start_step": 11},
              rec(13, 6.0, 200, 5) | {"start_step": 11}]

@@ -123,7 +123,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         loss, grad_norm = nll / count, optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"])),
+                   "tokens": count}
         if spec.model is not None and spec.model.n_experts:
             metrics["aux_loss"] = aux / spec.model.n_layers  # per layer; 1 when experts are balanced
         if skip_bad:
@@ -135,6 +136,15 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
 
     return grad_sums, apply
+
+
+def schedule_count(opt_state) -> jax.Array:
+    """The count the learning-rate schedule reads (optax's ScaleByScheduleState): the updates applied so
+    far, which is the train step less any update `guard.action=skip` dropped (a dropped update keeps the
+    whole optimizer state, its schedule included)."""
+    (count,) = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+                if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+    return count
 
 
 def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,

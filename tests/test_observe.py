@@ -212,11 +212,14 @@ def test_nan_stops_the_run_naming_the_step_and_its_record_is_kept(tmp_path):
 
 
 def test_skip_mode_drops_the_bad_update_and_carries_on():
-    cfg = tiny_config("8x1", steps=4, guard__action="skip")
+    cfg = tiny_config("8x1", steps=4, log_every=1, guard__action="skip")
     run = prepare(cfg, devices_for("8x1"))
     _plant_nan(run, 2)
     records = train(cfg, run=run)
     assert records[-1]["skipped_steps"] == 1
+    # the logged lr is the one applied: the dropped update holds the schedule back a step
+    lrs = [r["lr"] for r in records]
+    assert lrs[2] == lrs[1] < lrs[3], lrs
     assert np.isfinite(records[-1]["loss"])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(run.state["params"]))
 

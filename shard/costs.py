@@ -244,7 +244,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             add(a, (passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
         for a in batch_axes:
             if a not in gather and a not in local:
-                add(a, ring_all_reduce(compute_bytes / g, shape.sizes[a]))
+                add(a, ring_all_reduce(compute_bytes / (g * math.prod(local.values())), shape.sizes[a]))
     # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
     # between the split and the batch layout; `tokens`: the ids each device looks up in a step
     kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)

@@ -1,6 +1,8 @@
 """The compiled step against the analytic model: communication efficiency >= 0.9 for DP, FSDP, TP and
 DP x TP, and the planner's memory and bytes per axis within 10% of what XLA compiles."""
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
@@ -78,6 +80,21 @@ def test_planner_agrees_with_the_compiler(name, analysed):
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
     memory = costs.memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)
+
+
+def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
+    """Untying adds the head's table (gathered, its gradient slice reduce-scattered, then all-reduced over
+    data): one 1/fsdp slice more over data. The lookup's table is read as stored, so only its own slice
+    is all-reduced; the formula counted the whole table (the compiled step: 64 KiB, small, data=2,fsdp=4)."""
+    from shard.models.configs import PRESETS
+
+    shape, work = costs.LayoutShape.of(data=2, fsdp=4), costs.Workload(8, 16, act_bytes=4)
+    tied = PRESETS["small"]
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    assert costs._stored_lookup(untied, shape, work)  # more table rows than tokens: read as stored
+    slice_bytes = tied.vocab_size * tied.d_model * 4 / 4
+    extra = costs.comm_bytes(untied, shape, work)["data"] - costs.comm_bytes(tied, shape, work)["data"]
+    assert extra == pytest.approx(costs.ring_all_reduce(slice_bytes, 2))
 
 
 def test_fsdp_cpu_reduce_scatter_is_recognised(analysed):

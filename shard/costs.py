@@ -299,7 +299,8 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
 # the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
 # assignment (arguments + temporaries + outputs - aliased) over a grid of tiny and small models on
-# DP, FSDP, TP and products (worst error 6%; tests/test_costs.py keeps it within 10%). q/k/v are
+# DP, FSDP, TP and products at short sequences (tests/test_costs.py keeps those within 10%; from
+# sequence 32 to 256 the total runs 6% low to 20% high, docs/formulas.md). q/k/v are
 # absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
 # fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
 ACT_PER_D = 9.1  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)

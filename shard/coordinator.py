@@ -8,9 +8,11 @@ process 0, on process 0's host and address), the service outlives process 0: the
 miss its heartbeats and the watchdog stops them with the usual one-line error.
 
 Run as `python -m shard.coordinator BIND NUM_PROCESSES HEARTBEAT_S SHUTDOWN_S PARENT_PID RECOVERABLE`
-(`start_service` does). The helper serves until its parent terminates it (`ServiceHandle.shutdown`)
-or, when the parent died, for long enough that the other processes notice (twice the heartbeat
-timeout, plus 5 s), then exits.
+(`start_service` does). The helper serves until its parent says stop (`ServiceHandle.shutdown`: a `q`
+on its stdin) or, when the parent died, for long enough that the other processes notice (twice the
+heartbeat timeout, plus 5 s), then exits. It ignores SIGINT and SIGTERM and runs in a session of its
+own: a Ctrl-C or a preemption signal to the job's process group is for the trainers, which finish their
+step and save while the service they need stays up.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from shard.errors import ShardError
@@ -35,7 +38,9 @@ class ServiceHandle:
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            with contextlib.suppress(OSError):  # gone already
+                self.proc.stdin.write(b"q")
+                self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -48,8 +53,8 @@ def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 10
     _check_port_free(bind_address)
     args = [bind_address, str(num_nodes), str(int(heartbeat_timeout)), str(int(shutdown_timeout)),
             str(os.getpid()), "1" if recoverable else "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "shard.coordinator", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "shard.coordinator", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return ServiceHandle(proc)
 
 
@@ -94,6 +99,8 @@ def service_in_helper():
 
 
 def main(argv: list[str]) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainers' signals (see the module docstring)
+        signal.signal(sig, signal.SIG_IGN)
     bind, num_nodes, heartbeat, shutdown, parent, recoverable = argv
     from jaxlib import _jax  # the runtime only: no need to start JAX itself
 
@@ -101,7 +108,12 @@ def main(argv: list[str]) -> None:
         bind, int(num_nodes), heartbeat_timeout=int(heartbeat), shutdown_timeout=int(shutdown),
         recoverable=recoverable == "1")
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+
+    def read_stop() -> None:  # `q` from ServiceHandle.shutdown; an end of file alone: the parent died
+        if sys.stdin.buffer.read(1) == b"q":
+            stopping.append(True)
+
+    threading.Thread(target=read_stop, daemon=True).start()
     while os.getppid() == int(parent) and not stopping:
         time.sleep(0.2)
     if stopping:

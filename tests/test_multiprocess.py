@@ -1,6 +1,7 @@
 """Several real processes on one machine: explicit coordinator (gloo), mpiexec auto-detection, the MPI
 bridge, process sets, and a lost process. Each run is the tiny model for 3 steps; ports are chosen free."""
 
+import contextlib
 import json
 import os
 import re
@@ -267,6 +268,42 @@ def test_a_lost_process_stops_the_other(tmp_path, lost):
     assert survivor.returncode == 3, err[-3000:]
     assert f"error: lost process {lost} of 2" in err
     assert "Check failure" not in err and "Traceback" not in err
+
+
+def test_a_ctrl_c_to_the_whole_job_saves_and_stops_cleanly(tmp_path):
+    """Ctrl-C in a terminal (or a scheduler's preemption signal to the process group) also reached the
+    coordination service's helper, which stopped serving mid-step: both processes aborted natively and
+    no stop checkpoint was saved. The helper now runs in its own session and ignores those signals."""
+    long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
+                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_port()}",
+                "--num-processes", "2"]
+    # both processes in one process group of their own, as under a terminal: a parent in a new session
+    launcher = ("import json, signal, subprocess, sys\n"
+                "signal.signal(signal.SIGINT, lambda *_: None)  # the launcher waits on (its children get it too)\n"
+                "procs = [subprocess.Popen(c, stdout=open(f'out{i}', 'w'), stderr=open(f'err{i}', 'w'))"
+                " for i, c in enumerate(json.loads(sys.argv[1]))]\n"
+                "print(json.dumps([p.wait() for p in procs]))\n")
+    cmds = [shard_cmd(*long_run, "--process-id", str(i)) for i in range(2)]
+    group = subprocess.Popen([sys.executable, "-c", launcher, json.dumps(cmds)], cwd=tmp_path, env=child_env(),
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "r" / "metrics.jsonl"
+        for _ in range(3000):
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2 or group.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert group.poll() is None, (tmp_path / "err0").read_text()[-3000:]
+        os.killpg(group.pid, signal.SIGINT)
+        codes = json.loads(group.communicate(timeout=120)[0])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)
+    outs = [(code, "", (tmp_path / f"err{i}").read_text()) for i, code in enumerate(codes)]
+    for code, _, err in outs:
+        assert code == 0, err[-3000:]
+        assert "Check failure" not in err and "Traceback" not in err
+    saved = [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()]
+    assert len(saved) == 1 and int(saved[0]) >= 2, saved  # the step the signal stopped, saved
 
 
 OOM_AT_STEP_3 = """

@@ -75,6 +75,8 @@ def plan(env: Mapping[str, str], coordinator: str | None = None, num_processes: 
         host, sep, port = coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ShardError(f"--coordinator expects HOST:PORT, got {coordinator!r}")
+        if not 1 <= int(port) <= 65535:
+            raise ShardError(f"--coordinator port must be in 1..65535, got {port}")
         if num_processes < 1:
             raise ShardError(f"--num-processes must be 1 or more, got {num_processes}")
         if not 0 <= process_id < num_processes:

@@ -155,6 +155,9 @@ def test_plan():
         plan({}, "10.0.0.1:1234", 2)
     with pytest.raises(ShardError, match="HOST:PORT"):
         plan({}, "10.0.0.1", 2, 0)
+    for port in ("177320", "0"):  # bind() raised OverflowError with a traceback; the peer waited to join
+        with pytest.raises(ShardError, match=f"--coordinator port must be in 1..65535, got {port}"):
+            plan({}, f"10.0.0.1:{port}", 2, 0)
     with pytest.raises(ShardError, match="--process-id must be in 0..1"):
         plan({}, "h:1", 2, 2)
     with pytest.raises(ShardError, match="--num-processes must be 1 or more, got 0"):

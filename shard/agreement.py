@@ -27,7 +27,7 @@ def check_same_config(cfg: config_mod.TrainConfig) -> None:
     mine = config_mod.to_toml(dataclasses.replace(cfg, **dict.fromkeys(PER_PROCESS_KEYS, "")))
     theirs = distributed.broadcast_text(mine)
     differs = theirs != mine
-    if not distributed.any_process(differs):
+    if not distributed.any_process_by_service(differs):
         return
     if not differs:
         raise ShardError("another process of this job was started with a different config; start every "
@@ -63,7 +63,7 @@ def check_shared_run_dir(path: Path) -> None:
         above, name = marker.split("/", 1)
         missing = int(above) >= len(levels) or not (levels[int(above)] / name).exists()
     try:
-        lost = distributed.any_process(missing)
+        lost = distributed.any_process_by_service(missing)
     finally:
         if made is not None:
             made.unlink(missing_ok=True)

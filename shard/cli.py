@@ -460,8 +460,8 @@ def train(
     path = Path(distributed.broadcast_text(str(path)))
     from shard.agreement import check_same_config, check_shared_run_dir
 
+    check_same_config(cfg)  # first: a different config can make the processes' device counts differ
     check_shared_run_dir(path)
-    check_same_config(cfg)
     from shard.checkpoint import Checkpoints, SaveCheckpoints
     from shard.loop import prepare
     from shard.loop import train as train_loop

@@ -103,6 +103,7 @@ class Context:
     failure_timeout: float = 60.0
     _watchdog: _Watchdog | None = None
     _sets: dict[str, ProcessSet] = field(default_factory=dict)
+    _exchanges: int = 0  # broadcast_text / any_process_by_service calls so far: their keys in the service
 
     @property
     def is_main(self) -> bool:
@@ -313,23 +314,46 @@ def fail(error: BaseException) -> None:
     _lost(f"a cross-process collective failed: {first}")
 
 
+_BROADCAST_WAIT_MS = 3_600_000  # a lost process 0 is the watchdog's to report, within the failure timeout
+
+
 def broadcast_text(text: str) -> str:
     """Process 0's `text` on every process (e.g. the run dir it chose, its config); one process:
     unchanged."""
     if _ctx.mode == MPI:
         return _mpi_world().bcast(text, root=0)
     if _ctx.mode == XLA and _ctx.size > 1:
-        from jax.experimental import multihost_utils
+        # Through the coordination service's key-value store, not a device collective: that one needs
+        # every process to hold as many devices, which is among what the config check is there to find.
+        from jax._src import distributed as jax_distributed
 
-        data = text.encode()
-        try:  # its length first, so every process passes an array of process 0's size
-            size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int64(len(data)))))
-            raw = np.frombuffer(data.ljust(size, b"\0")[:size] or b"\0", np.uint8)
-            out = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+        client, key = jax_distributed.global_state.client, f"shard/broadcast/{_ctx._exchanges}"
+        _ctx._exchanges += 1
+        try:
+            if _ctx.rank == 0:
+                client.key_value_set(key, text)
+                return text
+            return client.blocking_key_value_get(key, _BROADCAST_WAIT_MS)
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             fail(e)
-        return bytes(out.astype(np.uint8))[:size].decode()
     return text
+
+
+def any_process_by_service(flag: bool) -> bool:
+    """`any_process` through the coordination service's key-value store, for the checks made before the
+    processes are known to agree (a device collective assumes as many devices on each)."""
+    if _ctx.mode != XLA or _ctx.size < 2:
+        return any_process(flag)
+    from jax._src import distributed as jax_distributed
+
+    client, prefix = jax_distributed.global_state.client, f"shard/any/{_ctx._exchanges}/"
+    _ctx._exchanges += 1
+    try:
+        client.key_value_set(f"{prefix}{_ctx.rank}", "1" if flag else "0")
+        return any(client.blocking_key_value_get(f"{prefix}{r}", _BROADCAST_WAIT_MS) == "1"
+                   for r in range(_ctx.size))
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+        fail(e)
 
 
 def any_process(flag: bool) -> bool:

@@ -107,6 +107,12 @@ def test_processes_started_with_different_configs_stop_at_once_naming_the_key(tm
            "here" in err1
     assert "another process of this job was started with a different config" in err0
     assert not (tmp_path / "r").exists()
+    # a mesh that gives the processes different device counts: named too (it failed a collective that
+    # assumed equal counts, "cannot reshape array of size 12", exit 3 as if a restart could mend it)
+    (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, [*TINY, "--mesh", "8", "--run-dir", "r"],
+                                          [*TINY, "--mesh", "16", "--run-dir", "r"])
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "mesh.spec is '8' on process 0, '16' here" in err1
 
 
 def test_a_run_dir_that_is_not_one_shared_folder_is_refused(tmp_path):

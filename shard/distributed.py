@@ -216,6 +216,8 @@ def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: in
     if cluster.launcher == "explicit":
         if cluster.process_id != 0:
             _wait_for_coordinator(cluster.coordinator, join_timeout)
+        else:  # it serves on every interface, but the others dial this name: it must resolve
+            _check_resolves(cluster.coordinator)
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    cluster_detection_method="deactivate", **kwargs)
     elif cluster.launcher == "mpi":
@@ -225,6 +227,16 @@ def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: in
         jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
     else:
         jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
+
+
+def _check_resolves(address: str) -> None:
+    import socket
+
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        raise ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})") from None
 
 
 def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> None:

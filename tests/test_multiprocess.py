@@ -543,3 +543,10 @@ def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
         s.bind(("127.0.0.1", 0))
         s.listen()
         _wait_for_coordinator(f"127.0.0.1:{s.getsockname()[1]}", timeout=1.0)
+    # process 0 serves on every interface, but checks that the name the others dial resolves (it waited
+    # out the join timeout)
+    from shard.distributed import _check_resolves
+
+    with pytest.raises(ShardError, match="--coordinator nohost.invalid:1234: unknown host"):
+        _check_resolves("nohost.invalid:1234")
+    _check_resolves("127.0.0.1:1234")

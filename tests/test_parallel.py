@@ -50,13 +50,19 @@ def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_bfloat16_pipeline_with_tensor_parallel_compiles_and_matches(schedule):
-    """bfloat16 activations summed over `stage` with an automatic axis beside it aborted XLA:CPU
-    (AllReducePromotion, "Invalid binary instruction opcode copy"): those sums now run in float32 there."""
-    bf16 = dict(PIPE, model__compute_dtype="bfloat16")
+@pytest.mark.parametrize("mesh, dtype", [("stage=2,model=4", "compute"), ("stage=2,data=2,model=2", "param")])
+def test_a_bfloat16_pipeline_with_tensor_parallel_compiles_and_matches(schedule, mesh, dtype):
+    """bfloat16 activations summed over `stage` (and bfloat16 weight gradients over the manual `data`)
+    with an automatic axis beside them aborted XLA:CPU (AllReducePromotion, "Invalid binary instruction
+    opcode copy"): those sums now run in float32 there. Loss and gradients as the unpipelined model's,
+    to bfloat16's precision."""
+    bf16 = dict(PIPE, **{f"model__{dtype}_dtype": "bfloat16"})
     ref = loss_and_grads(tiny_config("1x1", **bf16))
-    out = loss_and_grads(tiny_config("stage=2,model=4", **bf16, pipeline__schedule=schedule))
+    out = loss_and_grads(tiny_config(mesh, **bf16, pipeline__schedule=schedule))
     np.testing.assert_allclose(out[0], ref[0], rtol=2e-3)
+    for g, r in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1])):
+        r = np.asarray(r, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=0.05 * float(np.max(np.abs(r))))
 
 
 def test_pipeline_gradients_are_not_trivially_equal(dense_reference):

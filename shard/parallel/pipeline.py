@@ -177,7 +177,7 @@ def _vary(tree, axes=(STAGE,)):
 
 
 def _summed_in_f32_on_cpu(fn, x: jax.Array, mesh) -> jax.Array:
-    """`fn(x)` for a psum over `stage` (or a cast whose transpose is one), in float32 on CPU: XLA:CPU
+    """`fn(x)` for a psum over manual axes (or a cast whose transpose is one), in float32 on CPU: XLA:CPU
     promotes a bfloat16 all-reduce to float32 anyway, and aborts doing so on these reducers
     (AllReducePromotion: "Invalid binary instruction opcode copy") when the mesh has automatic axes
     beside the manual ones. Elsewhere `fn(x)` as it is."""
@@ -220,7 +220,7 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
         M = x_mbtd.shape[0]
         x_mbtd = _summed_in_f32_on_cpu(_vary, x_mbtd, mesh)  # the backward psums its gradient over stages
         # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
-        layers = _vary(layers, replicas)
+        layers = jax.tree.map(lambda w: _summed_in_f32_on_cpu(lambda a: _vary(a, replicas), w, mesh), layers)
         perm = [(j, (j + 1) % S) for j in range(S)]
 
         def tick(t, carry):

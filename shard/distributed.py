@@ -362,8 +362,9 @@ def any_process_by_service(flag: bool) -> bool:
     _ctx._exchanges += 1
     try:
         client.key_value_set(f"{prefix}{_ctx.rank}", "1" if flag else "0")
-        return any(client.blocking_key_value_get(f"{prefix}{r}", _BROADCAST_WAIT_MS) == "1"
-                   for r in range(_ctx.size))
+        # every flag read before any answer: a barrier too (process 0 then removes its marker file)
+        flags = [client.blocking_key_value_get(f"{prefix}{r}", _BROADCAST_WAIT_MS) for r in range(_ctx.size)]
+        return "1" in flags
     except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
         fail(e)
 

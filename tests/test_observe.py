@@ -193,7 +193,7 @@ def _plant_nan(run, at_step):
 
 
 def test_evaluation_runs_on_its_own_steps_and_is_logged_there(tmp_path):
-    """`eval.every` apart from `log_every`: it only ran where the two met (here, step 12 alone)."""
+    """`eval.every` apart from `log_every`: it only ran where the two met (here, the last step alone)."""
     cfg = tiny_config("8x1", steps=6, log_every=4, eval__every=3)
     records = train(cfg, devices=devices_for("8x1"))
     assert [r["step"] for r in records] == [3, 4, 6]

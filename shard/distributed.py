@@ -145,6 +145,11 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     if cluster is None:
         _ctx = Context(failure_timeout=failure_timeout)
         return _ctx
+    if cluster.launcher == "mpi":  # both modes join through MPI first: mixed, they would wait on each other
+        modes = _mpi_world().allgather(cross_host)
+        if len(set(modes)) > 1:
+            raise ShardError("the processes were started with different --cross-host (" + ", ".join(
+                f"process {r}: {m}" for r, m in enumerate(modes)) + "); start every process with the same command")
     if cross_host == MPI:
         comm = _mpi_world()
         if cluster.launcher == "explicit" or comm.Get_size() != cluster.num_processes:

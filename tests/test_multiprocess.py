@@ -189,6 +189,17 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
 
 
 @needs_mpi
+def test_processes_with_different_cross_host_modes_say_so(tmp_path):
+    """Under mpiexec, one process on xla and one on mpi waited out the join timeout without a word
+    about why; they compare their modes over MPI before anything else."""
+    r = subprocess.run([MPIEXEC, "-n", "1", *shard_cmd(*TINY, "--cross-host", "xla"), ":",
+                        "-n", "1", *shard_cmd(*TINY, "--cross-host", "mpi")],
+                       cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "different --cross-host (process 0: xla, process 1: mpi)" in r.stderr and "Traceback" not in r.stderr
+
+
+@needs_mpi
 def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
     r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "1x8", "--cross-host", "mpi")],
                        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)

@@ -810,13 +810,14 @@ def bench_collectives(
 @app.command()
 def report(
     run_dirs: Annotated[list[str], typer.Argument(help="run directories to compare")],
-    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go (default: report/)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go (default: report/; with --json, "
+                                                       "only when given)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ):
     """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
     from shard.report import report as make_report
 
-    doc = make_report(run_dirs, out or Path("report"))
+    doc = make_report(run_dirs, out if out is not None or as_json else Path("report"))  # --json: stdout only
     if as_json:
         print(json.dumps(doc, indent=1))
         return

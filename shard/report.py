@@ -96,7 +96,8 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def report(run_dirs: list[str], out: Path) -> dict:
+def report(run_dirs: list[str], out: Path | None) -> dict:
+    """The table's rows, and the plots written to `out` (None: none written)."""
     runs = [load_run(d) for d in run_dirs]
-    pngs = plot(runs, out)
+    pngs = plot(runs, out) if out is not None else []
     return {"runs": [summary_row(r) for r in runs], "plots": [str(p) for p in pngs]}

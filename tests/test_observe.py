@@ -110,7 +110,7 @@ def _fake_run(path, mesh, losses):
                                 "mem_peak_bytes": 2048, "mem_source": "compiled"}) + "\n")
 
 
-def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
+def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5, 2.0])
     _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7])
     out = tmp_path / "report"
@@ -121,6 +121,12 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path):
     assert doc["runs"][0]["final_loss"] == 2.0 and doc["runs"][1]["median_tokens_per_s"] == 2500.0
     for png in doc["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --json alone is for a script: nothing written beside it (it wrote ./report/*.png)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["plots"] == [] and list(here.iterdir()) == []
 
 
 def test_a_resumed_run_is_read_as_it_trained():

@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from shard import distributed
 from shard.config import CheckpointConfig
-from shard.errors import ShardError
+from shard.errors import ShardError, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
 from shard.rules import path_str
 from shard.state import StateSpec
@@ -122,10 +122,9 @@ _MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFI
 def _machine_error(e: BaseException) -> bool:
     """Out of device or host memory, no permission, too many open files: somewhere in the cause chain."""
     while e is not None:
-        text = str(e)
-        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
+        if out_of_memory(e):
             return True
-        codes = {e.errno} if isinstance(e, OSError) else {int(c) for c in re.findall(r"os_error_code=\D?(\d+)", text)}
+        codes = {e.errno} if isinstance(e, OSError) else {int(c) for c in re.findall(r"os_error_code=\D?(\d+)", str(e))}
         if codes & _MACHINE_ERRNOS:
             return True
         e = e.__cause__

@@ -20,7 +20,7 @@ from rich.table import Table
 from shard import config as config_mod
 from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
-from shard.errors import ShardError
+from shard.errors import ShardError, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, globless
 
@@ -49,7 +49,7 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints)
         return ShardError(_tensorstore_file_error(str(e)))
-    if "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in first or isinstance(e, MemoryError):
+    if out_of_memory(e):
         advice = _OUT_OF_MEMORY_ADVICE.get(command or "")
         return ShardError(f"out of memory ({first[:160]})" + (f"; {advice}" if advice else ""))
     if isinstance(e, RuntimeError) and "Unable to initialize backend" in first:

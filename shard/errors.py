@@ -7,3 +7,11 @@ class ShardError(Exception):
 
 class DivergenceError(ShardError):
     """The loss or gradient norm went non-finite or spiked; the run stops before saving anything."""
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Device or host memory ran out: XLA's RESOURCE_EXHAUSTED (or an "Out of memory" first line), or
+    Python's MemoryError."""
+    text = str(e)
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or \
+        "Out of memory" in (text.strip().splitlines() or [""])[0]

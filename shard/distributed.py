@@ -234,6 +234,10 @@ def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: in
         jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
 
 
+def _unknown_host(address: str, e: OSError) -> ShardError:
+    return ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})")
+
+
 def _check_resolves(address: str) -> None:
     import socket
 
@@ -241,7 +245,7 @@ def _check_resolves(address: str) -> None:
     try:
         socket.getaddrinfo(host, None)
     except socket.gaierror as e:
-        raise ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})") from None
+        raise _unknown_host(address, e) from None
 
 
 def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10.0) -> None:
@@ -258,7 +262,7 @@ def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10
             socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
             return
         except socket.gaierror as e:
-            raise ShardError(f"--coordinator {address}: unknown host ({e.strerror or e})") from None
+            raise _unknown_host(address, e) from None
         except OSError as e:
             waited = time.monotonic() - start
             if waited >= timeout:
@@ -331,6 +335,16 @@ def fail(error: BaseException) -> None:
     _lost(f"a cross-process collective failed: {first}")
 
 
+def _next_exchange(kind: str):
+    """(coordination-service client, this exchange's key): every process makes the exchanges in the same
+    order, so the n-th one's key is the same everywhere."""
+    from jax._src import distributed as jax_distributed
+
+    key = f"shard/{kind}/{_ctx._exchanges}"
+    _ctx._exchanges += 1
+    return jax_distributed.global_state.client, key
+
+
 _BROADCAST_WAIT_MS = 3_600_000  # a lost process 0 is the watchdog's to report, within the failure timeout
 
 
@@ -342,10 +356,7 @@ def broadcast_text(text: str) -> str:
     if _ctx.mode == XLA and _ctx.size > 1:
         # Through the coordination service's key-value store, not a device collective: that one needs
         # every process to hold as many devices, which is among what the config check is there to find.
-        from jax._src import distributed as jax_distributed
-
-        client, key = jax_distributed.global_state.client, f"shard/broadcast/{_ctx._exchanges}"
-        _ctx._exchanges += 1
+        client, key = _next_exchange("broadcast")
         try:
             if _ctx.rank == 0:
                 client.key_value_set(key, text)
@@ -361,14 +372,11 @@ def any_process_by_service(flag: bool) -> bool:
     processes are known to agree (a device collective assumes as many devices on each)."""
     if _ctx.mode != XLA or _ctx.size < 2:
         return any_process(flag)
-    from jax._src import distributed as jax_distributed
-
-    client, prefix = jax_distributed.global_state.client, f"shard/any/{_ctx._exchanges}/"
-    _ctx._exchanges += 1
+    client, key = _next_exchange("any")
     try:
-        client.key_value_set(f"{prefix}{_ctx.rank}", "1" if flag else "0")
+        client.key_value_set(f"{key}/{_ctx.rank}", "1" if flag else "0")
         # every flag read before any answer: a barrier too (process 0 then removes its marker file)
-        flags = [client.blocking_key_value_get(f"{prefix}{r}", _BROADCAST_WAIT_MS) for r in range(_ctx.size)]
+        flags = [client.blocking_key_value_get(f"{key}/{r}", _BROADCAST_WAIT_MS) for r in range(_ctx.size)]
         return "1" in flags
     except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
         fail(e)

@@ -359,10 +359,10 @@ class ConsoleProgress:
         last = records[-1]
         losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
         ran = last["step"] - self.run_start
-        plural = lambda n: f"{n} step" + ("s" if n != 1 else "")  # noqa: E731
-        steps = plural(last["step"]) if not self.run_start else \
-            f"{plural(ran)} ({self.run_start + 1}-{last['step']}, resumed)" if ran > 1 else \
-            f"{plural(ran)} ({last['step']}, resumed)"
+        steps = f"{ran} step" + ("s" if ran != 1 else "")
+        if self.run_start:
+            span = f"{self.run_start + 1}-{last['step']}" if ran > 1 else str(last["step"])
+            steps += f" ({span}, resumed)"
         console.print(f"done: {steps}, loss {losses}, "
                       f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
@@ -436,12 +436,13 @@ def train(
     if resume and base and main:
         from shard.data import held_out_share
 
+        saved = config_mod.resolve(base)
         # a config saved before eval.holdout existed trained on every window
-        was = held_out_share(config_mod.resolve(base)) if "holdout" in base.get("eval", {}) else 0.0
+        was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
         now = held_out_share(cfg)
         if was != now:
             err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
-        if note := _schedule_change(config_mod.resolve(base), cfg):
+        if note := _schedule_change(saved, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
@@ -696,7 +697,7 @@ def plan(
     set_: SetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
-    from shard.plan import find_hardware, load_hardware
+    from shard.plan import REMAT_CHOICES, find_hardware, load_hardware
     from shard.plan import plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])
@@ -709,10 +710,10 @@ def plan(
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
     # A remat policy given with --set is planned alone; the other model keys go into the best command.
-    remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else None
+    remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
                       if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
-    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, **({"remats": remats} if remats else {}))
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats)
     best = next((c for c in ranked if c.fits), None)
     if as_json:
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,

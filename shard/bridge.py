@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shard.config import PipelineConfig
 from shard.rules import Layout
 from shard.state import StateSpec
 from shard.step import BATCH_KEYS, batch_sharding, make_step_parts
@@ -63,9 +64,10 @@ def allreduce_tree(tree, comm, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
 
 
 def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 1,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """`(state, batch) -> (state, metrics)` over this process's local mesh, reduced across `comm`."""
-    grad_sums, apply = make_step_parts(spec, layout, microbatches)
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipe: PipelineConfig | None = None):
+    """`(state, batch) -> (state, metrics)` over this process's local mesh, reduced across `comm`; `pipe`
+    is the schedule when that mesh has pipeline stages."""
+    grad_sums, apply = make_step_parts(spec, layout, microbatches, pipe=pipe)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = {k: batch_sharding(layout) for k in BATCH_KEYS}
 

@@ -203,7 +203,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
-                            int(cfg.cluster.bucket_mb * (1 << 20)))
+                            int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size)
 

@@ -98,6 +98,13 @@ class ModelConfig:
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
 
+    def compute_dtype_on(self, platform: str) -> str:
+        """The compute dtype's name on `platform` ("cpu", "gpu", "cuda", ...): "auto" resolves to float32
+        on CPU, bfloat16 elsewhere."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "float32" if platform == "cpu" else "bfloat16"
+
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
         d, f, h = self.d_model, self.mlp_dim, self.head_dim
@@ -132,7 +139,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    """The named preset; unknown names raise KeyError (the config layer turns it into a ShardError)."""
+    """The named preset (KeyError for an unknown name): shard.models' public way to get one."""
     return PRESETS[name]
 
 

@@ -49,9 +49,7 @@ _REMAT = {
 
 
 def compute_dtype(cfg: ModelConfig):
-    if cfg.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return jnp.dtype(cfg.compute_dtype)
+    return jnp.dtype(cfg.compute_dtype_on(jax.default_backend()))
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:

@@ -124,7 +124,7 @@ class Workload:
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
         m = cfg.model
-        compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+        compute = m.compute_dtype_on(platform)
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat, attention_probs=keeps_attention_probs(m, platform, compute))
 

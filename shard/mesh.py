@@ -6,6 +6,7 @@ Parsing is pure Python (the CLI needs the device count before JAX starts); only 
 import math
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -224,12 +225,18 @@ def split_over_processes(spec: MeshSpec, n_local: int, n_proc: int) -> tuple[tup
 
 
 def _cross_host_shape(shape: tuple[int, ...], n_proc: int, spec: MeshSpec) -> tuple[int, ...]:
-    """Split the process count over the outermost axes: the per-axis number of hosts it spans."""
-    dcn, left = [], n_proc
+    dcn = hosts_per_axis(shape, n_proc)
+    if dcn is None:
+        raise ShardError(f"mesh {spec.describe(shape)} cannot be split over {n_proc} processes")
+    return dcn
+
+
+def hosts_per_axis(shape: Sequence[int], hosts: int) -> tuple[int, ...] | None:
+    """How many hosts each axis of a mesh `shape` spans when `hosts` fill the outermost axes first (as
+    build_mesh lays them out); None when they can't be split so."""
+    spans, left = [], hosts
     for s in shape:
         g = math.gcd(s, left)
-        dcn.append(g)
+        spans.append(g)
         left //= g
-    if left != 1:
-        raise ShardError(f"mesh {spec.describe(shape)} cannot be split over {n_proc} processes")
-    return tuple(dcn)
+    return tuple(spans) if left == 1 else None

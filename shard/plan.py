@@ -18,6 +18,7 @@ from shard import costs
 from shard.axes import DATA, FSDP, MODEL
 from shard.config import is_positive_number
 from shard.errors import ShardError
+from shard.mesh import hosts_per_axis
 from shard.models.configs import ModelConfig
 
 GIB = 1024**3
@@ -190,15 +191,12 @@ class Candidate:
 
 
 def node_split(sizes: dict[str, int], nodes: int) -> dict[str, int]:
-    """How many nodes each mesh axis spans: nodes fill the outermost axes first (as build_mesh does)."""
-    out, left = {}, nodes
-    for axis in (DATA, FSDP, MODEL):
-        g = math.gcd(sizes.get(axis, 1), left)
-        out[axis] = g
-        left //= g
-    if left != 1:
+    """How many nodes each mesh axis spans, `sizes` given outermost first: nodes fill the outermost axes
+    first (mesh.hosts_per_axis, as build_mesh does)."""
+    spans = hosts_per_axis(tuple(sizes.values()), nodes)
+    if spans is None:
         raise ShardError(f"mesh {sizes} cannot be split over {nodes} nodes")
-    return out
+    return dict(zip(sizes, spans))
 
 
 def layouts(devices: int, per_node: int) -> list[dict[str, int]]:
@@ -223,11 +221,11 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
 
     cfg = dataclasses.replace(cfg, remat=remat)
     shape = costs.LayoutShape.of(**sizes)
-    on_cpu = hw.name == "cpu"
+    platform = "cpu" if hw.name == "cpu" else "gpu"
+    compute = cfg.compute_dtype_on(platform)
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
-                          act_bytes=4 if on_cpu else 2, remat=remat,
-                          attention_probs=costs.keeps_attention_probs(cfg, "cpu" if on_cpu else "gpu",
-                                                                      "float32" if on_cpu else "bfloat16"))
+                          act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
+                          attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
     problems = shape.check_divisible(cfg, global_batch)
     memory = costs.memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:

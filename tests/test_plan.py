@@ -134,6 +134,22 @@ def test_hardware_figures_must_be_positive_numbers(tmp_path, change, message):
 def test_layouts_keep_tensor_parallel_in_a_node():
     assert {d["model"] for d in layouts(32, 4)} == {1, 2, 4}
     assert node_split({"data": 2, "fsdp": 8, "model": 2}, 8) == {"data": 2, "fsdp": 4, "model": 1}
+    # hosts fill the mesh's own outermost axes, as build_mesh lays them out (it took data first whatever
+    # the order, so `--mesh model=2,data=4` on 2 hosts was warned about as data across hosts)
+    assert node_split({"model": 2, "data": 4}, 2) == {"model": 2, "data": 1}
+
+
+def test_plan_counts_activations_in_the_configured_compute_dtype():
+    """On a GPU, model.compute_dtype=float32 holds activations at 4 bytes; the plan took 2 whatever it said."""
+    import dataclasses
+
+    from shard.models.configs import PRESETS
+    from shard.plan import evaluate
+
+    hw, cfg = find_hardware("h100", load_hardware()), PRESETS["llama-1b"]
+    act = {dtype: evaluate(dataclasses.replace(cfg, compute_dtype=dtype), {"data": 8}, "none", hw, 1, 8,
+                           2048).memory["activations"] for dtype in ("auto", "bfloat16", "float32")}
+    assert act["auto"] == act["bfloat16"] and act["float32"] > 1.5 * act["bfloat16"]
 
 
 def test_inspect_compiled_json():

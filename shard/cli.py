@@ -130,7 +130,7 @@ def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = 
         raise ShardError(f"--simulate-devices must be positive, got {flags['simulate_devices']}")
     out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
-    out = config_mod.merge(out, config_mod.parse_sets([f"{k}={json.dumps(v)}" for k, v in flat.items()]))
+    out = config_mod.merge(out, config_mod.nested(flat))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
 
 
@@ -282,8 +282,15 @@ def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = Fa
                                  "new or empty folder")
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{cfg.model.name}-{mesh_spec.source.replace(':', '_').replace('=', '').replace(',', '_')}-{stamp}"
+        path = Path("runs") / f"{cfg.model.name}-{_mesh_label(mesh_spec.source)}-{stamp}"
     return path
+
+
+def _mesh_label(source: str) -> str:
+    """A mesh as given, made one folder name: `data=2,fsdp=4` -> `data2_fsdp4`; a TOML file by its stem."""
+    if source.endswith(".toml"):
+        source = Path(source).stem
+    return re.sub(r"[^\w.-]+", "_", source.replace("=", "")).strip("_.") or "mesh"
 
 
 class ConsoleProgress:

@@ -227,6 +227,14 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
+def nested(flat: dict[str, object]) -> dict:
+    """`{"data.batch": 8}` -> `{"data": {"batch": 8}}`: values as they are, not parsed."""
+    out: dict = {}
+    for key, value in flat.items():
+        _put(out, key, value)
+    return out
+
+
 def _put(tree: dict, dotted: str, value) -> None:
     head, _, rest = dotted.partition(".")
     if head in _DICT_SECTIONS and rest:  # rule tables: the rest of the key may contain dots (regexes)

@@ -336,3 +336,13 @@ def test_hidden_leftovers_do_not_make_a_run_dir_foreign_and_a_missing_eval_path_
     assert missing.exit_code == 2 and f"eval.path {tmp_path / 'nope.txt'} does not exist" in missing.output
     ok = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path), "--compile-cache", "none")
     assert ok.exit_code == 0, ok.output
+
+
+def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():
+    """Flags went through JSON text into TOML: `--run-dir runs/😀` became a quoted, escaped string. A mesh
+    given as a TOML path made the default run dir several nested folders."""
+    from shard.cli import _mesh_label, _overrides
+
+    assert _overrides(None, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
+    assert _mesh_label("/tmp/my meshes/wide.toml") == "wide"
+    assert _mesh_label("data=2,fsdp=4") == "data2_fsdp4" and _mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"

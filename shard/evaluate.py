@@ -28,6 +28,19 @@ def eval_processes(cfg: TrainConfig, ctx: distributed.Context) -> int:
     return n
 
 
+def eval_rows(cfg: TrainConfig, n: int, layout) -> int:
+    """Rows of each held-out batch that each of `n` eval processes takes under the MPI bridge, checked
+    against its local mesh's data-parallel devices (by `prepare`, before anything compiles)."""
+    if cfg.data.batch % n:
+        raise ShardError(f"global batch {cfg.data.batch} does not divide over {n} eval processes (eval.processes)")
+    rows, dp = cfg.data.batch // n, layout.degree("batch")
+    if rows % dp:
+        raise ShardError(f"each of {n} eval processes takes {rows} rows of a global batch of {cfg.data.batch}, "
+                         f"which do not divide over its {dp} data-parallel devices; use a batch that is a "
+                         f"multiple of {n * dp}, or another eval.processes")
+    return rows
+
+
 class Evaluator:
     """`__call__(params) -> eval loss` on members of the eval set (None elsewhere)."""
 
@@ -39,9 +52,7 @@ class Evaluator:
         self.step = make_eval_step(run.spec, run.layout)
         dataset = eval_samples(cfg)
         if ctx.mode == distributed.MPI:
-            if cfg.data.batch % n:
-                raise ShardError(f"global batch {cfg.data.batch} does not divide over {n} eval processes")
-            rows = cfg.data.batch // n
+            rows = eval_rows(cfg, n, run.layout)
             offset = self.group.rank * rows if self.group.includes() else 0
             self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout),
                                       offset=offset, rows=rows)

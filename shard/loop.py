@@ -175,6 +175,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     Every process restores the same checkpoint (process 0 wrote it) into its own mesh."""
     from shard.bridge import make_bridge_step
 
+    if cfg.guard.action == "skip":
+        raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
     mesh_spec = parse_mesh(cfg.mesh.spec)
     local_devices = list(devices if devices is not None else jax.local_devices())
     dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)
@@ -191,10 +193,12 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         raise ShardError(f"global batch {cfg.data.batch} does not divide over {ctx.size} processes")
     rows = cfg.data.batch // ctx.size
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
+    if cfg.eval.every:
+        from shard.evaluate import eval_processes, eval_rows
+
+        eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = training_samples(cfg)
-    if cfg.guard.action == "skip":
-        raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
     if restore is None:  # same seed everywhere: the replicas start equal
         state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
     else:

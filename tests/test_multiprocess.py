@@ -458,6 +458,23 @@ def test_a_process_reads_only_its_block_of_each_global_batch():
     assert sorted(set(counting.read)) == [4, 5, 6, 7, 12, 13, 14, 15]
 
 
+def test_eval_rows_are_checked_against_the_local_mesh_before_anything_runs():
+    """3 processes with 4 devices each, eval.processes=2, batch 12: training's 4 rows split over data=4,
+    but each evaluator's 6 did not, and that failed at the first evaluation, after training steps."""
+    from shard.errors import ShardError
+    from shard.evaluate import eval_rows
+    from shard.rules import Layout
+    from shard.testing import fake_mesh
+
+    layout = Layout(fake_mesh("4x1"), rules={"batch": ("data",), "length": ()})
+    cfg = tiny_config("4x1", data__batch=12)
+    assert eval_rows(cfg, 3, layout) == 4
+    with pytest.raises(ShardError, match="6 rows of a global batch of 12, which do not divide over its 4 data-par"):
+        eval_rows(cfg, 2, layout)
+    with pytest.raises(ShardError, match="global batch 12 does not divide over 5 eval processes"):
+        eval_rows(cfg, 5, layout)
+
+
 def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     import jax
 

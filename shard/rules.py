@@ -163,12 +163,13 @@ def param_shardings(abstract_params: dict, logical: dict, layout: Layout) -> dic
     return jax.tree_util.tree_map_with_path(one, abstract_params, logical, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def like_params(tree, params_shardings: dict, mesh):
+def like_params(tree, abstract_params: dict, params_shardings: dict, mesh):
     """Shardings for a tree (optimizer state) whose leaves mirror parameters: same path suffix and
-    shape get the parameter's sharding; everything else (counts, scalars) is replicated."""
+    shape get the parameter's sharding; everything else (counts, scalars, factored moments) is replicated."""
     by_path = {}
-    for path, s in jax.tree_util.tree_flatten_with_path(params_shardings)[0]:
-        by_path[tuple(getattr(k, "key", k) for k in path)] = s
+    for (path, sds), s in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+                              jax.tree.leaves(params_shardings), strict=True):
+        by_path[tuple(getattr(k, "key", k) for k in path)] = (tuple(sds.shape), s)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(path, leaf):
@@ -177,7 +178,8 @@ def like_params(tree, params_shardings: dict, mesh):
             if not isinstance(k, jax.tree_util.DictKey):
                 break
             keys.insert(0, k.key)
-        return by_path.get(tuple(keys), replicated) if keys else replicated
+        shape, sharding = by_path.get(tuple(keys), (None, replicated))
+        return sharding if shape == tuple(leaf.shape) else replicated
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

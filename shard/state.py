@@ -75,7 +75,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     shardings = {
         "step": replicated,
         "params": p_shardings,
-        "opt_state": like_params(abstract["opt_state"], p_shardings, layout.mesh),
+        "opt_state": like_params(abstract["opt_state"], abstract["params"], p_shardings, layout.mesh),
     }
     return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg)
 

@@ -132,3 +132,21 @@ def test_rules_that_no_activation_can_take_are_refused_with_the_layout(rule, mes
 def test_logical_axis_without_rule_is_an_error():
     with pytest.raises(ShardError, match="logical axis 'experts' has no rule"):
         _layout().spec(("experts",))
+
+
+def test_optimizer_leaves_take_a_parameters_sharding_only_with_its_shape():
+    """A factored moment (Adafactor's row statistics) sits at the parameter's path with another shape:
+    it took the parameter's 2-D sharding, which can't apply to it."""
+    from jax.sharding import NamedSharding
+
+    from shard.rules import like_params
+
+    mesh = fake_mesh("2x4")
+    sds = jax.ShapeDtypeStruct
+    params = {"w": sds((8, 16), np.float32)}
+    split = {"w": NamedSharding(mesh, P("data", "model"))}
+    # (moment, row statistics, count), as an optax state's fields hold them
+    opt = ({"w": sds((8, 16), np.float32)}, {"w": sds((8,), np.float32)}, sds((), np.int32))
+    mu, v_row, count = like_params(opt, params, split, mesh)
+    assert mu["w"].spec == P("data", "model")
+    assert v_row["w"].spec == P() and count.spec == P()

@@ -309,13 +309,20 @@ def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
     if not checkpoints.is_dir():
         return None
     for step in sorted((int(c.name) for c in checkpoints.iterdir() if c.name.isdigit()), reverse=True):
-        try:
-            meta = json.loads((checkpoints / str(step) / META / "metadata").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(meta, dict) and isinstance(meta.get("config"), str):
-            return meta["config"], step
+        text = saved_config(checkpoints / str(step))
+        if text is not None:
+            return text, step
     return None
+
+
+def saved_config(step_dir: Path) -> str | None:
+    """The config (TOML text) one checkpoint step was saved with, from its meta item read as plain JSON;
+    None when it holds no readable one."""
+    try:
+        meta = json.loads((step_dir / META / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta["config"] if isinstance(meta, dict) and isinstance(meta.get("config"), str) else None
 
 
 def find_checkpoint(path: Path | str) -> tuple[Path, int]:
@@ -347,10 +354,12 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
     directory, step = find_checkpoint(checkpoint)
     state_dir = directory / str(step) / STATE
+    config = saved_config(directory / str(step))
+    if config is None:
+        raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")
     checkpoints = Checkpoints(directory)
     try:
         stored = checkpoints.stored_tree(step)
-        meta = checkpoints._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
     finally:
@@ -362,7 +371,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
-    return restored["params"], meta["config"], step
+    return restored["params"], config, step
 
 
 def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:

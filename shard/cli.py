@@ -565,7 +565,7 @@ def _init_from_base(source: str) -> dict:
     read without JAX, so the run builds exactly that model."""
 
     from shard import hf
-    from shard.checkpoint import find_checkpoint
+    from shard.checkpoint import find_checkpoint, saved_config
 
     path = Path(source)
     if not path.exists():
@@ -574,10 +574,11 @@ def _init_from_base(source: str) -> dict:
         cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
         return {"model": dataclasses.asdict(cfg)}
     directory, step = find_checkpoint(path)
-    saved = directory.parent / "config.toml"
-    if not saved.is_file():
-        raise ShardError(f"--init-from: no config.toml beside {directory}")
-    return {"model": config_mod.load_file(str(saved)).get("model", {})}
+    text = saved_config(directory / str(step))  # the step's own, as shard.weights reads it
+    try:
+        return {"model": tomllib.loads(text)["model"]}
+    except (TypeError, tomllib.TOMLDecodeError, KeyError):  # TypeError: no config (None)
+        raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config") from None
 
 
 def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:

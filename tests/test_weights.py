@@ -3,6 +3,8 @@ Face folder that shard writes itself (no torch needed; tests/test_hf.py checks a
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -70,7 +72,10 @@ def test_export_gives_back_the_same_tensors(imported, hf_dir, tmp_path):
 
 
 def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
-    r = invoke("train", "--init-from", imported, "--mesh", "2x4", "--steps", 2, "--batch", 8, "--seq", 32,
+    # only the checkpoints folder, copied elsewhere: the model comes from the step's own saved config
+    # (it was read from the run dir's config.toml, so a copied checkpoints/ could not be used)
+    shutil.copytree(Path(imported) / "checkpoints", tmp_path / "copied")
+    r = invoke("train", "--init-from", tmp_path / "copied", "--mesh", "2x4", "--steps", 2, "--batch", 8, "--seq", 32,
                "--run-dir", tmp_path / "ft", "--log-every", 1)
     assert r.exit_code == 0, r.output
     first = json.loads((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()[0])

@@ -12,16 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from shard.costs import wire_bytes
 from shard.hlo import KINDS
-
-BUS_FACTOR = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
-
 
 def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     out, s = [], min_bytes
@@ -72,7 +64,7 @@ def measure(mesh, kind: str, axis: str, size: int, iters: int = 5, warmup: int =
     moved = elems * 4 * (n if kind == "all-gather" else 1)
     algbw = moved / t / 1e9
     return {"kind": kind, "axis": axis, "devices": n, "size_bytes": moved, "time_us": round(t * 1e6, 2),
-            "algbw_gbps": _sig(algbw), "busbw_gbps": _sig(algbw * BUS_FACTOR[kind](n))}
+            "algbw_gbps": _sig(algbw), "busbw_gbps": _sig(algbw * wire_bytes(kind, 1.0, n))}
 
 
 def _sig(x: float) -> float:

@@ -20,14 +20,25 @@ from shard.models.configs import ModelConfig, attention_backend, cudnn_attention
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def ring_all_reduce(size: float, n: int) -> float:
-    """Bytes one device sends to all-reduce `size` bytes over n devices (ring: reduce-scatter + all-gather)."""
-    return 2 * (n - 1) / n * size if n > 1 else 0.0
+def wire_bytes(kind: str, size: float, n: int) -> float:
+    """Bytes one device sends for one collective on a ring of n devices (an all-reduce is a
+    reduce-scatter and an all-gather). `size` is the all-reduce buffer, the all-gather output, the
+    reduce-scatter input, the all-to-all buffer, the permute buffer. Over `size`: the bus factor."""
+    if n < 2:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * size
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * size
+    return float(size)  # collective-permute
 
 
-def ring_gather(size: float, n: int) -> float:
-    """Bytes one device sends to all-gather into (or reduce-scatter from) `size` bytes over n devices."""
-    return (n - 1) / n * size if n > 1 else 0.0
+def axis_share(sizes: dict[str, int], axis: str) -> float:
+    """The fraction of a collective over several mesh axes at once (`sizes`) that one axis carries:
+    in proportion to (n - 1), 1 for a single axis."""
+    if len(sizes) == 1:
+        return 1.0
+    return (sizes[axis] - 1) / sum(n - 1 for n in sizes.values())
 
 
 def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
@@ -241,16 +252,17 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         # gradient's reduce-scatter
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
-            add(a, (passes + 1) * ring_gather(compute_bytes, n) * _share(gather, a))
+            add(a, (passes + 1) * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
         for a in batch_axes:
             if a not in gather and a not in local:
-                add(a, ring_all_reduce(compute_bytes / (g * math.prod(local.values())), shape.sizes[a]))
+                add(a, wire_bytes("all-reduce", compute_bytes / (g * math.prod(local.values())), shape.sizes[a]))
     # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
     # between the split and the batch layout; `tokens`: the ids each device looks up in a step
     kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)
     tokens = work.global_batch * work.seq_len / kept
     for a, n in lookup.items():
-        add(a, ring_gather(tokens * 4, n) + 2 * ring_gather(tokens * cfg.d_model / n * work.act_bytes, n))
+        add(a, wire_bytes("all-gather", tokens * 4, n)
+            + 2 * wire_bytes("all-gather", tokens * cfg.d_model / n * work.act_bytes, n))
     m = shape.degree(HEADS)
     if m > 1:
         model_axis = shape.table(False)[HEADS][0]
@@ -262,17 +274,9 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
             n_ar += 2
-            add(model_axis, 3 * ring_all_reduce(tokens * 4, m))
-        add(model_axis, n_ar * ring_all_reduce(act, m))
+            add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
+        add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
     return out
-
-
-def _share(gather: dict[str, int], axis: str) -> float:
-    """Fraction of a multi-axis gather's traffic attributed to one axis (1 for a single axis)."""
-    if len(gather) == 1:
-        return 1.0
-    total = sum(n - 1 for n in gather.values())
-    return (gather[axis] - 1) / total
 
 
 def matmul_params(cfg: ModelConfig) -> int:

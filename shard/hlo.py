@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shard.costs import axis_share, wire_bytes
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 DTYPE_BYTES = {
@@ -307,18 +309,6 @@ def _base_kind(opcode: str) -> str | None:
     return op if op in KINDS else None
 
 
-def wire_bytes(kind: str, size: float, n: int) -> float:
-    """Bytes one device sends for one collective on a ring of n devices. `size` is the all-reduce
-    buffer, the all-gather output, the reduce-scatter input, the all-to-all buffer, the permute buffer."""
-    if n < 2:
-        return 0.0
-    if kind == "all-reduce":
-        return 2 * (n - 1) / n * size
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
-        return (n - 1) / n * size
-    return float(size)  # collective-permute
-
-
 def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> list[Collective]:
     """Every collective of an optimized HLO module, with its mesh axes, count and bytes per device."""
     comps, entry = parse_module(text)
@@ -421,7 +411,7 @@ def bytes_by_axes(items: list[Collective], logical: bool = True,
         if axis_sizes is None or len(c.axes) == 1:
             out["+".join(c.axes)] += b
             continue
-        total = sum(axis_sizes[a] - 1 for a in c.axes)
+        sizes = {a: axis_sizes[a] for a in c.axes}
         for a in c.axes:
-            out[a] += b * (axis_sizes[a] - 1) / total
+            out[a] += b * axis_share(sizes, a)
     return dict(out)

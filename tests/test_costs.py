@@ -94,7 +94,7 @@ def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
     assert costs._stored_lookup(untied, shape, work)  # more table rows than tokens: read as stored
     slice_bytes = tied.vocab_size * tied.d_model * 4 / 4
     extra = costs.comm_bytes(untied, shape, work)["data"] - costs.comm_bytes(tied, shape, work)["data"]
-    assert extra == pytest.approx(costs.ring_all_reduce(slice_bytes, 2))
+    assert extra == pytest.approx(costs.wire_bytes("all-reduce", slice_bytes, 2))
 
 
 def test_fsdp_cpu_reduce_scatter_is_recognised(analysed):

@@ -29,7 +29,6 @@ from shard import distributed
 from shard.config import CheckpointConfig
 from shard.errors import ShardError, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
-from shard.rules import path_str
 from shard.state import StateSpec
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
@@ -204,29 +203,10 @@ class Checkpoints:
         stored = self._manager.item_metadata(step)[STATE]
         return getattr(stored, "tree", stored)
 
-    def check_shapes(self, step: int, spec: StateSpec) -> None:
-        """Raise a ShardError naming the first parameter whose stored shape differs from the model's."""
-        stored = self.stored_tree(step)
-        stored_params = {path_str(p): tuple(m.shape)
-                         for p, m in jax.tree_util.tree_flatten_with_path(stored["params"])[0]}
-        wanted = {path_str(p): tuple(a.shape)
-                  for p, a in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]}
-        where = self.path(step)
-        for name, shape in wanted.items():
-            if name not in stored_params:
-                raise ShardError(f"checkpoint {where} has no parameter {name} {shape} that the model has; "
-                                 "it was saved from a different model")
-            if stored_params[name] != shape:
-                raise ShardError(f"checkpoint {where} does not fit the model: parameter {name} is "
-                                 f"{stored_params[name]} in the checkpoint but {shape} in the model")
-        extra = sorted(set(stored_params) - set(wanted))
-        if extra:
-            raise ShardError(f"checkpoint {where} has parameter {extra[0]} {stored_params[extra[0]]} that "
-                             "the model lacks; it was saved from a different model")
-
     def restore(self, step: int, spec: StateSpec) -> Restored:
         """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
-        self.check_shapes(step, spec)
+        spec.check_params_fit(self.stored_tree(step)["params"], f"checkpoint {self.path(step)}",
+                              "; it was saved from a different model")
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
                                      META: ocp.args.JsonRestore()})
         out = self._manager.restore(step, args=args)

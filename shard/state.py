@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import models
 from shard.config import OptimizerConfig
+from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 from shard.rules import Layout, like_params, logical_axes_of, param_shardings, path_str
 
@@ -35,6 +36,24 @@ class StateSpec:
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, self.shardings
         )
+
+    def check_params_fit(self, params, source: str, hint: str = "") -> None:
+        """A ShardError naming the first parameter that `params` (a tree of anything with a shape: arrays
+        or stored metadata) from `source` ("the weights", "checkpoint DIR") lacks, holds in another shape,
+        or holds beyond the model's; `hint` ends the messages about a missing or an extra one."""
+        def shapes(tree):
+            return {path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+        have, wanted = shapes(params), shapes(self.abstract["params"])
+        for name, shape in wanted.items():
+            if name not in have:
+                raise ShardError(f"{source} lacks parameter {name} {shape} that the model has{hint}")
+            if have[name] != shape:
+                raise ShardError(f"parameter {name} is {have[name]} in {source} but {shape} in the model")
+        extra = sorted(set(have) - set(wanted))
+        if extra:
+            name = extra[0]
+            raise ShardError(f"{source} holds parameter {name} {have[name]} that the model lacks{hint}")
 
 
 def make_optimizer(opt: OptimizerConfig, total_steps: int):

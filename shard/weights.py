@@ -11,7 +11,6 @@ import numpy as np
 from shard import config as config_mod
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
-from shard.rules import path_str
 from shard.state import StateSpec
 
 
@@ -38,17 +37,7 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
 
 def place(params: dict, spec: StateSpec) -> dict:
     """Host params into the spec's parameter shardings, after checking every shape against the model."""
-    wanted = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(spec.abstract["params"])[0]}
-    have = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for name, a in wanted.items():
-        if name not in have:
-            raise ShardError(f"the weights lack parameter {name} {tuple(a.shape)}")
-        if tuple(have[name].shape) != tuple(a.shape):
-            raise ShardError(f"parameter {name} is {tuple(have[name].shape)} in the weights but "
-                             f"{tuple(a.shape)} in the model")
-    extra = sorted(set(have) - set(wanted))
-    if extra:
-        raise ShardError(f"the weights hold parameter {extra[0]} that the model lacks")
+    spec.check_params_fit(params, "the weights")
     cast = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, spec.abstract["params"])
     return jax.device_put(cast, spec.shardings["params"])
 

@@ -95,20 +95,16 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     dp = layout.degree("batch")
     m = cfg.data.microbatches
     if cfg.data.batch % (dp * m):
-        axes = "x".join(f"{a}={layout.axis_sizes[a]}" for a in layout.rules.get("batch", ())
-                        if a in layout.axis_sizes)
+        axes = f" ({layout.describe_axes('batch')})" if dp > 1 else ""
         per = f" in each of {m} microbatches" if m > 1 else ""
-        raise ShardError(
-            f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices ({axes}){per}; "
-            f"use a batch that is a multiple of {dp * m}"
-        )
+        raise ShardError(f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices{axes}{per}; "
+                         f"use a batch that is a multiple of {dp * m}")
     for logical in ("length", "res_length"):
         ways = layout.degree(logical)
         if cfg.data.seq_len % ways:
-            axes = "x".join(f"{a}={layout.axis_sizes[a]}" for a in layout.rules.get(logical, ())
-                            if a in layout.axis_sizes)
             raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
-                             f"({axes}, the mesh axes of {logical!r}); use a multiple of {ways}")
+                             f"({layout.describe_axes(logical)}, the mesh axes of {logical!r}); use a multiple "
+                             f"of {ways}")
     stages = layout.axis_sizes.get("stage", 1)
     if stages > 1:
         from shard.parallel import pipeline

@@ -37,8 +37,16 @@ class Layout:
 
     def degree(self, logical: str, *, param: bool = False) -> int:
         """How many ways a logical axis is split on this mesh."""
-        table = self._table(param)
-        return math.prod(self.axis_sizes[a] for a in table.get(logical, ()))
+        return math.prod(self.axis_sizes[a] for a in self.mesh_axes(logical, param=param))
+
+    def mesh_axes(self, logical: str, *, param: bool = False) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) that split a logical axis on this mesh, outermost first."""
+        sizes = self.axis_sizes
+        return tuple(a for a in self._table(param).get(logical, ()) if sizes[a] > 1)
+
+    def describe_axes(self, logical: str, *, param: bool = False) -> str:
+        """Those axes with their sizes, for messages: `data=2xfsdp=4`."""
+        return "x".join(f"{a}={self.axis_sizes[a]}" for a in self.mesh_axes(logical, param=param))
 
     def _table(self, param: bool) -> dict[str, tuple[str, ...]]:
         merged = dict(self.rules) | (dict(self.param_rules) if param else {})

@@ -20,10 +20,7 @@ _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce i
 def context_axes() -> tuple[str, ...]:
     """Mesh axes that split the sequence in the layout being traced (empty when not context parallel)."""
     layout = active_layout()
-    if layout is None or layout.degree(LENGTH) == 1:
-        return ()
-    sizes = layout.axis_sizes
-    return tuple(a for a in layout.rules.get(LENGTH, ()) if a in sizes and sizes[a] > 1)
+    return () if layout is None else layout.mesh_axes(LENGTH)
 
 
 def ring_attention(q_btnh, k_bskh, v_bskh, axes: tuple[str, ...], *, causal: bool = True, mesh=None):

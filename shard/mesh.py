@@ -62,11 +62,7 @@ def _axes_list(value, where: str) -> tuple[str, ...]:
         value = [v.strip() for v in value.split(",") if v.strip() and v.strip().lower() != "none"]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ShardError(f"{where}: expected a mesh axis name or a list of them, got {value!r}")
-    for v in value:
-        if v not in MESH_AXES:
-            raise ShardError(f"{where}: unknown mesh axis {v!r} (known: {', '.join(MESH_AXES)})")
-    if len(set(value)) != len(value):
-        raise ShardError(f"{where}: mesh axis named twice in {', '.join(value)}")
+    _check_axes(tuple(value), where)
     return tuple(value)
 
 

@@ -58,12 +58,13 @@ class StepAnalysis:
         }
 
 
-def compile_step(cfg: TrainConfig, layout: Layout):
-    """The AOT-compiled train step for this config and layout, from abstract shapes only."""
+def compile_step(cfg: TrainConfig, layout: Layout, spec=None):
+    """The AOT-compiled train step for this config and layout (and state `spec`, built here when not
+    given), from abstract shapes only."""
     from shard.state import state_spec
     from shard.step import abstract_batch, make_train_step
 
-    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     return jitted.lower(spec.abstract_with_shardings(),
                         abstract_batch(layout, cfg.data.batch, cfg.data.seq_len)).compile()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import jax
 
 from shard import distributed
-from shard.analysis import memory_of
+from shard.analysis import compile_step, memory_of
 from shard.config import GuardConfig, TrainConfig
 from shard.costs import mfu_flops_per_token
 from shard.data import BatchStream, training_samples
@@ -31,7 +31,7 @@ from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
 from shard.state import StateSpec, compile_init, init_state, state_spec
-from shard.step import abstract_batch, batch_sharding, make_train_step
+from shard.step import batch_sharding
 
 # Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
@@ -148,9 +148,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-init") as pool:
         pending_init = pool.submit(make_init) if restore is None else None
         t0 = time.perf_counter()
-        jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
-        abstract_inputs = (spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len))
-        compiled = jitted.lower(*abstract_inputs).compile()
+        compiled = compile_step(cfg, layout, spec)
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
     distributed.barrier("compiled")

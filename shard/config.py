@@ -57,6 +57,7 @@ class PipelineConfig:
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,9 @@ class TrainConfig:
         if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
             problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
                             f"got {self.checkpoint.best_metric!r}")
-        if self.cluster.cross_host not in ("xla", "mpi"):
-            problems.append(f"cluster.cross_host must be xla or mpi, got {self.cluster.cross_host!r}")
+        if self.cluster.cross_host not in CROSS_HOST_MODES:
+            problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
+                            f"got {self.cluster.cross_host!r}")
         if problems:
             raise ShardError(problems[0])
 

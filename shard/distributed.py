@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shard.config import CROSS_HOST_MODES
 from shard.coordinator import ServiceHandle, service_in_helper
 from shard.errors import ShardError
 
-XLA, MPI = "xla", "mpi"
-CROSS_HOST_MODES = (XLA, MPI)
+XLA, MPI = CROSS_HOST_MODES
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
 _ERROR_PREFIX = "shard/error/"
 _ERROR_KEY = _ERROR_PREFIX + "{rank}"  # coordination-service key: "CODE why" process `rank` stopped

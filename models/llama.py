@@ -97,10 +97,6 @@ class Llama(nnx.Module):
         x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start)
         return head_logits(self.cfg, params, x_btd), cache
 
-    def forward(self, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Logits and the load-balancing auxiliary loss (0 for a dense model)."""
-        return forward(self.cfg, nnx.to_pure_dict(nnx.state(self)), tokens_bt)
-
 
 def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
     x_btd = embed_tokens(cfg, params, tokens_bt)

@@ -4,6 +4,7 @@ import os
 
 from shard import config as config_mod
 from shard.config import TrainConfig
+from shard.devices import HOST_COUNT_FLAG
 
 # Compiling dominates the test suite on CPU: LLVM at -O0 halves it. Tests compare runs made under the
 # same flags, so what they check does not depend on it; users' runs keep XLA's defaults.
@@ -12,7 +13,7 @@ FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 def xla_flags_for_tests(devices: int | None = None) -> str:
     """XLA_FLAGS for a test process: fast compiling, and `devices` simulated CPU devices if given."""
-    return FAST_COMPILE_XLA_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
+    return FAST_COMPILE_XLA_FLAGS + (f" {HOST_COUNT_FLAG}={devices}" if devices else "")
 
 
 def subprocess_env(devices: int | None = None, **extra: str) -> dict:

@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -441,15 +442,7 @@ def train(
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
     if resume and base and main:
-        from shard.data import held_out_share
-
-        saved = config_mod.resolve(base)
-        # a config saved before eval.holdout existed trained on every window
-        was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
-        now = held_out_share(cfg)
-        if was != now:
-            err_console.print(f"[yellow]{escape(_held_out_change(was, now))}[/yellow]", soft_wrap=True)
-        if note := _schedule_change(saved, cfg):
+        for note in _resume_changes(base, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
@@ -487,21 +480,7 @@ def train(
         if existed:
             lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
-    restore = None
-    if resume:
-        checkpoints.clean_incomplete()
-        if checkpoints.steps():
-            restore = checkpoints.restore_latest
-        elif not allow_fresh:
-            raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
-                             "--allow-fresh to start this run from step 0")
-        else:
-            notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
-    if init_from:
-        from shard import weights
-
-        _, loaded = weights.load(init_from)
-        restore = lambda spec: weights.state_from(loaded, spec, cfg.seed, init_from)  # noqa: E731
+    restore = _restore_source(checkpoints, resume, allow_fresh, init_from, cfg.seed, notice)
     try:
         run = prepare(cfg, devices, restore=restore)
         if init_from:
@@ -560,9 +539,42 @@ def train(
     distributed.finish()
 
 
+def _resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
+    """Notes on what a resume changes that makes it inexact: the held-out share, the lr schedule."""
+    from shard.data import held_out_share
+
+    saved = config_mod.resolve(base)
+    # a config saved before eval.holdout existed trained on every window
+    was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
+    now = held_out_share(cfg)
+    notes = [_held_out_change(was, now)] if was != now else []
+    return notes + [note for note in [_schedule_change(saved, cfg)] if note]
+
+
+def _restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str | None, seed: int,
+                    notice: Callable[[str], None]) -> Callable | None:
+    """What `prepare` restores the state with: the newest complete checkpoint (--resume), weights from
+    elsewhere with a fresh optimizer (--init-from), or None for a fresh init."""
+    if init_from:
+        from shard import weights
+
+        _, loaded = weights.load(init_from)
+        return lambda spec: weights.state_from(loaded, spec, seed, init_from)
+    if not resume:
+        return None
+    checkpoints.clean_incomplete()
+    if checkpoints.steps():
+        return checkpoints.restore_latest
+    if not allow_fresh:
+        raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
+                         "--allow-fresh to start this run from step 0")
+    notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+    return None
+
+
 def _init_from_base(source: str) -> dict:
-    """The model section of the weights' own config (config.json or the checkpoint's config.toml),
-    read without JAX, so the run builds exactly that model."""
+    """The model section of the weights' own config (config.json, or the config the checkpoint step was
+    saved with), read without JAX, so the run builds exactly that model."""
 
     from shard import hf
     from shard.checkpoint import find_checkpoint, saved_config

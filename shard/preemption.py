@@ -34,12 +34,12 @@ class StopOnSignal:
             self._previous[s] = signal.signal(s, self._handle)
 
     def should_stop(self) -> bool:
-        local = distributed.any_process(self.received is not None)
-        if local and not self.stopped:
+        anywhere = distributed.any_process(self.received is not None)
+        if anywhere and not self.stopped:
             self.stopped = True
             self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "
                         "then saving a checkpoint and stopping")
-        return local
+        return anywhere
 
     def on_end(self, records: list[dict]) -> None:
         self.on_abort()

@@ -31,7 +31,7 @@ from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
 from shard.state import StateSpec, compile_init, init_state, state_spec
-from shard.step import batch_sharding
+from shard.step import batch_sharding, pipeline_stages
 
 # Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
@@ -67,7 +67,7 @@ class Run:
     @property
     def pipeline(self) -> dict:
         """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
-        stages = self.layout.axis_sizes.get("stage", 1)
+        stages = pipeline_stages(self.layout)
         if stages == 1:
             return {}
         from shard.parallel.pipeline import bubble_fraction
@@ -105,7 +105,7 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
             raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
                              f"({layout.describe_axes(logical)}, the mesh axes of {logical!r}); use a multiple "
                              f"of {ways}")
-    stages = layout.axis_sizes.get("stage", 1)
+    stages = pipeline_stages(layout)
     if stages > 1:
         from shard.parallel import pipeline
 

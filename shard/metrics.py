@@ -10,8 +10,11 @@ class JsonlWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run, closed in on_end
-        torn = self._f.tell() > 0 and _last_byte(path) != b"\n"
+        self._f = None  # opened when the run starts: a writer that never starts holds nothing open
+
+    def on_start(self, run) -> None:
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the run, closed in on_end
+        torn = self._f.tell() > 0 and _last_byte(self.path) != b"\n"
         if torn:  # a run killed mid-line: its torn record stays on a line of its own (read_jsonl skips it)
             self._f.write("\n")
 
@@ -24,14 +27,19 @@ class JsonlWriter:
         self.on_abort()
 
     def on_abort(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 class TensorBoardWriter:
     """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
 
     def __init__(self, logdir: Path):
-        self._w = _summary_writer_class()(str(logdir))
+        self.logdir = logdir
+        self._w = None  # made when the run starts: tensorboardX closes writers at exit from a thread
+
+    def on_start(self, run) -> None:
+        self._w = _summary_writer_class()(str(self.logdir))
 
     def on_log(self, record: dict) -> None:
         for key, value in record.items():
@@ -43,7 +51,8 @@ class TensorBoardWriter:
         self.on_abort()
 
     def on_abort(self) -> None:
-        self._w.close()
+        if self._w is not None:
+            self._w.close()
 
 
 def _summary_writer_class():

@@ -163,6 +163,7 @@ def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_pa
         f.write('{"step": 3, "lo')  # killed mid-write
         f.flush()
     writer = JsonlWriter(run / "metrics.jsonl")  # the resumed run appends
+    writer.on_start(None)
     writer.on_log({"step": 3, "loss": 2.0, "tokens_per_s": 3000.0, "time_s": 3.0})
     writer.on_end([])
     records, skipped = read_records(run / "metrics.jsonl")
@@ -316,6 +317,7 @@ def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tm
     run = tmp_path / "a"
     _fake_run(run, "dp", [3.0])
     writer = JsonlWriter(run / "metrics.jsonl")
+    writer.on_start(None)
     writer.on_log({"step": 2, "loss": float("nan"), "grad_norm": float("inf"), "tokens_per_s": 3000.0, "time_s": 2.0})
     writer.on_end([])
     last = (run / "metrics.jsonl").read_text().splitlines()[-1]
@@ -323,3 +325,14 @@ def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tm
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     assert "│ -" in r.output or " - " in r.output
+
+
+def test_writers_hold_nothing_open_until_the_run_starts(tmp_path):
+    """A writer built for a run that never started (an earlier observer's on_start raised) left a file
+    open, and tensorboardX's writer failed to close at interpreter exit on Python 3.12."""
+    from shard.metrics import JsonlWriter
+
+    writers = [JsonlWriter(tmp_path / "metrics.jsonl"), TensorBoardWriter(tmp_path / "tb")]
+    for w in writers:
+        w.on_abort()
+    assert list(tmp_path.iterdir()) == []

@@ -13,6 +13,7 @@ here costs seconds, not the device lease. Each check runs in a fresh process.
 Exit status 1 when a check still fails.
 """
 
+import argparse
 import os
 import re
 import subprocess
@@ -82,7 +83,9 @@ def check_flags(site: Path) -> bool:
 
 
 def main() -> int:
-    site = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("site", type=Path, help="the --target dir on PYTHONPATH that holds shard (gpu.sh's /tmp/site)")
+    site = ap.parse_args().site
     ok = check_flax(site) and check_flags(site)
     r = python("import importlib.metadata as m, jax\n"
                "print(*(f'{p} {m.version(p)}' for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', "

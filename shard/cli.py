@@ -232,18 +232,29 @@ def _held_out_change(was: float, now: float) -> str:
             "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
 
 
-# What the learning-rate schedule is made of (warmup, then cosine decay over `steps`): shard.state.
-_SCHEDULE_KEYS = ("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
+# Config keys a resume may change, though the run then no longer continues exactly as it would have,
+# and why. The learning-rate schedule is warmup, then cosine decay over `steps` (shard.state); the
+# saved data position counts samples of the data order that the seed, the data and the windows make.
+_INEXACT_CHANGES = (
+    (("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio"),
+     "the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows the new one"),
+    (("seed", "data.path", "data.seq_len"),
+     "the data order changes ({what}): the saved data position counts samples of the old order, so training "
+     "reads other samples from here on"),
+    (("data.batch",), "the batch changes ({what}): the samples after the saved position come in other batches"),
+    (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
+)
 
 
-def _schedule_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> str | None:
-    """The notice for a resume whose learning-rate schedule differs from the run's so far, or None."""
-    changed = [(k, a, b) for k, a, b in config_mod.differences(saved, cfg) if k in _SCHEDULE_KEYS]
-    if not changed:
-        return None
-    what = ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
-    return (f"the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows "
-            "the new one, so this is not an exact resume")
+def _inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
+    """A notice for each kind of change in `_INEXACT_CHANGES` that a resume makes to the saved config."""
+    differences = config_mod.differences(saved, cfg)
+    notes = []
+    for keys, reason in _INEXACT_CHANGES:
+        changed = [f"{k} {a} -> {b}" for k, a, b in differences if k in keys]
+        if changed:
+            notes.append(reason.format(what=", ".join(changed)) + ", so this is not an exact resume")
+    return notes
 
 
 def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
@@ -548,7 +559,7 @@ def _resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
     was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
     now = held_out_share(cfg)
     notes = [_held_out_change(was, now)] if was != now else []
-    return notes + [note for note in [_schedule_change(saved, cfg)] if note]
+    return notes + _inexact_changes(saved, cfg)
 
 
 def _restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str | None, seed: int,

@@ -276,6 +276,8 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
 
 def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
+    # the tokens before this start, from the data position (a resume may have changed the batch size)
+    tokens_before = run.stream.position * cfg.data.seq_len
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
@@ -297,7 +299,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             "lr": float(values["lr"]),
             "tokens_per_s": timed * tokens_per_step / elapsed,
             "step_time_s": elapsed / timed,
-            "tokens_seen": step * tokens_per_step,
+            "tokens_seen": tokens_before + (step - run.start_step) * tokens_per_step,
             "time_s": now - start,
             "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
             **device_memory(run),

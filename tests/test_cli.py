@@ -279,6 +279,14 @@ def test_a_resume_that_changes_the_windows_or_the_schedule_says_so(tmp_path):
     assert again.exit_code == 0, again.output
     assert "(optimizer.lr 0.002 -> 0.001, steps 3 -> 4)" in again.output and "holds out" not in again.output
     assert "done: 1 step (4, resumed)" in again.output
+    # the seed and the batch: neither resume is exact; tokens seen count each batch at its own size
+    other = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "5",
+                   "--set", "optimizer.lr=1e-3", "--batch", "16", "--seed", "3", "--compile-cache", "none")
+    assert other.exit_code == 0, other.output
+    assert "the data order changes (seed 0 -> 3)" in other.output
+    assert "the batch changes (data.batch 8 -> 16)" in other.output
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 5 and last["tokens_seen"] == (4 * 8 + 16) * 32
     # a run saved before eval.holdout existed (its config has no such key) trained on every window
     old = tmp_path / "old"
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(old), "--eval-every", "1", "--compile-cache",

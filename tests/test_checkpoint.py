@@ -220,6 +220,40 @@ def test_a_negative_data_position_reads_as_unreadable(reference, tmp_path):
     assert "negative data_position -5" in notices[0] and (ckpts.directory / "corrupt-12").is_dir()
 
 
+def test_a_checkpoint_that_reads_back_other_than_saved_is_set_aside(reference, tmp_path):
+    """A stored chunk damaged in a way that still decompresses was loaded in silence (a flipped bit gave a
+    dead model, or a NaN two steps after every resume). Each save keeps a checksum per leaf; here the
+    saved one is changed, as a flipped bit in the data would change what is read."""
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    meta = ckpts.path(12) / "meta" / "metadata"
+    doc = json.loads(meta.read_text())
+    assert len(doc["fingerprint"]) == len(jax.tree.leaves(spec.abstract))
+    doc["fingerprint"][3] ^= 1 << 7
+    meta.write_text(json.dumps(doc))
+    assert ckpts.restore_latest(spec).step == 10
+    assert "reads back other than it was saved (checksum mismatch)" in notices[0]
+    assert (ckpts.directory / "corrupt-12").is_dir()
+
+
+def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shard.checkpoint import state_fingerprint
+
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    flipped = x.copy()
+    flipped.view(np.uint32)[5, 3] ^= 1 << 20
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    whole = state_fingerprint({"w": x, "b": jax.numpy.asarray(x[0], jax.numpy.bfloat16)})
+    split = state_fingerprint({"w": jax.device_put(x, NamedSharding(mesh, P("data", "model"))),
+                               "b": jax.numpy.asarray(x[0], jax.numpy.bfloat16)})
+    assert whole == split
+    assert state_fingerprint({"w": flipped})[0] != whole[1] != state_fingerprint({"w": swapped})[0]  # b, then w
+
+
 def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_path):
     """generate reads the newest step: its error is one line, without orbax's closed-loop tracebacks."""
     ckpts, _, _ = _copy_checkpoints(reference, tmp_path)

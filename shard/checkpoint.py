@@ -102,6 +102,18 @@ def state_fingerprint(state) -> list[int]:
     return [int(v) for v in np.asarray(_fingerprints(state).addressable_data(0))]
 
 
+def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
+    """`state_fingerprint` of one array on the host (numpy), in blocks of `block` elements."""
+    x = np.ascontiguousarray(x)
+    flat = (x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"u{min(x.dtype.itemsize, 4)}")).reshape(-1)
+    total = 0
+    for start in range(0, flat.size, block):
+        index = (np.arange(start, min(start + block, flat.size), dtype=np.uint64) % (1 << 32)).astype(np.uint32)
+        part = flat[start:start + block].astype(np.uint32) * (index * np.uint32(2) + np.uint32(1))
+        total = (total + int(np.sum(part, dtype=np.uint32))) % (1 << 32)
+    return total
+
+
 @jax.jit
 def _fingerprints(state):
     import jax.numpy as jnp
@@ -334,11 +346,18 @@ def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
 def saved_config(step_dir: Path) -> str | None:
     """The config (TOML text) one checkpoint step was saved with, from its meta item read as plain JSON;
     None when it holds no readable one."""
+    meta = _saved_meta(step_dir)
+    return meta["config"] if isinstance(meta.get("config"), str) else None
+
+
+def _saved_meta(step_dir: Path) -> dict:
+    """A checkpoint step's meta item, read as plain JSON (orbax's reader would start JAX); {} when it
+    is missing or unreadable."""
     try:
         meta = json.loads((step_dir / META / "metadata").read_text())
     except (OSError, ValueError):
-        return None
-    return meta["config"] if isinstance(meta, dict) and isinstance(meta.get("config"), str) else None
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def find_checkpoint(path: Path | str) -> tuple[Path, int]:
@@ -387,6 +406,15 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    saved = _saved_meta(directory / str(step)).get("fingerprint")
+    leaves = jax.tree_util.tree_flatten_with_path(stored)[0]
+    if saved is not None and len(saved) == len(leaves):  # the params' checksums, in the same order
+        saved_params = [c for (path, _), c in zip(leaves, saved, strict=True) if path[0].key == "params"]
+        for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(restored["params"])[0], saved_params,
+                                   strict=True):
+            if host_fingerprint(x) != want:
+                raise ShardError(f"checkpoint {directory / str(step)} is damaged: params/{path_str(path)} reads "
+                                 "back other than it was saved (checksum mismatch); give an older step's dir")
     return restored["params"], config, step
 
 

@@ -233,6 +233,15 @@ def test_a_checkpoint_that_reads_back_other_than_saved_is_set_aside(reference, t
     assert ckpts.restore_latest(spec).step == 10
     assert "reads back other than it was saved (checksum mismatch)" in notices[0]
     assert (ckpts.directory / "corrupt-12").is_dir()
+    # export reads the params on the host and checks them too: a parameter's checksum, changed
+    meta = ckpts.path(10) / "meta" / "metadata"
+    doc = json.loads(meta.read_text())
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]]
+    doc["fingerprint"][paths.index("['params']['final_norm']")] ^= 1
+    meta.write_text(json.dumps(doc))
+    r = invoke("export", "--checkpoint", str(ckpts.path(10)), "--out", str(tmp_path / "out"))
+    assert r.exit_code == 2 and "params/final_norm reads back other than it was saved" in r.output, r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding():

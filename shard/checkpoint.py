@@ -8,6 +8,7 @@ process has finished, so a directory named by a bare step number is complete and
 save that never finished. Restore reads each array straight into the shardings of the mesh at hand.
 """
 
+import contextlib
 import errno
 import functools
 import json
@@ -172,6 +173,38 @@ def _machine_error(e: BaseException) -> bool:
     return False
 
 
+_MACHINE, _BAD = "machine: ", "bad: "
+
+
+def _read_outcomes(step: int, error: BaseException | None) -> list[str]:
+    """Every process's outcome of reading checkpoint `step`: "" (read), "machine: why" (the machine's
+    fault, _machine_error), "bad: why" (the checkpoint's), or "peer" (this process read its part, but
+    another did not). A process whose read failed first meets the barrier that orbax holds the others
+    in at the end of a restore, so that they stop waiting (with a barrier-name mismatch: their "peer")."""
+    if error is None:
+        outcome = ""
+    elif _peer_failed(error):
+        outcome = "peer"
+    else:
+        outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
+        if distributed.context().mode == distributed.XLA:
+            with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
+                distributed.sync(f"checkpoint_read_failed_{step}")
+    outcomes = distributed.gather_text(outcome)
+    if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
+        return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
+    return outcomes
+
+
+def _peer_failed(e: BaseException | None) -> bool:
+    """The error a process gets in a cross-process barrier that another process met from elsewhere."""
+    while e is not None:
+        if "sync_global_devices name mismatch" in str(e):
+            return True
+        e = e.__cause__
+    return False
+
+
 class Checkpoints:
     """One run's checkpoint directory: async saves, retention (newest K, optionally best by a metric),
     and restore of the newest readable complete checkpoint into any mesh."""
@@ -273,18 +306,27 @@ class Checkpoints:
             raise ShardError(f"no complete checkpoint in {self.directory}")
         for i in range(len(steps) - 1, -1, -1):
             step = steps[i]
+            error = None
             try:
-                return self.restore(step, spec)
+                restored = self.restore(step, spec)
             except ShardError:
                 raise
-            except Exception as e:  # orbax/tensorstore raise ValueError, OSError, JSONDecodeError, ...
-                if _machine_error(e):  # not this checkpoint's fault: it stays where it is
-                    raise ShardError(f"cannot read checkpoint {self.path(step)} ({_first_line(e)}); it is left "
-                                     "in place") from e
-                fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
-                self.notice(f"checkpoint {self.path(step)} is unreadable ({_first_line(e)}); set aside as "
-                            f"{CORRUPT_PREFIX}{step}, {fallback}")
-                self._set_aside(step)
+            except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
+                error = e
+            outcomes = _read_outcomes(step, error)
+            if not any(outcomes):
+                return restored
+            where = "" if len(outcomes) == 1 else " on process {rank}"
+            machine = [(r, o) for r, o in enumerate(outcomes) if o.startswith(_MACHINE)]
+            if machine:  # not this checkpoint's fault: it stays where it is
+                rank, outcome = machine[0]
+                raise ShardError(f"cannot read checkpoint {self.path(step)}{where.format(rank=rank)} "
+                                 f"({outcome.removeprefix(_MACHINE)}); it is left in place") from error
+            rank, outcome = next((r, o) for r, o in enumerate(outcomes) if o.startswith(_BAD))
+            fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
+            self.notice(f"checkpoint {self.path(step)} is unreadable{where.format(rank=rank)} "
+                        f"({outcome.removeprefix(_BAD)}); set aside as {CORRUPT_PREFIX}{step}, {fallback}")
+            self._set_aside(step)
         raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 

@@ -382,6 +382,21 @@ def any_process_by_service(flag: bool) -> bool:
         fail(e)
 
 
+def gather_text(text: str) -> list[str]:
+    """Every process's `text`, in rank order, on every process (one process: [text]); through the
+    coordination service's key-value store, so a device collective left half-met can't mix it up."""
+    if _ctx.mode == MPI:
+        return list(_mpi_world().allgather(text))
+    if _ctx.mode != XLA or _ctx.size < 2:
+        return [text]
+    client, key = _next_exchange("gather")
+    try:
+        client.key_value_set(f"{key}/{_ctx.rank}", text)
+        return [client.blocking_key_value_get(f"{key}/{r}", _BROADCAST_WAIT_MS) for r in range(_ctx.size)]
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+        fail(e)
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when `flag` is true on any of them (one process: `flag`)."""
     if _ctx.mode == MPI:

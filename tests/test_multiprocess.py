@@ -137,6 +137,26 @@ def test_two_processes_match_one(tmp_path, reference):
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
 
 
+def test_a_checkpoint_one_process_cannot_read_is_set_aside_and_every_process_falls_back(tmp_path, reference):
+    """A damaged file that only process 1 reads: process 1's read failed while process 0 waited in
+    orbax's closing barrier; process 0 took the barrier mismatch for its own unreadable checkpoint, and
+    both stopped with exit 3 (a collective failed). They now agree on the outcome and fall back."""
+    args = [*TINY, "--mesh", "fsdp=8", "--run-dir", "r", "--checkpoint-every", "2"]  # each process writes its half
+    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, args, tmp_path, free_port()))
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    run = tmp_path / "r"
+    largest = max((run / "checkpoints" / "3" / "state" / "ocdbt.process_1" / "d").iterdir(),
+                  key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+    (run / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, [*args, "--resume"], tmp_path, free_port()))
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert re.search(r"checkpoint \S+/3 is unreadable on process 1 \(.+\); set aside as corrupt-3, falling back to "
+                     r"step 2", err0), err0[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3", "corrupt-3"]
+    np.testing.assert_allclose(run_losses(run), reference[0], rtol=1e-5)
+
+
 @needs_mpi
 def test_mpiexec_detects_the_cluster(tmp_path, reference):
     r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r")],

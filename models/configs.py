@@ -71,8 +71,8 @@ class ModelConfig:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
         problems = []
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
-            if getattr(self, f) <= 0:
-                problems.append(f"model.{f} must be positive, got {getattr(self, f)}")
+            if not 0 < getattr(self, f) < 2**31:  # an array dimension: XLA indexes with int32
+                problems.append(f"model.{f} must be positive and below 2**31, got {getattr(self, f)}")
         if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
             problems.append(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"

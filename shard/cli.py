@@ -913,12 +913,12 @@ def generate(
 
     model_cfg, params = weights.load(checkpoint)
     byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
+    if not byte_level and not (ids and prompt_ids is not None):
+        raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
+                         "tokenizer for it: use --prompt-ids and --ids")
     if prompt_ids is not None:
         prompts = [_parse_ids(prompt_ids, model_cfg.vocab_size)]
     else:
-        if not byte_level:
-            raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
-                             "tokenizer for it: use --prompt-ids and --ids")
         prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
     tcfg = dataclasses.replace(tcfg, model=model_cfg)
     layout = make_layout(tcfg, mesh_spec, devices)

@@ -46,6 +46,8 @@ def _presets_dir():
 
 
 def _read_toml(path, label: str) -> dict:
+    if isinstance(path, Path) and path.exists() and not path.is_file():  # a FIFO would block the read
+        raise ShardError(f"mesh preset file {label} is not a regular file; give a TOML file")
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -49,7 +49,7 @@ def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
     if extra:
         path = Path(extra)
         if not path.is_file():
-            raise ShardError(f"hardware file {extra} not found")
+            raise ShardError(f"hardware file {extra} " + ("is not a regular file" if path.exists() else "not found"))
         try:
             docs.append((str(extra), path.read_text()))
         except UnicodeDecodeError:

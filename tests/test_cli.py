@@ -37,6 +37,8 @@ def invoke(*args):
     (["--mesh", "fsdp:abc:"], "mesh fsdp:abc::"),  # user text is not rich markup or :emoji: codes
     (["--mesh", "8x1", "--data", "/dev/zero"], "data path /dev/zero is not a regular file or folder"),
     (["--mesh", "8x1", "--eval-every", "1", "--set", "eval.processes=5"], "eval.processes is 5 but the job has 1"),
+    (["--seq", "3000000000"], "data.seq_len must be positive and below 2**31, got 3000000000"),  # was a native abort
+    (["--set", "model.d_model=99999999999999999999"], "model.d_model must be positive and below 2**31"),
     (["--steps", "1.5"], "Invalid value for '--steps'"),  # the CLI library's usage errors, one line too
     (["--bogus"], "No such option: --bogus (see "),
     (["--steps"], "Option '--steps' requires an argument"),
@@ -354,3 +356,14 @@ def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder(
     assert _overrides(None, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
     assert _mesh_label("/tmp/my meshes/wide.toml") == "wide"
     assert _mesh_label("data=2,fsdp=4") == "data2_fsdp4" and _mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"
+
+
+def test_a_mesh_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    """A FIFO named as the mesh hung `train` and `inspect` on its read."""
+    import os
+
+    fifo = tmp_path / "mesh.toml"
+    os.mkfifo(fifo)
+    for command in (["train", *TINY, "--run-dir", str(tmp_path / "r")], ["inspect"]):
+        r = invoke(*command, "--mesh", str(fifo))
+        assert r.exit_code == 2 and f"mesh preset file {fifo} is not a regular file" in r.output, r.output

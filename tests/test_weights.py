@@ -158,3 +158,16 @@ def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
     with pytest.raises(ShardError, match="mixture of experts"):
         hf.write_hf_dir(str(tmp_path / "moe"), moe, {})
     assert not (tmp_path / "moe").exists()  # refused before anything is written
+
+
+def test_a_model_without_a_tokenizer_samples_only_ids(tmp_path):
+    """--prompt-ids without --ids printed each new token as a byte: a traceback past id 255."""
+    cfg = dataclasses.replace(PRESETS["tiny"], vocab_size=512, name="tiny-512")
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg, seed=1))))
+    hf.write_hf_dir(str(tmp_path / "hf"), cfg, params)
+    r = invoke("generate", "--checkpoint", tmp_path / "hf", "--prompt-ids", "1,2", "--max-new-tokens", 2,
+               "--mesh", "8x1")
+    assert r.exit_code == 2 and "512-token vocabulary" in r.output and "--ids" in r.output, r.output
+    r = invoke("generate", "--checkpoint", tmp_path / "hf", "--prompt-ids", "1,2", "--ids", "--max-new-tokens", 2,
+               "--mesh", "8x1")
+    assert r.exit_code == 0 and len(r.output.split()) == 2, r.output

@@ -23,7 +23,7 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -849,6 +849,8 @@ def report(
     """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
     from shard.report import report as make_report
 
+    if out is not None:
+        check_outside_checkpoints(out)
     doc = make_report(run_dirs, out if out is not None or as_json else Path("report"))  # --json: stdout only
     if as_json:
         print(json.dumps(doc, indent=1))

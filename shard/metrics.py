@@ -85,8 +85,22 @@ def read_records(path: Path) -> tuple[list[dict], int]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if isinstance(record, dict):
+        if isinstance(record, dict) and _well_typed(record):
             records.append(record)
         else:
             skipped += 1
     return records, skipped
+
+
+# The fields a record holds as numbers (null: not finite), which `report` computes with.
+NUMERIC_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen", "time_s", "mfu",
+                  "mem_in_use_bytes", "mem_peak_bytes", "eval_loss", "aux_loss", "pipeline_bubble")
+
+
+def _well_typed(record: dict) -> bool:
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    step = record.get("step")
+    return (step is None or number(step) and float(step).is_integer()) and \
+        all(record[k] is None or number(record[k]) for k in NUMERIC_FIELDS if k in record)

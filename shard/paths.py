@@ -28,11 +28,16 @@ def check_fresh_out(out: Path) -> None:
     where it would be taken for the newest one."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ShardError(f"--out {out} exists and is not an empty folder; choose another")
-    parent = out.absolute().parent
-    if parent.name == CHECKPOINTS_DIR and (parent.parent / "config.toml").is_file() \
-            and any(p.name.isdigit() and p.is_dir() for p in parent.iterdir()):
-        raise ShardError(f"--out {out} is in the checkpoints folder of the run in {parent.parent}, where it would "
-                         "be read as one of its checkpoints; choose a path outside it")
+    check_outside_checkpoints(out)
+
+
+def check_outside_checkpoints(out: Path) -> None:
+    """Never write among a run's checkpoints, where it would be taken for (or into) one of them."""
+    for above in out.absolute().parents:
+        if above.name == CHECKPOINTS_DIR and (above.parent / "config.toml").is_file() \
+                and any(p.name.isdigit() and p.is_dir() for p in above.iterdir()):
+            raise ShardError(f"--out {out} is in the checkpoints folder of the run in {above.parent}, where it "
+                             "would be read as one of its checkpoints; choose a path outside it")
 
 
 class RunDirLock:

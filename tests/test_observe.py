@@ -336,3 +336,24 @@ def test_writers_hold_nothing_open_until_the_run_starts(tmp_path):
     for w in writers:
         w.on_abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_with_a_field_of_the_wrong_type_is_skipped_like_a_torn_line(tmp_path):
+    """report computed with whatever a record held: a string time or loss was a traceback."""
+    from shard.metrics import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    lines = ['{"step": 1, "loss": 1.0, "time_s": "x"}', '{"step": [1], "loss": 1.0}', '{"step": 2, "loss": "abc"}',
+             '{"step": 3, "loss": true}', '{"step": 4, "loss": null, "mem_source": "device", "time_s": 2}']
+    path.write_text("\n".join(lines) + "\n")
+    records, skipped = read_records(path)
+    assert [r["step"] for r in records] == [4] and skipped == 4
+
+
+def test_report_does_not_write_among_a_runs_checkpoints(tmp_path):
+    """Its PNGs in checkpoints/5 made the next --resume set that checkpoint aside as corrupt."""
+    _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5])
+    (tmp_path / "a" / "checkpoints" / "5" / "state").mkdir(parents=True)
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--out", str(tmp_path / "a" / "checkpoints" / "5")])
+    assert r.exit_code == 2 and "is in the checkpoints folder of the run" in r.output, r.output
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints" / "5").iterdir()) == ["state"]

@@ -23,7 +23,8 @@ from shard import host_memory, profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless
+from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
+                         written_whole)
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
@@ -987,13 +988,16 @@ def import_hf(
     layout = make_layout(tcfg, mesh_spec, devices[:1])
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
     restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
-    ckpts = Checkpoints(out / CHECKPOINTS_DIR, tcfg.checkpoint)  # checks the path; writes nothing yet
-    out.mkdir(parents=True, exist_ok=True)
+    globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
-    (out / "config.toml").write_text(config_toml)
-    ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
-    ckpts.wait()
-    ckpts.close()
+    with written_whole(out) as partial:  # a full disk leaves nothing behind
+        ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint)
+        (partial / "config.toml").write_text(config_toml)
+        try:
+            ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
+            ckpts.wait()
+        finally:
+            ckpts.close()
     console.print(f"imported {hf_dir} ({model_cfg.num_params() / 1e6:,.1f}M parameters) into {out}; "
                   f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
 
@@ -1009,7 +1013,8 @@ def export_hf(
     from shard import hf, weights
 
     model_cfg, params = weights.load(checkpoint)
-    files = hf.write_hf_dir(str(out), model_cfg, params)
+    with written_whole(out) as partial:  # a full disk leaves nothing behind
+        files = hf.write_hf_dir(str(partial), model_cfg, params)
     console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
 
 

@@ -7,6 +7,7 @@ layout, so no permutation of q/k is needed.
 
 import json
 import math
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -200,10 +201,22 @@ def read_json(path: Path) -> dict:
     return doc
 
 
-def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
-    """config.json + safetensors files (with an index when more than one) that transformers loads."""
+def _save_safetensors(tensors: dict, path: Path) -> None:
+    """safetensors' writer, with its errors (a full disk) as one line, and the file as readable as any
+    other this process writes (the writer makes it owner-only)."""
     from safetensors.numpy import save_file
 
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
+        raise ShardError(f"cannot write {path}: {str(e).strip().splitlines()[0]}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
+    """config.json + safetensors files (with an index when more than one) that transformers loads."""
     hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -219,12 +232,12 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
         size += t.nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], str(root / "model.safetensors"), metadata={"format": "pt"})
+        _save_safetensors(shards[0], root / "model.safetensors")
         return [root / "model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        save_file(shard, str(root / name), metadata={"format": "pt"})
+        _save_safetensors(shard, root / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(math.prod(t.shape) * 4 for t in tensors.values())
     (root / "model.safetensors.index.json").write_text(

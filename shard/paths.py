@@ -5,7 +5,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from shard.errors import ShardError
@@ -21,6 +23,32 @@ def globless(path: Path) -> Path:
         raise ShardError(f"checkpoint path {path} contains [ or ], which orbax reads as a glob pattern: its "
                          "checkpoints would not read back; choose a path without brackets")
     return path
+
+
+@contextlib.contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A folder written whole or not at all: yields a hidden sibling to write into, renamed to `out` when
+    the block ends; on an error (a full disk) it is removed, with the folders made above it, so the same
+    command can run again."""
+    out = out.absolute()
+    made = [p for p in out.parents if not p.exists()]  # deepest first
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        yield partial
+        if out.is_dir():
+            out.rmdir()  # the empty folder check_fresh_out allows
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def check_fresh_out(out: Path) -> None:

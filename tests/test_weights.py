@@ -171,3 +171,39 @@ def test_a_model_without_a_tokenizer_samples_only_ids(tmp_path):
     r = invoke("generate", "--checkpoint", tmp_path / "hf", "--prompt-ids", "1,2", "--ids", "--max-new-tokens", 2,
                "--mesh", "8x1")
     assert r.exit_code == 0 and len(r.output.split()) == 2, r.output
+
+
+def test_a_write_that_fails_leaves_nothing_behind_and_the_files_are_readable(imported, hf_dir, tmp_path,
+                                                                             monkeypatch):
+    """On a full disk export-hf gave a traceback (safetensors' error is not an OSError) and import-hf
+    left a half-written folder that the same command then refused; export-hf's weights were owner-only."""
+    import errno
+    import os
+    import stat
+
+    import safetensors.numpy
+
+    from shard.checkpoint import Checkpoints
+
+    r = invoke("export-hf", imported, "--out", tmp_path / "a" / "hf")
+    assert r.exit_code == 0, r.output
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (tmp_path / "a" / "hf").iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+    def full(*args, **kwargs):
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    r = invoke("export-hf", imported, "--out", tmp_path / "b" / "hf")
+    assert r.exit_code == 2 and "No space left on device (os error 28)" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "ocdbt.process_0")
+
+    monkeypatch.setattr(Checkpoints, "save", no_space)
+    r = invoke("import-hf", hf_dir, "--out", tmp_path / "c" / "run")
+    assert r.exit_code == 2 and "No space left on device" in r.output, r.output
+    assert not (tmp_path / "c").exists()

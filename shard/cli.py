@@ -976,6 +976,12 @@ def import_hf(
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
+    from shard.weights import is_hf_dir
+
+    if not is_hf_dir(hf_dir):
+        what = "does not exist" if not hf_dir.exists() else "is a file" if not hf_dir.is_dir() else \
+            "has a config.json that is not a file" if (hf_dir / "config.json").exists() else "holds no config.json"
+        raise ShardError(f"{hf_dir} {what}: give a Hugging Face Llama folder (config.json and *.safetensors)")
     check_fresh_out(out)
     tcfg, mesh_spec, devices = _host_jax("1x1")
     from shard import weights

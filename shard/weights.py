@@ -28,6 +28,8 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
         hf_config, tensors = hf.read_hf_dir(str(path))
         cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf")
         return cfg, hf.params_from_hf(tensors, cfg)
+    if (Path(path) / "config.json").exists():
+        raise ShardError(f"{Path(path) / 'config.json'} is not a file")
     from shard.checkpoint import read_params
 
     params, config_toml, _ = read_params(path)

@@ -135,6 +135,15 @@ def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
     r = invoke("generate", "--checkpoint", broken, "--prompt", "x")
     assert r.exit_code == 2 and "must hold a JSON object" in r.output, r.output
     assert not (tmp_path / "out").exists()
+    # not a Hugging Face folder: said so (it was "no complete checkpoint in ...", about shard's own)
+    (broken / "config.json").unlink()
+    r = invoke("import-hf", broken, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and f"{broken} holds no config.json: give a Hugging Face Llama folder" in r.output
+    (broken / "config.json").mkdir()
+    r = invoke("import-hf", broken, "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "has a config.json that is not a file" in r.output, r.output
+    r = invoke("generate", "--checkpoint", broken, "--prompt", "x")
+    assert r.exit_code == 2 and f"{broken}/config.json is not a file" in r.output, r.output
     good = hf.read_hf_dir(str(hf_dir))
     cfg = hf.config_from_hf(good[0])
     for change, message in ((dict(num_hidden_layers=2.5), "num_hidden_layers must be a positive integer, got 2.5"),

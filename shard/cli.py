@@ -437,6 +437,9 @@ def train(
                        defaults.join_timeout)
     if init_from and resume:
         raise ShardError("--init-from starts a new run and --resume continues one: choose one")
+    if allow_fresh and not resume:
+        raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
+                         "--resume every start is fresh")
     main = cluster is None or cluster.process_id == 0
     base = _resume_base(run_dir, allow_fresh, quiet=not main) if resume else _init_from_base(init_from) if init_from else None
     cfg = config_mod.resolve(_overrides(
@@ -903,6 +906,8 @@ def generate(
         raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
     if max_new_tokens < 0:
         raise ShardError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}")
+    if not 0 <= seed < 2**32:  # as train's
+        raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
     texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
     tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices)
     from shard import weights

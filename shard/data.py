@@ -109,7 +109,8 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         else:
             tokens = _read_text_files([p])
     if tokens.size < 2:
-        raise ShardError(f"data path {label} is empty: it holds {tokens.size} tokens")
+        raise ShardError(f"data path {label} is empty" if tokens.size == 0 else
+                         f"data path {label} holds 1 token: training needs at least 2 (an input and its target)")
     if tokens.dtype == np.uint8 and vocab_size < BYTE_VOCAB:
         raise ShardError(f"text is tokenized as bytes (256 ids) but model.vocab_size is {vocab_size}")
     top, bottom = int(tokens.max()), int(tokens.min())

@@ -89,7 +89,7 @@ def _check_axes(axes: tuple[str, ...], where: str) -> None:
 
 
 def _check_shape(shape, n_axes: int, where: str) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) for s in shape):
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
         raise ShardError(f"{where}: shape must be a list of integers, got {shape!r}")
     if len(shape) != n_axes:
         raise ShardError(f"{where}: shape {list(shape)} has {len(shape)} sizes for {n_axes} axes")

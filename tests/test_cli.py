@@ -39,6 +39,7 @@ def invoke(*args):
     (["--mesh", "8x1", "--eval-every", "1", "--set", "eval.processes=5"], "eval.processes is 5 but the job has 1"),
     (["--seq", "3000000000"], "data.seq_len must be positive and below 2**31, got 3000000000"),  # was a native abort
     (["--set", "model.d_model=99999999999999999999"], "model.d_model must be positive and below 2**31"),
+    (["--allow-fresh"], "--allow-fresh goes with --resume"),  # it was ignored
     (["--steps", "1.5"], "Invalid value for '--steps'"),  # the CLI library's usage errors, one line too
     (["--bogus"], "No such option: --bogus (see "),
     (["--steps"], "Option '--steps' requires an argument"),

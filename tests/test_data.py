@@ -111,6 +111,7 @@ def test_token_files_and_folders(tmp_path):
 @pytest.mark.parametrize("make, message", [
     (lambda d: d / "missing.txt", "does not exist"),
     (lambda d: (d / "empty.txt").write_text("") and None or d / "empty.txt", "is empty"),
+    (lambda d: (d / "one.txt").write_text("x") and None or d / "one.txt", "holds 1 token: training needs at least 2"),
     (lambda d: (np.save(d / "big.npy", np.array([1, 300])), d / "big.npy")[1], "token id 300, outside"),
     (lambda d: (np.save(d / "neg.npy", np.array([1, -1])), d / "neg.npy")[1], "token id -1, outside 0..255"),
     (lambda d: "/dev/zero", "not a regular file"),

@@ -81,3 +81,11 @@ def test_preset_file_whose_axes_are_not_a_list(tmp_path):
     p.write_text('axes = "data"\n')
     with pytest.raises(ShardError, match=r"axes must be a list of names, like \["):
         parse_mesh(str(p))
+
+
+def test_a_mesh_file_shape_of_booleans_is_refused(tmp_path):
+    """TOML's true passed as a size of 1 (bool is an int in Python)."""
+    f = tmp_path / "m.toml"
+    f.write_text('axes = ["data"]\nshape = [true]\n')
+    with pytest.raises(ShardError, match=r"shape must be a list of integers, got \[True\]"):
+        parse_mesh(str(f))

@@ -92,6 +92,7 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--prompt-ids", "1"], "exactly one of"),
     (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be 0"),
+    (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--seed", "-1"], "--seed must be between 0 and 2**32-1"),
 ])
 def test_bad_weights_input(args, message):
     r = invoke(*args)

@@ -53,11 +53,18 @@ def _configure_orbax() -> None:
     for name in ("absl", "asyncio"):
         if _orbax_thread_tracebacks not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(_orbax_thread_tracebacks)
+    with _absl_quiet():  # not the "overriding jax.Array" warning
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    """orbax's absl warnings, which say what shard chose, left out for the block."""
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)  # not the "overriding jax.Array" warning
+    absl_logger.setLevel(logging.ERROR)
     try:
-        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        yield
     finally:
         absl_logger.setLevel(level)
 
@@ -212,6 +219,10 @@ class Checkpoints:
     def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
                  notice: Callable[[str], None] | None = None, read_only: bool = False):
         self.directory = globless(Path(directory).absolute())
+        if not read_only and self.directory.is_dir() and not os.access(self.directory, os.W_OK):
+            # before any step runs: a save would fail only after the steps since the last checkpoint
+            raise ShardError(f"checkpoint folder {self.directory} is not writable (a read-only mount, or no "
+                             "permission); its checkpoints can still be read with shard generate or export")
         self.cfg = cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
         keep: list = [policies.LatestN(n=cfg.keep)]
@@ -220,14 +231,15 @@ class Checkpoints:
             # BestN keeps the last n after sorting; reverse for "min" puts the smallest last.
             keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=cfg.best_mode == "min",
                                        n=cfg.keep_best))
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
-            # No directory until the first save: a start that fails before it leaves no trace.
-            create=False, read_only=read_only,
-        )
         _configure_orbax()
         handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with _absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
+                # No directory until the first save: a start that fails before it leaves no trace.
+                create=False, read_only=read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # -- what is on disk --------------------------------------------------------------------------
 
@@ -434,7 +446,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     config = saved_config(directory / str(step))
     if config is None:
         raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")
-    checkpoints = Checkpoints(directory)
+    checkpoints = Checkpoints(directory, read_only=True)
     try:
         stored = checkpoints.stored_tree(step)
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line

@@ -586,3 +586,15 @@ def test_two_processes_resume_stop_together_and_one_process_continues_their_chec
     request_close(ckpts2)
     assert run.start_step == 8
     np.testing.assert_allclose(losses, ref_losses[8:], rtol=1e-5)
+
+
+def test_a_checkpoint_folder_that_is_not_writable_is_named_before_training(reference, tmp_path, monkeypatch):
+    """On a read-only mount the run trained up to its first save, then failed there; reading stays open
+    to generate and export (without orbax's read-only warnings)."""
+    import shard.checkpoint as checkpoint_mod
+
+    _, _, _, ckpts = reference
+    monkeypatch.setattr(checkpoint_mod.os, "access", lambda path, mode: mode != os.W_OK)
+    with pytest.raises(ShardError, match=r"checkpoint folder \S+ is not writable \(a read-only mount"):
+        Checkpoints(ckpts.directory)
+    request_close(Checkpoints(ckpts.directory, read_only=True))

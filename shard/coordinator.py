@@ -58,13 +58,18 @@ def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 10
     return ServiceHandle(proc)
 
 
+def split_address(address: str) -> tuple[str, str]:
+    """`HOST:PORT` -> (host, port text), an IPv6 host without its brackets: `[::1]:80` -> ("::1", "80")."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), port
+
+
 def _check_port_free(bind_address: str) -> None:
     """The service's port must be free: gRPC would share it with another service (say a previous
     run's, still serving for a failed run's last processes), and this job's processes could meet
     that one instead. Checked on the address the service binds ('[::]:P': every interface, IPv6 or,
     where the kernel has none, IPv4); any other failure to bind is left to the service to report."""
-    host, _, port = bind_address.rpartition(":")
-    host = host.strip("[]")
+    host, port = split_address(bind_address)
     for address in [host] if host not in ("", "::", "0.0.0.0") else ["::", "0.0.0.0"]:
         try:
             with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:

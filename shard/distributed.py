@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shard.config import CROSS_HOST_MODES
-from shard.coordinator import ServiceHandle, service_in_helper
+from shard.coordinator import ServiceHandle, service_in_helper, split_address
 from shard.errors import ShardError
 
 XLA, MPI = CROSS_HOST_MODES
@@ -72,8 +72,8 @@ def plan(env: Mapping[str, str], coordinator: str | None = None, num_processes: 
         if not all(given):
             raise ShardError("--coordinator, --num-processes and --process-id go together: give all three "
                              "(or none, under mpiexec or srun)")
-        host, sep, port = coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        host, port = split_address(coordinator)
+        if ":" not in coordinator or not host or not port.isdigit():
             raise ShardError(f"--coordinator expects HOST:PORT, got {coordinator!r}")
         if not 1 <= int(port) <= 65535:
             raise ShardError(f"--coordinator port must be in 1..65535, got {port}")
@@ -241,7 +241,7 @@ def _unknown_host(address: str, e: OSError) -> ShardError:
 def _check_resolves(address: str) -> None:
     import socket
 
-    host = address.rpartition(":")[0].strip("[]")
+    host = split_address(address)[0]
     try:
         socket.getaddrinfo(host, None)
     except socket.gaierror as e:
@@ -254,12 +254,12 @@ def _wait_for_coordinator(address: str, timeout: float, notice_after: float = 10
     is caught here, in one line."""
     import socket
 
-    host, _, port = address.rpartition(":")
+    host, port = split_address(address)
     start = time.monotonic()
     noticed = False
     while True:
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            socket.create_connection((host, int(port)), timeout=2).close()
             return
         except socket.gaierror as e:
             raise _unknown_host(address, e) from None

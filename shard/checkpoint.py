@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shard import distributed
@@ -101,29 +102,42 @@ def _drop_closed_loop_callbacks() -> None:
     sys.unraisablehook = hook
 
 
-def state_fingerprint(state) -> list[int]:
-    """One 32-bit checksum per leaf of a (sharded) state, in leaf order, computed where the arrays are:
-    the sum of the leaf's bit patterns weighted by odd multipliers of their position, modulo 2**32. Any
-    one flipped bit changes it, and it does not depend on the sharding (integer sums are exact in any
-    order). Saved with each checkpoint and compared on restore: a stored chunk damaged in a way that
-    still decompresses is caught instead of trained on."""
-    return [int(v) for v in np.asarray(_fingerprints(state).addressable_data(0))]
+def state_fingerprint(state) -> dict[str, list]:
+    """`{leaf path: [checksum, dtype]}` of a (sharded) state, computed where the arrays are: a leaf's
+    checksum is the sum of its bit patterns weighted by odd multipliers of their position, modulo 2**32.
+    Any one flipped bit changes it, and it does not depend on the sharding (integer sums are exact in
+    any order). Saved with each checkpoint and compared on restore, for the leaves read back in the dtype
+    they were saved in: a stored chunk damaged in a way that still decompresses is caught instead of
+    trained on."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    first = leaves[0][1].sharding if leaves and isinstance(leaves[0][1], jax.Array) else None
+    replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
+    sums = np.asarray(_fingerprints(replicated)(state).addressable_data(0))
+    return {path_str(p): [int(c), str(x.dtype)] for (p, x), c in zip(leaves, sums, strict=True)}
+
+
+def first_mismatch(saved: dict, read: dict) -> str | None:
+    """The first leaf path whose checksum differs between two fingerprints, among the leaves both hold
+    in the same dtype (a resume may cast, say to another model.param_dtype); None when all agree."""
+    return next((path for path, (checksum, dtype) in read.items()
+                 if path in saved and saved[path][1] == dtype and saved[path][0] != checksum), None)
 
 
 def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
-    """`state_fingerprint` of one array on the host (numpy), in blocks of `block` elements."""
+    """One leaf's checksum (`state_fingerprint`) on the host (numpy), in blocks of `block` elements."""
     x = np.ascontiguousarray(x)
     flat = (x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"u{min(x.dtype.itemsize, 4)}")).reshape(-1)
+    odd = np.arange(min(block, flat.size), dtype=np.uint32) * np.uint32(2) + np.uint32(1)  # 2 * index + 1
     total = 0
     for start in range(0, flat.size, block):
-        index = (np.arange(start, min(start + block, flat.size), dtype=np.uint64) % (1 << 32)).astype(np.uint32)
-        part = flat[start:start + block].astype(np.uint32) * (index * np.uint32(2) + np.uint32(1))
-        total = (total + int(np.sum(part, dtype=np.uint32))) % (1 << 32)
+        part = flat[start:start + block].astype(np.uint32)
+        weights = odd[:part.size] + np.uint32(2 * start % (1 << 32))  # wraps as the device's uint32 does
+        total = (total + int(np.sum(part * weights, dtype=np.uint32))) % (1 << 32)
     return total
 
 
-@jax.jit
-def _fingerprints(state):
+@functools.cache
+def _fingerprints(out_sharding):
     import jax.numpy as jnp
 
     def one(x):
@@ -139,7 +153,7 @@ def _fingerprints(state):
             stride *= bits.shape[d]
         return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
 
-    return jnp.stack([one(x) for x in jax.tree.leaves(state)])
+    return jax.jit(lambda state: jnp.stack([one(x) for x in jax.tree.leaves(state)]), out_shardings=out_sharding)
 
 
 @dataclass
@@ -302,9 +316,7 @@ class Checkpoints:
         if int(meta["data_position"]) < 0:  # read as unreadable: restore_latest sets it aside
             raise ValueError(f"meta has a negative data_position {meta['data_position']}")
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
-        leaves = jax.tree_util.tree_flatten_with_path(out[STATE])[0]
-        if saved is not None and len(saved) == len(leaves) and saved != (read := state_fingerprint(out[STATE])):
-            bad = next(path_str(p) for (p, _), a, b in zip(leaves, saved, read, strict=True) if a != b)
+        if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
         return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
                         config_toml=meta["config"], path=self.path(step))
@@ -461,14 +473,12 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
     saved = _saved_meta(directory / str(step)).get("fingerprint")
-    leaves = jax.tree_util.tree_flatten_with_path(stored)[0]
-    if saved is not None and len(saved) == len(leaves):  # the params' checksums, in the same order
-        saved_params = [c for (path, _), c in zip(leaves, saved, strict=True) if path[0].key == "params"]
-        for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(restored["params"])[0], saved_params,
-                                   strict=True):
-            if host_fingerprint(x) != want:
-                raise ShardError(f"checkpoint {directory / str(step)} is damaged: params/{path_str(path)} reads "
-                                 "back other than it was saved (checksum mismatch); give an older step's dir")
+    if isinstance(saved, dict):  # checkpoints written before fingerprints have none
+        read = {f"params/{path_str(p)}": [host_fingerprint(x), str(x.dtype)]
+                for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}
+        if bad := first_mismatch(saved, read):
+            raise ShardError(f"checkpoint {directory / str(step)} is damaged: {bad} reads back other than it was "
+                             "saved (checksum mismatch); give an older step's dir")
     return restored["params"], config, step
 
 

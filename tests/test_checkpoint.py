@@ -224,31 +224,43 @@ def test_a_checkpoint_that_reads_back_other_than_saved_is_set_aside(reference, t
     """A stored chunk damaged in a way that still decompresses was loaded in silence (a flipped bit gave a
     dead model, or a NaN two steps after every resume). Each save keeps a checksum per leaf; here the
     saved one is changed, as a flipped bit in the data would change what is read."""
+    from shard.rules import path_str
+
     ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
     meta = ckpts.path(12) / "meta" / "metadata"
     doc = json.loads(meta.read_text())
-    assert len(doc["fingerprint"]) == len(jax.tree.leaves(spec.abstract))
-    doc["fingerprint"][3] ^= 1 << 7
+    assert set(doc["fingerprint"]) == {path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]}
+    doc["fingerprint"]["opt_state/1/0/mu/embed"][0] ^= 1 << 7
     meta.write_text(json.dumps(doc))
     assert ckpts.restore_latest(spec).step == 10
-    assert "reads back other than it was saved (checksum mismatch)" in notices[0]
+    assert "opt_state/1/0/mu/embed reads back other than it was saved (checksum mismatch)" in notices[0]
     assert (ckpts.directory / "corrupt-12").is_dir()
     # export reads the params on the host and checks them too: a parameter's checksum, changed
     meta = ckpts.path(10) / "meta" / "metadata"
     doc = json.loads(meta.read_text())
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec.abstract)[0]]
-    doc["fingerprint"][paths.index("['params']['final_norm']")] ^= 1
+    doc["fingerprint"]["params/final_norm"][0] ^= 1
     meta.write_text(json.dumps(doc))
     r = invoke("export", "--checkpoint", str(ckpts.path(10)), "--out", str(tmp_path / "out"))
     assert r.exit_code == 2 and "params/final_norm reads back other than it was saved" in r.output, r.output
     assert not (tmp_path / "out").exists()
 
 
-def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding():
+def test_a_resume_that_casts_the_state_is_no_checksum_mismatch(reference, tmp_path):
+    """Checksums are compared for the leaves read back in the dtype they were saved in: with another
+    model.param_dtype every checkpoint in turn was set aside as corrupt."""
+    cfg, _, _, _ = reference
+    ckpts, _, notices = _copy_checkpoints(reference, tmp_path)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="bfloat16"))
+    layout = make_layout(other, parse_mesh(other.mesh.spec), devices_for(other.mesh.spec))
+    restored = ckpts.restore_latest(state_spec(other.model, other.optimizer, other.steps, layout))
+    assert restored.step == 12 and notices == [] and restored.state["params"]["embed"].dtype == jax.numpy.bfloat16
+
+
+def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding_and_the_host_agrees():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shard.checkpoint import state_fingerprint
+    from shard.checkpoint import host_fingerprint, state_fingerprint
 
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     flipped = x.copy()
@@ -256,11 +268,13 @@ def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding():
     swapped = x.copy()
     swapped[[0, 1]] = swapped[[1, 0]]
     mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
-    whole = state_fingerprint({"w": x, "b": jax.numpy.asarray(x[0], jax.numpy.bfloat16)})
-    split = state_fingerprint({"w": jax.device_put(x, NamedSharding(mesh, P("data", "model"))),
-                               "b": jax.numpy.asarray(x[0], jax.numpy.bfloat16)})
-    assert whole == split
-    assert state_fingerprint({"w": flipped})[0] != whole[1] != state_fingerprint({"w": swapped})[0]  # b, then w
+    whole = state_fingerprint({"w": x})["w"]
+    assert whole == state_fingerprint({"w": jax.device_put(x, NamedSharding(mesh, P("data", "model")))})["w"]
+    assert whole[1] == "float32" and state_fingerprint({"w": flipped})["w"] != whole
+    assert state_fingerprint({"w": swapped})["w"] != whole
+    # the host's sum (export, generate), in blocks smaller than the array, for every dtype a state holds
+    for leaf in (x, x.astype(jax.numpy.bfloat16), np.arange(37, dtype=np.int32), np.int32(7)):
+        assert host_fingerprint(np.asarray(leaf), block=16) == state_fingerprint({"a": leaf})["a"][0], leaf.dtype
 
 
 def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_path):

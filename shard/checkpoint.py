@@ -197,18 +197,19 @@ def _machine_error(e: BaseException) -> bool:
 _MACHINE, _BAD = "machine: ", "bad: "
 
 
-def _read_outcomes(step: int, error: BaseException | None) -> list[str]:
+def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> list[str]:
     """Every process's outcome of reading checkpoint `step`: "" (read), "machine: why" (the machine's
     fault, _machine_error), "bad: why" (the checkpoint's), or "peer" (this process read its part, but
-    another did not). A process whose read failed first meets the barrier that orbax holds the others
-    in at the end of a restore, so that they stop waiting (with a barrier-name mismatch: their "peer")."""
+    another did not). A process whose orbax read (`in_read`) failed first meets the barrier that orbax
+    holds the others in at the end of a restore (a device collective in orbax 0.12), so that they stop
+    waiting (with a barrier-name mismatch: their "peer")."""
     if error is None:
         outcome = ""
     elif _peer_failed(error):
         outcome = "peer"
     else:
         outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
-        if distributed.context().mode == distributed.XLA:
+        if in_read and distributed.context().mode == distributed.XLA:
             with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
                 distributed.sync(f"checkpoint_read_failed_{step}")
     outcomes = distributed.gather_text(outcome)
@@ -307,11 +308,18 @@ class Checkpoints:
 
     def restore(self, step: int, spec: StateSpec) -> Restored:
         """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
+        return self._checked(step, self._read(step, spec))
+
+    def _read(self, step: int, spec: StateSpec) -> dict:
+        """orbax's restore of the state and meta items, which ends in a barrier of every process."""
         spec.check_params_fit(self.stored_tree(step)["params"], f"checkpoint {self.path(step)}",
                               "; it was saved from a different model")
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
                                      META: ocp.args.JsonRestore()})
-        out = self._manager.restore(step, args=args)
+        return self._manager.restore(step, args=args)
+
+    def _checked(self, step: int, out: dict) -> Restored:
+        """What was read, checked: a data position, and each array's checksum against the saved one."""
         meta = out[META]
         if int(meta["data_position"]) < 0:  # read as unreadable: restore_latest sets it aside
             raise ValueError(f"meta has a negative data_position {meta['data_position']}")
@@ -330,14 +338,16 @@ class Checkpoints:
             raise ShardError(f"no complete checkpoint in {self.directory}")
         for i in range(len(steps) - 1, -1, -1):
             step = steps[i]
-            error = None
+            error, reading = None, True
             try:
-                restored = self.restore(step, spec)
+                out = self._read(step, spec)
+                reading = False  # past orbax's closing barrier: the checks fail alike on every process
+                restored = self._checked(step, out)
             except ShardError:
                 raise
             except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
                 error = e
-            outcomes = _read_outcomes(step, error)
+            outcomes = _read_outcomes(step, error, in_read=reading)
             if not any(outcomes):
                 return restored
             where = "" if len(outcomes) == 1 else " on process {rank}"

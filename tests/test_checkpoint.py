@@ -196,7 +196,7 @@ def test_a_read_the_machine_fails_sets_nothing_aside(reference, tmp_path, monkey
     def fail(step, spec):
         raise error from cause
 
-    monkeypatch.setattr(ckpts, "restore", fail)
+    monkeypatch.setattr(ckpts, "_read", fail)
     with pytest.raises(ShardError, match=r"cannot read checkpoint \S*checkpoints/12 \(.*\); it is left in place"):
         ckpts.restore_latest(spec)
     assert notices == [] and ckpts.steps() == [2, 4, 6, 8, 10, 12]

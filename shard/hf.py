@@ -7,7 +7,6 @@ layout, so no permutation of q/k is needed.
 
 import json
 import math
-import os
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +14,7 @@ import numpy as np
 
 from shard.config import is_positive_number
 from shard.errors import ShardError
+from shard.paths import current_umask
 from shard.models.configs import ModelConfig
 
 SUPPORTED_TYPES = ("llama",)
@@ -210,9 +210,7 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
         save_file(tensors, str(path), metadata={"format": "pt"})
     except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
         raise ShardError(f"cannot write {path}: {str(e).strip().splitlines()[0]}") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    path.chmod(0o666 & ~current_umask())
 
 
 def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:

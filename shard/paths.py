@@ -7,6 +7,7 @@ import fcntl
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,19 +28,28 @@ def globless(path: Path) -> Path:
 
 @contextlib.contextmanager
 def written_whole(out: Path) -> Iterator[Path]:
-    """A folder written whole or not at all: yields a hidden sibling to write into, renamed to `out` when
-    the block ends; on an error (a full disk) it is removed, with the folders made above it, so the same
-    command can run again."""
+    """A folder written whole or not at all, so that the same command can run again after an error (a
+    full disk). A new `out` is written as a hidden sibling (`.NAME.partial-*`), renamed into place when
+    the block ends and removed on an error, with the folders made above it. An existing empty `out` (a
+    mount point, a folder made for it) is written in place and emptied again on an error."""
     out = out.absolute()
+    if out.is_dir():  # check_fresh_out: empty
+        try:
+            yield out
+        except BaseException:
+            for entry in out.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            raise
+        return
     made = [p for p in out.parents if not p.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         yield partial
-        if out.is_dir():
-            out.rmdir()  # the empty folder check_fresh_out allows
+        partial.chmod(0o777 & ~current_umask())  # mkdtemp's folder is owner-only
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -49,6 +59,13 @@ def written_whole(out: Path) -> Iterator[Path]:
             except OSError:
                 break
         raise
+
+
+def current_umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def check_fresh_out(out: Path) -> None:

@@ -201,6 +201,7 @@ def test_a_write_that_fails_leaves_nothing_behind_and_the_files_are_readable(imp
     os.umask(umask)
     for f in (tmp_path / "a" / "hf").iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+    assert stat.S_IMODE((tmp_path / "a" / "hf").stat().st_mode) == 0o777 & ~umask
 
     def full(*args, **kwargs):
         raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -209,6 +210,9 @@ def test_a_write_that_fails_leaves_nothing_behind_and_the_files_are_readable(imp
     r = invoke("export-hf", imported, "--out", tmp_path / "b" / "hf")
     assert r.exit_code == 2 and "No space left on device (os error 28)" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+    (tmp_path / "mounted").mkdir()  # an empty folder given (a mount point): written in place, emptied again
+    r = invoke("export-hf", imported, "--out", tmp_path / "mounted")
+    assert r.exit_code == 2 and list((tmp_path / "mounted").iterdir()) == [], r.output
 
     def no_space(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "ocdbt.process_0")

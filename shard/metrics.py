@@ -92,15 +92,17 @@ def read_records(path: Path) -> tuple[list[dict], int]:
     return records, skipped
 
 
-# The fields a record holds as numbers (null: not finite), which `report` computes with.
-NUMERIC_FIELDS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens_seen", "time_s", "mfu",
-                  "mem_in_use_bytes", "mem_peak_bytes", "eval_loss", "aux_loss", "pipeline_bubble")
+# The fields a record holds as numbers, which `report` computes with: always finite, or null where a
+# value may not be (JsonlWriter writes a NaN loss as null).
+NUMBER_FIELDS = ("step", "time_s", "tokens_per_s", "step_time_s", "tokens_seen", "mem_in_use_bytes",
+                 "mem_peak_bytes")
+NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "eval_loss", "aux_loss", "pipeline_bubble")
 
 
 def _well_typed(record: dict) -> bool:
     def number(v) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool)
 
-    step = record.get("step")
-    return (step is None or number(step) and float(step).is_integer()) and \
-        all(record[k] is None or number(record[k]) for k in NUMERIC_FIELDS if k in record)
+    return (all(number(record[k]) for k in NUMBER_FIELDS if k in record)
+            and ("step" not in record or float(record["step"]).is_integer())
+            and all(record[k] is None or number(record[k]) for k in NUMBER_OR_NULL_FIELDS if k in record))

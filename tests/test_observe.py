@@ -344,10 +344,11 @@ def test_a_record_with_a_field_of_the_wrong_type_is_skipped_like_a_torn_line(tmp
 
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 1, "loss": 1.0, "time_s": "x"}', '{"step": [1], "loss": 1.0}', '{"step": 2, "loss": "abc"}',
-             '{"step": 3, "loss": true}', '{"step": 4, "loss": null, "mem_source": "device", "time_s": 2}']
+             '{"step": 3, "loss": true}', '{"step": 4, "loss": null, "mem_source": "device", "time_s": 2}',
+             '{"step": null, "loss": 1.0}', '{"step": 5, "time_s": null}', '{"step": 6.5}']
     path.write_text("\n".join(lines) + "\n")
     records, skipped = read_records(path)
-    assert [r["step"] for r in records] == [4] and skipped == 4
+    assert [r["step"] for r in records] == [4] and skipped == 7
 
 
 def test_report_does_not_write_among_a_runs_checkpoints(tmp_path):

@@ -47,13 +47,13 @@ class StateSpec:
         have, wanted = shapes(params), shapes(self.abstract["params"])
         for name, shape in wanted.items():
             if name not in have:
-                raise ShardError(f"{source} lacks parameter {name} {shape} that the model has{hint}")
+                raise ShardError(f"parameter {name} {shape} of the model is not in {source}{hint}")
             if have[name] != shape:
                 raise ShardError(f"parameter {name} is {have[name]} in {source} but {shape} in the model")
         extra = sorted(set(have) - set(wanted))
         if extra:
             name = extra[0]
-            raise ShardError(f"{source} holds parameter {name} {have[name]} that the model lacks{hint}")
+            raise ShardError(f"parameter {name} {have[name]} in {source} is not in the model{hint}")
 
 
 def make_optimizer(opt: OptimizerConfig, total_steps: int):

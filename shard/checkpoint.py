@@ -2,8 +2,8 @@
 
 Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
 written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
-`RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed and the
-resolved config. orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every
+`RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
+resolved config and a checksum per array (state_fingerprint). orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every
 process has finished, so a directory named by a bare step number is complete and anything else is a
 save that never finished. Restore reads each array straight into the shardings of the mesh at hand.
 """

@@ -1,9 +1,10 @@
-"""Start-up checks that the processes of one job agree: the same config, and (under the global mesh)
-one run dir that all of them see. Without them a job started with different commands trains on
-mismatched batches or waits in a collective for ever, and one whose run dir is a different folder on
-each host never finishes its first checkpoint.
+"""Start-up checks that the processes of one job agree: the same config, the same data behind its data
+paths, and (under the global mesh) one run dir that all of them see. Without them a job started with
+different commands trains on mismatched batches or waits in a collective for ever, one whose hosts
+hold different files at the data path trains each process's rows on other data in silence, and one
+whose run dir is a different folder on each host never finishes its first checkpoint.
 
-Both run once every process has joined, before anything is compiled or written; a mismatch is a
+They run once every process has joined, before anything is compiled or written; a mismatch is a
 ShardError on every process.
 """
 
@@ -36,6 +37,36 @@ def check_same_config(cfg: config_mod.TrainConfig) -> None:
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
     raise ShardError(f"process {distributed.context().rank} was started with a different config "
                      f"from process 0's{what}; start every process with the same command")
+
+
+def check_same_data(cfg: config_mod.TrainConfig) -> None:
+    """Every process finds the same data at data.path (and eval.path) as process 0: the same files, by
+    name, size and a CRC of each one's ends (shard.data.source_signature)."""
+    from shard.data import source_signature
+
+    if distributed.context().size < 2:
+        return
+    for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path if cfg.eval.every else "")):
+        if key == "eval.path" and not path:
+            continue
+        mine = source_signature(path)
+        theirs = distributed.broadcast_text(mine)
+        differs = theirs != mine
+        if not distributed.any_process_by_service(differs):
+            continue
+        if not differs:
+            raise ShardError(f"{key} {path or '(the embedded corpus)'} holds other data on another process of "
+                             "this job than on process 0; give every process the same files")
+        there, here = _first_difference(theirs.splitlines(), mine.splitlines())
+        raise ShardError(f"{key} {path or '(the embedded corpus)'} holds other data here than on process 0 "
+                         f"(name, bytes, CRC: {there!r} there, {here!r} here); give every process the same files")
+
+
+def _first_difference(a: list[str], b: list[str]) -> tuple[str, str]:
+    """The first pair of lines that differ, "no such file" standing in past the end of a shorter list."""
+    padded = max(len(a), len(b))
+    a, b = a + ["no such file"] * (padded - len(a)), b + ["no such file"] * (padded - len(b))
+    return next((x, y) for x, y in zip(a, b, strict=True) if x != y)
 
 
 def check_shared_run_dir(path: Path) -> None:

@@ -474,9 +474,10 @@ def train(
     globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
     devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
     path = Path(distributed.broadcast_text(str(path)))
-    from shard.agreement import check_same_config, check_shared_run_dir
+    from shard.agreement import check_same_config, check_same_data, check_shared_run_dir
 
     check_same_config(cfg)  # first: a different config can make the processes' device counts differ
+    check_same_data(cfg)
     check_shared_run_dir(path)
     from shard.checkpoint import Checkpoints, SaveCheckpoints
     from shard.loop import prepare

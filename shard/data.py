@@ -9,7 +9,9 @@ The stream's position is a global sample index: step k reads samples [k*B, (k+1)
 materialises only the rows its devices hold. So the stream is the same on any mesh or process count.
 """
 
+import os
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,11 +70,55 @@ def _read_token_file(path: Path) -> np.ndarray:
 
 def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
     """A data folder's token files (.npy/.bin) and its other files, sorted; not those under hidden
-    folders (.git/, .cache/) or __pycache__/. Token files win: the others are read only when there are
-    none."""
-    files = sorted(f for f in folder.rglob("*") if f.is_file()
-                   and not any(part.startswith(".") or part == "__pycache__" for part in f.relative_to(folder).parts))
+    folders (.git/, .cache/) or __pycache__/. Linked folders are followed (each real folder once).
+    Token files win: the others are read only when there are none."""
+    files, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        files += [Path(root, n) for n in names if not n.startswith(".") and Path(root, n).is_file()]
+    files.sort()
     return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
+
+
+def source_files(path: str) -> tuple[list[Path], bool]:
+    """The files `load_tokens` reads for `path`, and whether they hold tokens (.npy/.bin) rather than
+    text; ShardError for a path that names none."""
+    if path == EMBEDDED:
+        return embedded_corpus_files(), False
+    p = Path(path)
+    if not p.exists():
+        raise ShardError(f"data path {path} does not exist")
+    if p.is_dir():
+        token_files, text_files = folder_sources(p)
+        return (token_files, True) if token_files else (text_files, False)
+    if not p.is_file():
+        raise ShardError(f"data path {path} is not a regular file or folder")
+    return [p], p.suffix in _TOKEN_SUFFIXES
+
+
+def source_signature(path: str) -> str:
+    """What the data at `path` is, cheaply: each file's name, size and a CRC of its first and last
+    64 KiB. Processes of one job compare theirs (shard.agreement): the same path can hold other data on
+    another host."""
+    if path == SYNTHETIC:
+        return SYNTHETIC
+    files, _ = source_files(path)
+    root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
+    lines = []
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as handle:
+            crc = zlib.crc32(handle.read(1 << 16))
+            if size > 1 << 16:
+                handle.seek(max(1 << 16, size - (1 << 16)))
+                crc = zlib.crc32(handle.read(), crc)
+        lines.append(f"{f.relative_to(root) if root else f.name} {size} {crc:08x}")
+    return "\n".join(lines)
 
 
 def unused_files_note(path: str) -> str | None:
@@ -89,29 +135,18 @@ def unused_files_note(path: str) -> str | None:
 
 def load_tokens(path: str, vocab_size: int) -> np.ndarray:
     """One long 1-D token stream from the source named by `path`."""
-    if path == EMBEDDED:
-        tokens, label = _read_text_files(embedded_corpus_files()), "the embedded corpus"
+    label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
+    files, token_files = source_files(path)
+    if not files:
+        tokens = np.zeros(0, np.uint8)
+    elif token_files:
+        tokens = _read_token_file(files[0]) if len(files) == 1 else np.concatenate([_read_token_file(f) for f in files])
     else:
-        p = Path(path)
-        label = str(p)
-        if not p.exists():
-            raise ShardError(f"data path {path} does not exist")
-        if p.is_dir():
-            token_files, text_files = folder_sources(p)
-            if token_files:
-                tokens = np.concatenate([_read_token_file(f) for f in token_files])
-            else:
-                tokens = _read_text_files(text_files) if text_files else np.zeros(0, np.uint8)
-        elif not p.is_file():
-            raise ShardError(f"data path {path} is not a regular file or folder")
-        elif p.suffix in _TOKEN_SUFFIXES:
-            tokens = _read_token_file(p)
-        else:
-            tokens = _read_text_files([p])
+        tokens = _read_text_files(files)
     if tokens.size < 2:
         raise ShardError(f"data path {label} is empty" if tokens.size == 0 else
                          f"data path {label} holds 1 token: training needs at least 2 (an input and its target)")
-    if tokens.dtype == np.uint8 and vocab_size < BYTE_VOCAB:
+    if not token_files and vocab_size < BYTE_VOCAB:
         raise ShardError(f"text is tokenized as bytes (256 ids) but model.vocab_size is {vocab_size}")
     top, bottom = int(tokens.max()), int(tokens.min())
     if top >= vocab_size or bottom < 0:
@@ -251,9 +286,10 @@ def training_samples(cfg) -> Samples:
 
 def eval_samples(cfg) -> Samples:
     """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
+    seed = (cfg.seed + 1) % 2**32  # another order than training's, within grain's seed range
     if cfg.eval.path:
-        return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1)
-    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed + 1,
+        return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed)
+    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, seed,
                           holdout=cfg.eval.holdout, part="eval")
 
 

@@ -90,6 +90,28 @@ def test_a_text_folder_skips_hidden_and_cache_folders(tmp_path):
     assert ByteTokenizer().decode(load_tokens(str(tmp_path), 256)) == "hello"
 
 
+def test_a_linked_folder_is_read_once_and_a_loop_ends(tmp_path):
+    """Linked folders were skipped in silence (Path.rglob does not follow them)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.txt").write_text("linked")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "b.txt").write_text("own")
+    (tmp_path / "data" / "part").symlink_to(tmp_path / "real")
+    (tmp_path / "data" / "again").symlink_to(tmp_path / "real")  # the same folder twice: read once
+    (tmp_path / "real" / "up").symlink_to(tmp_path / "data")  # a loop
+    assert ByteTokenizer().decode(load_tokens(str(tmp_path / "data"), 256)) in ("linked\nown", "own\nlinked")
+
+
+def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_path):
+    """uint8 token files were taken for bytes of text (refused under 256 ids); the largest seed made the
+    evaluation's seed + 1 fall outside grain's range."""
+    np.save(tmp_path / "u8.npy", np.arange(200, dtype=np.uint8) % 64)
+    assert load_tokens(str(tmp_path / "u8.npy"), 64).size == 200
+    (tmp_path / "t.txt").write_text("x" * 3000)
+    cfg = tiny_config("1x1", data__path=str(tmp_path / "t.txt"), seed=2**32 - 1, eval__every=1)
+    assert eval_samples(cfg)[0].shape == (33,)
+
+
 def test_token_files_and_folders(tmp_path):
     np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int32))
     np.arange(50, dtype=np.uint16).tofile(tmp_path / "b.bin")

@@ -220,14 +220,29 @@ def parse_value(text: str):
 
 
 def parse_sets(items: list[str]) -> dict:
-    """`["optimizer.lr=3e-4", "model.d_model=128"]` -> nested overrides."""
+    """`["optimizer.lr=3e-4", "model.d_model=128"]` -> nested overrides. A key that holds text takes the
+    value as typed (`eval.path=2024-01-01` is a folder, not a TOML date), or a quoted TOML string."""
     out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ShardError(f"--set expects key=value, got {item!r}")
-        _put(out, key.strip(), parse_value(value.strip()))
+        parsed = parse_value(value.strip())
+        if _field_type(key.strip()) is str and not isinstance(parsed, str):
+            parsed = value.strip()
+        _put(out, key.strip(), parsed)
     return out
+
+
+def _field_type(dotted: str):
+    """The type of the config field a dotted key names (None for no such field, or a rule table's)."""
+    cls, *parents = (TrainConfig, *dotted.split(".")[:-1])
+    for part in parents:
+        f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if f is None or not dataclasses.is_dataclass(f.type):
+            return None
+        cls = f.type
+    return next((f.type for f in dataclasses.fields(cls) if f.name == dotted.split(".")[-1]), None)
 
 
 def nested(flat: dict[str, object]) -> dict:
@@ -241,6 +256,8 @@ def nested(flat: dict[str, object]) -> dict:
 def _put(tree: dict, dotted: str, value) -> None:
     head, _, rest = dotted.partition(".")
     if head in _DICT_SECTIONS and rest:  # rule tables: the rest of the key may contain dots (regexes)
+        if len(rest) > 1 and rest[0] == rest[-1] and rest[0] in "\"'":  # a TOML-quoted key
+            rest = rest[1:-1]
         tree.setdefault(head, {})[rest] = value
         return
     if not rest:

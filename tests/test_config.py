@@ -78,3 +78,11 @@ def test_docs_config_md_lists_every_key_with_its_default():
             key, value = line.split(" = ", 1)
             written[section + key] = value
     assert documented == written
+
+
+def test_a_text_key_takes_the_value_as_typed():
+    """TOML read `2024-01-01` as a date and `0.10` as 0.1; a quoted rule-table key kept its quotes."""
+    sets = c.parse_sets(["eval.path=2024-01-01", "data.path=0.10", 'param_regex."x.y"=embed', 'run_dir="a b"',
+                         "optimizer.lr=1e-3"])
+    assert sets == {"eval": {"path": "2024-01-01"}, "data": {"path": "0.10"}, "param_regex": {"x.y": "embed"},
+                    "run_dir": "a b", "optimizer": {"lr": 1e-3}}

@@ -179,6 +179,7 @@ def is_positive_number(value) -> bool:
 _POSITIVE, _NON_NEGATIVE = (is_positive_number, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
 _COUNT = (lambda v: v > 0, "positive")  # integers: no inf to exclude
 _SIZE = (lambda v: 0 < v < 2**31, "positive and below 2**31")  # an array dimension (XLA indexes with int32)
+_SECONDS = (lambda v: 0 < v <= 1e6, "positive and at most 1e6 (seconds: 11.6 days)")  # the runtime's clocks overflow
 _RANGES = {
     "steps": _COUNT, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
     "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
@@ -192,7 +193,7 @@ _RANGES = {
     "optimizer.grad_clip": (lambda v: v > 0, "positive (inf: no clipping)"), "optimizer.lr": _POSITIVE,
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
-    "cluster.failure_timeout": _POSITIVE, "cluster.join_timeout": _POSITIVE, "cluster.bucket_mb": _POSITIVE,
+    "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
 }
 
 

@@ -40,6 +40,7 @@ def invoke(*args):
     (["--seq", "3000000000"], "data.seq_len must be positive and below 2**31, got 3000000000"),  # was a native abort
     (["--set", "model.d_model=99999999999999999999"], "model.d_model must be positive and below 2**31"),
     (["--allow-fresh"], "--allow-fresh goes with --resume"),  # it was ignored
+    (["--failure-timeout", "1e12"], "cluster.failure_timeout must be positive and at most 1e6"),  # a traceback
     (["--steps", "1.5"], "Invalid value for '--steps'"),  # the CLI library's usage errors, one line too
     (["--bogus"], "No such option: --bogus (see "),
     (["--steps"], "Option '--steps' requires an argument"),

@@ -57,6 +57,8 @@ def _read_token_file(path: Path) -> np.ndarray:
     try:
         if path.suffix == ".npy":
             tokens = np.load(path, mmap_mode="r")
+        elif path.stat().st_size == 0:  # an empty shard: numpy can't map it
+            tokens = np.zeros(0, np.uint16)
         else:
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
     except (ValueError, OSError) as e:
@@ -134,13 +136,25 @@ def unused_files_note(path: str) -> str | None:
 
 
 def load_tokens(path: str, vocab_size: int) -> np.ndarray:
-    """One long 1-D token stream from the source named by `path`."""
+    """One long 1-D token stream from the source named by `path`. The last one read is kept while its
+    files are unchanged (by size and modification time): training and its held-out tail read one copy."""
     label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
     files, token_files = source_files(path)
+    key = (path, vocab_size, tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _LAST_READ:
+        _LAST_READ.clear()
+        _LAST_READ[key] = _read_tokens(files, token_files, label, vocab_size)
+    return _LAST_READ[key]
+
+
+_LAST_READ: dict = {}
+
+
+def _read_tokens(files: list[Path], token_files: bool, label: str, vocab_size: int):
     if not files:
         tokens = np.zeros(0, np.uint8)
     elif token_files:
-        tokens = _read_token_file(files[0]) if len(files) == 1 else np.concatenate([_read_token_file(f) for f in files])
+        tokens = _read_token_file(files[0]) if len(files) == 1 else TokenParts([_read_token_file(f) for f in files])
     else:
         tokens = _read_text_files(files)
     if tokens.size < 2:
@@ -153,6 +167,51 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
         raise ShardError(f"data {label} holds token id {top if top >= vocab_size else bottom}, outside "
                          f"0..{vocab_size - 1} (model.vocab_size {vocab_size})")
     return tokens
+
+
+class TokenParts:
+    """Token files (memory-mapped) read as one stream without copying them into memory: a folder of
+    .bin/.npy shards, the usual form of a large corpus, costs page cache, not private memory per
+    process. Supports what the windows need: `size`, `dtype`, a contiguous slice, a gather by index
+    array, `min()`/`max()`."""
+
+    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
+        self.parts = parts
+        self.bounds = np.cumsum([0, *(p.size for p in parts)])  # where each part starts in the stream
+        self.start = start
+        self.stop = int(self.bounds[-1]) if stop is None else stop
+        self.size = self.stop - self.start
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            first, last, step = key.indices(self.size)
+            if step != 1:
+                raise ValueError("TokenParts slices with step 1 only")
+            return TokenParts(self.parts, self.start + first, self.start + max(first, last))
+        index = np.asarray(key, np.int64) + self.start
+        part = np.searchsorted(self.bounds, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for k in np.unique(part):
+            chosen = part == k
+            out[chosen] = self.parts[k][index[chosen] - self.bounds[k]]
+        return out
+
+    def _pieces(self):
+        for k, p in enumerate(self.parts):
+            lo, hi = max(self.start - self.bounds[k], 0), min(self.stop - self.bounds[k], p.size)
+            if lo < hi:
+                yield p[lo:hi]
+
+    def max(self):
+        return max(piece.max() for piece in self._pieces())
+
+    def min(self):
+        return min(piece.min() for piece in self._pieces())
+
+    def __array__(self, dtype=None, copy=None):
+        joined = np.concatenate(list(self._pieces())) if self.size else np.zeros(0, self.dtype)
+        return joined.astype(dtype) if dtype is not None else joined
 
 
 class WindowSource:

@@ -100,6 +100,11 @@ def test_a_linked_folder_is_read_once_and_a_loop_ends(tmp_path):
     (tmp_path / "data" / "again").symlink_to(tmp_path / "real")  # the same folder twice: read once
     (tmp_path / "real" / "up").symlink_to(tmp_path / "data")  # a loop
     assert ByteTokenizer().decode(load_tokens(str(tmp_path / "data"), 256)) in ("linked\nown", "own\nlinked")
+    # read once for training and its held-out tail, again once a file changes
+    assert load_tokens(str(tmp_path / "data"), 256) is load_tokens(str(tmp_path / "data"), 256)
+    before = load_tokens(str(tmp_path / "data"), 256)
+    (tmp_path / "real" / "a.txt").write_text("linked, longer")
+    assert load_tokens(str(tmp_path / "data"), 256) is not before
 
 
 def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_path):
@@ -110,6 +115,26 @@ def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_p
     (tmp_path / "t.txt").write_text("x" * 3000)
     cfg = tiny_config("1x1", data__path=str(tmp_path / "t.txt"), seed=2**32 - 1, eval__every=1)
     assert eval_samples(cfg)[0].shape == (33,)
+
+
+def test_a_folder_of_token_shards_is_read_in_place_as_one_stream(tmp_path):
+    """A folder of .bin shards was concatenated into memory (a copy of the corpus per process, and a
+    second one for evaluation); it is read through the memory maps, window for window as one file."""
+    from shard.data import TokenParts
+
+    stream = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint16)
+    (tmp_path / "shards").mkdir()
+    for i, (a, b) in enumerate([(0, 300), (300, 300), (300, 710), (710, 1000)]):  # one shard empty
+        stream[a:b].tofile(tmp_path / "shards" / f"{i}.bin")
+    stream.tofile(tmp_path / "one.bin")
+    tokens = load_tokens(str(tmp_path / "shards"), 256)
+    assert isinstance(tokens, TokenParts) and all(isinstance(p, np.memmap) for p in tokens.parts if p.size)
+    assert tokens.size == 1000 and tokens.max() == stream.max() and tokens[10:990].min() == stream[10:990].min()
+    np.testing.assert_array_equal(np.asarray(tokens[250:750]), stream[250:750])
+    for part in ("train", "eval"):
+        shards, one = (sample_dataset(str(p), 256, 15, seed=3, holdout=0.2, part=part)
+                       for p in (tmp_path / "shards", tmp_path / "one.bin"))
+        np.testing.assert_array_equal(shards.rows(0, 40), one.rows(0, 40))
 
 
 def test_token_files_and_folders(tmp_path):

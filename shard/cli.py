@@ -942,7 +942,7 @@ def generate(
             print(ByteTokenizer().decode(p), end="", flush=True)
             emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
         gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
-        print(flush=True)
+        print("" if ids else decoder.decode(b"", final=True), flush=True)  # an unfinished character: U+FFFD
 
 
 def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
@@ -953,7 +953,9 @@ def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
         raise ShardError(f"prompts file {prompts_file} not found" if not prompts_file.exists()
                          else f"prompts file {prompts_file} is not a file")
     try:
-        lines = prompts_file.read_text().splitlines()
+        text = prompts_file.read_text()
+        # lines end at a newline only (str.splitlines also splits at a form feed, which is text here)
+        lines = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
     except UnicodeDecodeError:
         raise ShardError(f"prompts file {prompts_file} is not UTF-8 text") from None
     prompts = [line for line in lines if line.strip()]

@@ -34,7 +34,9 @@ def sample(logits_bv: jax.Array, key, s: Sampling) -> jax.Array:
     """One token per row: greedy at temperature 0, else softmax(logits / T) cut to top-k and top-p."""
     if s.temperature == 0:
         return jnp.argmax(logits_bv, axis=-1)
-    logits_bv = logits_bv / s.temperature
+    # shifted to a maximum of 0 first (softmax doesn't change): a tiny T then sends the others to -inf
+    # rather than every logit to +inf, where the first index, not the largest, would win
+    logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / s.temperature
     if s.top_k:
         kth = jax.lax.top_k(logits_bv, min(s.top_k, logits_bv.shape[-1]))[0][..., -1:]
         logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)

@@ -29,8 +29,10 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
     if not isinstance(rope, dict):
         raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
-    if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        scaling = hf.get("rope_scaling") or rope
+    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
+    if not isinstance(legacy, dict) or any(r.get("rope_type", r.get("type", "default")) != "default"
+                                           for r in (legacy, rope)):
+        scaling = legacy or rope
         raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) is")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
     for flag in ("attention_bias", "mlp_bias"):

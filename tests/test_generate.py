@@ -86,6 +86,8 @@ def test_sampling_filters():
     nucleus = {int(sample(logits, k, Sampling(top_p=0.7))[0]) for k in keys}
     assert nucleus == {0, 1}  # 0.5 + 0.3 covers 0.7; the tail is cut
     assert int(sample(logits, keys[0], Sampling(temperature=0))[0]) == 0
+    # a tiny temperature is greedy: logits / 1e-38 overflowed to inf everywhere, and index 0 won
+    assert int(sample(jnp.asarray([[5.0, 10.0, 3.0]]), keys[0], Sampling(temperature=1e-38))[0]) == 1
 
 
 def test_bad_prompts(single):

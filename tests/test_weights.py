@@ -115,6 +115,15 @@ def test_bad_generate_input(imported, args, message):
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
+def test_a_prompts_file_has_one_prompt_per_newline(tmp_path):
+    """str.splitlines also split at form feeds (common in Python source) and other separators."""
+    from shard.cli import _prompt_texts
+
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"def f():\x0cpass\r\nx = 1\n")
+    assert _prompt_texts(None, f) == ["def f():\x0cpass", "x = 1"]
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "holds no prompt"), (b"\n  \n", "holds no prompt"), (b"\xff\xfe\x00", "is not UTF-8 text"),
 ])

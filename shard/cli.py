@@ -877,9 +877,9 @@ def report(
     console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
 
 
-def _host_jax(mesh: str = "1x1", simulate_devices: int | None = None):
+def _host_jax(mesh: str = "1x1", simulate_devices: int | None = None, sets: list[str] | None = None):
     """Start JAX for a command that only needs a mesh (generate, import/export): devices as for train."""
-    cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
+    cfg = config_mod.resolve(_overrides(None, sets, mesh=mesh, simulate_devices=simulate_devices))
     spec = parse_mesh(cfg.mesh.spec)
     return cfg, spec, start_devices(cfg, spec)
 
@@ -898,9 +898,15 @@ def generate(
     mesh: Annotated[str, typer.Option(help="mesh to generate on (tensor parallel: 1x4, ...)")] = "1x1",
     ids: Annotated[bool, typer.Option("--ids", help="print generated token ids instead of text")] = False,
     simulate_devices: SimOpt = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a sharding rule: --set rules.kv_heads=none")] = None,
 ):
     """Sample from a model with a KV cache on a mesh, streaming tokens as they come."""
     import codecs
+
+    others = set(config_mod.parse_sets(set_ or [])) - {"rules", "param_rules", "param_regex"}
+    if others:
+        raise ShardError(f"generate takes rules.*, param_rules.* and param_regex.* in --set (the model comes with "
+                         f"the checkpoint), got {sorted(others)[0]}.*")
 
     given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
     if len(given) != 1:
@@ -910,7 +916,7 @@ def generate(
     if not 0 <= seed < 2**32:  # as train's
         raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
     texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
-    tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices)
+    tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices, set_)
     from shard import weights
     from shard.data import ByteTokenizer
     from shard.generate import Generator, Sampling

@@ -108,7 +108,8 @@ def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: Parti
             axes_text = "x".join(f"{a}={sizes[a]}" for a in axes)
             raise ShardError(
                 f"{what}: dimension {dim} ({logical_axes[dim]}) of size {n} does not divide by mesh axis "
-                f"{axes_text} ({ways} ways); change the mesh or the rule for {logical_axes[dim]!r}"
+                f"{axes_text} ({ways} ways); change the mesh or the rule for {logical_axes[dim]!r} (e.g. --set "
+                f"rules.{logical_axes[dim]}=none to replicate it)"
             )
 
 

@@ -230,3 +230,16 @@ def test_a_write_that_fails_leaves_nothing_behind_and_the_files_are_readable(imp
     r = invoke("import-hf", hf_dir, "--out", tmp_path / "c" / "run")
     assert r.exit_code == 2 and "No space left on device" in r.output, r.output
     assert not (tmp_path / "c").exists()
+
+
+def test_generate_takes_the_rules_a_model_needs_on_a_mesh(imported):
+    """Its 4 KV heads don't split 8 ways: the error said to change the rule, and generate had no way to."""
+    r = invoke("generate", "--checkpoint", imported, "--prompt", "ab", "--max-new-tokens", 2, "--mesh", "1x8")
+    assert r.exit_code == 2 and "--set rules.kv_heads=none" in r.output, r.output
+    r = invoke("generate", "--checkpoint", imported, "--prompt-ids", "1,2", "--ids", "--max-new-tokens", 2,
+               "--temperature", 0, "--mesh", "1x8", "--set", "rules.kv_heads=none")
+    greedy = invoke("generate", "--checkpoint", imported, "--prompt-ids", "1,2", "--ids", "--max-new-tokens", 2,
+                    "--temperature", 0, "--mesh", "8x1")
+    assert r.exit_code == 0 and r.output.split() == greedy.output.split(), r.output + greedy.output
+    r = invoke("generate", "--checkpoint", imported, "--prompt", "ab", "--mesh", "8x1", "--set", "optimizer.lr=1")
+    assert r.exit_code == 2 and "generate takes rules.*" in r.output, r.output

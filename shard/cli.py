@@ -199,7 +199,7 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
 
 
 # What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
-_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
+_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile", "hf")  # hf: shard.hf.SIDE_DIR
 
 
 def _holds_run(path: Path) -> bool:
@@ -219,7 +219,7 @@ def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
     before (a --resume --allow-fresh base) stays."""
     if _has_records(path):
         return
-    for name in ("metrics.jsonl", "tb") if keep_config else ("config.toml", "metrics.jsonl", "tb"):
+    for name in ("metrics.jsonl", "tb", "hf") if keep_config else ("config.toml", "metrics.jsonl", "tb", "hf"):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
@@ -524,6 +524,10 @@ def train(
                 raise ShardError(f"run dir {path} was started by another shard train while this one "
                                  "prepared; run the command again (with --resume to continue that run)")
             (path / "config.toml").write_text(config_toml)
+            if init_from:
+                from shard import hf
+
+                hf.keep_side_files(init_from, path)  # what export-hf writes back besides the weights
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]
         saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
@@ -998,7 +1002,7 @@ def import_hf(
         raise ShardError(f"{hf_dir} {what}: give a Hugging Face Llama folder (config.json and *.safetensors)")
     check_fresh_out(out)
     tcfg, mesh_spec, devices = _host_jax("1x1")
-    from shard import weights
+    from shard import hf, weights
     from shard.checkpoint import Checkpoints
     from shard.loop import make_layout
     from shard.state import state_spec
@@ -1013,6 +1017,7 @@ def import_hf(
     with written_whole(out) as partial:  # a full disk leaves nothing behind
         ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint)
         (partial / "config.toml").write_text(config_toml)
+        hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
         try:
             ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
             ckpts.wait()
@@ -1034,7 +1039,7 @@ def export_hf(
 
     model_cfg, params = weights.load(checkpoint)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        files = hf.write_hf_dir(str(partial), model_cfg, params)
+        files = hf.write_hf_dir(str(partial), model_cfg, params, side=hf.side_files_of(checkpoint))
     console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
 
 

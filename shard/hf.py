@@ -7,6 +7,7 @@ layout, so no permutation of q/k is needed.
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -215,12 +216,52 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
     path.chmod(0o666 & ~current_umask())
 
 
-def write_hf_dir(path: str, cfg: ModelConfig, params: dict) -> list[Path]:
-    """config.json + safetensors files (with an index when more than one) that transformers loads."""
+# A Hugging Face folder's files that shard's model doesn't hold (token ids, context length, generation
+# defaults, the tokenizer): import-hf and train --init-from keep them in the run dir's SIDE_DIR, and
+# export-hf writes them back, so a model fine-tuned here stops at its end-of-sequence token there.
+SIDE_DIR = "hf"
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model")
+
+
+def side_files_of(source: str | Path) -> Path | None:
+    """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
+    of a shard checkpoint's run dir; None when there is none."""
+    from shard.checkpoint import find_checkpoint
+
+    source = Path(source)
+    if (source / "config.json").is_file():
+        return source
+    side = find_checkpoint(source)[0].parent / SIDE_DIR
+    return side if side.is_dir() else None
+
+
+def keep_side_files(source: str | Path, run_dir: Path) -> None:
+    """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
+    side = side_files_of(source)
+    files = [side / name for name in SIDE_FILES if side is not None and (side / name).is_file()]
+    if files:
+        (run_dir / SIDE_DIR).mkdir(exist_ok=True)
+        for f in files:
+            shutil.copyfile(f, run_dir / SIDE_DIR / f.name)
+
+
+def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None) -> list[Path]:
+    """config.json + safetensors files (with an index when more than one) that transformers loads; with
+    `side` (a folder of SIDE_FILES), the original config's keys that shard's doesn't set and its context
+    length, and the tokenizer and generation files."""
     hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
+    if side is not None and (side / "config.json").is_file():
+        original = read_json(side / "config.json")
+        hf_config = {k: v for k, v in original.items() if k not in hf_config} | hf_config
+        if "max_position_embeddings" in original:
+            hf_config["max_position_embeddings"] = original["max_position_embeddings"]
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf_config, indent=1))
+    for name in SIDE_FILES[1:]:
+        if side is not None and (side / name).is_file():
+            shutil.copyfile(side / name, root / name)
     # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
     shards, current, size = [], {}, 0

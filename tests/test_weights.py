@@ -243,3 +243,26 @@ def test_generate_takes_the_rules_a_model_needs_on_a_mesh(imported):
     assert r.exit_code == 0 and r.output.split() == greedy.output.split(), r.output + greedy.output
     r = invoke("generate", "--checkpoint", imported, "--prompt", "ab", "--mesh", "8x1", "--set", "optimizer.lr=1")
     assert r.exit_code == 2 and "generate takes rules.*" in r.output, r.output
+
+
+def test_token_ids_context_length_and_tokenizer_survive_import_fine_tune_and_export(hf_dir, tmp_path):
+    """export-hf wrote shard's config alone: no bos/eos ids (transformers then never stopped at the end
+    of sequence), a context length of 4096 whatever the model's, no generation or tokenizer files."""
+    source = tmp_path / "source"
+    shutil.copytree(hf_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"bos_token_id": 1, "eos_token_id": 2,
+                                                             "max_position_embeddings": 131072}))
+    (source / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 131072}')
+    assert invoke("import-hf", source, "--out", tmp_path / "imp").exit_code == 0
+    r = invoke("train", "--init-from", tmp_path / "imp", "--mesh", "8x1", "--steps", 1, "--batch", 8, "--seq", 32,
+               "--run-dir", tmp_path / "tuned")
+    assert r.exit_code == 0, r.output
+    r = invoke("export-hf", tmp_path / "tuned", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["max_position_embeddings"]) == (1, 2, 131072)
+    assert exported["num_key_value_heads"] == config["num_key_value_heads"]  # shard's own keys stay shard's
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_text() == (source / name).read_text()

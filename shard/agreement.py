@@ -9,6 +9,7 @@ ShardError on every process.
 """
 
 import dataclasses
+import hashlib
 import os
 import tempfile
 import tomllib
@@ -49,14 +50,21 @@ def check_same_data(cfg: config_mod.TrainConfig) -> None:
     for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path if cfg.eval.every else "")):
         if key == "eval.path" and not path:
             continue
-        mine = source_signature(path)
-        theirs = distributed.broadcast_text(mine)
-        differs = theirs != mine
-        if not distributed.any_process_by_service(differs):
+        try:
+            mine = source_signature(path)
+        except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike
+            mine = f"error: {e}"
+        digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ
+        differs = distributed.broadcast_text(digest) != digest
+        if not distributed.any_process_by_service(differs or mine.startswith("error: ")):
             continue
+        theirs = distributed.broadcast_text(mine)
+        if mine.startswith("error: "):
+            raise ShardError(mine.removeprefix("error: "))
         if not differs:
             raise ShardError(f"{key} {path or '(the embedded corpus)'} holds other data on another process of "
-                             "this job than on process 0; give every process the same files")
+                             "this job than on process 0, or can't be read there; give every process the same "
+                             "files")
         there, here = _first_difference(theirs.splitlines(), mine.splitlines())
         raise ShardError(f"{key} {path or '(the embedded corpus)'} holds other data here than on process 0 "
                          f"(name, bytes, CRC: {there!r} there, {here!r} here); give every process the same files")

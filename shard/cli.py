@@ -199,7 +199,7 @@ def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
 
 
 # What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
-_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile", "hf")  # hf: shard.hf.SIDE_DIR
+_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
 
 
 def _holds_run(path: Path) -> bool:
@@ -523,11 +523,15 @@ def train(
             if not existed and _holds_run(path):  # another train made it (and may have ended) meanwhile
                 raise ShardError(f"run dir {path} was started by another shard train while this one "
                                  "prepared; run the command again (with --resume to continue that run)")
-            (path / "config.toml").write_text(config_toml)
-            if init_from:
+            if init_from and not had_config:  # what export-hf writes back besides the weights
                 from shard import hf
 
-                hf.keep_side_files(init_from, path)  # what export-hf writes back besides the weights
+                try:
+                    hf.keep_side_files(init_from, path)
+                except BaseException:
+                    shutil.rmtree(path / hf.SIDE_DIR, ignore_errors=True)
+                    raise
+            (path / "config.toml").write_text(config_toml)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]
         saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)

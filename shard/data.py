@@ -81,7 +81,7 @@ def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")  # the same on every host
         files += [Path(root, n) for n in names if not n.startswith(".") and Path(root, n).is_file()]
     files.sort()
     return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
@@ -105,7 +105,7 @@ def source_files(path: str) -> tuple[list[Path], bool]:
 
 def source_signature(path: str) -> str:
     """What the data at `path` is, cheaply: each file's name, size and a CRC of its first and last
-    64 KiB. Processes of one job compare theirs (shard.agreement): the same path can hold other data on
+    4 KiB. Processes of one job compare theirs (shard.agreement): the same path can hold other data on
     another host."""
     if path == SYNTHETIC:
         return SYNTHETIC
@@ -115,9 +115,9 @@ def source_signature(path: str) -> str:
     for f in files:
         size = f.stat().st_size
         with open(f, "rb") as handle:
-            crc = zlib.crc32(handle.read(1 << 16))
-            if size > 1 << 16:
-                handle.seek(max(1 << 16, size - (1 << 16)))
+            crc = zlib.crc32(handle.read(1 << 12))
+            if size > 1 << 12:
+                handle.seek(max(1 << 12, size - (1 << 12)))
                 crc = zlib.crc32(handle.read(), crc)
         lines.append(f"{f.relative_to(root) if root else f.name} {size} {crc:08x}")
     return "\n".join(lines)
@@ -140,7 +140,7 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
     files are unchanged (by size and modification time): training and its held-out tail read one copy."""
     label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
     files, token_files = source_files(path)
-    key = (path, vocab_size, tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    key = (path, vocab_size, tuple((str(f), *_identity(f.stat())) for f in files))
     if key not in _LAST_READ:
         _LAST_READ.clear()
         _LAST_READ[key] = _read_tokens(files, token_files, label, vocab_size)
@@ -148,6 +148,11 @@ def load_tokens(path: str, vocab_size: int) -> np.ndarray:
 
 
 _LAST_READ: dict = {}
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """A file as it is now: another file, or this one rewritten (even to its old size and time), differs."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _read_tokens(files: list[Path], token_files: bool, label: str, vocab_size: int):
@@ -189,12 +194,27 @@ class TokenParts:
             if step != 1:
                 raise ValueError("TokenParts slices with step 1 only")
             return TokenParts(self.parts, self.start + first, self.start + max(first, last))
-        index = np.asarray(key, np.int64) + self.start
+        index = np.asarray(key, np.int64).ravel() + self.start
         part = np.searchsorted(self.bounds, index, side="right") - 1
         out = np.empty(index.shape, self.dtype)
-        for k in np.unique(part):
-            chosen = part == k
-            out[chosen] = self.parts[k][index[chosen] - self.bounds[k]]
+        order = np.argsort(part, kind="stable")  # one gather per part touched, not a mask per part
+        for group in np.split(order, np.flatnonzero(np.diff(part[order])) + 1):
+            k = part[group[0]]
+            out[group] = self.parts[k][index[group] - self.bounds[k]]
+        return out.reshape(np.shape(key))
+
+    def ranges(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows of `length` consecutive tokens from each start (past the end: the last token repeated),
+        copied slice by slice: a window spans one shard or a few, so this costs a copy, not a gather."""
+        out = np.empty((len(starts), length), self.dtype)
+        for row, first in enumerate(np.asarray(starts, np.int64) + self.start):
+            end, filled = min(first + length, self.stop), 0
+            k = int(np.searchsorted(self.bounds, first, side="right")) - 1
+            while first < end:
+                take = min(end, int(self.bounds[k + 1])) - first
+                out[row, filled:filled + take] = self.parts[k][first - self.bounds[k]:first - self.bounds[k] + take]
+                filled, first, k = filled + take, first + take, k + 1
+            out[row, filled:] = out[row, filled - 1] if filled else 0
         return out
 
     def _pieces(self):
@@ -229,9 +249,13 @@ class WindowSource:
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         """(len(indices), seq_len + 1) windows in one gather; -1 pads past the end (masked from the loss)."""
-        offsets = (np.asarray(indices, np.int64) % self._n)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        starts = (np.asarray(indices, np.int64) % self._n) * self.seq_len
+        offsets = starts[:, None] + np.arange(self.seq_len + 1)
         inside = offsets < self.tokens.size
-        windows = np.asarray(self.tokens[np.minimum(offsets, self.tokens.size - 1)], dtype=np.int32)
+        if isinstance(self.tokens, TokenParts):  # shards: a copy per window, not a gather across them
+            windows = self.tokens.ranges(starts, self.seq_len + 1).astype(np.int32)
+        else:
+            windows = np.asarray(self.tokens[np.minimum(offsets, self.tokens.size - 1)], dtype=np.int32)
         return np.where(inside, windows, -1).astype(np.int32)
 
 

@@ -221,7 +221,11 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
 # export-hf writes them back, so a model fine-tuned here stops at its end-of-sequence token there.
 SIDE_DIR = "hf"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model")
+              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "vocab.json", "merges.txt",
+              "added_tokens.json")
+# Keys of the original config.json that would contradict what export-hf writes (float32 weights, no
+# quantization, transformers' own Llama code).
+_NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map")
 
 
 def side_files_of(source: str | Path) -> Path | None:
@@ -253,7 +257,7 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = 
     hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
     if side is not None and (side / "config.json").is_file():
         original = read_json(side / "config.json")
-        hf_config = {k: v for k, v in original.items() if k not in hf_config} | hf_config
+        hf_config = {k: v for k, v in original.items() if k not in hf_config and k not in _NOT_CARRIED} | hf_config
         if "max_position_embeddings" in original:
             hf_config["max_position_embeddings"] = original["max_position_embeddings"]
     root = Path(path)

@@ -310,6 +310,13 @@ def test_a_run_dir_holding_other_files_is_refused(tmp_path):
         result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path), *more)
         assert result.exit_code == 2 and "holds files that are not a shard run (e.g. notes.txt)" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    # a user's own hf/ (a downloaded model) is not a run's: refused, never removed by a failed start
+    (tmp_path / "notes.txt").unlink()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    result = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path))
+    assert result.exit_code == 2 and "not a shard run (e.g. hf)" in result.output, result.output
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):

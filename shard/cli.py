@@ -914,7 +914,7 @@ def generate(
     others = set(config_mod.parse_sets(set_ or [])) - {"rules", "param_rules", "param_regex"}
     if others:
         raise ShardError(f"generate takes rules.*, param_rules.* and param_regex.* in --set (the model comes with "
-                         f"the checkpoint), got {sorted(others)[0]}.*")
+                         f"the checkpoint), got {sorted(others)[0]}")
 
     given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
     if len(given) != 1:

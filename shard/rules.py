@@ -96,8 +96,10 @@ def mesh_axes_of(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: PartitionSpec, mesh) -> None:
-    """Each sharded dimension must split evenly; say which tensor, dimension and mesh axes if not."""
+def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: PartitionSpec, mesh,
+                    param_rules: Rules | None = None) -> None:
+    """Each sharded dimension must split evenly; say which tensor, dimension and mesh axes if not, and
+    the `--set` that replicates the dimension (in param_rules when a rule there placed it)."""
     sizes = dict(mesh.shape)
     for dim, (n, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
         axes = mesh_axes_of(entry)
@@ -109,7 +111,8 @@ def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: Parti
             raise ShardError(
                 f"{what}: dimension {dim} ({logical_axes[dim]}) of size {n} does not divide by mesh axis "
                 f"{axes_text} ({ways} ways); change the mesh or the rule for {logical_axes[dim]!r} (e.g. --set "
-                f"rules.{logical_axes[dim]}=none to replicate it)"
+                f"{'param_rules' if logical_axes[dim] in (param_rules or {}) else 'rules'}.{logical_axes[dim]}=none "
+                "to replicate it)"
             )
 
 
@@ -166,7 +169,7 @@ def param_shardings(abstract_params: dict, logical: dict, layout: Layout) -> dic
     def one(path, sds, axes):
         what = f"parameter {path_str(path)} {tuple(sds.shape)}"
         spec = layout.spec(axes, param=True, what=what)
-        check_divisible(what, tuple(sds.shape), axes, spec, layout.mesh)
+        check_divisible(what, tuple(sds.shape), axes, spec, layout.mesh, layout.param_rules)
         return NamedSharding(layout.mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, abstract_params, logical, is_leaf=lambda x: isinstance(x, tuple))

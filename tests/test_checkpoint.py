@@ -612,3 +612,12 @@ def test_a_checkpoint_folder_that_is_not_writable_is_named_before_training(refer
     with pytest.raises(ShardError, match=r"checkpoint folder \S+ is not writable \(a read-only mount"):
         Checkpoints(ckpts.directory)
     request_close(Checkpoints(ckpts.directory, read_only=True))
+
+
+def test_orbax_ends_a_restore_in_a_device_barrier():
+    """checkpoint._read_outcomes releases the processes waiting in orbax's closing barrier by meeting it
+    with a device collective; that holds while orbax's coordination-service barrier is off (its flag's
+    default; shard never parses absl flags). A newer orbax that turns it on must fail here, not hang."""
+    from orbax.checkpoint._src.multihost import multihost
+
+    assert multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.default is False

@@ -22,6 +22,8 @@ def invoke(*args):
     (["--mesh", "1x8", "--set", "model.mlp_dim=100"],
      "parameter layers/w_down (2, 100, 64): dimension 1 (mlp) of size 100 does not divide by mesh axis model=8"),
     (["--mesh", "8x1", "--batch", "6"], "global batch 6 does not divide over 8 data-parallel devices"),
+    (["--mesh", "1x8", "--set", "model.mlp_dim=100"], "(e.g. --set rules.mlp=none to replicate it)"),
+    (["--mesh", "fsdp=8", "--set", "model.d_model=60"], "(e.g. --set param_rules.embed=none to replicate it)"),
     (["--mesh", "8x1", "--data", "/nonexistent/corpus.txt"], "data path /nonexistent/corpus.txt does not exist"),
     (["--mesh", "8x1", "--set", "optimizer.lrr=1"], "unknown config key 'optimizer.lrr'"),
     (["--mesh", "8x1", "--config", "/nonexistent.toml"], "config file /nonexistent.toml not found"),

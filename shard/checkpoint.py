@@ -3,9 +3,10 @@
 Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
 written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
 `RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
-resolved config and a checksum per array (state_fingerprint). orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every
-process has finished, so a directory named by a bare step number is complete and anything else is a
-save that never finished. Restore reads each array straight into the shardings of the mesh at hand.
+resolved config and a checksum per array (state_fingerprint). orbax writes a step into
+`<step>.orbax-checkpoint-tmp` and renames it once every process has finished, so a directory named by
+a bare step number is complete and anything else is a save that never finished. Restore reads each
+array straight into the shardings of the mesh at hand.
 """
 
 import contextlib
@@ -182,16 +183,21 @@ def _first_line(e: BaseException) -> str:
 _MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
+def _causes(e: BaseException | None):
+    """`e` and the errors it was raised from, outermost first."""
+    while e is not None:
+        yield e
+        e = e.__cause__
+
+
 def _machine_error(e: BaseException) -> bool:
     """Out of device or host memory, no permission, too many open files: somewhere in the cause chain."""
-    while e is not None:
-        if out_of_memory(e):
-            return True
-        codes = {e.errno} if isinstance(e, OSError) else {int(c) for c in re.findall(r"os_error_code=\D?(\d+)", str(e))}
-        if codes & _MACHINE_ERRNOS:
-            return True
-        e = e.__cause__
-    return False
+    def errnos(c: BaseException) -> set[int]:  # an OSError's, or tensorstore's os_error_code in the text
+        if isinstance(c, OSError):
+            return {c.errno}
+        return {int(n) for n in re.findall(r"os_error_code=\D?(\d+)", str(c))}
+
+    return any(out_of_memory(c) or errnos(c) & _MACHINE_ERRNOS for c in _causes(e))
 
 
 _MACHINE, _BAD = "machine: ", "bad: "
@@ -220,11 +226,7 @@ def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> lis
 
 def _peer_failed(e: BaseException | None) -> bool:
     """The error a process gets in a cross-process barrier that another process met from elsewhere."""
-    while e is not None:
-        if "sync_global_devices name mismatch" in str(e):
-            return True
-        e = e.__cause__
-    return False
+    return any("sync_global_devices name mismatch" in str(c) for c in _causes(e))
 
 
 class Checkpoints:
@@ -465,8 +467,9 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
     directory, step = find_checkpoint(checkpoint)
     state_dir = directory / str(step) / STATE
-    config = saved_config(directory / str(step))
-    if config is None:
+    meta = _saved_meta(directory / str(step))
+    config = meta.get("config")
+    if not isinstance(config, str):
         raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")
     checkpoints = Checkpoints(directory, read_only=True)
     try:
@@ -482,7 +485,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
         raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
-    saved = _saved_meta(directory / str(step)).get("fingerprint")
+    saved = meta.get("fingerprint")
     if isinstance(saved, dict):  # checkpoints written before fingerprints have none
         read = {f"params/{path_str(p)}": [host_fingerprint(x), str(x.dtype)]
                 for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}

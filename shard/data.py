@@ -137,7 +137,7 @@ def unused_files_note(path: str) -> str | None:
 
 def load_tokens(path: str, vocab_size: int) -> np.ndarray:
     """One long 1-D token stream from the source named by `path`. The last one read is kept while its
-    files are unchanged (by size and modification time): training and its held-out tail read one copy."""
+    files are unchanged (`_identity`): training and its held-out tail read one copy."""
     label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
     files, token_files = source_files(path)
     key = (path, vocab_size, tuple((str(f), *_identity(f.stat())) for f in files))
@@ -177,8 +177,8 @@ def _read_tokens(files: list[Path], token_files: bool, label: str, vocab_size: i
 class TokenParts:
     """Token files (memory-mapped) read as one stream without copying them into memory: a folder of
     .bin/.npy shards, the usual form of a large corpus, costs page cache, not private memory per
-    process. Supports what the windows need: `size`, `dtype`, a contiguous slice, a gather by index
-    array, `min()`/`max()`."""
+    process. Supports what the windows need: `size`, `dtype`, a contiguous slice, `ranges` (rows of
+    consecutive tokens), `min()`/`max()`."""
 
     def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
         self.parts = parts
@@ -188,20 +188,11 @@ class TokenParts:
         self.size = self.stop - self.start
         self.dtype = np.result_type(*(p.dtype for p in parts))
 
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            first, last, step = key.indices(self.size)
-            if step != 1:
-                raise ValueError("TokenParts slices with step 1 only")
-            return TokenParts(self.parts, self.start + first, self.start + max(first, last))
-        index = np.asarray(key, np.int64).ravel() + self.start
-        part = np.searchsorted(self.bounds, index, side="right") - 1
-        out = np.empty(index.shape, self.dtype)
-        order = np.argsort(part, kind="stable")  # one gather per part touched, not a mask per part
-        for group in np.split(order, np.flatnonzero(np.diff(part[order])) + 1):
-            k = part[group[0]]
-            out[group] = self.parts[k][index[group] - self.bounds[k]]
-        return out.reshape(np.shape(key))
+    def __getitem__(self, key: slice) -> "TokenParts":
+        first, last, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("TokenParts slices with step 1 only")
+        return TokenParts(self.parts, self.start + first, self.start + max(first, last))
 
     def ranges(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows of `length` consecutive tokens from each start (past the end: the last token repeated),

@@ -47,9 +47,10 @@ def check_same_data(cfg: config_mod.TrainConfig) -> None:
 
     if distributed.context().size < 2:
         return
-    for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path if cfg.eval.every else "")):
-        if key == "eval.path" and not path:
-            continue
+    sources = [("data.path", cfg.data.path)]  # "" there: the embedded corpus; in eval.path: none
+    if cfg.eval.every and cfg.eval.path:
+        sources.append(("eval.path", cfg.eval.path))
+    for key, path in sources:
         try:
             mine = source_signature(path)
         except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike

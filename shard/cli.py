@@ -612,9 +612,11 @@ def _init_from_base(source: str) -> dict:
     directory, step = find_checkpoint(path)
     text = saved_config(directory / str(step))  # the step's own, as shard.weights reads it
     try:
-        return {"model": tomllib.loads(text)["model"]}
-    except (TypeError, tomllib.TOMLDecodeError, KeyError):  # TypeError: no config (None)
-        raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config") from None
+        if text is not None:
+            return {"model": tomllib.loads(text)["model"]}
+    except (tomllib.TOMLDecodeError, KeyError):
+        pass
+    raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config")
 
 
 def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:

@@ -232,10 +232,10 @@ def side_files_of(source: str | Path) -> Path | None:
     """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
     of a shard checkpoint's run dir; None when there is none."""
     from shard.checkpoint import find_checkpoint
+    from shard.weights import is_hf_dir
 
-    source = Path(source)
-    if (source / "config.json").is_file():
-        return source
+    if is_hf_dir(source):
+        return Path(source)
     side = find_checkpoint(source)[0].parent / SIDE_DIR
     return side if side.is_dir() else None
 
@@ -243,11 +243,16 @@ def side_files_of(source: str | Path) -> Path | None:
 def keep_side_files(source: str | Path, run_dir: Path) -> None:
     """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
     side = side_files_of(source)
-    files = [side / name for name in SIDE_FILES if side is not None and (side / name).is_file()]
-    if files:
+    if side is not None and any((side / name).is_file() for name in SIDE_FILES):
         (run_dir / SIDE_DIR).mkdir(exist_ok=True)
-        for f in files:
-            shutil.copyfile(f, run_dir / SIDE_DIR / f.name)
+        _copy_side_files(side, run_dir / SIDE_DIR, SIDE_FILES)
+
+
+def _copy_side_files(side: Path, dest: Path, names: tuple[str, ...]) -> None:
+    """Those of `names` that `side` holds, copied into `dest`."""
+    for name in names:
+        if (side / name).is_file():
+            shutil.copyfile(side / name, dest / name)
 
 
 def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None) -> list[Path]:
@@ -263,9 +268,8 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf_config, indent=1))
-    for name in SIDE_FILES[1:]:
-        if side is not None and (side / name).is_file():
-            shutil.copyfile(side / name, root / name)
+    if side is not None:  # config.json is the one just written
+        _copy_side_files(side, root, tuple(n for n in SIDE_FILES if n != "config.json"))
     # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
     shards, current, size = [], {}, 0

@@ -115,6 +115,15 @@ ModelOpt = Annotated[str | None, typer.Option("--model", help="model preset: tin
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
 SimOpt = Annotated[int | None, typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
+CheckpointArg = Annotated[str | None, typer.Argument(help="run dir, its checkpoints/ dir, or one step's dir", show_default=False)]
+CheckpointOpt = Annotated[str | None, typer.Option("--checkpoint", help="the same, as an option", show_default=False)]
+
+
+def _checkpoint_given(positional: str | None, option: str | None) -> str:
+    """The checkpoint a reading command was given, as its first argument or as --checkpoint (both work)."""
+    if (positional is None) == (option is None):
+        raise ShardError("give the checkpoint once: as the first argument or as --checkpoint")
+    return positional if positional is not None else option
 
 
 def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = None, **flags) -> dict:
@@ -647,13 +656,14 @@ def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = F
 
 @app.command()
 def export(
-    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="run dir, its checkpoints/ dir, or one step's dir")],
     out: Annotated[Path, typer.Option("--out", help="new directory for the params-only orbax checkpoint")],
+    checkpoint: CheckpointArg = None,
+    checkpoint_opt: CheckpointOpt = None,
 ):
     """Write a checkpoint's params only (for inference or fine-tuning), readable by plain orbax."""
     from shard.checkpoint import export_params
 
-    target, step = export_params(checkpoint, out)
+    target, step = export_params(Path(_checkpoint_given(checkpoint, checkpoint_opt)), out)
     console.print(f"exported the params of step {step} to {target}")
 
 
@@ -896,7 +906,8 @@ def _host_jax(mesh: str = "1x1", simulate_devices: int | None = None, sets: list
 
 @app.command()
 def generate(
-    checkpoint: Annotated[str, typer.Option("--checkpoint", help="a shard checkpoint or run dir, or a Hugging Face folder")],
+    checkpoint: Annotated[str | None, typer.Argument(help="a shard checkpoint or run dir, or a Hugging Face folder", show_default=False)] = None,
+    checkpoint_opt: CheckpointOpt = None,
     prompt: Annotated[str | None, typer.Option(help="prompt text (byte-level models)")] = None,
     prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
     prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="one prompt per line")] = None,
@@ -912,6 +923,8 @@ def generate(
 ):
     """Sample from a model with a KV cache on a mesh, streaming tokens as they come."""
     import codecs
+
+    checkpoint = _checkpoint_given(checkpoint, checkpoint_opt)
 
     others = set(config_mod.parse_sets(set_ or [])) - {"rules", "param_rules", "param_regex"}
     if others:
@@ -1035,10 +1048,12 @@ def import_hf(
 
 @app.command("export-hf")
 def export_hf(
-    checkpoint: Annotated[str, typer.Argument(help="a shard checkpoint, checkpoints dir or run dir")],
     out: Annotated[Path, typer.Option("--out", help="folder to write config.json and safetensors into")],
+    checkpoint: CheckpointArg = None,
+    checkpoint_opt: CheckpointOpt = None,
 ):
     """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
+    checkpoint = _checkpoint_given(checkpoint, checkpoint_opt)
     check_fresh_out(out)
     _host_jax()
     from shard import hf, weights

@@ -337,7 +337,7 @@ def test_empty_checkpoint_dir(reference, tmp_path):
 
 def test_export_writes_params_that_plain_orbax_reads(reference, tmp_path):
     _, _, final_state, ckpts = reference
-    result = CliRunner().invoke(app, ["export", "--checkpoint", str(ckpts.directory.parent),
+    result = CliRunner().invoke(app, ["export", str(ckpts.directory.parent),  # positional, as export-hf
                                       "--out", str(tmp_path / "params")])
     assert result.exit_code == 0, result.output
     assert f"step {STEPS}" in result.output

@@ -47,7 +47,7 @@ def test_import_writes_a_resumable_checkpoint(imported):
 def test_generate_from_the_import_and_from_the_folder_agree(imported, hf_dir):
     a = invoke("generate", "--checkpoint", imported, "--prompt-ids", "5,17,99", "--max-new-tokens", 6,
                "--temperature", 0, "--ids", "--mesh", "8x1")
-    b = invoke("generate", "--checkpoint", hf_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", 6,
+    b = invoke("generate", hf_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", 6,  # positional, as export-hf
                "--temperature", 0, "--ids", "--mesh", "2x4")
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     tokens = a.output.split()
@@ -62,7 +62,7 @@ def test_text_prompt_streams_text(imported):
 
 
 def test_export_gives_back_the_same_tensors(imported, hf_dir, tmp_path):
-    r = invoke("export-hf", imported, "--out", tmp_path / "out")
+    r = invoke("export-hf", "--checkpoint", imported, "--out", tmp_path / "out")  # as generate's option
     assert r.exit_code == 0, r.output
     before, after = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
@@ -93,6 +93,9 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be 0"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--seed", "-1"], "--seed must be between 0 and 2**32-1"),
+    (["generate", "--prompt", "x"], "give the checkpoint once: as the first argument or as --checkpoint"),
+    (["export-hf", "/tmp", "--checkpoint", "/tmp", "--out", "/tmp/never"], "give the checkpoint once"),
+    (["export", "--out", "/tmp/never"], "give the checkpoint once"),
 ])
 def test_bad_weights_input(args, message):
     r = invoke(*args)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 from pathlib import Path
 
 
@@ -39,7 +40,12 @@ class TensorBoardWriter:
         self._w = None  # made when the run starts: tensorboardX closes writers at exit from a thread
 
     def on_start(self, run) -> None:
-        self._w = _summary_writer_class()(str(self.logdir))
+        # A resume repeats the steps after its checkpoint: events a crashed start logged past it are
+        # purged (TensorBoard's readers honour purge_step), so the curve runs forward with no step twice.
+        # tensorboardX names a file by the second it was made, so a start within the same second as the
+        # last one overwrote its file; the nanoseconds keep them apart, in the order they were made.
+        self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1 if run.start_step else None,
+                                          filename_suffix=f".{time.time_ns() % 10**9:09d}")
 
     def on_log(self, record: dict) -> None:
         for key, value in record.items():

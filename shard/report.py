@@ -37,8 +37,10 @@ def as_trained(records: list[dict]) -> tuple[list[dict], int]:
 
     Each start (a resume, perhaps on another mesh) appends to metrics.jsonl with its clock at 0 and
     repeats the steps after the checkpoint it resumed from: the last record of a step is the one that
-    counts, and `time_s` is made to run on across starts. A start is known by its records'
-    `start_step`; in files written before that field, by its clock or steps going back."""
+    counts, and the steps an earlier start logged past it are dropped (that start was abandoned), so a
+    resumed run read while it trains shows no records of the start it replaced. `time_s` is made to run
+    on across starts. A start is known by its records' `start_step`; in files written before that
+    field, by its clock or steps going back."""
     by_step: dict[int, dict] = {}
     offset, last = 0.0, None
     latest = records[0]["step"]
@@ -46,6 +48,7 @@ def as_trained(records: list[dict]) -> tuple[list[dict], int]:
         if last is not None and (r.get("start_step") != last.get("start_step") or r["time_s"] < last["time_s"]
                                  or r["step"] <= last["step"]):  # a new start
             offset, latest = by_step[last["step"]]["time_s"], r["step"]
+            by_step = {s: rec for s, rec in by_step.items() if s < r["step"]}
         by_step[r["step"]] = {**r, "time_s": r["time_s"] + offset}
         last = r
     return [by_step[s] for s in sorted(by_step)], latest

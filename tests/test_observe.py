@@ -30,6 +30,24 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
     assert {"train/tokens_per_s", "train/grad_norm", "train/mem_peak_bytes"} <= set(acc.Tags()["scalars"])
 
 
+def test_tensorboard_forgets_the_steps_a_resume_repeats(tmp_path):
+    """A crashed start logged steps 1-4; the resume from step 2's checkpoint logs 3 again. TensorBoard
+    showed 1, 2, 3, 4, 3 (the curve went back, the crashed start's 3 and 4 still in it)."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for start, steps, loss in ((0, [1, 2, 3, 4], 9.0), (2, [3], 1.0)):
+        w = TensorBoardWriter(tmp_path)
+        w.on_start(SimpleNamespace(start_step=start))
+        for step in steps:
+            w.on_log({"step": step, "loss": loss})
+        w.on_end([])
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 9.0), (2, 9.0), (3, 1.0)]
+
+
 def test_records_carry_memory_with_its_source():
     r = train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]
     assert r["mem_source"] == "compiled"  # XLA:CPU reports no live memory stats
@@ -152,6 +170,10 @@ def test_a_resumed_run_is_read_as_it_trained():
              rec(13, 6.0, 200, 5) | {"start_step": 11}]
     trained, latest = as_trained(early)
     assert latest == 12 and [r["time_s"] for r in trained] == [0.5, 5.5, 6.5]
+    # a resume from step 2 read while it trains (at step 3): the crashed start's step 4 is not its own
+    live = records[:4] + [rec(3, 0.5, 200, 5)]
+    trained, latest = as_trained(live)
+    assert [(r["step"], r["time_s"]) for r in trained] == [(1, 1.0), (2, 2.0), (3, 4.5)] and latest == 3
 
 
 def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):

@@ -105,6 +105,10 @@ class ModelConfig:
             return self.compute_dtype
         return "float32" if platform == "cpu" else "bfloat16"
 
+    def expert_capacity(self, tokens_per_group: int) -> int:
+        """Slots each expert has per routing group (a sequence); tokens routed beyond it are dropped."""
+        return max(1, math.ceil(self.experts_per_token * tokens_per_group * self.capacity_factor / self.n_experts))
+
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
         d, f, h = self.d_model, self.mlp_dim, self.head_dim

@@ -9,7 +9,6 @@ two layouts with an all-to-all. Mesh axes never appear here.
 Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp.
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +28,6 @@ def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
         w_up=param(rngs, (L, E, D, F), (LAYERS, EXPERT, EMBED, MLP), D**-0.5, dt),
         w_down=param(rngs, (L, E, F, D), (LAYERS, EXPERT, MLP, EMBED), F**-0.5 * out_std, dt),
     )
-
-
-def capacity(tokens_per_group: int, n_experts: int, k: int, factor: float) -> int:
-    """Slots each expert has per group; tokens routed beyond it are dropped (they keep the residual)."""
-    return max(1, math.ceil(k * tokens_per_group * factor / n_experts))
 
 
 def route(probs_bte: jax.Array, k: int, cap: int):
@@ -80,7 +74,7 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
     `dropless`: each expert has a slot for every token of the group (a token picks an expert once), so
     none is dropped, whatever the length: generation's prefill and decode steps then compute the same."""
     T = h_btd.shape[1]
-    cap = T if dropless else capacity(T, cfg.n_experts, cfg.experts_per_token, cfg.capacity_factor)
+    cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
     dispatch_btec, combine_btec, aux = route(router_probs(h_btd, p["router"]), cfg.experts_per_token, cap)
     # The all-to-all: rows split over (data, expert) become experts split over expert.
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))

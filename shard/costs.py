@@ -280,23 +280,42 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (norms and a lookup-only table do not)."""
+    """Parameters that take part in a matmul per token (norms and a lookup-only table do not); of a
+    mixture of experts, the router and the k experts a token is routed to."""
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
     if not cfg.tie_embeddings:
         n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
+    if cfg.n_experts:
+        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
     return n
 
 
+def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token that a mixture of experts computes beyond its k experts: every expert
+    slot of the capacity, filled or not (E x C slots per group of T tokens, about k x capacity_factor
+    per token), and the dispatch and combine einsums, which cost 2 x (E x C) x D per token each, so grow
+    with the group's length. Forward and backward: 3x."""
+    if not cfg.n_experts:
+        return 0.0
+    slots = cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len  # expert slots per token
+    d, f = cfg.d_model, cfg.mlp_dim
+    per_layer = 3 * d * f * 2 * (slots - cfg.experts_per_token) + 2 * 2 * slots * seq_len * d
+    return 3 * cfg.n_layers * per_layer
+
+
 def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
-    """Training FLOPs for `tokens` tokens: 6N per token (N: parameters in matmuls) plus attention's
-    QK^T and PV, forward and backward, 12 L T N H per token (full T x T, as XLA computes it)."""
-    return tokens * (6 * matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim)
+    """Training FLOPs for `tokens` tokens as XLA computes them: 6N per token (N: parameters in matmuls)
+    plus attention's QK^T and PV, forward and backward, 12 L T N H per token (full T x T), plus a
+    mixture of experts' empty slots and token dispatch."""
+    return tokens * (6 * matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+                     + _moe_overhead_flops(cfg, seq_len))
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls) plus causal
-    attention counted at half, 6 L T N H per token (QK^T and PV, forward and backward, over the lower
-    triangle only). Recomputation by remat is not counted: MFU measures useful work."""
+    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
+    experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per
+    token (QK^T and PV, forward and backward, over the lower triangle only). Recomputation by remat,
+    and a mixture of experts' capacity slack and dispatch, are not counted: MFU measures useful work."""
     return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 

@@ -148,7 +148,7 @@ def test_expert_parallel_matches_replicated_experts_and_dispatches_by_all_to_all
 def test_routing_respects_capacity():
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 64, 8)) * 3, axis=-1)
     for k, factor in ((1, 1.0), (2, 1.25), (2, 0.5)):
-        cap = moe.capacity(64, 8, k, factor)
+        cap = dataclasses.replace(PRESETS["moe-tiny"], experts_per_token=k, capacity_factor=factor).expert_capacity(64)
         dispatch, combine, _ = moe.route(probs, k, cap)
         per_slot = dispatch.sum(axis=1)  # (B, E, C): tokens in each slot
         assert float(per_slot.max()) == 1.0  # a slot holds one token
@@ -166,7 +166,7 @@ def test_load_balancing_loss_falls_under_training():
     router = jnp.zeros((16, 8)).at[:, 0].set(1.0)  # everything prefers expert 0 at first
 
     def aux_loss(r):
-        return moe.route(moe.router_probs(h, r), 2, moe.capacity(64, 8, 2, 1.25))[2]
+        return moe.route(moe.router_probs(h, r), 2, PRESETS["moe-tiny"].expert_capacity(64))[2]
 
     grad = jax.jit(jax.value_and_grad(aux_loss))
     first, _ = grad(router)

@@ -5,15 +5,15 @@ No maintained Python parser of HLO text ships with JAX, and the protobuf route n
 definitions, so this reads the handful of things it needs with regular expressions:
 
 - every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute, including the
-  async `-start` forms (the matching `-done` is not counted again);
+  async `-start` forms, combined ones too (the matching `-done` is not counted again);
 - how many times it runs: computations called from a `while` run `known_trip_count` times (layers
   are scanned, so a per-layer collective appears once in the loop body);
 - its replica groups, in any of the three printed forms (`{{0,1},{2,3}}`, the iota form
   `[2,4]<=[8]T(1,0)`, and the mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`), turned into the
   names of the mesh axes along which the group's devices differ;
-- the CPU lowering of a reduce-scatter: an all-reduce whose result is read only through a dynamic
-  slice of 1/n of it. It is reported as compiled (`all-reduce`) and as the logical collective
-  (`reduce-scatter`), which moves half the bytes.
+- the CPU lowering of a reduce-scatter: an all-reduce whose result is read only through dynamic
+  slices of 1/n of it (or of 1/m: a reduce-scatter over m devices and an all-reduce over the rest).
+  It is reported as compiled (`all-reduce`) and as the logical collective (`reduce-scatter`).
 
 Bytes on the wire per device follow the ring algorithms nccl-tests assumes: all-reduce 2(n-1)/n x S,
 all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S.
@@ -267,28 +267,43 @@ def _follow(comp: Computation, ins: Instr, seen: set | None = None) -> list[tupl
     return _readers(comp, ins.name, None, seen)
 
 
-def _is_partition_slice(reader: Instr, pos: int, elems: int, n: int, comps: dict[str, Computation],
-                        seen: set | None = None) -> bool:
-    """Does this reader only take dynamic slices of at most 1/n of its operand `pos` (`elems` elements)?
+def _slice_reads(reader: Instr, pos: int, comps: dict[str, Computation], comp: Computation,
+                 seen: set | None = None) -> dict[tuple, int] | None:
+    """The parts of operand `pos` this reader takes through dynamic slices, {part: elements}, or None
+    if it reads the operand otherwise.
 
-    Readers of one reduced gradient each slice their device's part (the optimizer update is split
-    over several fusions), so each slice is compared with 1/n, not their sum.
+    A part is named by the static slices on the way to the dynamic slice and the dynamic slice's sizes.
+    Readers of one reduced gradient that take the same part (the optimizer update split over several
+    fusions) name it alike; the layers of a stacked gradient unstacked by static slices name theirs
+    apart, so their parts add up.
     """
-    most = elems // n
     if reader.opcode == "dynamic-slice":
-        return pos == 0 and _elems(reader.shape) <= most
+        return {_part(comp, reader): _elems(reader.shape)} if pos == 0 else None
     if reader.opcode != "fusion":
-        return False
+        return None
     callees = _called(reader.attrs, "calls")
     if not callees or callees[0] not in comps:
-        return False
+        return None
     fused = comps[callees[0]]
     param = fused.params.get(pos)
     if param is None:
-        return False
+        return None
     readers = _follow(fused, fused.instrs[param], seen)
-    return bool(readers) and all(r.opcode == "dynamic-slice" and p == 0 and _elems(r.shape) <= most
-                                 for r, p in readers)
+    if not readers or not all(r.opcode == "dynamic-slice" and p == 0 for r, p in readers):
+        return None
+    return {_part(fused, r): _elems(r.shape) for r, _ in readers}
+
+
+def _part(comp: Computation, dynamic_slice: Instr) -> tuple:
+    """The static slices between a value and this dynamic slice of it, and the slice's sizes."""
+    statics = []
+    ins = comp.instrs.get(dynamic_slice.operands[0])
+    while ins is not None and ins.opcode in _PASS_THROUGH and ins.operands:
+        if ins.opcode == "slice":
+            statics.append(re.search(r"slice=\{[^}]*\}", ins.attrs).group(0))
+        ins = comp.instrs.get(ins.operands[0])
+    sizes = re.search(r"dynamic_slice_sizes=\{[^}]*\}", dynamic_slice.attrs)
+    return tuple(statics), sizes.group(0) if sizes else dynamic_slice.shape
 
 
 def _elems(shape_text: str) -> int:
@@ -331,19 +346,15 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
             if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
-                sizes = sizes[len(sizes) // 2: len(sizes) // 2 + 1] if kind == "all-gather" else sizes[1:2]
+                # (inputs, outputs), nested when XLA combined several: ((in1, in2), (out1, out2))
+                sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
             if kind == "reduce-scatter":
                 sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
             if kind == "all-reduce" and n > 1:
-                plain, scattered, merged = _split_reduce_scatter(comp, ins, n, by_name)
-                for part, logical, compiled_as in ((plain, "all-reduce", ins.opcode),
-                                                   (scattered, "reduce-scatter", "all-reduce+dynamic-slice"),
-                                                   (merged, "all-reduce", "all-reduce (reassociable)")):
-                    if part:
-                        total = sum(part)
-                        logical_bytes = 0.0 if part is merged else wire_bytes(logical, total, n)
-                        out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
-                                              wire_bytes("all-reduce", total, n), logical_bytes))
+                for logical, compiled_as, m, part in _split_reduce_scatter(comp, ins, n, by_name):
+                    total = sum(part)
+                    out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
+                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, n, m)))
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
@@ -351,14 +362,28 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
     return out
 
 
+def _logical_bytes(logical: str, size: int, n: int, kept: int | None) -> float:
+    """Bytes of the logical collective: an all-reduce over n devices that each keep 1/m of it is a
+    reduce-scatter over m and an all-reduce of the 1/m part over the other n/m (FSDP's shard of a
+    gradient that data parallel also reduces)."""
+    if kept is None:  # summed into an earlier element before use: counted there
+        return 0.0
+    if logical == "all-reduce":
+        return wire_bytes("all-reduce", size, n)
+    return wire_bytes("reduce-scatter", size, kept) + wire_bytes("all-reduce", size / kept, n // kept)
+
+
 def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str, Computation]):
-    """Bytes of the all-reduce's elements used whole, and of those only read through a 1/n slice.
+    """The all-reduce's elements by how they are used: (logical kind, compiled as, m, [bytes]) for
+    elements used whole, elements only read through dynamic slices that keep 1/m of them (m dividing
+    n: a CPU reduce-scatter, over all n or over some of the axes), and elements summed with an earlier
+    one before use (m None).
 
     Elements of the same shape that meet in one `add` (a parameter used twice, e.g. tied embeddings,
     has two partial gradients) count once: XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b))
     into ar(add(a, b)); XLA:CPU reduces both.
     """
-    plain, scattered, merged = [], [], []
+    groups: dict[tuple, list[int]] = defaultdict(list)
     elements = _element_shapes(ins.shape)
     is_tuple = ins.shape.startswith("(")
     adds_of: list[set] = []
@@ -366,18 +391,22 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
         size, elems = sum(array_bytes(shape)), _elems(shape)
         seen: set = set()
         readers = _readers(comp, ins.name, i if is_tuple else None, seen)
-        slices = [_is_partition_slice(r, p, elems, n, comps, seen) for r, p in readers]
+        reads = [_slice_reads(r, p, comps, comp, seen) for r, p in readers]
         adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
         if elems > 1 and any(adds & earlier and elements[j] == shape for j, earlier in enumerate(adds_of)):
             adds_of.append(set())
-            merged.append(size)
+            groups["all-reduce", "all-reduce (reassociable)", None].append(size)
             continue  # summed with an earlier element before use: one logical all-reduce
         adds_of.append(adds)
-        if elems >= n and readers and all(slices):
-            scattered.append(size)
+        parts = {} if not readers or None in reads else {k: v for r in reads for k, v in r.items()}
+        kept = sum(parts.values())
+        m = n if parts and kept * n <= elems else (elems // kept if parts and elems % kept == 0 else 0)
+        if m > 1 and n % m == 0:
+            label = "all-reduce+dynamic-slice" if m == n else f"all-reduce+dynamic-slice 1/{m}"
+            groups["reduce-scatter", label, m].append(size)
         else:
-            plain.append(size)
-    return plain, scattered, merged
+            groups["all-reduce", ins.opcode, 1].append(size)
+    return [(*key, sizes) for key, sizes in groups.items()]
 
 
 def summarize(items: list[Collective]) -> list[dict]:

@@ -51,6 +51,8 @@ ENTRY %main (a: f32[256], b: bf16[16], c: f32[64], d: f32[32]) -> f32[8] {
   %ag = bf16[32]{0} all-gather(%b), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}, use_global_device_ids=true
   %ags = (f32[32]{0}, f32[128]{0}) all-gather-start(%d), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
   %agd = f32[128]{0} all-gather-done(%ags)
+  %agc = ((f32[64]{0}, f32[32]{0}), (f32[256]{0}, f32[128]{0})) all-gather-start(%c, %d), channel_id=7, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %agcd = (f32[256]{0}, f32[128]{0}) all-gather-done(%agc)
   %rs = f32[8]{0} reduce-scatter(%c), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, to_apply=%add
   %cp = f32[64]{0} collective-permute(%c), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
   %cpu_rs = f32[64]{0} all-reduce(%c), channel_id=6, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
@@ -83,6 +85,14 @@ def test_async_pair_counts_once_with_its_output(parsed):
     assert "agd" not in parsed
 
 
+def test_combined_async_all_gather_counts_every_output(parsed):
+    """XLA:GPU combines FSDP's all-gathers into one ((inputs), (outputs)) start: only the first output
+    was counted."""
+    agc = parsed["agc"]
+    assert (agc.kind, agc.axes, agc.result_bytes) == ("all-gather", ("model",), (256 + 128) * 4)
+    assert agc.wire_bytes == pytest.approx(3 / 4 * 1536)
+
+
 def test_mesh_form_with_transposed_device_ids(parsed):
     # ids [[0,4],[1,5],[2,6],[3,7]] reshaped to (4, 2): the groups along axis_0 are {0,1,2,3}, {4,5,6,7}.
     rs = parsed["rs"]
@@ -103,7 +113,7 @@ def test_cpu_reduce_scatter_is_an_all_reduce_read_through_a_slice(parsed):
 def test_summary_and_bytes_by_axes(parsed):
     items = list(parsed.values())
     per_axis = hlo.bytes_by_axes(items)
-    assert per_axis["model"] == pytest.approx(3 * 1536 + 384 + 96)
+    assert per_axis["model"] == pytest.approx(3 * 1536 + 384 + 96 + 1152)
     rows = hlo.summarize(items)
     assert {"kind", "axes", "count", "bytes_per_device"} <= set(rows[0])
 

@@ -282,6 +282,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     records: list[dict] = []
     start = last_time = time.perf_counter()
     last_step = run.start_step
+    saving_s = 0.0  # time the host spent saving since the last record: not step time
     state = run.state
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
@@ -291,7 +292,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         """One step's record: its metrics, and speed and memory over the steps since the last record
         (`synced`: the step the host waited for, when later than `step`: the time runs to it)."""
         now = time.perf_counter()
-        elapsed, timed = now - last_time, (synced or step) - last_step
+        elapsed, timed = now - last_time - saving_s, (synced or step) - last_step
         record = {
             "step": step,
             "loss": float(values["loss"]),
@@ -353,9 +354,12 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             publish(record)
-            last_time, last_step = time.perf_counter(), i  # evaluation is not step time
+            last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
+        before = time.perf_counter()
         for o in observers:
             getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)
+        if saving:  # nor is a checkpoint's blocking part (the device waits: its steps were synced above)
+            saving_s += time.perf_counter() - before
         if stopping:
             run.stopped_at = i
             break

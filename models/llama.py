@@ -212,16 +212,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
-    # q, k and v come out of one einsum over a weight grouped by kv head, (D, K, G + 2, H): with heads
-    # split for tensor parallel, the backward pass then all-reduces one input gradient, not three.
-    # The grouping is local to each device (model divides K) and leaves the parameters as they are.
-    D, N, H = p["wq"].shape
-    K = p["wk"].shape[1]
-    w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
-    qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
-    B, T = qkv_btkgh.shape[:2]
-    q_btnh = qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H)
-    k_btkh, v_btkh = qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
+    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype)
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
@@ -233,6 +224,35 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
         o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
     return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
+
+
+def _qkv(h_btd, p, dtype):
+    """q, k and v of the normalised residual.
+
+    Where heads and kv heads are split alike, they come out of one einsum over a weight grouped by kv
+    head, (D, K, G + 2, H): with heads split for tensor parallel, the backward pass then all-reduces
+    one input gradient, not three. The grouping is local to each device and leaves the parameters as
+    they are. Where kv heads are split otherwise (replicated by `rules.kv_heads=none` while heads are
+    split), grouping would move weights between devices (collective permutes, which deadlock inside
+    the 1F1B pipeline's per-stage branches), so three einsums run instead.
+    """
+    D, N, H = p["wq"].shape
+    K = p["wk"].shape[1]
+    if not _heads_split_alike():
+        return (jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype)),
+                jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype)),
+                jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype)))
+    w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
+    qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
+    B, T = qkv_btkgh.shape[:2]
+    return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
+
+
+def _heads_split_alike() -> bool:
+    """Are heads and kv heads split over the same mesh axes, as weights and as activations?"""
+    layout = active_layout()
+    return layout is None or all(layout.mesh_axes(HEADS, param=param) == layout.mesh_axes(KV_HEADS, param=param)
+                                 for param in (False, True))
 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):

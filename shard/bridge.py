@@ -3,7 +3,8 @@
 Each process compiles the SPMD step over its own devices (XLA collectives inside the node: NCCL on
 GPUs). Gradient sums, the summed loss and the token count then cross processes through mpi4jax inside a
 jitted function, flattened into a few buckets instead of one call per parameter, and every process
-applies the same update. Same numerics as one global mesh, up to the order of the sums.
+applies the same update. Same numerics as one global mesh, up to the order of the sums, except a MoE
+model's load-balancing loss: a statistic of each process's rows, averaged over the processes.
 
 mpi4jax refuses a jitted computation over several local devices ("ordered effects are not supported
 for more than 1 device"), so:
@@ -68,20 +69,27 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
     """`(state, batch) -> (state, metrics)` over this process's local mesh, reduced across `comm`; `pipe`
     is the schedule when that mesh has pipeline stages."""
     grad_sums, apply = make_step_parts(spec, layout, microbatches, pipe=pipe)
+    processes = comm.Get_size()
+
+    def across(sums):
+        """Gradients, loss and token count summed over the processes; the MoE auxiliary loss (a mean over
+        each process's rows) averaged: summed, it was reported times the process count."""
+        grads, nll, count, aux = allreduce_tree(sums, comm, bucket_bytes)
+        return grads, nll, count, aux / processes
+
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = {k: batch_sharding(layout) for k in BATCH_KEYS}
 
     if layout.mesh.size == 1:
         def fused(state, batch):
-            sums = allreduce_tree(grad_sums(state["params"], batch), comm, bucket_bytes)
-            return apply(state, *sums)
+            return apply(state, *across(grad_sums(state["params"], batch)))
 
         return jax.jit(fused, in_shardings=(spec.shardings, data), out_shardings=(spec.shardings, replicated),
                        donate_argnums=0)
 
     local = jax.jit(lambda state, batch: grad_sums(state["params"], batch),
                     in_shardings=(spec.shardings, data), out_shardings=replicated)
-    cross = jax.jit(lambda sums: allreduce_tree(sums, comm, bucket_bytes))
+    cross = jax.jit(across)
     update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated, replicated),
                      out_shardings=(spec.shardings, replicated), donate_argnums=0)
 

@@ -521,6 +521,33 @@ def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     assert buckets(leaves, 1 << 20) == [[0, 1, 2], [3], [4, 5]]
 
 
+def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
+    """The bridge summed each process's MoE auxiliary loss (a mean over its rows) and reported it times
+    the process count (2.88 against 1.43 on 2 processes). Two processes with the same rows, faked by an
+    all-reduce that doubles, give one mesh's metrics."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from shard import bridge
+    from shard.loop import make_layout
+    from shard.mesh import parse_mesh
+    from shard.state import init_state, state_spec
+    from shard.step import make_train_step
+    from shard.testing import random_batch
+
+    cfg = tiny_config("1x1", model__name="moe-tiny")
+    layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    batch = random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size)
+    monkeypatch.setattr(bridge, "allreduce_tree", lambda tree, comm, bucket_bytes=0: jax.tree.map(lambda x: 2 * x, tree))
+    _, two = bridge.make_bridge_step(spec, layout, SimpleNamespace(Get_size=lambda: 2))(
+        init_state(spec, cfg.model, cfg.seed), batch)
+    _, one = make_train_step(spec, layout)(init_state(spec, cfg.model, cfg.seed), batch)
+    for key in ("loss", "aux_loss", "grad_norm"):
+        np.testing.assert_allclose(float(two[key]), float(one[key]), rtol=1e-6, err_msg=key)
+
+
 def test_a_coordinator_port_in_use_is_refused():
     """gRPC would share a port with a service already there (say a failed run's, still serving its
     last processes): this job's processes could meet that one instead of their own."""

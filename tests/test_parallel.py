@@ -65,6 +65,18 @@ def test_a_bfloat16_pipeline_with_tensor_parallel_compiles_and_matches(schedule,
         np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=0.05 * float(np.max(np.abs(r))))
 
 
+def test_1f1b_with_kv_heads_replicated_under_tensor_parallel():
+    """What the divisibility error suggests for GQA under tensor parallel (`rules.kv_heads=none`): the
+    fused q/k/v weight was regrouped across devices by collective permutes inside 1F1B's per-stage
+    branches, and the step aborted in a deadlock ("only 4 of 8 threads arrived"). Now q, k and v take
+    three einsums there, and the step matches the unpipelined model."""
+    gqa = dict(PIPE, model__n_kv_heads=2)
+    ref = loss_and_grads(tiny_config("1x1", **gqa))
+    out = loss_and_grads(tiny_config("stage=2,model=4", **gqa, rules__kv_heads="none",
+                                     pipeline__schedule="1f1b", pipeline__microbatches=4))
+    assert_same(out, ref)
+
+
 def test_pipeline_gradients_are_not_trivially_equal(dense_reference):
     # Guards the comparison: every layer's gradient is nonzero, so a stage that did nothing would show.
     for g in jax.tree.leaves(dense_reference[1]["layers"]):

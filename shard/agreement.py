@@ -10,6 +10,7 @@ ShardError on every process.
 
 import dataclasses
 import hashlib
+import json
 import os
 import tempfile
 import tomllib
@@ -24,20 +25,35 @@ from shard.errors import ShardError
 PER_PROCESS_KEYS = ("run_dir",)
 
 
-def check_same_config(cfg: config_mod.TrainConfig) -> None:
-    """Every process resolved the same config as process 0 (from the flags, files and --set it got)."""
+def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | None = None) -> None:
+    """Every process resolved the same config as process 0 (from the flags, files and --set it got), and
+    was given the same `start` flags, which the config does not hold (`--resume`, `--init-from`): a
+    process that resumed while another initialised waited in a collective for ever."""
     mine = config_mod.to_toml(dataclasses.replace(cfg, **dict.fromkeys(PER_PROCESS_KEYS, "")))
-    theirs = distributed.broadcast_text(mine)
-    differs = theirs != mine
+    flags = json.dumps(start or {})
+    theirs, their_flags = json.loads(distributed.broadcast_text(json.dumps([mine, flags])))
+    differs = (theirs, their_flags) != (mine, flags)
     if not distributed.any_process_by_service(differs):
         return
     if not differs:
-        raise ShardError("another process of this job was started with a different config; start every "
-                         "process with the same command")
+        raise ShardError("another process of this job was started with a different config (or --resume, "
+                         "--allow-fresh, --init-from); start every process with the same command")
+    rank = distributed.context().rank
+    if theirs == mine:
+        ours, zeros = (start or {}), json.loads(their_flags)
+        flag = next(k for k in {**ours, **zeros} if ours.get(k) != zeros.get(k))
+        raise ShardError(f"process {rank} was started with {_flag_text(flag, ours.get(flag))}, process 0 with "
+                         f"{_flag_text(flag, zeros.get(flag))}; start every process with the same command")
     diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), cfg, ignore=PER_PROCESS_KEYS)
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
-    raise ShardError(f"process {distributed.context().rank} was started with a different config "
+    raise ShardError(f"process {rank} was started with a different config "
                      f"from process 0's{what}; start every process with the same command")
+
+
+def _flag_text(flag: str, value) -> str:
+    if value in (None, False):
+        return f"no {flag}"
+    return flag if value is True else f"{flag} {value}"
 
 
 def check_same_data(cfg: config_mod.TrainConfig) -> None:

@@ -1,5 +1,6 @@
 """The `shard` command. JAX is imported only after the simulated device count is settled."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -183,6 +184,16 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
         err_console.print(f"[dim]simulating {wanted} CPU devices{each} (XLA host platform); "
                           "set --simulate-devices to change[/dim]", soft_wrap=True)
     return devices
+
+
+def _check_devices_per_process(devices) -> None:
+    """Every process of one global mesh holds as many devices (each process sees them all, so each
+    says the same): unequal, the mesh can't be laid out (a reshape error deep in orbax, before)."""
+    counts = collections.Counter(d.process_index for d in devices)
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise ShardError(f"the processes hold different numbers of devices ({held}); start every process with "
+                         "the same --num-processes and --simulate-devices, on hosts with as many accelerators")
 
 
 def _fail(e: Exception):
@@ -485,7 +496,8 @@ def train(
     path = Path(distributed.broadcast_text(str(path)))
     from shard.agreement import check_same_config, check_same_data, check_shared_run_dir
 
-    check_same_config(cfg)  # first: a different config can make the processes' device counts differ
+    check_same_config(cfg, {"--resume": resume, "--allow-fresh": allow_fresh, "--init-from": init_from})
+    _check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
     check_same_data(cfg)
     check_shared_run_dir(path)
     from shard.checkpoint import Checkpoints, SaveCheckpoints

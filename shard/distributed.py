@@ -163,6 +163,9 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     _ctx = Context(XLA, jax.process_index(), jax.process_count(), failure_timeout)
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
+    if _ctx.size != cluster.num_processes:  # the coordinator's count won the join; the others hear why
+        raise ShardError(f"process {cluster.process_id} was started for a job of {cluster.num_processes} processes, "
+                         f"but joined one of {_ctx.size}; start every process with the same --num-processes")
     return _ctx
 
 

@@ -115,6 +115,32 @@ def test_processes_started_with_different_configs_stop_at_once_naming_the_key(tm
     assert "mesh.spec is '8' on process 0, '16' here" in err1
 
 
+def test_resume_on_one_process_only_is_refused(tmp_path):
+    """--resume (or --init-from) is not in the config: process 0 restored while process 1 initialised,
+    and both waited in a collective for ever, deaf to SIGTERM."""
+    base = [*TINY, "--mesh", "2x4", "--run-dir", "r"]
+    (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, [*base, "--resume", "--allow-fresh"], base)
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "process 1 was started with no --resume, process 0 with --resume; start every process with the " \
+           "same command" in err1
+    assert "another process of this job was started with a different config (or --resume" in err0
+
+
+def test_a_different_num_processes_is_named(tmp_path):
+    """Process 1 told --num-processes 4 joined process 0's job of 2 with half its devices: a raw
+    traceback from orbax ("cannot reshape array of size 6 into shape (2,4)") on both."""
+    port = free_port()
+    procs = [subprocess.Popen(shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r", "--coordinator",
+                                        f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)),
+                              cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, n in enumerate((2, 4))]
+    (rc0, _, err0), (rc1, _, err1) = finish(procs)
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "process 1 was started for a job of 4 processes, but joined one of 2; start every process with the " \
+           "same --num-processes" in err1 and "process 1 stopped on: process 1 was started for a job of 4" in err0
+    assert "Traceback" not in err0 + err1
+
+
 def test_a_run_dir_that_is_not_one_shared_folder_is_refused(tmp_path):
     """A relative --run-dir from two working directories (or a local disk per host): the first save
     never completed and both processes waited for ever."""
@@ -643,3 +669,16 @@ def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
     with pytest.raises(ShardError, match="--coordinator nohost.invalid:1234: unknown host"):
         _check_resolves("nohost.invalid:1234")
     _check_resolves("127.0.0.1:1234")
+
+
+def test_processes_with_unequal_device_counts_are_named():
+    """Hosts with different accelerator counts (on CPU: what --num-processes mismatches led to)."""
+    from types import SimpleNamespace
+
+    from shard.cli import _check_devices_per_process
+    from shard.errors import ShardError
+
+    devices = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1)]
+    with pytest.raises(ShardError, match=r"different numbers of devices \(process 0: 4, process 1: 2\)"):
+        _check_devices_per_process(devices)
+    _check_devices_per_process(devices[:4] + devices[4:] * 2)

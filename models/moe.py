@@ -9,7 +9,6 @@ two layouts with an all-to-all. Mesh axes never appear here.
 Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp.
 """
 
-
 import jax
 import jax.numpy as jnp
 

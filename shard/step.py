@@ -23,12 +23,13 @@ def batch_sharding(layout: Layout) -> NamedSharding:
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     """Summed next-token cross-entropy over unmasked positions, and their count (float32).
 
-    The target logit is picked with a one-hot product so that a vocab-sharded logits tensor reduces
-    locally instead of being gathered.
+    The target logit is picked by a gather: XLA's partitioner keeps it local on a vocab-sharded
+    logits tensor (each device picks what it holds; the same collectives as a one-hot product), and it
+    keeps no (B, T, V) one-hot: 31 MiB less per device for vocab 32000 at 8 x 256 tokens (fsdp=8).
     """
     logits_btv = logits_btv.astype(jnp.float32)
     logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-    target_bt = jnp.sum(logits_btv * jax.nn.one_hot(targets_bt, logits_btv.shape[-1], dtype=jnp.float32), -1)
+    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
     return jnp.sum((logz_bt - target_bt) * mask_bt), jnp.sum(mask_bt)
 
 

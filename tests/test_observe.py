@@ -408,3 +408,14 @@ def test_report_does_not_write_among_a_runs_checkpoints(tmp_path):
     r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--out", str(tmp_path / "a" / "checkpoints" / "5")])
     assert r.exit_code == 2 and "is in the checkpoints folder of the run" in r.output, r.output
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints" / "5").iterdir()) == ["state"]
+
+
+def test_the_event_writer_imports_neither_torch_nor_boto3():
+    """tensorboardX probes for torch and imports boto3 for S3 log dirs: 0.2 s of a launch for nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from shard.metrics import _summary_writer_class; _summary_writer_class(); "
+            "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

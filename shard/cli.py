@@ -1084,8 +1084,9 @@ def _human(n: float) -> str:
     return str(n)
 
 
-_MOE_NOT_PLANNED = ("mixture-of-experts layers are planned as dense ones (no expert axis; routing, dispatch and "
-                    "capacity not modelled): check a layout with shard inspect --compiled")
+_MOE_NOT_PLANNED = ("mixture-of-experts layers are planned without an expert axis (their FLOPs, capacity and "
+                    "dispatch included; their memory and all-to-all traffic not): check a layout with shard inspect "
+                    "--compiled")
 
 
 def _param_count(n: int) -> str:

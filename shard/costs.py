@@ -295,13 +295,15 @@ def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token that a mixture of experts computes beyond its k experts: every expert
     slot of the capacity, filled or not (E x C slots per group of T tokens, about k x capacity_factor
     per token), and the dispatch and combine einsums, which cost 2 x (E x C) x D per token each, so grow
-    with the group's length. Forward and backward: 3x."""
+    with the group's length. Forward and backward: 3x, but 2x for dispatch, whose 0/1 routing tensor
+    takes no gradient."""
     if not cfg.n_experts:
         return 0.0
     slots = cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len  # expert slots per token
     d, f = cfg.d_model, cfg.mlp_dim
-    per_layer = 3 * d * f * 2 * (slots - cfg.experts_per_token) + 2 * 2 * slots * seq_len * d
-    return 3 * cfg.n_layers * per_layer
+    experts = 3 * 3 * d * f * 2 * (slots - cfg.experts_per_token)
+    dispatch_and_combine = (2 + 3) * 2 * slots * seq_len * d
+    return cfg.n_layers * (experts + dispatch_and_combine)
 
 
 def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:

@@ -272,10 +272,10 @@ def _slice_reads(reader: Instr, pos: int, comps: dict[str, Computation], comp: C
     """The parts of operand `pos` this reader takes through dynamic slices, {part: elements}, or None
     if it reads the operand otherwise.
 
-    A part is named by the static slices on the way to the dynamic slice and the dynamic slice's sizes.
-    Readers of one reduced gradient that take the same part (the optimizer update split over several
-    fusions) name it alike; the layers of a stacked gradient unstacked by static slices name theirs
-    apart, so their parts add up.
+    A part is named by the static slices on the way to the dynamic slice: readers of one reduced
+    gradient that take the same part (the optimizer update split over several fusions, some through
+    a reshape) name it alike and count once, at the largest size read; the layers of a stacked
+    gradient unstacked by static slices name theirs apart, so their parts add up.
     """
     if reader.opcode == "dynamic-slice":
         return {_part(comp, reader): _elems(reader.shape)} if pos == 0 else None
@@ -291,19 +291,27 @@ def _slice_reads(reader: Instr, pos: int, comps: dict[str, Computation], comp: C
     readers = _follow(fused, fused.instrs[param], seen)
     if not readers or not all(r.opcode == "dynamic-slice" and p == 0 for r, p in readers):
         return None
-    return {_part(fused, r): _elems(r.shape) for r, _ in readers}
+    return _merge_parts({_part(fused, r): _elems(r.shape)} for r, _ in readers)
+
+
+def _merge_parts(reads) -> dict[tuple, int]:
+    """Parts read by several readers, each once, at the largest size any of them reads."""
+    parts: dict[tuple, int] = {}
+    for read in reads:
+        for name, elems in read.items():
+            parts[name] = max(parts.get(name, 0), elems)
+    return parts
 
 
 def _part(comp: Computation, dynamic_slice: Instr) -> tuple:
-    """The static slices between a value and this dynamic slice of it, and the slice's sizes."""
+    """The static slices between a value and this dynamic slice of it."""
     statics = []
     ins = comp.instrs.get(dynamic_slice.operands[0])
     while ins is not None and ins.opcode in _PASS_THROUGH and ins.operands:
         if ins.opcode == "slice":
             statics.append(re.search(r"slice=\{[^}]*\}", ins.attrs).group(0))
         ins = comp.instrs.get(ins.operands[0])
-    sizes = re.search(r"dynamic_slice_sizes=\{[^}]*\}", dynamic_slice.attrs)
-    return tuple(statics), sizes.group(0) if sizes else dynamic_slice.shape
+    return tuple(statics)
 
 
 def _elems(shape_text: str) -> int:
@@ -346,7 +354,8 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
             if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
-                # (inputs, outputs), nested when XLA combined several: ((in1, in2), (out1, out2))
+                # all-gather: (inputs, outputs), nested when XLA combined several: ((in1, in2), (out1, out2));
+                # permute: (input, output, context scalars), one input and output counted
                 sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
             if kind == "reduce-scatter":
                 sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
@@ -398,7 +407,7 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
             groups["all-reduce", "all-reduce (reassociable)", None].append(size)
             continue  # summed with an earlier element before use: one logical all-reduce
         adds_of.append(adds)
-        parts = {} if not readers or None in reads else {k: v for r in reads for k, v in r.items()}
+        parts = {} if not readers or None in reads else _merge_parts(reads)
         kept = sum(parts.values())
         m = n if parts and kept * n <= elems else (elems // kept if parts and elems % kept == 0 else 0)
         if m > 1 and n % m == 0:

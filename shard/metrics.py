@@ -44,7 +44,7 @@ class TensorBoardWriter:
         # purged (TensorBoard's readers honour purge_step), so the curve runs forward with no step twice.
         # tensorboardX names a file by the second it was made, so a start within the same second as the
         # last one overwrote its file; the nanoseconds keep them apart, in the order they were made.
-        self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1 if run.start_step else None,
+        self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1,
                                           filename_suffix=f".{time.time_ns() % 10**9:09d}")
 
     def on_log(self, record: dict) -> None:

@@ -48,7 +48,8 @@ def as_trained(records: list[dict]) -> tuple[list[dict], int]:
         if last is not None and (r.get("start_step") != last.get("start_step") or r["time_s"] < last["time_s"]
                                  or r["step"] <= last["step"]):  # a new start
             offset, latest = by_step[last["step"]]["time_s"], r["step"]
-            by_step = {s: rec for s, rec in by_step.items() if s < r["step"]}
+            cut = r.get("start_step", r["step"] - 1)  # the checkpoint it resumed from
+            by_step = {s: rec for s, rec in by_step.items() if s <= cut}
         by_step[r["step"]] = {**r, "time_s": r["time_s"] + offset}
         last = r
     return [by_step[s] for s in sorted(by_step)], latest

@@ -110,6 +110,72 @@ def test_cpu_reduce_scatter_is_an_all_reduce_read_through_a_slice(parsed):
     assert rs.wire_bytes == pytest.approx(2 * 7 / 8 * 256) and rs.logical_wire_bytes == pytest.approx(7 / 8 * 256)
 
 
+SLICED = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%layer0 (param_0: f32[2,64], param_1: s32[]) -> f32[1,16] {
+  %param_0 = f32[2,64]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %l0 = f32[1,64]{1,0} slice(%param_0), slice={[0:1], [0:64]}
+  ROOT %ds = f32[1,16]{1,0} dynamic-slice(%l0, %zero, %param_1), dynamic_slice_sizes={1,16}
+}
+
+%layer1 (param_0: f32[2,64], param_1: s32[]) -> f32[1,16] {
+  %param_0 = f32[2,64]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %l1 = f32[1,64]{1,0} slice(%param_0), slice={[1:2], [0:64]}
+  ROOT %ds = f32[1,16]{1,0} dynamic-slice(%l1, %zero, %param_1), dynamic_slice_sizes={1,16}
+}
+
+%mine (param_0: f32[128], param_1: s32[]) -> f32[16] {
+  %param_0 = f32[128]{0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  ROOT %ds = f32[16]{0} dynamic-slice(%param_0, %param_1), dynamic_slice_sizes={16}
+}
+
+%mine_reshaped (param_0: f32[128], param_1: s32[]) -> f32[2,8] {
+  %param_0 = f32[128]{0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %r = f32[16,8]{1,0} bitcast(%param_0)
+  ROOT %ds = f32[2,8]{1,0} dynamic-slice(%r, %param_1, %zero), dynamic_slice_sizes={2,8}
+}
+
+ENTRY %main (g: f32[2,64], h: f32[128]) -> (f32[1,16], f32[1,16], f32[16], f32[2,8]) {
+  %g = f32[2,64]{1,0} parameter(0)
+  %h = f32[128]{0} parameter(1)
+  %pid = s32[] partition-id()
+  %stacked = f32[2,64]{1,0} all-reduce(%g), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %a = f32[1,16]{1,0} fusion(%stacked, %pid), kind=kLoop, calls=%layer0
+  %b = f32[1,16]{1,0} fusion(%stacked, %pid), kind=kLoop, calls=%layer1
+  %flat = f32[128]{0} all-reduce(%h), channel_id=2, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %c = f32[16]{0} fusion(%flat, %pid), kind=kLoop, calls=%mine
+  %d = f32[2,8]{1,0} fusion(%flat, %pid), kind=kLoop, calls=%mine_reshaped
+  ROOT %t = (f32[1,16]{1,0}, f32[1,16]{1,0}, f32[16]{0}, f32[2,8]{1,0}) tuple(%a, %b, %c, %d)
+}
+"""
+
+
+def test_slices_that_keep_a_share_of_an_all_reduce():
+    """Over data x model (8), each device keeps 1/4 of a stacked gradient, read as two layers' slices
+    (static slices tell them apart: 1/8 + 1/8): a reduce-scatter over 4 and an all-reduce over 2, not
+    an 8-way reduce-scatter (below the minimum). Another gradient's one 1/8 part, read twice, once
+    through a reshape, is kept once: an 8-way reduce-scatter (summed, it read as 1/4)."""
+    by_name = {c.name: c for c in hlo.collectives(SLICED, AXES, SIZES)}
+    stacked, flat = by_name["stacked"], by_name["flat"]
+    assert (stacked.kind, stacked.compiled_as) == ("reduce-scatter", "all-reduce+dynamic-slice 1/4")
+    assert stacked.logical_wire_bytes == pytest.approx(3 / 4 * 512 + 2 * 1 / 2 * 128)
+    assert (flat.kind, flat.compiled_as) == ("reduce-scatter", "all-reduce+dynamic-slice")
+    assert flat.logical_wire_bytes == pytest.approx(7 / 8 * 512)
+
+
 def test_summary_and_bytes_by_axes(parsed):
     items = list(parsed.values())
     per_axis = hlo.bytes_by_axes(items)

@@ -202,6 +202,11 @@ def test_a_resumed_run_is_read_as_it_trained():
     live = records[:4] + [rec(3, 0.5, 200, 5)]
     trained, latest = as_trained(live)
     assert [(r["step"], r["time_s"]) for r in trained] == [(1, 1.0), (2, 2.0), (3, 4.5)] and latest == 3
+    # a start that diverged at step 4 after a checkpoint at 2, resumed from 2 and logging first at step 6:
+    # the diverged record below the resume's first is not kept either (its start_step says where it resumed)
+    diverged = [rec(2, 2.0, 100, 9) | {"start_step": 0}, rec(4, 4.0, 100, 9) | {"start_step": 0},
+                rec(6, 1.0, 200, 5) | {"start_step": 2}]
+    assert [r["step"] for r in as_trained(diverged)[0]] == [2, 6]
 
 
 def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):

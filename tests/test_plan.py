@@ -106,12 +106,12 @@ def test_a_plan_where_nothing_fits_exits_1():
     assert as_json.exit_code == 1 and json.loads(as_json.stdout)["best"] is None
 
 
-def test_a_mixture_of_experts_plan_says_it_is_planned_as_dense():
+def test_a_mixture_of_experts_plan_says_what_it_leaves_out():
     r = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--seq", "128", "--batch", "16")
     assert r.exit_code == 0, r.output
-    assert "warning: mixture-of-experts layers are planned as dense ones" in r.output
+    assert "warning: mixture-of-experts layers are planned without an expert axis" in r.output
     as_json = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--json")
-    assert "routing, dispatch and capacity not modelled" in json.loads(as_json.stdout)["warnings"][0]
+    assert "their memory and all-to-all traffic not" in json.loads(as_json.stdout)["warnings"][0]
 
 
 def test_user_hardware_file(tmp_path):

@@ -14,6 +14,7 @@ the process count and the mode, as Horovod's `hvd.rank()` does.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -764,13 +765,24 @@ class ProcessSet:
             raise ShardError(f"process set {self.name!r} was destroyed")
 
 
-def process_set(ranks: Sequence[int], name: str | None = None) -> ProcessSet:
-    """Create a process set over `ranks` (call it on every process, with the same ranks)."""
+def process_set(ranks: Sequence[int], name: str | None = None, *, _compare: bool = True) -> ProcessSet:
+    """Create a process set over `ranks` (call it on every process, with the same ranks: the processes
+    compare them first, since MPI would wait for ever on a group its members disagree about)."""
     ctx = _ctx
-    ranks = tuple(sorted({int(r) for r in ranks}))
+    given = [int(r) for r in ranks]
+    ranks = tuple(sorted(set(given)))
+    if len(ranks) < len(given):
+        raise ShardError(f"process set ranks repeat: {given}")
     if not ranks or ranks[0] < 0 or ranks[-1] >= ctx.size:
         raise ShardError(f"process set ranks must be in 0..{ctx.size - 1}, got {list(ranks)}")
     name = name or "ranks-" + "-".join(map(str, ranks))
+    if _compare:
+        asked = [json.loads(t) for t in gather_text(json.dumps([name, list(ranks)]))]
+        other = next((p for p, a in enumerate(asked) if a != asked[0]), None)
+        if other is not None:
+            raise ShardError(f"process {other} created process set {asked[other][0]!r} over ranks {asked[other][1]}, "
+                             f"process 0 {asked[0][0]!r} over {asked[0][1]}; create a set on every process with "
+                             "the same ranks and name")
     if name in ctx._sets:
         raise ShardError(f"process set {name!r} already exists; destroy it first")
     ps = ProcessSet(name, ranks, ctx)
@@ -780,5 +792,5 @@ def process_set(ranks: Sequence[int], name: str | None = None) -> ProcessSet:
 
 def world() -> ProcessSet:
     """The set of every process (created on first use)."""
-    return _ctx._sets.get("world") or process_set(range(_ctx.size), "world")
+    return _ctx._sets.get("world") or process_set(range(_ctx.size), "world", _compare=False)  # alike everywhere
 

@@ -300,6 +300,11 @@ PROCESS_SETS = textwrap.dedent("""
     if again.includes():
         out["again"] = float(again.allreduce(10.0))
     out["world"] = float(distributed.world().allreduce(1.0))
+    for ranks in ([0, 2 if ctx.rank == 2 else 1], [0, 0]):  # process 2 disagrees (MPI hung); a repeat
+        try:
+            distributed.process_set(ranks, name="odd")
+        except ShardError as e:
+            out.setdefault("refused", []).append(str(e))
     open(f"sets-{ctx.rank}.json", "w").write(json.dumps(out))
     distributed.finish()
 """)
@@ -323,6 +328,10 @@ def test_process_sets(tmp_path):
     assert all("process set 'pair' was destroyed" in d["destroyed"] for d in by_rank.values())
     assert by_rank[1]["again"] == by_rank[2]["again"] == 20.0 and "again" not in by_rank[0]
     assert all(d["world"] == 3.0 for d in by_rank.values())
+    for d in by_rank.values():
+        assert d["refused"] == ["process 2 created process set 'odd' over ranks [0, 2], process 0 'odd' over [0, 1]; "
+                                "create a set on every process with the same ranks and name",
+                                "process set ranks repeat: [0, 0]"]
 
 
 @pytest.mark.parametrize("lost", [1, 0], ids=["worker", "coordinator"])

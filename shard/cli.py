@@ -580,8 +580,21 @@ def train(
         where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
         console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
                       f"{run.stopped_at}; checkpoint saved to {where}; "
-                      f"continue with: shard train --run-dir {path} --resume", soft_wrap=True)
+                      f"continue with: {_continue_command(path, cluster)}", soft_wrap=True)
     distributed.finish()
+
+
+def _continue_command(path: Path, cluster) -> str:
+    """The command that resumes a stopped run: under the launcher that started it, on every process."""
+    resume = f"shard train --run-dir {path} --resume"
+    if cluster is None:
+        return resume
+    if cluster.launcher == "mpi":
+        return f"mpiexec -n {cluster.num_processes} {resume}"
+    if cluster.launcher == "slurm":
+        return f"srun {resume} (in the same allocation)"
+    return (f"{resume} --coordinator {cluster.coordinator} --num-processes {cluster.num_processes} "
+            f"--process-id I, on each process I")
 
 
 def _resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:

@@ -378,3 +378,19 @@ def test_a_mesh_file_that_is_not_a_regular_file_is_refused(tmp_path):
     for command in (["train", *TINY, "--run-dir", str(tmp_path / "r")], ["inspect"]):
         r = invoke(*command, "--mesh", str(fifo))
         assert r.exit_code == 2 and f"mesh preset file {fifo} is not a regular file" in r.output, r.output
+
+
+def test_the_continue_hint_names_the_launcher():
+    """After a stop signal a multi-process job was told to continue with a one-process command."""
+    from pathlib import Path
+
+    from shard.cli import _continue_command
+    from shard.distributed import ClusterSpec
+
+    run = Path("runs/a")
+    assert _continue_command(run, None) == "shard train --run-dir runs/a --resume"
+    assert _continue_command(run, ClusterSpec("mpi", 2, 0)) == "mpiexec -n 2 shard train --run-dir runs/a --resume"
+    assert _continue_command(run, ClusterSpec("slurm", 4, 1)).startswith("srun shard train --run-dir runs/a --resume")
+    assert _continue_command(run, ClusterSpec("explicit", 2, 1, "h0:7777")) == (
+        "shard train --run-dir runs/a --resume --coordinator h0:7777 --num-processes 2 --process-id I, on each "
+        "process I")

@@ -1,3 +1,3 @@
-from shard.cli import main
+from shard.entry import main
 
 main()

@@ -47,3 +47,16 @@ def test_the_process_restarts_itself_once_with_the_tunable():
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert _run(env)[1] == f"{TUNABLE}=1"
     assert _run({**env, "GLIBC_TUNABLES": f"{TUNABLE}=0"})[1] == f"{TUNABLE}=0"  # the user's choice stays
+
+
+def test_the_command_restarts_before_the_cli_imports():
+    """The entry point restarts with huge pages before typer and rich are imported: restarting after
+    them imported them twice (0.14 s of every launch)."""
+    code = "import sys; import shard.entry; print(sorted(m for m in ('typer', 'rich', 'jax') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["shard"] == "shard.entry:main"

@@ -343,6 +343,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
         count = mult.get(comp.name, 0)
         if not count:
             continue
+        summed: list[tuple] = []  # the all-reduced elements met so far in this computation (see below)
         for ins in comp.instrs.values():
             kind = _base_kind(ins.opcode)
             if kind is None:
@@ -360,7 +361,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             if kind == "reduce-scatter":
                 sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
             if kind == "all-reduce" and n > 1:
-                for logical, compiled_as, m, part in _split_reduce_scatter(comp, ins, n, by_name):
+                for logical, compiled_as, m, part in _split_reduce_scatter(comp, ins, n, by_name, summed, axes):
                     total = sum(part)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
                                           wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, n, m)))
@@ -382,31 +383,33 @@ def _logical_bytes(logical: str, size: int, n: int, kept: int | None) -> float:
     return wire_bytes("reduce-scatter", size, kept) + wire_bytes("all-reduce", size / kept, n // kept)
 
 
-def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str, Computation]):
+def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str, Computation],
+                          summed: list[tuple] | None = None, axes: tuple = ()):
     """The all-reduce's elements by how they are used: (logical kind, compiled as, m, [bytes]) for
     elements used whole, elements only read through dynamic slices that keep 1/m of them (m dividing
     n: a CPU reduce-scatter, over all n or over some of the axes), and elements summed with an earlier
     one before use (m None).
 
-    Elements of the same shape that meet in one `add` (a parameter used twice, e.g. tied embeddings,
-    has two partial gradients) count once: XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b))
-    into ar(add(a, b)); XLA:CPU reduces both.
+    Elements of the same shape over the same axes that meet in one `add` (a parameter used twice, e.g.
+    tied embeddings, has two partial gradients) count once, in one all-reduce or in two of the same
+    computation (`summed` holds the earlier ones): XLA:GPU's AllReduceReassociate turns
+    add(ar(a), ar(b)) into ar(add(a, b)); XLA:CPU reduces both.
     """
     groups: dict[tuple, list[int]] = defaultdict(list)
     elements = _element_shapes(ins.shape)
     is_tuple = ins.shape.startswith("(")
-    adds_of: list[set] = []
+    summed = [] if summed is None else summed  # (shape, axes, adds) of each element so far
     for i, shape in enumerate(elements):
         size, elems = sum(array_bytes(shape)), _elems(shape)
         seen: set = set()
         readers = _readers(comp, ins.name, i if is_tuple else None, seen)
         reads = [_slice_reads(r, p, comps, comp, seen) for r, p in readers]
         adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
-        if elems > 1 and any(adds & earlier and elements[j] == shape for j, earlier in enumerate(adds_of)):
-            adds_of.append(set())
+        if elems > 1 and any(adds & earlier and (s, a) == (shape, axes) for s, a, earlier in summed):
+            summed.append((shape, axes, set()))
             groups["all-reduce", "all-reduce (reassociable)", None].append(size)
             continue  # summed with an earlier element before use: one logical all-reduce
-        adds_of.append(adds)
+        summed.append((shape, axes, adds))
         parts = {} if not readers or None in reads else _merge_parts(reads)
         kept = sum(parts.values())
         m = n if parts and kept * n <= elems else (elems // kept if parts and elems % kept == 0 else 0)

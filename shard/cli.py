@@ -236,10 +236,13 @@ def _has_records(path: Path) -> bool:
 def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
     """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
     files it wrote, so the corrected command may use the same run dir; a config.toml that was there
-    before (a --resume --allow-fresh base) stays."""
+    before (a --resume --allow-fresh base) stays, with the Hugging Face side files written beside it."""
+    from shard.hf import SIDE_DIR
+
     if _has_records(path):
         return
-    for name in ("metrics.jsonl", "tb", "hf") if keep_config else ("config.toml", "metrics.jsonl", "tb", "hf"):
+    base = () if keep_config else ("config.toml", SIDE_DIR)  # written by a fresh start with its config
+    for name in ("metrics.jsonl", "tb", *base):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)

@@ -394,3 +394,18 @@ def test_the_continue_hint_names_the_launcher():
     assert _continue_command(run, ClusterSpec("explicit", 2, 1, "h0:7777")) == (
         "shard train --run-dir runs/a --resume --coordinator h0:7777 --num-processes 2 --process-id I, on each "
         "process I")
+
+
+def test_a_failed_start_removes_what_it_wrote_and_keeps_its_base(tmp_path):
+    """The Hugging Face side files are written with a fresh start's config.toml: a --resume --allow-fresh
+    start that failed removed them while it kept the config beside them."""
+    from shard.cli import _forget_unstarted_run
+
+    for keep_config in (True, False):
+        for name in ("config.toml", "metrics.jsonl"):
+            (tmp_path / name).write_text("")
+        for name in ("tb", "hf"):
+            (tmp_path / name).mkdir(exist_ok=True)
+        _forget_unstarted_run(tmp_path, keep_config=keep_config)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == (["config.toml", "hf"] if keep_config else [])

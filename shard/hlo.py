@@ -319,6 +319,21 @@ def _elems(shape_text: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) if dims else 1 for _, dims in arrays)
 
 
+def _tuple_elements(shape_text: str) -> list[str]:
+    """The top-level elements of a printed tuple shape: '((a, b), c)' gives ['(a, b)', 'c']."""
+    inner, out, i = shape_text[1:-1], [], 0
+    while i < len(inner):
+        if inner[i] in " ,":
+            i += 1
+            continue
+        end = _balanced(inner, i) if inner[i] == "(" else i
+        while end < len(inner) and inner[end] != ",":
+            end = _balanced(inner, end) if inner[end] in "([{" else end + 1
+        out.append(inner[i:end])
+        i = end + 1
+    return out
+
+
 def _element_shapes(shape_text: str) -> list[str]:
     if not shape_text.startswith("("):
         return [shape_text]
@@ -355,9 +370,9 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
             if ins.opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
-                # all-gather: (inputs, outputs), nested when XLA combined several: ((in1, in2), (out1, out2));
-                # permute: (input, output, context scalars), one input and output counted
-                sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
+                # all-gather: (inputs, outputs); permute: (inputs, outputs, context scalars); both nested when
+                # XLA combined several, as ((in1, in2), (out1, out2), ...): the outputs are counted
+                sizes = array_bytes(_tuple_elements(ins.shape)[1])
             if kind == "reduce-scatter":
                 sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
             if kind == "all-reduce" and n > 1:

@@ -3,7 +3,7 @@
 Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
 written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
 `RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
-resolved config and a checksum per array (state_fingerprint). orbax writes a step into
+resolved config, a checksum per array (state_fingerprint) and the tokens trained on. orbax writes a step into
 `<step>.orbax-checkpoint-tmp` and renames it once every process has finished, so a directory named by
 a bare step number is complete and anything else is a save that never finished. Restore reads each
 array straight into the shardings of the mesh at hand.
@@ -167,6 +167,7 @@ class Restored:
     seed: int
     config_toml: str
     path: Path
+    tokens_seen: int | None = None  # tokens trained on up to `step`; None: a checkpoint from before it was saved
 
 
 def _first_line(e: BaseException) -> str:
@@ -284,13 +285,15 @@ class Checkpoints:
     # -- save -------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict, *, position: int, seed: int, config_toml: str,
-             metrics: dict | None = None) -> None:
+             metrics: dict | None = None, tokens_seen: int | None = None) -> None:
         """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
         so the caller may donate them to the next step."""
         if not distributed.writes_shared_files():
             return  # the MPI bridge: process 0 writes the replica every process holds
         meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml,
                 "fingerprint": state_fingerprint(state)}
+        if tokens_seen is not None:
+            meta["tokens_seen"] = int(tokens_seen)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         self._manager.save(step, args=args, metrics=metrics, force=True)
 
@@ -328,8 +331,10 @@ class Checkpoints:
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
         if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
+        tokens = meta.get("tokens_seen")
         return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
-                        config_toml=meta["config"], path=self.path(step))
+                        config_toml=meta["config"], path=self.path(step),
+                        tokens_seen=None if tokens is None else int(tokens))
 
     def restore_latest(self, spec: StateSpec) -> Restored:
         """The newest complete checkpoint that reads back; unreadable ones are set aside (renamed to
@@ -389,6 +394,10 @@ class SaveCheckpoints:
         self.checkpoints, self.seed, self.config_toml = checkpoints, seed, config_toml
         self.every, self.best_metric = checkpoints.cfg.every, checkpoints.cfg.best_metric
         self.last_saved: int | None = None
+        self.run = None  # the loop's Run, for the tokens seen at a step
+
+    def on_start(self, run) -> None:
+        self.run = run
 
     def saves_at(self, step: int, final: bool) -> bool:
         """The loop checks every step up to a save for divergence first, so only good states are saved."""
@@ -400,8 +409,9 @@ class SaveCheckpoints:
         ranked = None
         if self.best_metric:
             ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
+        tokens = self.run.tokens_seen(step) if self.run is not None else None
         self.checkpoints.save(step, state, position=position, seed=self.seed, config_toml=self.config_toml,
-                              metrics=ranked)
+                              metrics=ranked, tokens_seen=tokens)
         self.last_saved = step
 
     def on_end(self, records: list[dict]) -> None:

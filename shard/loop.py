@@ -54,6 +54,11 @@ class Run:
     start_step: int = 0  # the step the state holds: 0, or the step of the checkpoint resumed from
     stopped_at: int | None = None  # set when an observer's should_stop() ended the loop early
     replicas: int = 1  # processes that each run this mesh (the MPI bridge); 1: the mesh is the whole job
+    tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
+
+    def tokens_seen(self, step: int) -> int:
+        """Tokens trained on up to `step`, this start's at its batch and sequence length."""
+        return self.tokens_before + (step - self.start_step) * self.cfg.data.batch * self.cfg.data.seq_len
 
     @property
     def mesh(self):
@@ -152,6 +157,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
     distributed.barrier("compiled")
+    restored = None
     if init is not None:
         state, start_step, position = init(), 0, 0
     else:
@@ -160,7 +166,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
-               start_step)
+               start_step, tokens_before=_tokens_before(cfg, restored, position))
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
@@ -193,6 +199,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = training_samples(cfg)
+    restored = None
     if restore is None:  # same seed everywhere: the replicas start equal
         state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
     else:
@@ -200,10 +207,20 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         state, start_step, position = restored.state, restored.step, restored.position
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
+    tokens_before = _tokens_before(cfg, restored, position)
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size)
+    return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
+               tokens_before=tokens_before)
+
+
+def _tokens_before(cfg: TrainConfig, restored, position: int) -> int:
+    """Tokens trained on before this start: the checkpoint's count, else (a fresh start, or a checkpoint
+    from before the count was saved) the data position at this start's sequence length."""
+    if restored is not None and restored.tokens_seen is not None:
+        return restored.tokens_seen
+    return position * cfg.data.seq_len
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
@@ -276,8 +293,6 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
 
 def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     tokens_per_step = cfg.data.batch * cfg.data.seq_len
-    # the tokens before this start, from the data position (a resume may have changed the batch size)
-    tokens_before = run.stream.position * cfg.data.seq_len
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
@@ -300,7 +315,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             "lr": float(values["lr"]),
             "tokens_per_s": timed * tokens_per_step / elapsed,
             "step_time_s": elapsed / timed,
-            "tokens_seen": tokens_before + (step - run.start_step) * tokens_per_step,
+            "tokens_seen": run.tokens_seen(step),
             "time_s": now - start,
             "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
             **device_memory(run),

@@ -293,6 +293,15 @@ def test_a_resume_that_changes_the_windows_or_the_schedule_says_so(tmp_path):
     assert "the batch changes (data.batch 8 -> 16)" in other.output
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 5 and last["tokens_seen"] == (4 * 8 + 16) * 32
+    # and each at its own sequence length: the count is saved with the checkpoint, not rebuilt from the
+    # data position at the new length (which made it (4 * 8 + 16) * 16 + 16 * 16)
+    shorter = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "6",
+                     "--set", "optimizer.lr=1e-3", "--batch", "16", "--seed", "3", "--seq", "16",
+                     "--compile-cache", "none")
+    assert shorter.exit_code == 0, shorter.output
+    assert "data.seq_len 32 -> 16" in shorter.output
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 6 and last["tokens_seen"] == (4 * 8 + 16) * 32 + 16 * 16
     # a run saved before eval.holdout existed (its config has no such key) trained on every window
     old = tmp_path / "old"
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(old), "--eval-every", "1", "--compile-cache",

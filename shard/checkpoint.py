@@ -30,7 +30,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from shard import distributed
 from shard.config import CheckpointConfig
-from shard.errors import ShardError, out_of_memory
+from shard.errors import ShardError, first_line, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
 from shard.rules import path_str
 from shard.state import StateSpec
@@ -173,10 +173,10 @@ class Restored:
 def _first_line(e: BaseException) -> str:
     """`Type: first line`, to 200 characters. orbax wraps a failed array read in a generic Exception
     ("... See full TensorStore details: <bound method ..."): the error it wraps is named instead."""
-    text = str(e).strip().splitlines()
-    if text and " See full TensorStore details" in text[0] and e.__cause__ is not None:
+    first = first_line(e)
+    if " See full TensorStore details" in first and e.__cause__ is not None:
         return _first_line(e.__cause__)
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+    return (f"{type(e).__name__}: {first}" if str(e).strip() else first)[:200]
 
 
 # Reads that fail for the machine's sake, not the checkpoint's: every other checkpoint would fail the same

@@ -20,9 +20,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from shard import config as config_mod
-from shard import host_memory, profiling
+from shard import host_memory, profiling, tomlfiles
 from shard.compile_cache import use_compile_cache
-from shard.errors import ShardError, out_of_memory
+from shard.errors import ShardError, first_line, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
                          written_whole)
@@ -49,7 +49,7 @@ def user_error(e: BaseException, command: str | None = "train") -> ShardError | 
     if isinstance(e, OSError) and not isinstance(e, BrokenPipeError | ConnectionError | TimeoutError):
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
         return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = first_line(e)
     if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints)
         return ShardError(_tensorstore_file_error(str(e)))
     if out_of_memory(e):
@@ -675,10 +675,7 @@ def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = F
         if not quiet:
             err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with "
                               f"checkpoint {step}[/yellow]", soft_wrap=True)
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ShardError(f"--resume: the config saved with checkpoint {step} is not valid TOML: {e}") from None
+        return tomlfiles.parse(text, f"--resume: the config saved with checkpoint {step}")
     return {}
 
 

@@ -10,10 +10,10 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import tomli_w
 
+from shard import tomlfiles
 from shard.errors import ShardError
 from shard.mesh import parse_rules
 from shard.models.configs import PRESETS, ModelConfig, field_names
@@ -278,17 +278,7 @@ def merge(base: dict, top: dict) -> dict:
 
 
 def load_file(path: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        raise ShardError(f"config file {path} is a directory; give a TOML file")
-    if p.exists() and not p.is_file():
-        raise ShardError(f"config file {path} is not a regular file; give a TOML file")
-    if not p.is_file():
-        raise ShardError(f"config file {path} not found")
-    try:
-        doc = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ShardError(f"config file {path} is not valid TOML: {e}") from None
+    doc = tomlfiles.read(path, f"config file {path}")
     sections = {f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)}
     for key in sections & set(doc):
         if not isinstance(doc[key], dict):

@@ -26,7 +26,7 @@ import numpy as np
 
 from shard.config import CROSS_HOST_MODES
 from shard.coordinator import ServiceHandle, service_in_helper, split_address
-from shard.errors import ShardError
+from shard.errors import ShardError, first_line
 
 XLA, MPI = CROSS_HOST_MODES
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
@@ -211,7 +211,7 @@ def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> 
                          "sets the wait")
     error = outcome[0]
     if isinstance(error, RuntimeError | ValueError) and not isinstance(error, ShardError):  # XlaRuntimeError too
-        raise ShardError(f"could not join {where}: {str(error).splitlines()[0]}") from None
+        raise ShardError(f"could not join {where}: {first_line(error)}") from None
     if error is not None:
         raise error
 
@@ -312,7 +312,7 @@ def finish() -> None:
             client.wait_at_barrier("shard_finish", int(ctx.failure_timeout * 1000))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             _lost(f"not every process reached the end of the run within {ctx.failure_timeout:g}s "
-                  f"({str(e).splitlines()[0]})")
+                  f"({first_line(e)})")
         if ctx.rank == 0:
             # Process 0 owns the coordination service (shard.coordinator): let the others disconnect
             # before it stops, or their own shutdown fails and aborts them.
@@ -332,7 +332,7 @@ def fail(error: BaseException) -> None:
     ctx = _ctx
     if ctx.mode != XLA:
         raise error
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first_line(error)
     missing = ctx._watchdog.wait_until(bool, ctx.failure_timeout) if ctx._watchdog else []
     if missing:
         _stop_on_lost(missing, first)

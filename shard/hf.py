@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from shard.config import is_positive_number
-from shard.errors import ShardError
+from shard.errors import ShardError, first_line
 from shard.paths import current_umask
 from shard.models.configs import ModelConfig
 
@@ -212,7 +212,7 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
     try:
         save_file(tensors, str(path), metadata={"format": "pt"})
     except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
-        raise ShardError(f"cannot write {path}: {str(e).strip().splitlines()[0]}") from None
+        raise ShardError(f"cannot write {path}: {first_line(e)}") from None
     path.chmod(0o666 & ~current_umask())
 
 

@@ -5,13 +5,13 @@ Parsing is pure Python (the CLI needs the device count before JAX starts); only 
 
 import math
 import re
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from shard.axes import DATA, FSDP, LOGICAL_AXES, MESH_AXES, MODEL
+from shard import tomlfiles
 from shard.errors import ShardError
 
 # Axis names for a bare shape such as `8x4`, by its number of dimensions.
@@ -43,17 +43,6 @@ def preset_names() -> list[str]:
 
 def _presets_dir():
     return resources.files("shard.meshes")
-
-
-def _read_toml(path, label: str) -> dict:
-    if isinstance(path, Path) and path.exists() and not path.is_file():  # a FIFO would block the read
-        raise ShardError(f"mesh preset file {label} is not a regular file; give a TOML file")
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ShardError(f"mesh preset file {label} not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ShardError(f"mesh preset {label} is not valid TOML: {e}") from None
 
 
 def _axes_list(value, where: str) -> tuple[str, ...]:
@@ -100,10 +89,10 @@ def _check_shape(shape, n_axes: int, where: str) -> tuple[int, ...]:
 
 def load_preset(name_or_path: str) -> MeshSpec:
     """A preset from meshes/ by name, or any TOML file of the same form; default rules underneath."""
-    base = _read_toml(_presets_dir().joinpath("default.toml"), "default")
+    base = tomlfiles.read(_presets_dir().joinpath("default.toml"), "mesh preset file default")
     if name_or_path.endswith(".toml"):
         path, label = Path(name_or_path), name_or_path
-        doc = _read_toml(path, label)
+        doc = tomlfiles.read(path, f"mesh preset file {label}")
     else:
         if name_or_path not in preset_names():
             raise ShardError(
@@ -111,7 +100,7 @@ def load_preset(name_or_path: str) -> MeshSpec:
                 f"or a preset ({', '.join(preset_names())})"
             )
         label = name_or_path
-        doc = _read_toml(_presets_dir().joinpath(f"{name_or_path}.toml"), label)
+        doc = tomlfiles.read(_presets_dir().joinpath(f"{name_or_path}.toml"), f"mesh preset file {label}")
     unknown = set(doc) - _PRESET_KEYS
     if unknown:
         raise ShardError(f"mesh preset {label}: unknown key(s) {', '.join(sorted(unknown))}")

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 import shlex
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from shard import costs
+from shard import costs, tomlfiles
 from shard.axes import DATA, FSDP, MODEL
 from shard.config import is_positive_number
 from shard.errors import ShardError
@@ -48,19 +47,10 @@ def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
     """The shipped table (shard/hardware.toml), amended by a user's TOML file of the same form."""
     docs = [("shard/hardware.toml", resources.files("shard").joinpath("hardware.toml").read_text())]
     if extra:
-        path = Path(extra)
-        if not path.is_file():
-            raise ShardError(f"hardware file {extra} " + ("is not a regular file" if path.exists() else "not found"))
-        try:
-            docs.append((str(extra), path.read_text()))
-        except UnicodeDecodeError:
-            raise ShardError(f"hardware file {extra} is not a text (TOML) file") from None
+        docs.append((str(extra), tomlfiles.read_text(extra, f"hardware file {extra}")))
     table: dict[str, Hardware] = {}
     for label, text in docs:
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ShardError(f"hardware file {label} is not valid TOML: {e}") from None
+        doc = tomlfiles.parse(text, f"hardware file {label}")
         for name, entry in doc.items():
             table[name.lower()] = _hardware_entry(label, name, entry)
     return table

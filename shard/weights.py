@@ -2,13 +2,13 @@
 Hugging Face Llama folder, read on the host, then placed into a mesh's shardings. Serves
 `shard generate`, `shard train --init-from`, `shard import-hf` and `shard export-hf`."""
 
-import tomllib
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from shard import config as config_mod
+from shard import tomlfiles
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 from shard.state import StateSpec
@@ -34,7 +34,8 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
 
     params, config_toml, _ = read_params(path)
     # only the model is read: the run's other settings (ranges checked by newer versions) don't matter here
-    return config_mod.resolve({"model": tomllib.loads(config_toml).get("model", {})}).model, params
+    saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
+    return config_mod.resolve({"model": saved.get("model", {})}).model, params
 
 
 def place(params: dict, spec: StateSpec) -> dict:

@@ -55,7 +55,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 
 
 @pytest.mark.parametrize("name, content, flag, message", [
-    ("bin.toml", b"\xff\xfe\x00binary", "--config", "is not valid TOML"),
+    ("bin.toml", b"\xff\xfe\x00binary", "--config", "is not a text (TOML) file"),
+    ("bad.toml", b"[model\n", "--config", "config file {path} is not valid TOML"),
+    ("folder.toml/", None, "--config", "config file {path} is a directory; give a TOML file"),
     ("models.toml", b'[[model]]\nname = "tiny"\n', "--config", "model must be a [model] table, got list"),
     ("neg.npy", None, "--data", "token id -3, outside 0..255"),
     ("afile", b"x", "--run-dir", "is a file; choose another --run-dir"),
@@ -65,13 +67,15 @@ def test_bad_files_are_one_line_and_exit_2(tmp_path, name, content, flag, messag
     import numpy as np
 
     path = tmp_path / name
-    if content is None:
+    if name.endswith("/"):
+        path.mkdir()
+    elif content is None:
         np.save(path, np.array([1, 2, -3, 4], np.int32))
     else:
         path.write_bytes(content)
     result = invoke("train", *TINY, "--mesh", "8x1", flag, str(path))
     assert result.exit_code == 2, result.output
-    assert message in result.output and len(result.output.strip().splitlines()) == 1
+    assert message.format(path=path) in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_a_run_dir_under_a_file_is_named_before_the_compile_cache(tmp_path):
@@ -418,3 +422,10 @@ def test_a_failed_start_removes_what_it_wrote_and_keeps_its_base(tmp_path):
         _forget_unstarted_run(tmp_path, keep_config=keep_config)
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == (["config.toml", "hf"] if keep_config else [])
+
+
+def test_an_error_with_an_empty_message_is_named_by_its_type():
+    """The join and the barrier took `str(e).splitlines()[0]`: an IndexError hid the error itself."""
+    from shard.errors import first_line
+
+    assert first_line(RuntimeError()) == "RuntimeError" and first_line(ValueError("\n a\nb")) == "a"

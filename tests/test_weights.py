@@ -269,3 +269,14 @@ def test_token_ids_context_length_and_tokenizer_survive_import_fine_tune_and_exp
     assert exported["num_key_value_heads"] == config["num_key_value_heads"]  # shard's own keys stay shard's
     for name in ("generation_config.json", "tokenizer_config.json"):
         assert (tmp_path / "out" / name).read_text() == (source / name).read_text()
+
+
+def test_a_checkpoint_whose_saved_config_is_not_toml_is_one_line(imported, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(imported, broken)
+    meta_file = broken / "checkpoints" / "0" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "config": "[model\n"}))
+    r = invoke("generate", broken, "--prompt", "x", "--max-new-tokens", 2, "--mesh", "8x1")
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"the config saved with checkpoint {broken} is not valid TOML" in r.output

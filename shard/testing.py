@@ -1,6 +1,8 @@
 """Fixtures shared by tests, notebooks and benchmarks: tiny configs and meshes on simulated devices."""
 
+import contextlib
 import os
+import socket
 
 from shard import config as config_mod
 from shard.config import TrainConfig
@@ -9,6 +11,16 @@ from shard.devices import HOST_COUNT_FLAG
 # Compiling dominates the test suite on CPU: LLVM at -O0 halves it. Tests compare runs made under the
 # same flags, so what they check does not depend on it; users' runs keep XLA's defaults.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now: each stays bound until all are chosen, so the OS
+    cannot hand the same one out twice."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def xla_flags_for_tests(devices: int | None = None) -> str:

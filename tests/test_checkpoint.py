@@ -8,7 +8,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from shard.metrics import read_jsonl
 from shard.paths import RunDirLock
 from shard.preemption import StopOnSignal
 from shard.state import state_spec
-from shard.testing import devices_for, subprocess_env, tiny_config
+from shard.testing import devices_for, free_ports, subprocess_env, tiny_config
 
 STEPS = 12
 EVERY = 2
@@ -576,9 +575,7 @@ def test_two_processes_resume_stop_together_and_one_process_continues_their_chec
     cfg, ref_losses, _, ckpts = reference
     run_dir = tmp_path / "run"
     shutil.copytree(ckpts.directory.parent, run_dir, ignore=shutil.ignore_patterns("[5-9]", "1[0-9]"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports()[0]
     env = subprocess_env()  # the helper sets the device count
     script = Path(__file__).parent / "helpers" / "two_process_resume.py"
     procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(run_dir), str(STEPS), "8"],

@@ -19,18 +19,12 @@ import pytest
 
 from shard.loop import train
 from shard.metrics import read_jsonl
-from shard.testing import devices_for, subprocess_env, tiny_config, xla_flags_for_tests
+from shard.testing import devices_for, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 TINY = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1"]
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict:
@@ -90,7 +84,7 @@ def own_lines(text: str) -> list[str]:
 
 def _two(tmp_path, args0, args1, cwd1=None):
     """Processes 0 and 1 of one job, each with its own arguments (and process 1's working directory)."""
-    port = free_port()
+    port = free_ports()[0]
     procs = [subprocess.Popen(shard_cmd(*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                                         "--process-id", str(i)),
                               cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -129,7 +123,7 @@ def test_resume_on_one_process_only_is_refused(tmp_path):
 def test_a_different_num_processes_is_named(tmp_path):
     """Process 1 told --num-processes 4 joined process 0's job of 2 with half its devices: a raw
     traceback from orbax ("cannot reshape array of size 6 into shape (2,4)") on both."""
-    port = free_port()
+    port = free_ports()[0]
     procs = [subprocess.Popen(shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r", "--coordinator",
                                         f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)),
                               cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,7 +162,7 @@ def test_processes_that_find_other_data_at_the_data_path_stop_at_once(tmp_path):
 
 
 def test_two_processes_match_one(tmp_path, reference):
-    procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_port())
+    procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_ports()[0])
     (rc0, out0, err0), (rc1, out1, err1) = finish(procs)
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "mesh data=2,model=4 on 8 cpu device(s) in 2 processes" in out0
@@ -182,14 +176,14 @@ def test_a_checkpoint_one_process_cannot_read_is_set_aside_and_every_process_fal
     orbax's closing barrier; process 0 took the barrier mismatch for its own unreadable checkpoint, and
     both stopped with exit 3 (a collective failed). They now agree on the outcome and fall back."""
     args = [*TINY, "--mesh", "fsdp=8", "--run-dir", "r", "--checkpoint-every", "2"]  # each process writes its half
-    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, args, tmp_path, free_port()))
+    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, args, tmp_path, free_ports()[0]))
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     run = tmp_path / "r"
     largest = max((run / "checkpoints" / "3" / "state" / "ocdbt.process_1" / "d").iterdir(),
                   key=lambda f: f.stat().st_size)
     largest.write_bytes(largest.read_bytes()[:100])
     (run / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:2]))
-    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, [*args, "--resume"], tmp_path, free_port()))
+    (rc0, _, err0), (rc1, _, err1) = finish(explicit(2, [*args, "--resume"], tmp_path, free_ports()[0]))
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert re.search(r"checkpoint \S+/3 is unreadable on process 1 \(.+\); set aside as corrupt-3, falling back to "
                      r"step 2", err0), err0[-2000:]
@@ -340,7 +334,7 @@ def test_a_lost_process_stops_the_other(tmp_path, lost):
     process (shard.coordinator), so its loss reads like any other."""
     long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
                 "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10"]
-    procs = explicit(2, long_run, tmp_path, free_port())
+    procs = explicit(2, long_run, tmp_path, free_ports()[0])
     try:
         metrics = tmp_path / "r" / "metrics.jsonl"
         for _ in range(3000):  # until the first steps are logged (compiling takes a while here)
@@ -365,7 +359,7 @@ def test_a_ctrl_c_to_the_whole_job_saves_and_stops_cleanly(tmp_path):
     coordination service's helper, which stopped serving mid-step: both processes aborted natively and
     no stop checkpoint was saved. The helper now runs in its own session and ignores those signals."""
     long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
-                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_port()}",
+                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_ports()[0]}",
                 "--num-processes", "2"]
     # both processes in one process group of their own, as under a terminal: a parent in a new session
     launcher = ("import json, signal, subprocess, sys\n"
@@ -415,7 +409,7 @@ def test_a_user_error_on_one_process_is_named_by_the_others(tmp_path, failing):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(OOM_AT_STEP_3)
     args = ["--model", "tiny", "--steps", "6", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x1",
-            "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_port()}",
+            "--run-dir", "r", "--failure-timeout", "10", "--coordinator", f"127.0.0.1:{free_ports()[0]}",
             "--num-processes", "2"]
     procs = []
     for rank in (0, 1):
@@ -441,7 +435,7 @@ def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
     (whose end was a native abort, exit 134). With the default failure timeout (60 s), longer than
     gloo's fixed 30 s, the other must learn it from the reason left, not from a missed heartbeat. The
     corrected command then runs on the same port: the failed run's coordination service is gone."""
-    port = free_port()
+    port = free_ports()[0]
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--mesh", "2x1", "--run-dir", "r",
             "--set", "cluster.join_timeout=120", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
 
@@ -470,7 +464,7 @@ def test_a_process_0_that_gives_up_joining_stops_its_service(tmp_path):
     helper) stops with it, so the port is free for the corrected command at once."""
     from shard.coordinator import _check_port_free
 
-    port = free_port()
+    port = free_ports()[0]
     [(rc, _, err)] = finish([subprocess.Popen(
         shard_cmd(*TINY, "--mesh", "2x1", "--run-dir", "r", "--set", "cluster.join_timeout=2",
                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"),

@@ -17,21 +17,13 @@ import pytest
 from shard.distributed import ClusterSpec, detect, plan
 from shard.errors import ShardError
 from shard.metrics import read_jsonl
-from shard.testing import tiny_config, train_losses, xla_flags_for_tests
+from shard.testing import free_ports, tiny_config, train_losses, xla_flags_for_tests
 
 SLURM_BINARIES = ("srun", "slurmctld", "slurmd", "munged", "sinfo")
 
 
 def _which(name: str) -> str | None:
     return shutil.which(name, path=f"{os.environ.get('PATH', '')}{os.pathsep}/usr/sbin{os.pathsep}/sbin")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLURM_CONF = """\
@@ -69,7 +61,8 @@ def slurm(tmp_path_factory):
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(d=d, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count()))
+    ctld_port, d_port = free_ports(2)
+    conf.write_text(SLURM_CONF.format(d=d, ctld_port=ctld_port, d_port=d_port, cpus=os.cpu_count()))
     env = dict(os.environ, SLURM_CONF=str(conf))
     started: list[subprocess.Popen] = []
     munge_pid = None
@@ -104,7 +97,7 @@ def slurm(tmp_path_factory):
 def test_srun_two_processes_match_one(slurm, tmp_path):
     # JAX derives srun's coordinator port from the job id, and job ids restart at 1 in every test
     # cluster: a free port (JAX_COORDINATOR_PORT), so an earlier run's lingering service is not met.
-    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(_free_port()))
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(free_ports()[0]))
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
             "--run-dir", "r"]
     r = subprocess.run(["srun", "-n", "2", "-O", "-K", "-I30", sys.executable, "-u", "-m", "shard", "train", *args],
@@ -118,7 +111,7 @@ def test_srun_two_processes_match_one(slurm, tmp_path):
 def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):
     """Without -K, srun lets the other task run on when one exits: task 1 misses its data, joins only
     to leave its reason, and task 0 names it (it used to wait out the join timeout and abort natively)."""
-    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(_free_port()))
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(free_ports()[0]))
     script = tmp_path / "task1_misses_its_data.py"
     script.write_text("import os, sys\nfrom shard.cli import main\n"
                       "if os.environ['SLURM_PROCID'] == '1':\n    sys.argv += ['--data', 'not-on-this-host.txt']\nmain()\n")

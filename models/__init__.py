@@ -1,8 +1,8 @@
 """Model definitions, installed as `shard.models`. Configs import without JAX; the modules load lazily."""
 
-from shard.models.configs import PRESETS, ModelConfig, preset
+from shard.models.configs import PRESETS, ModelConfig
 
-__all__ = ["PRESETS", "ModelConfig", "preset", "build"]
+__all__ = ["PRESETS", "ModelConfig", "build"]
 
 
 def build(cfg: ModelConfig, *, seed: int = 0):

@@ -142,10 +142,5 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """The named preset (KeyError for an unknown name): shard.models' public way to get one."""
-    return PRESETS[name]
-
-
 def field_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(ModelConfig))

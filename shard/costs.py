@@ -330,7 +330,6 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
 # fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
 ACT_PER_D = 9.1  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)
-ACT_PER_QKV = 0.0  # q, k, v: (N + 2K) x H
 ACT_PER_F = 9.3  # gate, up, silu(gate), hidden
 ACT_PER_PROBS = 3.9  # attention scores / probabilities, N x T (N with flash attention)
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
@@ -343,9 +342,8 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     at once only for the one being processed)."""
     m = shape.degree(HEADS)
     tokens = work.global_batch * work.seq_len / shape.degree(BATCH) / work.microbatches
-    D, F, H = cfg.d_model, cfg.mlp_dim, cfg.head_dim
-    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * H
-    per_layer = (ACT_PER_D * D + ACT_PER_QKV * qkv / m + ACT_PER_F * F / shape.degree(MLP)
+    D, F = cfg.d_model, cfg.mlp_dim
+    per_layer = (ACT_PER_D * D + ACT_PER_F * F / shape.degree(MLP)
                  + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if work.attention_probs else 1) / m) * work.act_bytes
     if work.remat == "none":
         layers = cfg.n_layers * per_layer

@@ -450,11 +450,12 @@ def train(
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
 
+    from shard import cluster as cluster_mod
     from shard import distributed
 
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (distributed.leave_on_error), even before it joins them.
-    cluster = distributed.plan(os.environ, coordinator, num_processes, process_id)
+    cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
     defaults = config_mod.ClusterConfig()  # until the config is read
     distributed.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
                        defaults.join_timeout)

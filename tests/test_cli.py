@@ -398,7 +398,7 @@ def test_the_continue_hint_names_the_launcher():
     from pathlib import Path
 
     from shard.cli import _continue_command
-    from shard.distributed import ClusterSpec
+    from shard.cluster import ClusterSpec
 
     run = Path("runs/a")
     assert _continue_command(run, None) == "shard train --run-dir runs/a --resume"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shard.distributed import ClusterSpec, detect, plan
+from shard.cluster import ClusterSpec, detect, spec
 from shard.errors import ShardError
 from shard.metrics import read_jsonl
 from shard.testing import free_ports, tiny_config, train_losses, xla_flags_for_tests
@@ -142,20 +142,20 @@ def test_detect(env, expected):
 
 
 def test_plan():
-    assert plan({"PMI_RANK": "0", "PMI_SIZE": "1"}) is None  # one process: nothing to join
-    assert plan({}, "10.0.0.1:1234", 2, 1) == ClusterSpec("explicit", 2, 1, "10.0.0.1:1234")
+    assert spec({"PMI_RANK": "0", "PMI_SIZE": "1"}) is None  # one process: nothing to join
+    assert spec({}, "10.0.0.1:1234", 2, 1) == ClusterSpec("explicit", 2, 1, "10.0.0.1:1234")
     with pytest.raises(ShardError, match="go together"):
-        plan({}, "10.0.0.1:1234", 2)
+        spec({}, "10.0.0.1:1234", 2)
     with pytest.raises(ShardError, match="HOST:PORT"):
-        plan({}, "10.0.0.1", 2, 0)
+        spec({}, "10.0.0.1", 2, 0)
     for port in ("177320", "0"):  # bind() raised OverflowError with a traceback; the peer waited to join
         with pytest.raises(ShardError, match=f"--coordinator port must be in 1..65535, got {port}"):
-            plan({}, f"10.0.0.1:{port}", 2, 0)
+            spec({}, f"10.0.0.1:{port}", 2, 0)
     with pytest.raises(ShardError, match="--process-id must be in 0..1"):
-        plan({}, "h:1", 2, 2)
+        spec({}, "h:1", 2, 2)
     with pytest.raises(ShardError, match="--num-processes must be 1 or more, got 0"):
-        plan({}, "h:1", 0, 0)
+        spec({}, "h:1", 0, 0)
     # under mpiexec the flags may repeat what the launcher says, not contradict it (both ranks were 0)
-    assert plan({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 1) == ClusterSpec("explicit", 2, 1, "h:1")
+    assert spec({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 1) == ClusterSpec("explicit", 2, 1, "h:1")
     with pytest.raises(ShardError, match="disagree with the mpi launcher, which started this as process 1 of 2"):
-        plan({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 0)
+        spec({"PMI_RANK": "1", "PMI_SIZE": "2"}, "h:1", 2, 0)

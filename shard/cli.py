@@ -7,9 +7,6 @@ import os
 import re
 import shutil
 import sys
-import time
-import tomllib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -20,18 +17,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from shard import config as config_mod
-from shard import host_memory, profiling, tomlfiles
+from shard import profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError, first_line, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
+from shard.console import console, err_console, human_bytes, param_count, short_bytes
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
                          written_whole)
-
-# Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
-# for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
-console = Console(highlight=False, emoji=False, markup=False)
-err_console = Console(stderr=True, highlight=False, emoji=False)
-
+from shard.progress import ConsoleProgress
+from shard.resume import init_from_base, restore_source, resume_base, resume_changes
+from shard.run_dir import choose_run_dir, compile_cache_dir, continue_command, forget_unstarted_run, holds_run
 
 # What to change when a command runs out of device memory.
 _OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
@@ -211,209 +206,6 @@ def _check_data_path(path: str, key: str = "data path") -> None:
         raise ShardError(f"{key} {path} does not exist")
 
 
-def _compile_cache(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
-    """`auto`: one cache beside the run dirs, so a restart or the next run does not recompile."""
-    if cfg.xla.compile_cache in ("", "none"):
-        return None
-    return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
-
-
-# What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
-_RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
-
-
-def _holds_run(path: Path) -> bool:
-    """A config.toml (a user's own too: never overwritten), a logged step or a checkpoint."""
-    return (path / "config.toml").exists() or _has_records(path)
-
-
-def _has_records(path: Path) -> bool:
-    """A logged step or a saved checkpoint (an empty checkpoints/ or metrics.jsonl is neither)."""
-    metrics, checkpoints = path / "metrics.jsonl", path / CHECKPOINTS_DIR
-    return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
-
-
-def _forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
-    """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
-    files it wrote, so the corrected command may use the same run dir; a config.toml that was there
-    before (a --resume --allow-fresh base) stays, with the Hugging Face side files written beside it."""
-    from shard.hf import SIDE_DIR
-
-    if _has_records(path):
-        return
-    base = () if keep_config else ("config.toml", SIDE_DIR)  # written by a fresh start with its config
-    for name in ("metrics.jsonl", "tb", *base):
-        target = path / name
-        if target.is_dir():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            target.unlink(missing_ok=True)
-
-
-def _held_out_change(was: float, now: float) -> str:
-    share = lambda f: f"the last {f:.0%} of the data" if f else "none of the data"  # noqa: E731
-    return (f"evaluation held out {share(was)} from training and now holds out {share(now)} (eval.every, "
-            "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
-
-
-# Config keys a resume may change, though the run then no longer continues exactly as it would have,
-# and why. The learning-rate schedule is warmup, then cosine decay over `steps` (shard.state); the
-# saved data position counts samples of the data order that the seed, the data and the windows make.
-_INEXACT_CHANGES = (
-    (("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio"),
-     "the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows the new one"),
-    (("seed", "data.path", "data.seq_len"),
-     "the data order changes ({what}): the saved data position counts samples of the old order, so training "
-     "reads other samples from here on"),
-    (("data.batch",), "the batch changes ({what}): the samples after the saved position come in other batches"),
-    (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
-)
-
-
-def _inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
-    """A notice for each kind of change in `_INEXACT_CHANGES` that a resume makes to the saved config."""
-    differences = config_mod.differences(saved, cfg)
-    notes = []
-    for keys, reason in _INEXACT_CHANGES:
-        changed = [f"{k} {a} -> {b}" for k, a, b in differences if k in keys]
-        if changed:
-            notes.append(reason.format(what=", ".join(changed)) + ", so this is not an exact resume")
-    return notes
-
-
-def _run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
-    """Where this run writes; a run dir that holds another run is reused only with --resume."""
-    if cfg.run_dir:
-        path = Path(cfg.run_dir)
-        if path.exists() and not path.is_dir():
-            raise ShardError(f"run dir {path} is a file; choose another --run-dir")
-        above = next((p for p in path.absolute().parents if p.exists()), None)  # None: path is /
-        if above is not None and not above.is_dir():
-            raise ShardError(f"run dir {path} can't be made: {above} is a file; choose another --run-dir")
-        if path.is_dir():
-            RunDirLock(path).check_free()  # a run still starting there is in use, not "crashed"
-        if not resume and _holds_run(path):
-            saved = path / "config.toml"
-            if saved.is_file():
-                try:
-                    theirs = config_mod.resolve(config_mod.load_file(str(saved)))
-                except ShardError:
-                    theirs = None
-                # how the processes meet is not the run's identity
-                diff = config_mod.differences(theirs, cfg, ignore=("run_dir", "cluster")) if theirs else []
-                if diff:
-                    key, there, here = diff[0]
-                    raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
-                                     f"{here!r} here); choose another --run-dir")
-            if not _has_records(path):  # its start died before its first step was logged or saved
-                raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
-                                 "start that crashed?); pass --resume --allow-fresh to start it again, or choose "
-                                 "another --run-dir")
-            raise ShardError(f"run dir {path} already holds a run; pass --resume to continue it or choose another "
-                             "--run-dir")
-        if path.is_dir() and not _holds_run(path):  # --resume --allow-fresh too would start one here
-            foreign = sorted(p.name for p in path.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
-            if foreign:
-                raise ShardError(f"run dir {path} holds files that are not a shard run (e.g. {foreign[0]}); give a "
-                                 "new or empty folder")
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{cfg.model.name}-{_mesh_label(mesh_spec.source)}-{stamp}"
-    return path
-
-
-def _mesh_label(source: str) -> str:
-    """A mesh as given, made one folder name: `data=2,fsdp=4` -> `data2_fsdp4`; a TOML file by its stem."""
-    if source.endswith(".toml"):
-        source = Path(source).stem
-    return re.sub(r"[^\w.-]+", "_", source.replace("=", "")).strip("_.") or "mesh"
-
-
-class ConsoleProgress:
-    """Startup summary, a progress bar with loss and tokens/s, and a closing line."""
-
-    def __init__(self, cfg, run_dir: Path):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.cfg, self.run_dir = cfg, run_dir
-        self.progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeRemainingColumn(), console=console,
-        )
-        self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
-
-    def on_start(self, run) -> None:
-        self.run_start = run.start_step
-        self.progress.update(self.task, completed=run.start_step)
-        cfg = self.cfg
-        mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
-        kind = run.mesh.devices.flat[0].platform
-        from shard import distributed
-
-        ctx = distributed.context()
-        where = f"{run.mesh.size} {kind} device(s)"
-        if ctx.mode == distributed.XLA:
-            where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
-        elif ctx.mode == distributed.MPI:
-            where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
-        peak = run.compiled_memory.get("total")
-        compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
-        console.print(
-            f"mesh {mesh} on {where}"
-            + f" · model {cfg.model.name} ({_param_count(cfg.model.num_params())} params)"
-            + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
-            + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
-               f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
-            + (f" · ~{_human(peak)} per device (compiled estimate)" if peak else "")
-            + f" · step compiled {compiled}", soft_wrap=True)
-        if run.peak_flops is None:
-            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
-                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
-        if run.hardware is not None:
-            from shard.plan import startup_warnings
-
-            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
-            try:
-                warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
-            except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
-                warnings = []
-            for w in warnings:
-                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
-        from shard.data import repetition_note
-
-        if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
-            console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)
-        self.progress.start()
-
-    def on_step(self, step: int, outputs=None) -> None:
-        self.progress.update(self.task, completed=step)
-
-    def on_log(self, r: dict) -> None:
-        self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
-
-    def on_abort(self) -> None:  # the error that follows gets a clean line
-        self.progress.stop()
-
-    def on_end(self, records: list[dict]) -> None:
-        self.progress.stop()
-        if not records:
-            return
-        last = records[-1]
-        losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
-        ran = last["step"] - self.run_start
-        steps = f"{ran} step" + ("s" if ran != 1 else "")
-        if self.run_start:
-            span = f"{self.run_start + 1}-{last['step']}" if ran > 1 else str(last["step"])
-            steps += f" ({span}, resumed)"
-        console.print(f"done: {steps}, loss {losses}, "
-                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
-        if last.get("skipped_steps"):
-            every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
-            err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
-                              f"{ran} steps run{every}[/yellow]", soft_wrap=True)
-
-
 @app.command()
 def train(
     mesh: MeshOpt = None,
@@ -465,7 +257,7 @@ def train(
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
     main = cluster is None or cluster.process_id == 0
-    base = _resume_base(run_dir, allow_fresh, quiet=not main) if resume else _init_from_base(init_from) if init_from else None
+    base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else init_from_base(init_from) if init_from else None
     cfg = config_mod.resolve(_overrides(
         config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
@@ -481,7 +273,7 @@ def train(
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
     if resume and base and main:
-        for note in _resume_changes(base, cfg):
+        for note in resume_changes(base, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     _check_data_path(cfg.data.path)
@@ -494,9 +286,9 @@ def train(
         err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     # Process 0 chooses the run dir (a default name has a time stamp) and tells the others once JAX
     # runs; until then they only need its parent, for the compile cache.
-    path = _run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
+    path = choose_run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
     globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
-    devices = start_devices(cfg, mesh_spec, _compile_cache(cfg, path), cluster)
+    devices = start_devices(cfg, mesh_spec, compile_cache_dir(cfg, path), cluster)
     path = Path(distributed.broadcast_text(str(path)))
     from shard.agreement import check_same_config, check_same_data, check_shared_run_dir
 
@@ -521,7 +313,7 @@ def train(
         if existed:
             lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
-    restore = _restore_source(checkpoints, resume, allow_fresh, init_from, cfg.seed, notice)
+    restore = restore_source(checkpoints, resume, allow_fresh, init_from, cfg.seed, notice)
     try:
         run = prepare(cfg, devices, restore=restore)
         if init_from:
@@ -545,7 +337,7 @@ def train(
             had_config = (path / "config.toml").exists()  # a --resume base: never removed
             path.mkdir(parents=True, exist_ok=True)
             lock.acquire()
-            if not existed and _holds_run(path):  # another train made it (and may have ended) meanwhile
+            if not existed and holds_run(path):  # another train made it (and may have ended) meanwhile
                 raise ShardError(f"run dir {path} was started by another shard train while this one "
                                  "prepared; run the command again (with --resume to continue that run)")
             if init_from and not had_config:  # what export-hf writes back besides the weights
@@ -571,7 +363,7 @@ def train(
         finally:  # also on divergence: saves already under way commit; nothing newer is written
             checkpoints.close()
             if not finished and main and not run.start_step:  # a first start (--resume --allow-fresh too)
-                _forget_unstarted_run(path, keep_config=had_config)
+                forget_unstarted_run(path, keep_config=had_config)
     except ShardError:
         raise
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective
@@ -584,100 +376,8 @@ def train(
         where = checkpoints.path(saver.last_saved) if saver.last_saved else "(no checkpoint)"
         console.print(f"stopped by {stopper.received or 'a signal on another process'} after step "
                       f"{run.stopped_at}; checkpoint saved to {where}; "
-                      f"continue with: {_continue_command(path, cluster)}", soft_wrap=True)
+                      f"continue with: {continue_command(path, cluster)}", soft_wrap=True)
     distributed.finish()
-
-
-def _continue_command(path: Path, cluster) -> str:
-    """The command that resumes a stopped run: under the launcher that started it, on every process."""
-    resume = f"shard train --run-dir {path} --resume"
-    if cluster is None:
-        return resume
-    if cluster.launcher == "mpi":
-        return f"mpiexec -n {cluster.num_processes} {resume}"
-    if cluster.launcher == "slurm":
-        return f"srun {resume} (in the same allocation)"
-    return (f"{resume} --coordinator {cluster.coordinator} --num-processes {cluster.num_processes} "
-            f"--process-id I, on each process I")
-
-
-def _resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
-    """Notes on what a resume changes that makes it inexact: the held-out share, the lr schedule."""
-    from shard.data import held_out_share
-
-    saved = config_mod.resolve(base)
-    # a config saved before eval.holdout existed trained on every window
-    was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
-    now = held_out_share(cfg)
-    notes = [_held_out_change(was, now)] if was != now else []
-    return notes + _inexact_changes(saved, cfg)
-
-
-def _restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str | None, seed: int,
-                    notice: Callable[[str], None]) -> Callable | None:
-    """What `prepare` restores the state with: the newest complete checkpoint (--resume), weights from
-    elsewhere with a fresh optimizer (--init-from), or None for a fresh init."""
-    if init_from:
-        from shard import weights
-
-        _, loaded = weights.load(init_from)
-        return lambda spec: weights.state_from(loaded, spec, seed, init_from)
-    if not resume:
-        return None
-    checkpoints.clean_incomplete()
-    if checkpoints.steps():
-        return checkpoints.restore_latest
-    if not allow_fresh:
-        raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
-                         "--allow-fresh to start this run from step 0")
-    notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
-    return None
-
-
-def _init_from_base(source: str) -> dict:
-    """The model section of the weights' own config (config.json, or the config the checkpoint step was
-    saved with), read without JAX, so the run builds exactly that model."""
-
-    from shard import hf
-    from shard.checkpoint import find_checkpoint, saved_config
-
-    path = Path(source)
-    if not path.exists():
-        raise ShardError(f"--init-from: {source} does not exist")
-    if (path / "config.json").is_file():
-        cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
-        return {"model": dataclasses.asdict(cfg)}
-    directory, step = find_checkpoint(path)
-    text = saved_config(directory / str(step))  # the step's own, as shard.weights reads it
-    try:
-        if text is not None:
-            return {"model": tomllib.loads(text)["model"]}
-    except (tomllib.TOMLDecodeError, KeyError):
-        pass
-    raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config")
-
-
-def _resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:
-    """The config a resumed run starts from: the one saved in its run dir (flags still override it).
-    With --allow-fresh a run dir that doesn't exist yet is a first start."""
-    if not run_dir:
-        raise ShardError("--resume needs --run-dir: the run to continue")
-    saved = Path(run_dir) / "config.toml"
-    if Path(run_dir).exists() and not Path(run_dir).is_dir():
-        raise ShardError(f"--resume: run dir {run_dir} is a file")
-    if not Path(run_dir).is_dir() and not allow_fresh:
-        raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
-    if saved.is_file():
-        return config_mod.load_file(str(saved))
-    from shard.checkpoint import config_saved_with
-
-    if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
-        text, step = found
-        if not quiet:
-            err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with "
-                              f"checkpoint {step}[/yellow]", soft_wrap=True)
-        return tomlfiles.parse(text, f"--resume: the config saved with checkpoint {step}")
-    return {}
 
 
 @app.command()
@@ -735,11 +435,11 @@ def inspect(
         spec = "(" + ", ".join("None" if e is None else e if isinstance(e, str) else "(" + ", ".join(e) + ")"
                                for e in r["partition_spec"]) + ")"
         table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
-                      _human(r["bytes_per_device"]))
+                      human_bytes(r["bytes_per_device"]))
     console.print(table)
     console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "
-                  f"{_human(doc['params_bytes_per_device'])}, optimizer state "
-                  f"{_human(doc['opt_state_bytes_per_device'])}")
+                  f"{human_bytes(doc['params_bytes_per_device'])}, optimizer state "
+                  f"{human_bytes(doc['opt_state_bytes_per_device'])}")
     if compiled:
         _print_compiled(doc)
 
@@ -750,17 +450,17 @@ def _print_compiled(doc: dict) -> None:
         table.add_column(col, justify="right" if col in ("count", "bytes/device", "as compiled") else "left")
     for r in doc["collectives"]:
         table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], str(r["count"]),
-                      _human(r["bytes_per_device"]), _human(r["compiled_bytes_per_device"]))
+                      human_bytes(r["bytes_per_device"]), human_bytes(r["compiled_bytes_per_device"]))
     Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
     for axis, eff in doc["communication_efficiency"].items():
-        console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
-                      f"{_human(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
+        console.print(f"axis {axis}: moved {human_bytes(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
+                      f"{human_bytes(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
     for axis, parallelism in doc["unmodelled_axes"].items():
-        console.print(f"axis {axis}: moved {_human(doc['bytes_per_axis'].get(axis, 0))}, no analytic minimum "
+        console.print(f"axis {axis}: moved {human_bytes(doc['bytes_per_axis'].get(axis, 0))}, no analytic minimum "
                       f"({parallelism} has no formula yet)")
     m = doc["memory"]
-    console.print(f"memory per device {_human(m['total'])} (arguments {_human(m['arguments'])} + temporaries "
-                  f"{_human(m['temporaries'])} + outputs {_human(m['outputs'])} - aliased {_human(m['aliased'])}) · "
+    console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
+                  f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "
                   f"XLA FLOPs/device {doc['flops_per_device']:.3g}, model FLOPs/device "
                   f"{doc['model_flops_per_device']:.3g}")
 
@@ -808,13 +508,13 @@ def plan(
         return
     if cfg.model.n_experts:
         err_console.print(f"[yellow]warning:[/yellow] {escape(_MOE_NOT_PLANNED)}", soft_wrap=True)
-    console.print(f"{cfg.model.name} ({_param_count(cfg.model.num_params())} params) on {devices} x {hw.name} in "
+    console.print(f"{cfg.model.name} ({param_count(cfg.model.num_params())} params) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
     columns = ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits")
     rows = []
     for c in ranked[:top]:
-        comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={_short(b)}" for a, b in c.comm_bytes.items())
-        rows.append((c.mesh_spec(), c.remat, _short(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
+        comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={short_bytes(b)}" for a, b in c.comm_bytes.items())
+        rows.append((c.mesh_spec(), c.remat, short_bytes(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
                      f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems)))
     table = Table(box=None, pad_edge=False)
     for i, col in enumerate(columns):
@@ -880,7 +580,7 @@ def bench_collectives(
         if as_json:
             print(json.dumps(r), flush=True)
         else:
-            table.add_row(r["kind"], r["axis"], str(r["devices"]), _human(r["size_bytes"]),
+            table.add_row(r["kind"], r["axis"], str(r["devices"]), human_bytes(r["size_bytes"]),
                           f"{r['time_us']:.1f}us", f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}")
 
     if not bench(jmesh, sizes_between(min_size, max_size), tuple(kinds or KINDS), iters, on_result=show):
@@ -910,7 +610,7 @@ def report(
     for col in ("run", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device"):
         table.add_column(col, overflow="fold")  # run paths whole, never "/tmp/ru…"
     for r in doc["runs"]:
-        mem = _human(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
+        mem = human_bytes(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
             if r["peak_memory_bytes"] is not None else "-"
         loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
@@ -1090,35 +790,13 @@ def export_hf(
     console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 _MOE_NOT_PLANNED = ("mixture-of-experts layers are planned without an expert axis (their FLOPs, capacity and "
                     "dispatch included; their memory and all-to-all traffic not): check a layout with shard inspect "
                     "--compiled")
 
 
-def _param_count(n: int) -> str:
-    """A parameter count as people say it: 0.10M, 124.44M, 13.08B."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def _short(n: float) -> str:
-    """Bytes in at most five characters: 512B, 3.2K, 41G (binary units)."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" or n >= 10 else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
-
-
 def main() -> None:
-    host_memory.reexec_with_huge_pages()
+    """The CLI without the huge-page restart (shard.entry:main, the `shard` command, does that first)."""
     app()
 
 

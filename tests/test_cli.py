@@ -375,11 +375,12 @@ def test_hidden_leftovers_do_not_make_a_run_dir_foreign_and_a_missing_eval_path_
 def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():
     """Flags went through JSON text into TOML: `--run-dir runs/😀` became a quoted, escaped string. A mesh
     given as a TOML path made the default run dir several nested folders."""
-    from shard.cli import _mesh_label, _overrides
+    from shard.cli import _overrides
+    from shard.run_dir import mesh_label
 
     assert _overrides(None, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
-    assert _mesh_label("/tmp/my meshes/wide.toml") == "wide"
-    assert _mesh_label("data=2,fsdp=4") == "data2_fsdp4" and _mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"
+    assert mesh_label("/tmp/my meshes/wide.toml") == "wide"
+    assert mesh_label("data=2,fsdp=4") == "data2_fsdp4" and mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"
 
 
 def test_a_mesh_file_that_is_not_a_regular_file_is_refused(tmp_path):
@@ -397,14 +398,14 @@ def test_the_continue_hint_names_the_launcher():
     """After a stop signal a multi-process job was told to continue with a one-process command."""
     from pathlib import Path
 
-    from shard.cli import _continue_command
+    from shard.run_dir import continue_command
     from shard.cluster import ClusterSpec
 
     run = Path("runs/a")
-    assert _continue_command(run, None) == "shard train --run-dir runs/a --resume"
-    assert _continue_command(run, ClusterSpec("mpi", 2, 0)) == "mpiexec -n 2 shard train --run-dir runs/a --resume"
-    assert _continue_command(run, ClusterSpec("slurm", 4, 1)).startswith("srun shard train --run-dir runs/a --resume")
-    assert _continue_command(run, ClusterSpec("explicit", 2, 1, "h0:7777")) == (
+    assert continue_command(run, None) == "shard train --run-dir runs/a --resume"
+    assert continue_command(run, ClusterSpec("mpi", 2, 0)) == "mpiexec -n 2 shard train --run-dir runs/a --resume"
+    assert continue_command(run, ClusterSpec("slurm", 4, 1)).startswith("srun shard train --run-dir runs/a --resume")
+    assert continue_command(run, ClusterSpec("explicit", 2, 1, "h0:7777")) == (
         "shard train --run-dir runs/a --resume --coordinator h0:7777 --num-processes 2 --process-id I, on each "
         "process I")
 
@@ -412,14 +413,14 @@ def test_the_continue_hint_names_the_launcher():
 def test_a_failed_start_removes_what_it_wrote_and_keeps_its_base(tmp_path):
     """The Hugging Face side files are written with a fresh start's config.toml: a --resume --allow-fresh
     start that failed removed them while it kept the config beside them."""
-    from shard.cli import _forget_unstarted_run
+    from shard.run_dir import forget_unstarted_run
 
     for keep_config in (True, False):
         for name in ("config.toml", "metrics.jsonl"):
             (tmp_path / name).write_text("")
         for name in ("tb", "hf"):
             (tmp_path / name).mkdir(exist_ok=True)
-        _forget_unstarted_run(tmp_path, keep_config=keep_config)
+        forget_unstarted_run(tmp_path, keep_config=keep_config)
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == (["config.toml", "hf"] if keep_config else [])
 

@@ -268,10 +268,10 @@ def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
 
 PROCESS_SETS = textwrap.dedent("""
     import json, os
-    from shard import distributed
+    from shard import cluster, distributed
     from shard.errors import ShardError
 
-    ctx = distributed.start(distributed.plan(os.environ), "xla", failure_timeout=30)
+    ctx = distributed.start(cluster.spec(os.environ), "xla", failure_timeout=30)
     out = {"rank": ctx.rank}
     evens = distributed.process_set([0, 2], name="evens")
     if evens.includes():

@@ -1,0 +1,31 @@
+"""The terminal: the two consoles every command prints on, and how sizes read there."""
+
+from rich.console import Console
+
+# Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
+# for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
+console = Console(highlight=False, emoji=False, markup=False)
+err_console = Console(stderr=True, highlight=False, emoji=False)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units: 512 B, 3.20 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def param_count(n: int) -> str:
+    """A parameter count as people say it: 0.10M, 124.44M, 13.08B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def short_bytes(n: float) -> str:
+    """Bytes in at most five characters: 512B, 3.2K, 41G (binary units)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 10 else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)

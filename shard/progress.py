@@ -1,0 +1,93 @@
+"""`shard train`'s terminal output: the start-up summary, a progress bar, and the closing line."""
+
+from pathlib import Path
+
+from rich.markup import escape
+
+from shard.console import console, err_console, human_bytes, param_count
+from shard.errors import ShardError
+
+
+class ConsoleProgress:
+    """Startup summary, a progress bar with loss and tokens/s, and a closing line."""
+
+    def __init__(self, cfg, run_dir: Path):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.cfg, self.run_dir = cfg, run_dir
+        self.progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(), console=console,
+        )
+        self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
+
+    def on_start(self, run) -> None:
+        self.run_start = run.start_step
+        self.progress.update(self.task, completed=run.start_step)
+        cfg = self.cfg
+        mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
+        kind = run.mesh.devices.flat[0].platform
+        from shard import distributed
+
+        ctx = distributed.context()
+        where = f"{run.mesh.size} {kind} device(s)"
+        if ctx.mode == distributed.XLA:
+            where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
+        elif ctx.mode == distributed.MPI:
+            where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
+        peak = run.compiled_memory.get("total")
+        compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
+        console.print(
+            f"mesh {mesh} on {where}"
+            + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
+            + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
+            + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
+               f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
+            + (f" · ~{human_bytes(peak)} per device (compiled estimate)" if peak else "")
+            + f" · step compiled {compiled}", soft_wrap=True)
+        if run.peak_flops is None:
+            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
+                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
+        if run.hardware is not None:
+            from shard.plan import startup_warnings
+
+            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
+            try:
+                warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
+            except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
+                warnings = []
+            for w in warnings:
+                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
+        from shard.data import repetition_note
+
+        if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
+            console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)
+        self.progress.start()
+
+    def on_step(self, step: int, outputs=None) -> None:
+        self.progress.update(self.task, completed=step)
+
+    def on_log(self, r: dict) -> None:
+        self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
+
+    def on_abort(self) -> None:  # the error that follows gets a clean line
+        self.progress.stop()
+
+    def on_end(self, records: list[dict]) -> None:
+        self.progress.stop()
+        if not records:
+            return
+        last = records[-1]
+        losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
+        ran = last["step"] - self.run_start
+        steps = f"{ran} step" + ("s" if ran != 1 else "")
+        if self.run_start:
+            span = f"{self.run_start + 1}-{last['step']}" if ran > 1 else str(last["step"])
+            steps += f" ({span}, resumed)"
+        console.print(f"done: {steps}, loss {losses}, "
+                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
+        if last.get("skipped_steps"):
+            every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
+            err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
+                              f"{ran} steps run{every}[/yellow]", soft_wrap=True)

@@ -1,0 +1,125 @@
+"""Where a run's state comes from: the config a --resume or --init-from starts with, the checkpoint or
+weights it restores, and what a resume changes that makes it inexact."""
+
+import dataclasses
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.markup import escape
+
+from shard import config as config_mod
+from shard import tomlfiles
+from shard.console import err_console
+from shard.errors import ShardError
+from shard.paths import CHECKPOINTS_DIR
+
+
+def held_out_change(was: float, now: float) -> str:
+    share = lambda f: f"the last {f:.0%} of the data" if f else "none of the data"  # noqa: E731
+    return (f"evaluation held out {share(was)} from training and now holds out {share(now)} (eval.every, "
+            "eval.path): training reads a different set of windows from here on, so this is not an exact resume")
+
+
+# Config keys a resume may change, though the run then no longer continues exactly as it would have,
+# and why. The learning-rate schedule is warmup, then cosine decay over `steps` (shard.state); the
+# saved data position counts samples of the data order that the seed, the data and the windows make.
+INEXACT_CHANGES = (
+    (("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio"),
+     "the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows the new one"),
+    (("seed", "data.path", "data.seq_len"),
+     "the data order changes ({what}): the saved data position counts samples of the old order, so training "
+     "reads other samples from here on"),
+    (("data.batch",), "the batch changes ({what}): the samples after the saved position come in other batches"),
+    (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
+)
+
+
+def inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
+    """A notice for each kind of change in `INEXACT_CHANGES` that a resume makes to the saved config."""
+    differences = config_mod.differences(saved, cfg)
+    notes = []
+    for keys, reason in INEXACT_CHANGES:
+        changed = [f"{k} {a} -> {b}" for k, a, b in differences if k in keys]
+        if changed:
+            notes.append(reason.format(what=", ".join(changed)) + ", so this is not an exact resume")
+    return notes
+
+
+def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
+    """Notes on what a resume changes that makes it inexact: the held-out share, the lr schedule."""
+    from shard.data import held_out_share
+
+    saved = config_mod.resolve(base)
+    # a config saved before eval.holdout existed trained on every window
+    was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
+    now = held_out_share(cfg)
+    notes = [held_out_change(was, now)] if was != now else []
+    return notes + inexact_changes(saved, cfg)
+
+
+def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str | None, seed: int,
+                    notice: Callable[[str], None]) -> Callable | None:
+    """What `prepare` restores the state with: the newest complete checkpoint (--resume), weights from
+    elsewhere with a fresh optimizer (--init-from), or None for a fresh init."""
+    if init_from:
+        from shard import weights
+
+        _, loaded = weights.load(init_from)
+        return lambda spec: weights.state_from(loaded, spec, seed, init_from)
+    if not resume:
+        return None
+    checkpoints.clean_incomplete()
+    if checkpoints.steps():
+        return checkpoints.restore_latest
+    if not allow_fresh:
+        raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
+                         "--allow-fresh to start this run from step 0")
+    notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
+    return None
+
+
+def init_from_base(source: str) -> dict:
+    """The model section of the weights' own config (config.json, or the config the checkpoint step was
+    saved with), read without JAX, so the run builds exactly that model."""
+
+    from shard import hf
+    from shard.checkpoint import find_checkpoint, saved_config
+
+    path = Path(source)
+    if not path.exists():
+        raise ShardError(f"--init-from: {source} does not exist")
+    if (path / "config.json").is_file():
+        cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
+        return {"model": dataclasses.asdict(cfg)}
+    directory, step = find_checkpoint(path)
+    text = saved_config(directory / str(step))  # the step's own, as shard.weights reads it
+    try:
+        if text is not None:
+            return {"model": tomllib.loads(text)["model"]}
+    except (tomllib.TOMLDecodeError, KeyError):
+        pass
+    raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config")
+
+
+def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:
+    """The config a resumed run starts from: the one saved in its run dir (flags still override it).
+    With --allow-fresh a run dir that doesn't exist yet is a first start."""
+    if not run_dir:
+        raise ShardError("--resume needs --run-dir: the run to continue")
+    saved = Path(run_dir) / "config.toml"
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ShardError(f"--resume: run dir {run_dir} is a file")
+    if not Path(run_dir).is_dir() and not allow_fresh:
+        raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
+    if saved.is_file():
+        return config_mod.load_file(str(saved))
+    from shard.checkpoint import config_saved_with
+
+    if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
+        text, step = found
+        if not quiet:
+            err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with "
+                              f"checkpoint {step}[/yellow]", soft_wrap=True)
+        return tomlfiles.parse(text, f"--resume: the config saved with checkpoint {step}")
+    return {}

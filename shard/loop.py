@@ -157,16 +157,11 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
     distributed.barrier("compiled")
-    restored = None
-    if init is not None:
-        state, start_step, position = init(), 0, 0
-    else:
-        restored = restore(spec)
-        state, start_step, position = restored.state, restored.step, restored.position
+    state, start_step, position, tokens_before = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=_tokens_before(cfg, restored, position))
+               start_step, tokens_before=tokens_before)
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
@@ -199,15 +194,10 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = training_samples(cfg)
-    restored = None
-    if restore is None:  # same seed everywhere: the replicas start equal
-        state, start_step, position = init_state(spec, cfg.model, cfg.seed), 0, 0
-    else:
-        restored = restore(spec)
-        state, start_step, position = restored.state, restored.step, restored.position
+    init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
+    state, start_step, position, tokens_before = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
-    tokens_before = _tokens_before(cfg, restored, position)
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
@@ -215,12 +205,16 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
                tokens_before=tokens_before)
 
 
-def _tokens_before(cfg: TrainConfig, restored, position: int) -> int:
-    """Tokens trained on before this start: the checkpoint's count, else (a fresh start, or a checkpoint
-    from before the count was saved) the data position at this start's sequence length."""
-    if restored is not None and restored.tokens_seen is not None:
-        return restored.tokens_seen
-    return position * cfg.data.seq_len
+def _first_state(cfg: TrainConfig, spec: StateSpec, init: Callable[[], dict] | None,
+                 restore: Callable | None) -> tuple[dict, int, int, int]:
+    """(state, its step, the data position, the tokens trained on before it): `init()`, or else
+    `restore(spec)`. A checkpoint saved before it counted its tokens counts its data position at this
+    start's sequence length."""
+    if init is not None:
+        return init(), 0, 0, 0
+    restored = restore(spec)
+    tokens = restored.tokens_seen if restored.tokens_seen is not None else restored.position * cfg.data.seq_len
+    return restored.state, restored.step, restored.position, tokens
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:

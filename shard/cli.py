@@ -479,7 +479,8 @@ def plan(
     set_: SetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
-    from shard.plan import REMAT_CHOICES, find_hardware, load_hardware
+    from shard.hardware import find_hardware, load_hardware
+    from shard.plan import REMAT_CHOICES
     from shard.plan import plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])

@@ -219,7 +219,7 @@ def _first_state(cfg: TrainConfig, spec: StateSpec, init: Callable[[], dict] | N
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
     """(hardware entry, peak FLOP/s per device for MFU): the user's figure, else the table's for GPUs."""
-    from shard.plan import hardware_for_device
+    from shard.hardware import hardware_for_device
 
     hw = hardware_for_device(getattr(device, "device_kind", ""), device.platform)
     if cfg.observe.peak_tflops > 0:

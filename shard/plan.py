@@ -10,13 +10,11 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
-from shard import costs, tomlfiles
+from shard import costs
 from shard.axes import DATA, FSDP, MODEL
-from shard.config import is_positive_number
 from shard.errors import ShardError
+from shard.hardware import Hardware
 from shard.mesh import hosts_per_axis
 from shard.models.configs import ModelConfig
 
@@ -24,80 +22,6 @@ GIB = 1024**3
 USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
 MEMORY_MODEL_LOW = 0.07  # the memory model runs up to 7% low (docs/formulas.md): closer to the limit is "tight"
 REMAT_CHOICES = ("none", "full")
-_HW_KEYS = {"description", "aliases", "bf16_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
-            "inter_node_gbps", "devices_per_node"}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One accelerator's figures (per device; bandwidths one direction, GB/s = 1e9 bytes/s)."""
-
-    name: str
-    description: str
-    bf16_tflops: float
-    hbm_gib: float
-    hbm_gbps: float
-    intra_node_gbps: float
-    inter_node_gbps: float
-    devices_per_node: int
-    aliases: tuple[str, ...] = ()
-
-
-def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
-    """The shipped table (shard/hardware.toml), amended by a user's TOML file of the same form."""
-    docs = [("shard/hardware.toml", resources.files("shard").joinpath("hardware.toml").read_text())]
-    if extra:
-        docs.append((str(extra), tomlfiles.read_text(extra, f"hardware file {extra}")))
-    table: dict[str, Hardware] = {}
-    for label, text in docs:
-        doc = tomlfiles.parse(text, f"hardware file {label}")
-        for name, entry in doc.items():
-            table[name.lower()] = _hardware_entry(label, name, entry)
-    return table
-
-
-def _hardware_entry(label: str, name: str, entry) -> Hardware:
-    """One [name] table of a hardware file, checked: every figure a positive number."""
-    where = f"hardware file {label}: [{name}]" if name.strip() else f"hardware file {label}: a table with an empty name"
-    if not name.strip():
-        raise ShardError(f"{where}; name each accelerator, e.g. [h100]")
-    if not isinstance(entry, dict):
-        raise ShardError(f"{where} must be a table (a key outside any [section]?)")
-    unknown = set(entry) - _HW_KEYS
-    missing = _HW_KEYS - {"description", "aliases"} - set(entry)
-    if unknown or missing:
-        what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else \
-            f"missing key(s) {', '.join(sorted(missing))}"
-        raise ShardError(f"{where} has {what}")
-    figures = {k: entry[k] for k in _HW_KEYS - {"description", "aliases"}}
-    for key, value in sorted(figures.items()):
-        if not is_positive_number(value) or (key == "devices_per_node" and not isinstance(value, int)):
-            kind = "a positive whole number" if key == "devices_per_node" else "a positive number"
-            raise ShardError(f"{where}: {key} must be {kind}, got {value!r}")
-    aliases = entry.get("aliases", [])
-    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
-        raise ShardError(f"{where}: aliases must be a list of names")
-    return Hardware(name=name.lower(), description=str(entry.get("description", "")),
-                    aliases=tuple(a.lower() for a in aliases), **figures)
-
-
-def hardware_for_device(device_kind: str, platform: str, table: dict[str, Hardware] | None = None) -> Hardware | None:
-    """The table entry for a JAX device (`device.device_kind`, e.g. "NVIDIA H100 80GB HBM3"), or None.
-    An entry matches when its model name (h100, a100, ...) is in the kind and, where the entry names a
-    memory size (a100-40g), that size is too. CPU devices match the `cpu` entry."""
-    table = table or load_hardware()
-    if platform == "cpu":
-        return table.get("cpu")
-    kind = device_kind.lower().replace(" ", "").replace("-", "")
-    best = None
-    for hw in table.values():
-        model, _, size = hw.name.partition("-")
-        matches = model in kind and (not size or size.rstrip("gb") + "gb" in kind)
-        if matches and (best is None or len(hw.name) > len(best.name)):  # the more specific entry wins
-            best = hw
-    return best
-
-
 def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> list[str]:
     """Warnings for layouts known to be communication-bound, with the numbers: an axis whose traffic
     takes longer than the step's compute (per-device token batch below the break-even), or tensor
@@ -123,15 +47,6 @@ def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> li
 
 
 MIN_MLP_SLICE = 256
-
-
-def find_hardware(name: str, table: dict[str, Hardware]) -> Hardware:
-    key = name.lower()
-    for hw in table.values():
-        if key == hw.name or key in hw.aliases:
-            return hw
-    raise ShardError(f"unknown hardware {name!r} (known: {', '.join(sorted(table))}; add your own with "
-                     "--hardware-file)")
 
 
 @dataclass(frozen=True)

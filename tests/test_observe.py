@@ -321,7 +321,7 @@ def test_records_carry_mfu_against_the_users_peak():
 
 
 def test_device_kinds_find_their_hardware():
-    from shard.plan import hardware_for_device
+    from shard.hardware import hardware_for_device
 
     assert hardware_for_device("NVIDIA H100 80GB HBM3", "gpu").name == "h100"
     assert hardware_for_device("NVIDIA H200", "gpu").name == "h200"
@@ -333,7 +333,8 @@ def test_device_kinds_find_their_hardware():
 
 def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
     from shard import config
-    from shard.plan import find_hardware, load_hardware, startup_warnings
+    from shard.hardware import find_hardware, load_hardware
+    from shard.plan import startup_warnings
 
     h100 = find_hardware("h100", load_hardware())
     # llama-1b, FSDP over 8 GPUs with 1 sequence of 256 tokens per GPU: gathers dwarf the compute

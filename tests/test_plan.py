@@ -6,7 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from shard.cli import app
-from shard.plan import GIB, find_hardware, layouts, load_hardware, node_split
+from shard.hardware import find_hardware, load_hardware
+from shard.plan import GIB, layouts, node_split
 
 REFERENCE = ["plan", "--model", "llama-13b-24l", "--devices", "32", "--nodes", "8", "--hardware", "a100-40gb"]
 

@@ -102,7 +102,7 @@ class LayoutShape:
     def degree(self, logical: str, *, param: bool = False) -> int:
         return math.prod(self.sizes[a] for a in self.table(param).get(logical, ()))
 
-    def check_divisible(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
+    def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
         """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
         problems = []
         for name, shape, axes in param_table(cfg):

@@ -132,7 +132,7 @@ def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, 
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
-    problems = shape.check_divisible(cfg, global_batch)
+    problems = shape.divisibility_problems(cfg, global_batch)
     memory = costs.memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
         problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")

@@ -29,7 +29,7 @@ def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> li
     out = []
     if any(n > 1 for a, n in sizes.items() if a not in (DATA, FSDP, MODEL)):
         return out  # the cost model has no formulas for pipeline, context or expert axes yet
-    c = evaluate(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
+    c = predict(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
     tokens_per_device = cfg.data.batch * cfg.data.seq_len / math.prod(sizes.values())
     for axis, t in sorted(c.comm_s.items()):
         if axis != MODEL and t > c.compute_s > 0:
@@ -120,7 +120,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
+def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
              global_batch: int, seq_len: int) -> Candidate:
     """Predicted costs of one layout on this hardware."""
     import dataclasses
@@ -171,7 +171,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     per_node = devices // nodes
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
-    out = [evaluate(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
+    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
            for sizes in layouts(devices, per_node) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB

@@ -40,11 +40,11 @@ def test_plan_reports_mfu_as_train_does():
     # one MFU definition: useful work (causal attention at half) over the predicted step, never remat's
     from shard import costs
     from shard.models.configs import PRESETS
-    from shard.plan import evaluate
+    from shard.plan import predict
 
     cfg, hw = PRESETS["llama-13b-24l"], find_hardware("a100-40gb", load_hardware())
     for remat in ("none", "full"):
-        c = evaluate(cfg, {"data": 2, "fsdp": 8, "model": 2}, remat, hw, 8, 64, 2048)
+        c = predict(cfg, {"data": 2, "fsdp": 8, "model": 2}, remat, hw, 8, 64, 2048)
         useful = costs.mfu_flops_per_token(cfg, 2048) * 64 * 2048 / 32
         assert c.mfu == pytest.approx(useful / (c.step_s * hw.bf16_tflops * 1e12))
 
@@ -54,11 +54,11 @@ def test_remat_is_never_predicted_faster():
     so a small model on H100s (HBM-bound) ranked fsdp=4,model=2 with full remat first, at 22% MFU
     against 16% without."""
     from shard.models.configs import PRESETS
-    from shard.plan import evaluate
+    from shard.plan import predict
 
     hw = find_hardware("h100", load_hardware())
     for sizes in ({"fsdp": 8}, {"fsdp": 4, "model": 2}, {"data": 2, "fsdp": 2, "model": 2}):
-        none, full = (evaluate(PRESETS["small"], sizes, remat, hw, 1, 16, 128) for remat in ("none", "full"))
+        none, full = (predict(PRESETS["small"], sizes, remat, hw, 1, 16, 128) for remat in ("none", "full"))
         assert full.step_s >= none.step_s, sizes
 
 
@@ -162,10 +162,10 @@ def test_plan_counts_activations_in_the_configured_compute_dtype():
     import dataclasses
 
     from shard.models.configs import PRESETS
-    from shard.plan import evaluate
+    from shard.plan import predict
 
     hw, cfg = find_hardware("h100", load_hardware()), PRESETS["llama-1b"]
-    act = {dtype: evaluate(dataclasses.replace(cfg, compute_dtype=dtype), {"data": 8}, "none", hw, 1, 8,
+    act = {dtype: predict(dataclasses.replace(cfg, compute_dtype=dtype), {"data": 8}, "none", hw, 1, 8,
                            2048).memory["activations"] for dtype in ("auto", "bfloat16", "float32")}
     assert act["auto"] == act["bfloat16"] and act["float32"] > 1.5 * act["bfloat16"]
 

@@ -4,6 +4,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
@@ -109,14 +111,35 @@ class ModelConfig:
         """Slots each expert has per routing group (a sequence); tokens routed beyond it are dropped."""
         return max(1, math.ceil(self.experts_per_token * tokens_per_group * self.capacity_factor / self.n_experts))
 
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+        """(path, shape, logical axes) of every parameter of models/llama.py (a test checks they agree)."""
+        D, L, N, K, H, F, V = (self.d_model, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim,
+                               self.mlp_dim, self.vocab_size)
+        rows = [("embed", (V, D), (VOCAB, EMBED))]
+        layer = {
+            "attn_norm": ((D,), (EMBED,)),
+            "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
+            "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+            "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+            "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
+            "mlp_norm": ((D,), (EMBED,)),
+            "w_gate": ((D, F), (EMBED, MLP)),
+            "w_up": ((D, F), (EMBED, MLP)),
+            "w_down": ((F, D), (MLP, EMBED)),
+        }
+        if self.n_experts:  # models/moe.py: a router and E stacked SwiGLU experts per layer
+            E = self.n_experts
+            layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
+                      "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
+        rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
+        rows.append(("final_norm", (D,), (EMBED,)))
+        if not self.tie_embeddings:
+            rows.append(("unembed", (D, V), (EMBED, VOCAB)))
+        return rows
+
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
-        d, f, h = self.d_model, self.mlp_dim, self.head_dim
-        attn = d * h * (2 * self.n_heads + 2 * self.n_kv_heads)
-        ffn = 3 * d * f * max(self.n_experts, 1) + d * self.n_experts  # experts + router
-        per_layer = attn + ffn + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + embed + d
+        return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -14,8 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEAD_DIM, HEADS, KV_HEADS, LAYERS,
-                        MLP, MODEL, RES_LENGTH, STAGE, VOCAB)
+from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT_AXIS, FSDP, HEADS, MLP, MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -40,32 +39,6 @@ def axis_share(sizes: dict[str, int], axis: str) -> float:
     if len(sizes) == 1:
         return 1.0
     return (sizes[axis] - 1) / sum(n - 1 for n in sizes.values())
-
-
-def param_table(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
-    """(name, shape, logical axes) of every parameter of models/llama.py (a test checks they agree)."""
-    D, L, N, K, H, F, V = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-    rows = [("embed", (V, D), (VOCAB, EMBED))]
-    layer = {
-        "attn_norm": ((D,), (EMBED,)),
-        "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
-        "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-        "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-        "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
-        "mlp_norm": ((D,), (EMBED,)),
-        "w_gate": ((D, F), (EMBED, MLP)),
-        "w_up": ((D, F), (EMBED, MLP)),
-        "w_down": ((F, D), (MLP, EMBED)),
-    }
-    if cfg.n_experts:  # models/moe.py: a router and E stacked SwiGLU experts per layer
-        E = cfg.n_experts
-        layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
-                  "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
-    rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
-    rows.append(("final_norm", (D,), (EMBED,)))
-    if not cfg.tie_embeddings:
-        rows.append(("unembed", (D, V), (EMBED, VOCAB)))
-    return rows
 
 
 @dataclass(frozen=True)
@@ -105,7 +78,7 @@ class LayoutShape:
     def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
         """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
         problems = []
-        for name, shape, axes in param_table(cfg):
+        for name, shape, axes in cfg.param_shapes():
             table = self.table(True)
             used: set[str] = set()
             for n, logical in zip(shape, axes):
@@ -152,7 +125,7 @@ def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str) -
 def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compute: bool = False) -> float:
     """Parameter bytes one device holds (compute=False) or computes with (compute=True: FSDP gathered)."""
     total = 0.0
-    for _, dims, axes in param_table(cfg):
+    for _, dims, axes in cfg.param_shapes():
         total += math.prod(dims) * dtype_bytes / math.prod(shape.ways(axes, param=not compute).values())
     return total
 
@@ -235,7 +208,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     batch_axes = list(shape.table(False).get(BATCH, ()))
     forward_passes = 1 if work.remat == "none" else 2
     lookup = _stored_lookup(cfg, shape, work)
-    for name, dims, axes in param_table(cfg):
+    for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
         full = math.prod(dims) * (work.param_bytes if name.endswith("norm") else work.act_bytes)
@@ -371,7 +344,7 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
 def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
     """Compute-layout bytes of one layer's weights (what FSDP gathers at a time)."""
     return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a, param=False).values())
-               for n, d, a in param_table(cfg) if n.startswith("layers/"))
+               for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
 
 
 def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
@@ -379,7 +352,7 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
     temporaries + outputs - aliased, in parts."""
     pb = work.param_bytes
     params = param_bytes(cfg, shape, pb)
-    gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in param_table(cfg))
+    gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in cfg.param_shapes())
     layer = _one_layer(cfg, shape, work.act_bytes)
     tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
     out = {

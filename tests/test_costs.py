@@ -150,7 +150,7 @@ def test_param_table_matches_the_model(name):
     flat = {path_str(p): a for p, a in jax.tree_util.tree_flatten_with_path(
         logical, is_leaf=lambda x: isinstance(x, tuple))[0]}
     shapes = {path_str(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
-    table = {n: (s, a) for n, s, a in costs.param_table(cfg)}
+    table = {n: (s, a) for n, s, a in cfg.param_shapes()}
     assert table == {n: (shapes[n], flat[n]) for n in shapes}
 
 

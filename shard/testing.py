@@ -84,7 +84,7 @@ def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
 
 
 def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bool = False):
-    """Mean loss and the gradients of the training objective for one random batch on cfg's layout
+    """Mean loss and the gradients of the (summed) training objective for one random batch on cfg's layout
     (pipelined when the mesh has stages), from the given (or freshly initialised) params.
 
     Compiles only the loss and its gradient, no optimizer or sharded init, so layout tests stay fast.

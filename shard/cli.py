@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -23,10 +22,11 @@ from shard.errors import ShardError, first_line, out_of_memory
 from shard.mesh import MeshSpec, devices_needed, parse_mesh
 from shard.console import console, err_console, human_bytes, param_count, short_bytes
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
-                         written_whole)
+                         write_text_atomic, written_whole)
 from shard.progress import ConsoleProgress
 from shard.resume import init_from_base, restore_source, resume_base, resume_changes
-from shard.run_dir import choose_run_dir, compile_cache_dir, continue_command, forget_unstarted_run, holds_run
+from shard.run_dir import (choose_run_dir, compile_cache_dir, continue_command, forget_unstarted_run, holds_run,
+                           start_files)
 
 # What to change when a command runs out of device memory.
 _OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
@@ -332,38 +332,35 @@ def train(
             return
         cfg = dataclasses.replace(cfg, run_dir=str(path))
         config_toml = config_mod.to_toml(cfg)
-        observers = []
+        observers, found = [], set()
         if main:  # only process 0 prints and writes the run's files
-            had_config = (path / "config.toml").exists()  # a --resume base: never removed
+            found = {name for name in start_files() if (path / name).exists()}  # never removed below
             path.mkdir(parents=True, exist_ok=True)
             lock.acquire()
             if not existed and holds_run(path):  # another train made it (and may have ended) meanwhile
                 raise ShardError(f"run dir {path} was started by another shard train while this one "
                                  "prepared; run the command again (with --resume to continue that run)")
-            if init_from and not had_config:  # what export-hf writes back besides the weights
-                from shard import hf
-
-                try:
-                    hf.keep_side_files(init_from, path)
-                except BaseException:
-                    shutil.rmtree(path / hf.SIDE_DIR, ignore_errors=True)
-                    raise
-            (path / "config.toml").write_text(config_toml)
-            observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
-                         TensorBoardWriter(path / "tb")]
-        saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
-        stopper = StopOnSignal(notice)
-        observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
-        if window and main:
-            observers.append(profiler := profiling.Profiler(*window, path / "profile"))
         finished = False
         try:
+            if main:
+                if init_from and "config.toml" not in found:  # what export-hf writes back besides the weights
+                    from shard import hf
+
+                    hf.keep_side_files(init_from, path)
+                write_text_atomic(path / "config.toml", config_toml)
+                observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
+                             TensorBoardWriter(path / "tb")]
+            saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
+            stopper = StopOnSignal(notice)
+            observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
+            if window and main:
+                observers.append(profiler := profiling.Profiler(*window, path / "profile"))
             train_loop(cfg, run=run, observers=observers)
             finished = True
         finally:  # also on divergence: saves already under way commit; nothing newer is written
             checkpoints.close()
             if not finished and main and not run.start_step:  # a first start (--resume --allow-fresh too)
-                forget_unstarted_run(path, keep_config=had_config)
+                forget_unstarted_run(path, found)
     except ShardError:
         raise
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective

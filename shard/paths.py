@@ -61,6 +61,21 @@ def written_whole(out: Path) -> Iterator[Path]:
         raise
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a file's text whole or not at all: written beside it, flushed to disk, then renamed over
+    it. A full disk or a kill mid-write leaves the old file, never an empty or half-written one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def current_umask() -> int:
     """This process's umask (read by setting it and setting it back)."""
     mask = os.umask(0o22)

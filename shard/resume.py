@@ -112,14 +112,16 @@ def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = Fa
         raise ShardError(f"--resume: run dir {run_dir} is a file")
     if not Path(run_dir).is_dir() and not allow_fresh:
         raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
-    if saved.is_file():
+    # an empty one (truncated by a full disk, or by hand) would resume with every default
+    if saved.is_file() and saved.read_bytes().strip():
         return config_mod.load_file(str(saved))
     from shard.checkpoint import config_saved_with
 
     if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
         text, step = found
         if not quiet:
-            err_console.print(f"[yellow]{escape(str(saved))} is missing: using the config saved with "
+            what = "is empty" if saved.is_file() else "is missing"
+            err_console.print(f"[yellow]{escape(str(saved))} {what}: using the config saved with "
                               f"checkpoint {step}[/yellow]", soft_wrap=True)
         return tomlfiles.parse(text, f"--resume: the config saved with checkpoint {step}")
     return {}

@@ -34,17 +34,24 @@ def has_records(path: Path) -> bool:
     return (metrics.is_file() and metrics.stat().st_size > 0) or (checkpoints.is_dir() and any(checkpoints.iterdir()))
 
 
-def forget_unstarted_run(path: Path, keep_config: bool = False) -> None:
-    """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
-    files it wrote, so the corrected command may use the same run dir; a config.toml that was there
-    before (a --resume --allow-fresh base) stays, with the Hugging Face side files written beside it."""
+def start_files() -> tuple[str, ...]:
+    """What a fresh start writes before its first step is logged or saved."""
     from shard.hf import SIDE_DIR
 
+    return ("config.toml", SIDE_DIR, "metrics.jsonl", "tb")
+
+
+def forget_unstarted_run(path: Path, found: set[str]) -> None:
+    """After a fresh run failed before it logged or saved anything (out of memory in step 1), remove the
+    files it wrote, so the corrected command may use the same run dir. `found` names those that were
+    there before it started, which stay: a --resume --allow-fresh base's config.toml and the Hugging
+    Face side files beside it, a user's own tb/."""
     if has_records(path):
         return
-    base = () if keep_config else ("config.toml", SIDE_DIR)  # written by a fresh start with its config
-    for name in ("metrics.jsonl", "tb", *base):
+    for name in start_files():
         target = path / name
+        if name in found:
+            continue
         if target.is_dir():
             shutil.rmtree(target, ignore_errors=True)
         else:
@@ -64,7 +71,7 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
             RunDirLock(path).check_free()  # a run still starting there is in use, not "crashed"
         if not resume and holds_run(path):
             saved = path / "config.toml"
-            if saved.is_file():
+            if saved.is_file() and saved.read_bytes().strip():  # an empty one says nothing of its run
                 try:
                     theirs = config_mod.resolve(config_mod.load_file(str(saved)))
                 except ShardError:

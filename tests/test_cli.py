@@ -6,6 +6,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from shard import config
 from shard.cli import app
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
@@ -410,19 +411,46 @@ def test_the_continue_hint_names_the_launcher():
         "process I")
 
 
-def test_a_failed_start_removes_what_it_wrote_and_keeps_its_base(tmp_path):
-    """The Hugging Face side files are written with a fresh start's config.toml: a --resume --allow-fresh
-    start that failed removed them while it kept the config beside them."""
+@pytest.mark.parametrize("found", [set(), {"config.toml", "hf"}, {"tb"}])
+def test_a_failed_start_removes_what_it_wrote_and_keeps_what_was_there(tmp_path, found):
+    """A --resume --allow-fresh base (config.toml and the Hugging Face side files beside it) stays, and so
+    does a user's own tb/ in a folder given as a new run dir: a failed first start removed that whole."""
     from shard.run_dir import forget_unstarted_run
 
-    for keep_config in (True, False):
-        for name in ("config.toml", "metrics.jsonl"):
-            (tmp_path / name).write_text("")
-        for name in ("tb", "hf"):
-            (tmp_path / name).mkdir(exist_ok=True)
-        forget_unstarted_run(tmp_path, keep_config=keep_config)
-        left = sorted(p.name for p in tmp_path.iterdir())
-        assert left == (["config.toml", "hf"] if keep_config else [])
+    for name in ("config.toml", "metrics.jsonl"):
+        (tmp_path / name).write_text("")
+    for name in ("tb", "hf"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "theirs").write_text("x")
+    forget_unstarted_run(tmp_path, found)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(found)
+    assert all((tmp_path / name / "theirs").exists() for name in found & {"tb", "hf"})
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_text(tmp_path):
+    from shard.paths import write_text_atomic
+
+    target = tmp_path / "config.toml"
+    write_text_atomic(target, "steps = 1\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(target, "steps = 2\n\ud800")  # fails mid-write, as a full disk would
+    assert target.read_text() == "steps = 1\n" and [p.name for p in tmp_path.iterdir()] == ["config.toml"]
+
+
+def test_a_resume_takes_the_checkpoints_config_when_config_toml_is_empty(tmp_path):
+    """A config.toml emptied by a full disk resumed with every default (lr 0.002, log_every 10), or failed
+    with a misleading shape error."""
+    run = tmp_path / "r"
+    first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--set", "optimizer.lr=5e-4",
+                   "--compile-cache", "none")
+    assert first.exit_code == 0, first.output
+    (run / "config.toml").write_text("")
+    again = invoke("train", "--run-dir", str(run), "--resume", "--steps", "3", "--compile-cache", "none")
+    assert again.exit_code == 0, again.output
+    assert f"{run / 'config.toml'} is empty: using the config saved with checkpoint 2" in again.output
+    assert "optimizer.lr" not in again.output  # no schedule change: the saved lr was taken
+    saved = config.resolve(config.load_file(str(run / "config.toml")))
+    assert (saved.optimizer.lr, saved.model.name, saved.steps) == (5e-4, "tiny", 3)
 
 
 def test_an_error_with_an_empty_message_is_named_by_its_type():

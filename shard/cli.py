@@ -352,7 +352,9 @@ def train(
                              TensorBoardWriter(path / "tb")]
             saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_toml)
             stopper = StopOnSignal(notice)
-            observers += [saver, stopper]  # every process saves its shards (the MPI bridge: process 0)
+            # every process saves its shards (the MPI bridge: process 0); observers end last started first,
+            # so the saver waits for the final save while the stopper's handlers still take the signals
+            observers += [stopper, saver]
             if window and main:
                 observers.append(profiler := profiling.Profiler(*window, path / "profile"))
             train_loop(cfg, run=run, observers=observers)

@@ -27,7 +27,7 @@ class StopOnSignal:
         if self.received and signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        self.received = self.received or signal.Signals(signum).name  # the first one stopped the run
 
     def on_start(self, run) -> None:
         for s in SIGNALS:

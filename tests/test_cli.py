@@ -458,3 +458,19 @@ def test_an_error_with_an_empty_message_is_named_by_its_type():
     from shard.errors import first_line
 
     assert first_line(RuntimeError()) == "RuntimeError" and first_line(ValueError("\n a\nb")) == "a"
+
+
+def test_a_signal_during_the_final_save_does_not_kill_it(tmp_path, monkeypatch):
+    """The stopper's handlers were removed before the saver waited for the last save, so a SIGTERM
+    there killed the process and lost the save."""
+    import signal
+
+    from shard.checkpoint import SaveCheckpoints
+
+    seen = []
+    wait = SaveCheckpoints.on_end
+    monkeypatch.setattr(SaveCheckpoints, "on_end",
+                        lambda self, records: (seen.append(signal.getsignal(signal.SIGTERM)), wait(self, records)))
+    r = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none")
+    assert r.exit_code == 0, r.output
+    assert len(seen) == 1 and getattr(seen[0], "__self__", None).__class__.__name__ == "StopOnSignal"

@@ -309,7 +309,10 @@ class Checkpoints:
     def stored_tree(self, step: int) -> dict:
         """The saved state's tree of orbax ArrayMetadata (shape, dtype, sharding), read from the files."""
         stored = self._manager.item_metadata(step)[STATE]
-        return getattr(stored, "tree", stored)
+        tree = getattr(stored, "tree", stored)
+        if not isinstance(tree, dict) or "params" not in tree:  # orbax reads a missing _METADATA as None
+            raise ValueError(f"its {STATE}/ holds no description of its arrays (is {STATE}/_METADATA missing?)")
+        return tree
 
     def restore(self, step: int, spec: StateSpec) -> Restored:
         """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""

@@ -280,3 +280,15 @@ def test_a_checkpoint_whose_saved_config_is_not_toml_is_one_line(imported, tmp_p
     r = invoke("generate", broken, "--prompt", "x", "--max-new-tokens", 2, "--mesh", "8x1")
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert f"the config saved with checkpoint {broken} is not valid TOML" in r.output
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_checkpoint_without_its_array_metadata_is_one_line(imported, tmp_path, command):
+    """orbax reads a missing state/_METADATA as None: a TypeError traceback."""
+    broken = tmp_path / "broken"
+    shutil.copytree(imported, broken)
+    (broken / "checkpoints" / "0" / "state" / "_METADATA").unlink()
+    args = ["--prompt", "x", "--max-new-tokens", 2, "--mesh", "8x1"] if command == "generate" else ["--out", tmp_path / "o"]
+    r = invoke(command, broken, *args)
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "holds no description of its arrays" in r.output

@@ -1,5 +1,7 @@
 """Where logged metrics go: metrics.jsonl (one JSON object per logged step) and TensorBoard events."""
 
+import atexit
+import contextlib
 import json
 import math
 import time
@@ -22,7 +24,10 @@ class JsonlWriter:
     def on_log(self, record: dict) -> None:
         # strict JSON: a non-finite value (the NaN loss of a step the guard skipped) is written as null
         strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self._f.write(json.dumps(strict, allow_nan=False) + "\n")
+        try:
+            self._f.write(json.dumps(strict, allow_nan=False) + "\n")
+        except OSError as e:  # a full disk: say which file
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def on_end(self, records: list[dict]) -> None:
         self.on_abort()
@@ -38,14 +43,20 @@ class TensorBoardWriter:
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self._w = None  # made when the run starts: tensorboardX closes writers at exit from a thread
+        self._at_exit: list = []  # the close tensorboardX registered with atexit, which on_abort takes over
 
     def on_start(self, run) -> None:
         # A resume repeats the steps after its checkpoint: events a crashed start logged past it are
         # purged (TensorBoard's readers honour purge_step), so the curve runs forward with no step twice.
         # tensorboardX names a file by the second it was made, so a start within the same second as the
         # last one overwrote its file; the nanoseconds keep them apart, in the order they were made.
-        self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1,
-                                          filename_suffix=f".{time.time_ns() % 10**9:09d}")
+        register = atexit.register
+        atexit.register = lambda fn, *a, **k: (self._at_exit.append(fn), register(fn, *a, **k))[1]
+        try:
+            self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1,
+                                              filename_suffix=f".{time.time_ns() % 10**9:09d}")
+        finally:
+            atexit.register = register
 
     def on_log(self, record: dict) -> None:
         for key, value in record.items():
@@ -54,11 +65,22 @@ class TensorBoardWriter:
         self._w.flush()
 
     def on_end(self, records: list[dict]) -> None:
-        self.on_abort()
-
-    def on_abort(self) -> None:
         if self._w is not None:
             self._w.close()
+        self._forget_at_exit()
+
+    def on_abort(self) -> None:
+        # after an error (a full disk) closing may fail too; tensorboardX's own close at exit would then
+        # fail again and print its traceback under the error already reported
+        with contextlib.suppress(Exception):
+            if self._w is not None:
+                self._w.close()
+        self._forget_at_exit()
+
+    def _forget_at_exit(self) -> None:
+        for fn in self._at_exit:
+            atexit.unregister(fn)
+        self._at_exit.clear()
 
 
 def _summary_writer_class():

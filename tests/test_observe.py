@@ -425,3 +425,34 @@ def test_the_event_writer_imports_neither_torch_nor_boto3():
             "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_tracebacks(tmp_path):
+    """metrics.jsonl's write error had no file name ("OSError: [Errno 28] ..."), and tensorboardX's own
+    close at exit failed again after the error and printed its traceback."""
+    import atexit
+    import errno
+    from types import SimpleNamespace
+
+    from shard.cli import user_error
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    jsonl = JsonlWriter(tmp_path / "metrics.jsonl")
+    jsonl._f = FullDisk()
+    with pytest.raises(OSError) as raised:
+        jsonl.on_log({"step": 1, "loss": 1.0})
+    assert str(user_error(raised.value)) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
+
+    tb = TensorBoardWriter(tmp_path / "tb")
+    before = atexit._ncallbacks()
+    tb.on_start(SimpleNamespace(start_step=0))
+    assert atexit._ncallbacks() > before and tb._at_exit  # tensorboardX's close at exit, taken over
+    tb._w.close = FullDisk().close
+    tb.on_abort()  # the error under way is the one reported: closing quietly fails
+    assert atexit._ncallbacks() == before

@@ -50,11 +50,17 @@ class TensorBoardWriter:
         # purged (TensorBoard's readers honour purge_step), so the curve runs forward with no step twice.
         # tensorboardX names a file by the second it was made, so a start within the same second as the
         # last one overwrote its file; the nanoseconds keep them apart, in the order they were made.
-        register = atexit.register
-        atexit.register = lambda fn, *a, **k: (self._at_exit.append(fn), register(fn, *a, **k))[1]
+        writer_class, register = _summary_writer_class(), atexit.register
+
+        def noting_ours(fn, *args, **kwargs):  # only the writer's own close, not a module's at first import
+            if getattr(fn, "__qualname__", "").startswith("FileWriter."):
+                self._at_exit.append(fn)
+            return register(fn, *args, **kwargs)
+
+        atexit.register = noting_ours
         try:
-            self._w = _summary_writer_class()(str(self.logdir), purge_step=run.start_step + 1,
-                                              filename_suffix=f".{time.time_ns() % 10**9:09d}")
+            self._w = writer_class(str(self.logdir), purge_step=run.start_step + 1,
+                                   filename_suffix=f".{time.time_ns() % 10**9:09d}")
         finally:
             atexit.register = register
 

@@ -427,7 +427,7 @@ def test_the_event_writer_imports_neither_torch_nor_boto3():
     assert out.strip() == "[]"
 
 
-def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_tracebacks(tmp_path):
+def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_tracebacks(tmp_path, monkeypatch):
     """metrics.jsonl's write error had no file name ("OSError: [Errno 28] ..."), and tensorboardX's own
     close at exit failed again after the error and printed its traceback."""
     import atexit
@@ -450,9 +450,10 @@ def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_traceba
     assert str(user_error(raised.value)) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
 
     tb = TensorBoardWriter(tmp_path / "tb")
-    before = atexit._ncallbacks()
     tb.on_start(SimpleNamespace(start_step=0))
-    assert atexit._ncallbacks() > before and tb._at_exit  # tensorboardX's close at exit, taken over
+    (theirs,) = tb._at_exit  # tensorboardX's close at exit, taken over
     tb._w.close = FullDisk().close
+    unregistered = []
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)
     tb.on_abort()  # the error under way is the one reported: closing quietly fails
-    assert atexit._ncallbacks() == before
+    assert unregistered == [theirs] and theirs.__qualname__.startswith("FileWriter.")

@@ -2,6 +2,7 @@
 leaves behind, and the command that continues it. No JAX: the CLI checks these before devices start."""
 
 import re
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -108,7 +109,7 @@ def mesh_label(source: str) -> str:
 
 def continue_command(path: Path, cluster) -> str:
     """The command that resumes a stopped run: under the launcher that started it, on every process."""
-    resume = f"shard train --run-dir {path} --resume"
+    resume = f"shard train --run-dir {shlex.quote(str(path))} --resume"  # pasted into a shell
     if cluster is None:
         return resume
     if cluster.launcher == "mpi":

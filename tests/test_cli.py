@@ -404,6 +404,7 @@ def test_the_continue_hint_names_the_launcher():
 
     run = Path("runs/a")
     assert continue_command(run, None) == "shard train --run-dir runs/a --resume"
+    assert continue_command(Path("my runs/a"), None) == "shard train --run-dir 'my runs/a' --resume"
     assert continue_command(run, ClusterSpec("mpi", 2, 0)) == "mpiexec -n 2 shard train --run-dir runs/a --resume"
     assert continue_command(run, ClusterSpec("slurm", 4, 1)).startswith("srun shard train --run-dir runs/a --resume")
     assert continue_command(run, ClusterSpec("explicit", 2, 1, "h0:7777")) == (

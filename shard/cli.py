@@ -199,11 +199,21 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
-def _check_data_path(path: str, key: str = "data path") -> None:
+def _absolute_data_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+    """The config with data.path and eval.path made absolute, once checked to exist: the saved config
+    then names the same data wherever a resume starts from (a relative one read another folder's)."""
     from shard.data import EMBEDDED, SYNTHETIC
 
-    if path not in (EMBEDDED, SYNTHETIC) and not Path(path).exists():
-        raise ShardError(f"{key} {path} does not exist")
+    def absolute(path: str, key: str) -> str:
+        if path in ("", EMBEDDED, SYNTHETIC):
+            return path
+        if not Path(path).exists():
+            raise ShardError(f"{key} {path} does not exist")
+        return str(Path(path).absolute())
+
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"))
+    evaluation = dataclasses.replace(cfg.eval, path=absolute(cfg.eval.path, "eval.path")) if cfg.eval.every else cfg.eval
+    return dataclasses.replace(cfg, data=data, eval=evaluation)
 
 
 @app.command()
@@ -272,13 +282,11 @@ def train(
     if cluster is None and cfg.cluster.cross_host == distributed.MPI:
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
+    cfg = _absolute_data_paths(cfg)
     if resume and base and main:
         for note in resume_changes(base, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
-    _check_data_path(cfg.data.path)
-    if cfg.eval.every and cfg.eval.path:
-        _check_data_path(cfg.eval.path, "eval.path")
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
     from shard.data import unused_files_note
 

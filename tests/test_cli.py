@@ -475,3 +475,25 @@ def test_a_signal_during_the_final_save_does_not_kill_it(tmp_path, monkeypatch):
     r = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none")
     assert r.exit_code == 0, r.output
     assert len(seen) == 1 and getattr(seen[0], "__self__", None).__class__.__name__ == "StopOnSignal"
+
+
+def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
+    """A resume started from another folder read that folder's file of the same name, with no notice."""
+    import numpy as np
+
+    for folder, seed in (("a", 0), ("b", 1)):
+        (tmp_path / folder).mkdir()
+        np.save(tmp_path / folder / "tokens.npy", np.random.default_rng(seed).integers(0, 256, 5000, np.int32))
+    monkeypatch.chdir(tmp_path / "a")
+    first = invoke("train", *TINY, "--mesh", "8x1", "--data", "tokens.npy", "--run-dir", str(tmp_path / "r"),
+                   "--compile-cache", "none")
+    assert first.exit_code == 0, first.output
+    saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
+    assert saved.data.path == str(tmp_path / "a" / "tokens.npy")
+    monkeypatch.chdir(tmp_path / "b")
+    again = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "3", "--compile-cache", "none")
+    assert again.exit_code == 0, again.output
+    assert "data order changes" not in again.output
+    moved = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "4", "--data", "tokens.npy",
+                   "--compile-cache", "none")  # this folder's file, named as such
+    assert f"data.path {tmp_path / 'a' / 'tokens.npy'} -> {tmp_path / 'b' / 'tokens.npy'}" in moved.output

@@ -28,10 +28,15 @@ INEXACT_CHANGES = (
     (("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio"),
      "the learning-rate schedule changes ({what}): from the resumed step on the learning rate follows the new one"),
     (("seed", "data.path", "data.seq_len"),
-     "the data order changes ({what}): the saved data position counts samples of the old order, so training "
+     "the data order changes ({what}): the saved data position counts samples of the old order: training "
      "reads other samples from here on"),
     (("data.batch",), "the batch changes ({what}): the samples after the saved position come in other batches"),
     (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
+    (("model.rope_theta", "model.norm_eps", "model.compute_dtype", "model.experts_per_token",
+      "model.capacity_factor", "model.aux_loss_weight"),
+     "the model changes ({what}): the restored weights compute something else from here on"),
+    (("optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip"),
+     "the optimizer changes ({what}): the restored moments are updated by the new rule from here on"),
 )
 
 
@@ -40,7 +45,8 @@ def inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) 
     differences = config_mod.differences(saved, cfg)
     notes = []
     for keys, reason in INEXACT_CHANGES:
-        changed = [f"{k} {a} -> {b}" for k, a, b in differences if k in keys]
+        shown = lambda v: '""' if v == "" else v  # noqa: E731 -- the embedded corpus's empty data.path
+        changed = [f"{k} {shown(a)} -> {shown(b)}" for k, a, b in differences if k in keys]
         if changed:
             notes.append(reason.format(what=", ".join(changed)) + ", so this is not an exact resume")
     return notes

@@ -289,20 +289,24 @@ def test_a_resume_that_changes_the_windows_or_the_schedule_says_so(tmp_path):
                    "--set", "optimizer.lr=1e-3", "--compile-cache", "none")
     assert again.exit_code == 0, again.output
     assert "(optimizer.lr 0.002 -> 0.001, steps 3 -> 4)" in again.output and "holds out" not in again.output
+    assert "the model changes" not in again.output and "the optimizer changes" not in again.output
     assert "done: 1 step (4, resumed)" in again.output
     # the seed and the batch: neither resume is exact; tokens seen count each batch at its own size
     other = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "5",
-                   "--set", "optimizer.lr=1e-3", "--batch", "16", "--seed", "3", "--compile-cache", "none")
+                   "--set", "optimizer.lr=1e-3", "--batch", "16", "--seed", "3", "--compile-cache", "none",
+                   "--set", "model.rope_theta=1e6", "--set", "optimizer.b2=0.5")
     assert other.exit_code == 0, other.output
     assert "the data order changes (seed 0 -> 3)" in other.output
     assert "the batch changes (data.batch 8 -> 16)" in other.output
+    assert "the model changes (model.rope_theta 10000.0 -> 1000000.0)" in other.output
+    assert "the optimizer changes (optimizer.b2 0.95 -> 0.5)" in other.output
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 5 and last["tokens_seen"] == (4 * 8 + 16) * 32
     # and each at its own sequence length: the count is saved with the checkpoint, not rebuilt from the
     # data position at the new length (which made it (4 * 8 + 16) * 16 + 16 * 16)
     shorter = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "6",
                      "--set", "optimizer.lr=1e-3", "--batch", "16", "--seed", "3", "--seq", "16",
-                     "--compile-cache", "none")
+                     "--set", "model.rope_theta=1e6", "--set", "optimizer.b2=0.5", "--compile-cache", "none")
     assert shorter.exit_code == 0, shorter.output
     assert "data.seq_len 32 -> 16" in shorter.output
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

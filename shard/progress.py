@@ -1,4 +1,5 @@
-"""`shard train`'s terminal output: the start-up summary, a progress bar, and the closing line."""
+"""`shard train`'s terminal output: the start-up summary, a progress bar (one plain line per logged step
+when the output is a file: a batch job's log), and the closing line."""
 
 from pathlib import Path
 
@@ -9,22 +10,25 @@ from shard.errors import ShardError
 
 
 class ConsoleProgress:
-    """Startup summary, a progress bar with loss and tokens/s, and a closing line."""
+    """Startup summary, a progress bar with loss and tokens/s, and a closing line. Where the output is not
+    a terminal, a bar is drawn only once it ends; each logged step gets a line there instead."""
 
     def __init__(self, cfg, run_dir: Path):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.cfg, self.run_dir = cfg, run_dir
+        self.cfg, self.run_dir, self.run = cfg, run_dir, None
         self.progress = Progress(
             TextColumn("step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
             TimeRemainingColumn(), console=console,
-        )
-        self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
+        ) if console.is_terminal else None
+        if self.progress:
+            self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
 
     def on_start(self, run) -> None:
-        self.run_start = run.start_step
-        self.progress.update(self.task, completed=run.start_step)
+        self.run, self.run_start = run, run.start_step
+        if self.progress:
+            self.progress.update(self.task, completed=run.start_step)
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         kind = run.mesh.devices.flat[0].platform
@@ -63,19 +67,29 @@ class ConsoleProgress:
 
         if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
             console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)
-        self.progress.start()
+        if self.progress:
+            self.progress.start()
 
     def on_step(self, step: int, outputs=None) -> None:
-        self.progress.update(self.task, completed=step)
+        if self.progress:
+            self.progress.update(self.task, completed=step)
 
     def on_log(self, r: dict) -> None:
-        self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
+        evaluated = f" · eval loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
+        if self.progress:
+            self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
+            if evaluated:  # above the bar
+                self.progress.console.print(f"step {r['step']}{evaluated}", soft_wrap=True)
+        else:
+            console.print(f"step {r['step']}/{self.cfg.steps} · loss {r['loss']:.4f}{evaluated} · "
+                          f"{r['tokens_per_s']:,.0f} tokens/s", soft_wrap=True)
 
     def on_abort(self) -> None:  # the error that follows gets a clean line
-        self.progress.stop()
+        if self.progress:
+            self.progress.stop()
 
     def on_end(self, records: list[dict]) -> None:
-        self.progress.stop()
+        self.on_abort()
         if not records:
             return
         last = records[-1]
@@ -85,8 +99,10 @@ class ConsoleProgress:
         if self.run_start:
             span = f"{self.run_start + 1}-{last['step']}" if ran > 1 else str(last["step"])
             steps += f" ({span}, resumed)"
-        console.print(f"done: {steps}, loss {losses}, "
-                      f"{last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
+        evaluated = [r["eval_loss"] for r in records if "eval_loss" in r]
+        ended = "stopped early" if self.run is not None and self.run.stopped_at is not None else "done"
+        console.print(f"{ended}: {steps}, loss {losses}" + (f", eval loss {evaluated[-1]:.3f}" if evaluated else "")
+                      + f", {last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
         if last.get("skipped_steps"):
             every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
             err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "

@@ -492,6 +492,7 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     first = invoke("train", *TINY, "--mesh", "8x1", "--data", "tokens.npy", "--run-dir", str(tmp_path / "r"),
                    "--compile-cache", "none")
     assert first.exit_code == 0, first.output
+    assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
     assert saved.data.path == str(tmp_path / "a" / "tokens.npy")
     monkeypatch.chdir(tmp_path / "b")

@@ -20,7 +20,7 @@ class StepAnalysis:
 
     collectives: list[hlo.Collective]
     memory: dict[str, int]  # arguments, outputs, temporaries, aliased, total (bytes)
-    flops: float  # from XLA's cost analysis
+    flops: float  # from XLA's cost analysis, which counts a loop's body once (one of the scanned layers)
     model_flops: float  # analytic 6N + attention, per device
     bytes_by_axes: dict[str, float]  # logical collective bytes on the wire per mesh axis (multi-axis split)
     compiled_bytes_by_axes: dict[str, float]  # as compiled (CPU: reduce-scatter as all-reduce, ...)

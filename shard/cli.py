@@ -468,8 +468,8 @@ def _print_compiled(doc: dict) -> None:
     m = doc["memory"]
     console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
                   f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "
-                  f"XLA FLOPs/device {doc['flops_per_device']:.3g}, model FLOPs/device "
-                  f"{doc['model_flops_per_device']:.3g}")
+                  f"model FLOPs/device {doc['model_flops_per_device']:.3g} (XLA's cost analysis: "
+                  f"{doc['flops_per_device']:.3g}, counting each loop body once, so one scanned layer)")
 
 
 @app.command()

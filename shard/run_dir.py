@@ -77,12 +77,15 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
                     theirs = config_mod.resolve(config_mod.load_file(str(saved)))
                 except ShardError:
                     theirs = None
-                # how the processes meet is not the run's identity
-                diff = config_mod.differences(theirs, cfg, ignore=("run_dir", "cluster")) if theirs else []
+                # how the processes meet, or where compiled programs are cached, is not the run's identity
+                ignore = ("run_dir", "cluster", "xla.compile_cache")
+                diff = config_mod.differences(theirs, cfg, ignore=ignore) if theirs else []
                 if diff:
                     key, there, here = diff[0]
+                    # its checkpoints load into another model only where the model is the same
+                    resume = "" if key.startswith("model.") else ", or pass --resume to continue that run with this change"
                     raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
-                                     f"{here!r} here); choose another --run-dir")
+                                     f"{here!r} here); choose another --run-dir{resume}")
             if not has_records(path):  # its start died before its first step was logged or saved
                 raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
                                  "start that crashed?); pass --resume --allow-fresh to start it again, or choose "

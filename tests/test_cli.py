@@ -146,6 +146,9 @@ def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
     # The run dir is never reused by accident.
     again = run_shard("train", "--mesh", "4x4", *TINY, "--run-dir", "r", "--compile-cache", "cc", shared_cache=False)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+    other = run_shard("train", "--mesh", "4x4", *TINY, "--steps", "3", "--run-dir", "r", shared_cache=False)
+    assert other.returncode == 2 and "(steps is 2 there, 3 here); choose another --run-dir, or pass --resume to " \
+        "continue that run with this change" in other.stderr
 
 
 def test_a_compile_cache_that_is_a_file(run_shard, tmp_path):

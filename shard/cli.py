@@ -130,7 +130,7 @@ def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = 
                  "compile_cache": "xla.compile_cache",
                  "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
                  "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
-                 "eval_every": "eval.every"}
+                 "eval_every": "eval.every", "init_from": "init_from"}
     if flags.get("run_dir") is not None and not flags["run_dir"].strip():
         raise ShardError("empty --run-dir: name a folder, or leave the flag out for runs/<model>-<mesh>-<time>")
     if flags.get("simulate_devices") is not None and flags["simulate_devices"] <= 0:
@@ -261,21 +261,24 @@ def train(
     defaults = config_mod.ClusterConfig()  # until the config is read
     distributed.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
                        defaults.join_timeout)
-    if init_from and resume:
-        raise ShardError("--init-from starts a new run and --resume continues one: choose one")
     if allow_fresh and not resume:
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
     main = cluster is None or cluster.process_id == 0
-    base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else init_from_base(init_from) if init_from else None
+    base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else None
+    resumed = bool(base)  # the run dir holds a run's config
+    if init_from and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
+        base = init_from_base(init_from)
+    if init_from:  # saved in config.toml, for a start from any folder
+        init_from = str(Path(init_from).absolute())
     cfg = config_mod.resolve(_overrides(
         config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
         checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
-        eval_every=eval_every))
+        eval_every=eval_every, init_from=init_from))
     saved_name = (base or {}).get("model", {}).get("name")
     if saved_name and cfg.model.name != saved_name:
-        source = f"--resume continues the {saved_name} run in {run_dir}" if resume else \
+        source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
             f"--init-from {init_from} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
@@ -300,7 +303,7 @@ def train(
     path = Path(distributed.broadcast_text(str(path)))
     from shard.agreement import check_same_config, check_same_data, check_shared_run_dir
 
-    check_same_config(cfg, {"--resume": resume, "--allow-fresh": allow_fresh, "--init-from": init_from})
+    check_same_config(cfg, {"--resume": resume, "--allow-fresh": allow_fresh})
     _check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
     check_same_data(cfg)
     check_shared_run_dir(path)
@@ -321,11 +324,11 @@ def train(
         if existed:
             lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
-    restore = restore_source(checkpoints, resume, allow_fresh, init_from, cfg.seed, notice)
+    restore = restore_source(checkpoints, resume, allow_fresh, cfg.init_from, cfg.seed, notice)
     try:
         run = prepare(cfg, devices, restore=restore)
-        if init_from:
-            notice(f"initialised from {init_from}")
+        if cfg.init_from and not run.start_step and restore is not None:
+            notice(f"initialised from {cfg.init_from}")
         if run.start_step:
             notice(f"resumed from step {run.start_step} ({checkpoints.path(run.start_step)}), "
                    f"data position {run.stream.position}")
@@ -351,10 +354,10 @@ def train(
         finished = False
         try:
             if main:
-                if init_from and "config.toml" not in found:  # what export-hf writes back besides the weights
+                if cfg.init_from and "config.toml" not in found:  # what export-hf writes back besides the weights
                     from shard import hf
 
-                    hf.keep_side_files(init_from, path)
+                    hf.keep_side_files(cfg.init_from, path)
                 write_text_atomic(path / "config.toml", config_toml)
                 observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                              TensorBoardWriter(path / "tb")]

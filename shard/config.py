@@ -146,6 +146,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     run_dir: str = ""
+    # Weights a fresh start begins from (a shard checkpoint or a Hugging Face folder); a resume that finds
+    # a checkpoint of its own reads that instead.
+    init_from: str = ""
 
     def validate(self) -> None:
         problems = list(self.model.validate()) + _out_of_range(self)

@@ -64,24 +64,23 @@ def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
     return notes + inexact_changes(saved, cfg)
 
 
-def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str | None, seed: int,
-                    notice: Callable[[str], None]) -> Callable | None:
-    """What `prepare` restores the state with: the newest complete checkpoint (--resume), weights from
-    elsewhere with a fresh optimizer (--init-from), or None for a fresh init."""
+def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str, seed: int,
+                   notice: Callable[[str], None]) -> Callable | None:
+    """What `prepare` restores the state with: the run's newest complete checkpoint (--resume), else
+    weights from elsewhere with a fresh optimizer (init_from), or None for a fresh init."""
+    if resume:
+        checkpoints.clean_incomplete()
+        if checkpoints.steps():
+            return checkpoints.restore_latest
+        if not allow_fresh:
+            raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
+                             "--allow-fresh to start this run from step 0")
+        notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
     if init_from:
         from shard import weights
 
         _, loaded = weights.load(init_from)
         return lambda spec: weights.state_from(loaded, spec, seed, init_from)
-    if not resume:
-        return None
-    checkpoints.clean_incomplete()
-    if checkpoints.steps():
-        return checkpoints.restore_latest
-    if not allow_fresh:
-        raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
-                         "--allow-fresh to start this run from step 0")
-    notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
     return None
 
 

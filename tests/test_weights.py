@@ -292,3 +292,25 @@ def test_a_checkpoint_without_its_array_metadata_is_one_line(imported, tmp_path,
     r = invoke(command, broken, *args)
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "holds no description of its arrays" in r.output
+
+
+def test_init_from_is_saved_in_the_config_and_a_resume_prefers_its_own_checkpoint(imported, tmp_path):
+    """--init-from was recorded nowhere: a run started from a fine-tune's config.toml began from random
+    weights. And --init-from with --resume was refused, so a preemptible fine-tune needed two commands."""
+    from shard import config
+
+    run = tmp_path / "ft"
+
+    def fine_tune(steps):  # one command for every start of a preemptible job
+        return invoke("train", "--init-from", imported, "--resume", "--allow-fresh", "--mesh", "8x1", "--steps",
+                      steps, "--batch", 8, "--seq", 32, "--run-dir", run, "--compile-cache", "none")
+
+    first = fine_tune(2)
+    assert first.exit_code == 0, first.output
+    assert f"initialised from {imported}" in first.output and "no checkpoint in" in first.output
+    saved = config.resolve(config.load_file(str(run / "config.toml")))
+    assert saved.init_from == str(imported) and saved.model.n_kv_heads == 4
+    again = fine_tune(3)
+    assert again.exit_code == 0 and "resumed from step 2" in again.output and "initialised" not in again.output
+    other = invoke("train", "--config", run / "config.toml", "--run-dir", tmp_path / "again", "--steps", 1)
+    assert other.exit_code == 0 and f"initialised from {imported}" in other.output, other.output

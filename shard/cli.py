@@ -265,6 +265,8 @@ def train(
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
     main = cluster is None or cluster.process_id == 0
+    if resume and run_dir is None and config is not None:  # the run dir named in the config file given
+        run_dir = config_mod.load_file(str(config)).get("run_dir") or None
     base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else None
     resumed = bool(base)  # the run dir holds a run's config
     if init_from and not resumed:  # a new run, or the first start of a --resume --allow-fresh one

@@ -505,3 +505,11 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     moved = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "4", "--data", "tokens.npy",
                    "--compile-cache", "none")  # this folder's file, named as such
     assert f"data.path {tmp_path / 'a' / 'tokens.npy'} -> {tmp_path / 'b' / 'tokens.npy'}" in moved.output
+
+
+def test_resume_takes_the_run_dir_from_the_config_file(tmp_path):
+    run = tmp_path / "r"
+    first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
+    assert first.exit_code == 0, first.output
+    again = invoke("train", "--config", str(run / "config.toml"), "--resume", "--steps", "3", "--compile-cache", "none")
+    assert again.exit_code == 0 and "resumed from step 2" in again.output, again.output

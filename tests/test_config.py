@@ -31,6 +31,7 @@ def test_set_overrides_with_types():
     ("noequals", "key=value"),
     ("optimizer.grad_clip=-1", r"optimizer.grad_clip must be positive \(inf: no clipping\), got -1.0"),
     ("optimizer.b2=2", r"optimizer.b2 must be in \[0, 1\)"),
+    ("optimizer.b1=1", r"optimizer.b1 must be in \[0, 1\)"),  # Adam's bias correction divides by 1 - b1
     ("optimizer.lr=nan", "optimizer.lr expects a number, got nan"),
     ("optimizer.lr=inf", "optimizer.lr must be a finite positive number, got inf"),
     ("guard.max_grad_norm=0", r"guard.max_grad_norm must be positive \(inf: off\)"),

@@ -53,6 +53,8 @@ def test_build_mesh_names_axes():
     ("1x2x3x4", "1 to 3 dimensions"),
     ("fsdp_tp:8", "has 1 sizes for 2 axes"),
     ("0x8", "must be positive"),
+    ("-1x-1", r"one may be -1 to fill the devices\), got \[-1, -1\]"),
+    ("data=-1,model=-1", r"one may be -1 to fill the devices"),
 ])
 def test_bad_specs(spec, message):
     with pytest.raises(ShardError, match=message):
@@ -89,3 +91,11 @@ def test_a_mesh_file_shape_of_booleans_is_refused(tmp_path):
     f.write_text('axes = ["data"]\nshape = [true]\n')
     with pytest.raises(ShardError, match=r"shape must be a list of integers, got \[True\]"):
         parse_mesh(str(f))
+
+
+def test_a_mesh_file_without_a_shape_fills_its_first_axis(tmp_path):
+    from shard.mesh import load_preset
+
+    f = tmp_path / "m.toml"
+    f.write_text('axes = ["data", "model"]\n')
+    assert resolve_shape(load_preset(str(f)), 8) == (8, 1)

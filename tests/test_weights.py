@@ -314,3 +314,30 @@ def test_init_from_is_saved_in_the_config_and_a_resume_prefers_its_own_checkpoin
     assert again.exit_code == 0 and "resumed from step 2" in again.output and "initialised" not in again.output
     other = invoke("train", "--config", run / "config.toml", "--run-dir", tmp_path / "again", "--steps", 1)
     assert other.exit_code == 0 and f"initialised from {imported}" in other.output, other.output
+
+
+def test_an_export_over_the_file_limit_is_split_with_an_index_that_transformers_can_follow(hf_dir, tmp_path,
+                                                                                            monkeypatch):
+    """Every export above 4 GiB (a 1B model in float32) goes through the index: each weight_map entry
+    must name the file that holds the tensor."""
+    monkeypatch.setattr(hf, "_FILE_LIMIT", 64 << 10)
+    config_json, tensors = hf.read_hf_dir(str(hf_dir))
+    cfg = hf.config_from_hf(config_json)
+    files = hf.write_hf_dir(str(tmp_path / "out"), cfg, hf.params_from_hf(tensors, cfg))
+    assert len(files) > 2 and all(f.stat().st_size <= (64 << 10) + (1 << 20) for f in files)
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map) == set(tensors)
+    for name, file in weight_map.items():
+        np.testing.assert_array_equal(load_file(str(tmp_path / "out" / file))[name], tensors[name])
+
+
+@pytest.mark.parametrize("config_json, theta", [
+    ({"rope_theta": 500000.0}, 500000.0),  # transformers < 5
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 1e6),  # transformers >= 5
+    ({}, 10000.0),
+])
+def test_rope_theta_is_read_from_either_form_of_config_json(config_json, theta):
+    """A Llama 3 (theta 500000) imported with 10000 computes other logits, silently."""
+    base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "intermediate_size": 128}
+    assert hf.config_from_hf(base | config_json).rope_theta == theta

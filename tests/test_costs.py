@@ -46,11 +46,12 @@ CASES = {
     # logical all-reduce, as in one instruction (efficiency was 0.938)
     "moe-dp": ("moe-tiny", "8x1", {}),
     "tiny-1layer": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    "tiny-1layer-untied": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128, "model__tie_embeddings": False}),
     "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1}),
     "moe-1layer-long": ("moe-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
-FLOPS_CASES = ("tiny-1layer", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
+FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
 MOE_CASES = ("moe-dp",)  # the memory model is for dense models (docs/formulas.md)
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp")
                     and k.count("-") == 1]
@@ -226,3 +227,16 @@ def test_the_compiled_step_follows_the_pipeline_config(analysed):
     permutes = {name: sum(c.count for c in analysed(name)[2].collectives if c.kind == "collective-permute")
                 for name in ("tiny-pp-1f1b", "tiny-pp-gpipe")}
     assert permutes["tiny-pp-gpipe"] < permutes["tiny-pp-1f1b"], permutes
+
+
+def test_each_remat_policy_keeps_less_than_the_one_before():
+    """none > dots (every matmul output kept) > dots_no_batch (not attention's batched ones) > full, in the
+    compiled step's temporaries: a policy that did nothing, or two swapped, passed every other test."""
+    from shard.analysis import compile_step, memory_of
+
+    temporaries = []
+    for remat in ("none", "dots", "dots_no_batch", "full"):
+        cfg = tiny_config("1x1", model__remat=remat, data__seq_len=64, model__attention="xla")
+        layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
+        temporaries.append(memory_of(compile_step(cfg, layout))["temporaries"])
+    assert temporaries == sorted(temporaries, reverse=True) and len(set(temporaries)) == 4, temporaries

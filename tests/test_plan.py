@@ -212,3 +212,24 @@ def test_bench_rejects_unknown_collective():
 def test_bench_on_a_mesh_without_traffic_is_an_error():
     r = invoke("bench", "collectives", "--mesh", "1x1")
     assert r.exit_code == 2 and "mesh data=1,model=1 has no axis of size > 1: nothing to measure" in r.output, r.output
+
+
+def test_no_fitting_layout_is_ranked_ahead_of_one_more_than_two_percent_faster():
+    doc = json.loads(invoke(*REFERENCE, "--json").output)
+    fitting = [c["step_s"] for c in doc["layouts"] if c["fits"]]
+    assert len(fitting) > 5
+    assert all(a <= b * 1.0201 for i, a in enumerate(fitting) for b in fitting[i + 1:])
+
+
+def test_a_layout_fits_in_ninety_percent_of_memory():
+    """A tenth of HBM is left to the runtime, communication buffers and fragmentation."""
+    import dataclasses
+
+    from shard.models.configs import PRESETS
+    from shard.plan import predict
+
+    hw, cfg = find_hardware("a100-40gb", load_hardware()), PRESETS["llama-1b"]
+    total = predict(cfg, {"fsdp": 8}, "full", hw, 1, 8, 2048).memory["total"]
+    for share, fits in ((0.95, False), (0.85, True)):
+        c = predict(cfg, {"fsdp": 8}, "full", dataclasses.replace(hw, hbm_gib=total / share / GIB), 1, 8, 2048)
+        assert c.fits == fits and any("> 90% of" in p for p in c.problems) != fits

@@ -20,16 +20,22 @@ from shard import config as config_mod
 from shard import distributed
 from shard.errors import ShardError
 
-# Top-level string keys that may differ between the processes of one job (blanked before comparing):
-# process 0 alone picks the run dir's name.
-PER_PROCESS_KEYS = ("run_dir",)
+# Keys that may differ between the processes of one job (blanked before comparing): process 0 alone
+# picks the run dir's name, and each process's data paths are made absolute from its own working
+# directory; check_same_data compares what they hold.
+PER_PROCESS_KEYS = ("run_dir", "data.path", "eval.path")
+
+
+def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+    return dataclasses.replace(cfg, run_dir="", data=dataclasses.replace(cfg.data, path=""),
+                               eval=dataclasses.replace(cfg.eval, path=""))
 
 
 def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | None = None) -> None:
     """Every process resolved the same config as process 0 (from the flags, files and --set it got), and
-    was given the same `start` flags, which the config does not hold (`--resume`, `--init-from`): a
+    was given the same `start` flags, which the config does not hold (`--resume`, `--allow-fresh`): a
     process that resumed while another initialised waited in a collective for ever."""
-    mine = config_mod.to_toml(dataclasses.replace(cfg, **dict.fromkeys(PER_PROCESS_KEYS, "")))
+    mine = config_mod.to_toml(_comparable(cfg))
     flags = json.dumps(start or {})
     theirs, their_flags = json.loads(distributed.broadcast_text(json.dumps([mine, flags])))
     differs = (theirs, their_flags) != (mine, flags)

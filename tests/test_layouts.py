@@ -22,7 +22,8 @@ def test_losses_match_single_device(mesh, reference):
 
 
 def test_losses_change_between_steps(reference):
-    # Guards the comparison above against a step that does nothing.
+    # Three distinct numbers for the comparison above to check (the steps read different batches; that
+    # a step updates the parameters is test_step.py's)
     assert len(set(np.round(reference, 6))) == 3
 
 

@@ -147,15 +147,17 @@ def test_a_run_dir_that_is_not_one_shared_folder_is_refused(tmp_path):
     assert not list(tmp_path.rglob(".shard-shared-*"))  # the marker is gone
 
 
-def test_processes_that_find_other_data_at_the_data_path_stop_at_once(tmp_path):
+@pytest.mark.parametrize("key", ["data.path", "eval.path"])
+def test_processes_that_find_other_data_at_the_data_path_stop_at_once(tmp_path, key):
     """Each host's own data.txt: process 1 trained its rows of every batch on other text, in silence."""
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "data.txt").write_text("the same words on every host, or so one hopes " * 40)
     (tmp_path / "elsewhere" / "data.txt").write_text("other words entirely, on the second host " * 40)
-    args = [*TINY, "--mesh", "2x4", "--run-dir", str(tmp_path / "r"), "--data", "data.txt"]
+    args = [*TINY, "--mesh", "2x4", "--run-dir", str(tmp_path / "r")]
+    args += ["--data", "data.txt"] if key == "data.path" else ["--eval-every", "1", "--set", "eval.path=data.txt"]
     (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, args, args, cwd1=tmp_path / "elsewhere")
     assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
-    assert re.search(r"data.path data.txt holds other data here than on process 0 \(name, bytes, CRC: "
+    assert re.search(rf"{key} \S+/elsewhere/data.txt holds other data here than on process 0 \(name, bytes, CRC: "
                      r"'data.txt 1840 \w+' there, 'data.txt 1640 \w+' here\)", err1), err1[-2000:]
     assert "holds other data on another process of this job than on process 0" in err0
     assert not (tmp_path / "r").exists()

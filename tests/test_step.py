@@ -147,3 +147,22 @@ def test_evaluation_reads_the_same_held_out_batches_every_time():
         assert evaluator(run.state["params"]) == evaluator(run.state["params"])
     finally:
         evaluator.close()
+
+
+def test_a_second_ctrl_c_interrupts_at_once_and_the_handlers_come_back():
+    import os
+    import signal
+
+    from shard.preemption import StopOnSignal
+
+    before = signal.getsignal(signal.SIGINT)
+    stopper = StopOnSignal()
+    stopper.on_start(None)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the first asks for a stop after this step
+        assert stopper.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stopper.on_abort()
+    assert signal.getsignal(signal.SIGINT) is before

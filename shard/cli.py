@@ -232,7 +232,7 @@ def train(
     compile_cache: Annotated[str | None, typer.Option(
         "--compile-cache", help="persistent compilation cache dir (default: beside the run dir; 'none': off)")] = None,
     checkpoint_every: Annotated[int | None, typer.Option(
-        "--checkpoint-every", help="save a checkpoint every N steps (the last step and preemption always save)")] = None,
+        "--checkpoint-every", help="save a checkpoint every N steps (default 1000; 0: off; the last step and preemption always save)")] = None,
     keep: Annotated[int | None, typer.Option("--keep", help="keep the newest K checkpoints")] = None,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue the run in --run-dir from its newest complete checkpoint")] = False,
@@ -544,7 +544,15 @@ def plan(
     if best:
         console.print(f"best: {best.command(cfg.model.name, global_batch, seq, passed_on)}", soft_wrap=True)  # one line to copy
     else:
-        console.print("no layout fits: add devices, shorten --seq, or lower --batch")
+        batch_ways = [next((int(m.group(1)) for p in c.problems
+                            if (m := re.search(r"global batch \d+ does not split over (\d+) data-parallel", p))), None)
+                      for c in ranked]
+        if ranked and None not in batch_ways:  # no layout splits the batch, whatever its memory
+            fewest = min(batch_ways)
+            console.print(f"no layout fits: --batch {global_batch} splits over the data-parallel devices of none "
+                          f"of them (the fewest are {fewest}); use a multiple of {fewest}", soft_wrap=True)
+        else:
+            console.print("no layout fits: add devices, shorten --seq, or lower --batch")
         raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts
 
 

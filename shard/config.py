@@ -91,7 +91,9 @@ class CheckpointConfig:
     """When to save and what to keep (docs/checkpoints.md). The CLI always saves the last step and on
     preemption; `every` adds periodic saves."""
 
-    every: int = 0  # save every N steps; 0 = only the last step and on SIGTERM/SIGINT
+    # save every N steps (a kill -9 or a lost host costs at most N steps); 0 = only the last step and on
+    # SIGTERM/SIGINT
+    every: int = 1000
     keep: int = 3  # keep the newest K complete checkpoints
     best_metric: str = ""  # e.g. "loss": also keep the `keep_best` best checkpoints by this metric
     best_mode: str = "min"  # min | max

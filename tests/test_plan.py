@@ -233,3 +233,10 @@ def test_a_layout_fits_in_ninety_percent_of_memory():
     for share, fits in ((0.95, False), (0.85, True)):
         c = predict(cfg, {"fsdp": 8}, "full", dataclasses.replace(hw, hbm_gib=total / share / GIB), 1, 8, 2048)
         assert c.fits == fits and any("> 90% of" in p for p in c.problems) != fits
+
+
+def test_a_batch_no_layout_can_split_is_named_as_the_reason():
+    """It said "add devices, shorten --seq, or lower --batch" where 100 sequences don't split 8 ways."""
+    r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100")
+    assert r.exit_code == 1 and ("no layout fits: --batch 100 splits over the data-parallel devices of none of them "
+                                 "(the fewest are 8); use a multiple of 8") in r.output

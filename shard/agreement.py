@@ -20,15 +20,21 @@ from shard import config as config_mod
 from shard import distributed
 from shard.errors import ShardError
 
-# Keys that may differ between the processes of one job (blanked before comparing): process 0 alone
-# picks the run dir's name, and each process's data paths are made absolute from its own working
-# directory; check_same_data compares what they hold.
+# Keys that may differ between the processes of one job: process 0 alone picks the run dir's name, and
+# each process's data paths are made absolute from its own working directory (check_same_data compares
+# what they hold; here only whether each names files, the embedded corpus, synthetic data or nothing).
 PER_PROCESS_KEYS = ("run_dir", "data.path", "eval.path")
+_FILES = "<files>"
 
 
 def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
-    return dataclasses.replace(cfg, run_dir="", data=dataclasses.replace(cfg.data, path=""),
-                               eval=dataclasses.replace(cfg.eval, path=""))
+    from shard.data import EMBEDDED, SYNTHETIC
+
+    def kind(path: str) -> str:
+        return path if path in (EMBEDDED, SYNTHETIC) else _FILES
+
+    return dataclasses.replace(cfg, run_dir="", data=dataclasses.replace(cfg.data, path=kind(cfg.data.path)),
+                               eval=dataclasses.replace(cfg.eval, path=kind(cfg.eval.path)))
 
 
 def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | None = None) -> None:
@@ -50,7 +56,7 @@ def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | No
         flag = next(k for k in {**ours, **zeros} if ours.get(k) != zeros.get(k))
         raise ShardError(f"process {rank} was started with {_flag_text(flag, ours.get(flag))}, process 0 with "
                          f"{_flag_text(flag, zeros.get(flag))}; start every process with the same command")
-    diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), cfg, ignore=PER_PROCESS_KEYS)
+    diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), _comparable(cfg), ignore=("run_dir",))
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
     raise ShardError(f"process {rank} was started with a different config "
                      f"from process 0's{what}; start every process with the same command")

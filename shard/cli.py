@@ -199,6 +199,17 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
+def _init_from_given(flag: str | None, config: Path | None, sets: list[str] | None) -> str:
+    """The weights a start is told to begin from, as the config will hold them: --set over --init-from
+    over the --config file."""
+    from_sets = config_mod.parse_sets(sets or []).get("init_from")
+    if from_sets is not None:
+        return str(from_sets)
+    if flag is not None:
+        return flag
+    return str(config_mod.load_file(str(config)).get("init_from", "")) if config else ""
+
+
 def _absolute_data_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     """The config with data.path and eval.path made absolute, once checked to exist: the saved config
     then names the same data wherever a resume starts from (a relative one read another folder's)."""
@@ -269,26 +280,27 @@ def train(
         run_dir = config_mod.load_file(str(config)).get("run_dir") or None
     base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else None
     resumed = bool(base)  # the run dir holds a run's config
-    if init_from and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
-        base = init_from_base(init_from)
-    if init_from:  # saved in config.toml, for a start from any folder
-        init_from = str(Path(init_from).absolute())
+    weights = _init_from_given(init_from, config, set_)
+    if weights and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
+        base = init_from_base(weights)
     cfg = config_mod.resolve(_overrides(
         config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
         checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
         eval_every=eval_every, init_from=init_from))
+    if cfg.init_from:  # saved in config.toml, for a start from any folder
+        cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).absolute()))
     saved_name = (base or {}).get("model", {}).get("name")
     if saved_name and cfg.model.name != saved_name:
         source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
-            f"--init-from {init_from} holds a {saved_name} model"
+            f"--init-from {weights} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == distributed.MPI:
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
     cfg = _absolute_data_paths(cfg)
-    if resume and base and main:
+    if resumed and main:
         for note in resume_changes(base, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
@@ -343,6 +355,11 @@ def train(
                               f"{cfg.steps}")
             distributed.finish()
             return
+        if run.start_step and resumed and cfg.init_from != base.get("init_from", ""):
+            # the run's own checkpoint was read: the weights it started from stay the ones on record
+            if init_from is not None:
+                notice(f"--init-from {init_from} is not read: the run resumes from its own checkpoint")
+            cfg = dataclasses.replace(cfg, init_from=base.get("init_from", ""))
         cfg = dataclasses.replace(cfg, run_dir=str(path))
         config_toml = config_mod.to_toml(cfg)
         observers, found = [], set()
@@ -356,9 +373,10 @@ def train(
         finished = False
         try:
             if main:
-                if cfg.init_from and "config.toml" not in found:  # what export-hf writes back besides the weights
-                    from shard import hf
+                from shard import hf
 
+                if cfg.init_from and not run.start_step and not {"config.toml", hf.SIDE_DIR} & found:
+                    # what export-hf writes back besides the weights, from the weights a first start read
                     hf.keep_side_files(cfg.init_from, path)
                 write_text_atomic(path / "config.toml", config_toml)
                 observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),

@@ -57,6 +57,9 @@ def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
     from shard.data import held_out_share
 
     saved = config_mod.resolve(base)
+    if cfg.data.path and Path(saved.data.path).absolute() == Path(cfg.data.path):
+        # a config saved before data paths were saved absolute: the same files, read from the same folder
+        saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, path=cfg.data.path))
     # a config saved before eval.holdout existed trained on every window
     was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
     now = held_out_share(cfg)

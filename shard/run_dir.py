@@ -83,9 +83,9 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
                 if diff:
                     key, there, here = diff[0]
                     # its checkpoints load into another model only where the model is the same
-                    resume = "" if key.startswith("model.") else ", or pass --resume to continue that run with this change"
+                    hint = "" if key.startswith("model.") else ", or pass --resume to continue that run with this change"
                     raise ShardError(f"run dir {path} belongs to a different config ({key} is {there!r} there, "
-                                     f"{here!r} here); choose another --run-dir{resume}")
+                                     f"{here!r} here); choose another --run-dir{hint}")
             if not has_records(path):  # its start died before its first step was logged or saved
                 raise ShardError(f"run dir {path} holds a run that never logged a step or saved a checkpoint (a "
                                  "start that crashed?); pass --resume --allow-fresh to start it again, or choose "

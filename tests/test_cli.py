@@ -468,7 +468,7 @@ def test_an_error_with_an_empty_message_is_named_by_its_type():
     assert first_line(RuntimeError()) == "RuntimeError" and first_line(ValueError("\n a\nb")) == "a"
 
 
-def test_a_signal_during_the_final_save_does_not_kill_it(tmp_path, monkeypatch):
+def test_the_stop_handlers_still_take_signals_while_the_final_save_is_awaited(tmp_path, monkeypatch):
     """The stopper's handlers were removed before the saver waited for the last save, so a SIGTERM
     there killed the process and lost the save."""
     import signal
@@ -498,6 +498,12 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
     assert saved.data.path == str(tmp_path / "a" / "tokens.npy")
+    # a run saved before data paths were saved absolute, resumed from its own folder: the same files
+    toml = (tmp_path / "r" / "config.toml").read_text().replace(f'"{tmp_path / "a" / "tokens.npy"}"', '"tokens.npy"')
+    assert 'path = "tokens.npy"' in toml
+    (tmp_path / "r" / "config.toml").write_text(toml)
+    same = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "3", "--compile-cache", "none")
+    assert same.exit_code == 0 and "data order changes" not in same.output, same.output
     monkeypatch.chdir(tmp_path / "b")
     again = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "3", "--compile-cache", "none")
     assert again.exit_code == 0, again.output

@@ -687,3 +687,13 @@ def test_processes_with_unequal_device_counts_are_named():
     with pytest.raises(ShardError, match=r"different numbers of devices \(process 0: 4, process 1: 2\)"):
         _check_devices_per_process(devices)
     _check_devices_per_process(devices[:4] + devices[4:] * 2)
+
+
+def test_eval_data_on_one_process_only_is_a_config_difference(tmp_path):
+    """With the paths left out of the comparison (each is absolute from its own folder), process 1's
+    eval.path made one exchange more than process 0's none: the exchanges went out of step."""
+    (tmp_path / "held.txt").write_text("held out words " * 100)
+    base = [*TINY, "--mesh", "2x4", "--run-dir", str(tmp_path / "r"), "--eval-every", "1"]
+    (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, base, [*base, "--set", f"eval.path={tmp_path / 'held.txt'}"])
+    assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
+    assert "eval.path is '' on process 0, '<files>' here" in err1, err1[-2000:]

@@ -299,21 +299,39 @@ def test_init_from_is_saved_in_the_config_and_a_resume_prefers_its_own_checkpoin
     weights. And --init-from with --resume was refused, so a preemptible fine-tune needed two commands."""
     from shard import config
 
-    run = tmp_path / "ft"
+    run, source = tmp_path / "ft", tmp_path / "source"
+    shutil.copytree(imported, source)
 
-    def fine_tune(steps):  # one command for every start of a preemptible job
-        return invoke("train", "--init-from", imported, "--resume", "--allow-fresh", "--mesh", "8x1", "--steps",
+    def fine_tune(steps, weights=source):  # one command for every start of a preemptible job
+        return invoke("train", "--init-from", weights, "--resume", "--allow-fresh", "--mesh", "8x1", "--steps",
                       steps, "--batch", 8, "--seq", 32, "--run-dir", run, "--compile-cache", "none")
 
     first = fine_tune(2)
     assert first.exit_code == 0, first.output
-    assert f"initialised from {imported}" in first.output and "no checkpoint in" in first.output
+    assert f"initialised from {source}" in first.output and "no checkpoint in" in first.output
+    assert "not an exact resume" not in first.output  # a first start: nothing saved to differ from
     saved = config.resolve(config.load_file(str(run / "config.toml")))
-    assert saved.init_from == str(imported) and saved.model.n_kv_heads == 4
+    assert saved.init_from == str(source) and saved.model.n_kv_heads == 4 and (run / "hf").is_dir()
+    other = invoke("train", "--config", run / "config.toml", "--run-dir", tmp_path / "again", "--steps", 1)
+    assert other.exit_code == 0 and f"initialised from {source}" in other.output, other.output
+    # the weights are gone and config.toml is lost: the run resumes from its checkpoint and its saved config
+    # (it read the weights' Hugging Face side files again, from a folder no longer there)
+    shutil.rmtree(source)
+    (run / "config.toml").unlink()
     again = fine_tune(3)
     assert again.exit_code == 0 and "resumed from step 2" in again.output and "initialised" not in again.output
-    other = invoke("train", "--config", run / "config.toml", "--run-dir", tmp_path / "again", "--steps", 1)
-    assert other.exit_code == 0 and f"initialised from {imported}" in other.output, other.output
+    moved = fine_tune(4, imported)  # other weights named at a resume: not read, and not put on record
+    assert moved.exit_code == 0 and f"--init-from {imported} is not read: the run resumes from its own" in moved.output
+    assert config.resolve(config.load_file(str(run / "config.toml"))).init_from == str(source)
+
+
+def test_init_from_in_a_config_file_builds_the_weights_model(imported, tmp_path):
+    """Only the flag read the weights' model: a config file naming init_from built the default model,
+    and loading the weights failed on the first shape."""
+    (tmp_path / "ft.toml").write_text(f'init_from = "{imported}"\nsteps = 1\n[data]\nbatch = 8\nseq_len = 32\n')
+    r = invoke("train", "--config", tmp_path / "ft.toml", "--mesh", "8x1", "--run-dir", tmp_path / "r",
+               "--compile-cache", "none")
+    assert r.exit_code == 0 and f"initialised from {imported}" in r.output, r.output
 
 
 def test_an_export_over_the_file_limit_is_split_with_an_index_that_transformers_can_follow(hf_dir, tmp_path,

@@ -56,6 +56,12 @@ class ModelConfig:
     mlp_dim: int = 768
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # Llama 3's RoPE scaling (Llama 3.1 and 3.2): the low frequencies divided by rope_scaling, the high
+    # ones kept, those between blended; 0: plain RoPE.
+    rope_scaling: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     norm_eps: float = 1e-5
     # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
     compute_dtype: str = "auto"
@@ -94,11 +100,36 @@ class ModelConfig:
         for f in ("rope_theta", "norm_eps"):
             if not 0 < getattr(self, f) < math.inf:
                 problems.append(f"model.{f} must be a positive number, got {getattr(self, f)}")
+        if not 0 <= self.rope_scaling < math.inf:
+            problems.append(f"model.rope_scaling must be 0 (off) or a positive factor, got {self.rope_scaling}")
+        if self.rope_scaling and not (0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf
+                                      and self.rope_original_context > 0):
+            problems.append("model.rope_scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a "
+                            f"positive rope_original_context, got {self.rope_low_freq_factor}, "
+                            f"{self.rope_high_freq_factor}, {self.rope_original_context}")
         if not 0 <= self.aux_loss_weight < math.inf:
             problems.append(f"model.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
         if self.param_dtype not in ("float32", "bfloat16"):
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
+
+    def rope_frequencies(self):
+        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when
+        rope_scaling is set."""
+        import numpy as np
+
+        inv = (1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
+        inv = inv.astype(np.float32)
+        if not self.rope_scaling:
+            return inv
+        factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                      self.rope_original_context)
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > context / low, inv / factor, inv)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelen >= context / high) & (wavelen <= context / low)
+        return np.where(between, blended, scaled).astype(np.float32)
 
     def compute_dtype_on(self, platform: str) -> str:
         """The compute dtype's name on `platform` ("cpu", "gpu", "cuda", ...): "auto" resolves to float32

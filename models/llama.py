@@ -142,7 +142,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
     the updated cache as well."""
     dtype = compute_dtype(cfg)
-    cos_th, sin_th = rope_tables(start + jnp.arange(x_btd.shape[1]), cfg.head_dim, cfg.rope_theta)
+    cos_th, sin_th = rope_tables(start + jnp.arange(x_btd.shape[1]), cfg)
 
     def block(x_btd, xs):
         p, kv = xs
@@ -191,9 +191,9 @@ def rms_norm(x, scale, eps: float):
     return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions_t: jax.Array, head_dim: int, theta: float):
+def rope_tables(positions_t: jax.Array, cfg: ModelConfig):
     """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = jnp.asarray(cfg.rope_frequencies())
     angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
     return jnp.cos(angles_th), jnp.sin(angles_th)

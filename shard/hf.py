@@ -31,11 +31,23 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if not isinstance(rope, dict):
         raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
     legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
-    if not isinstance(legacy, dict) or any(r.get("rope_type", r.get("type", "default")) != "default"
-                                           for r in (legacy, rope)):
+    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
+    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
         scaling = legacy or rope
-        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) is")
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
+                         "Llama 3's (llama3) are")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
+    llama3 = next((r for r in (rope, legacy) if r.get("rope_type", r.get("type")) == "llama3"), None)
+    scaling = {}
+    if llama3 is not None:
+        keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
+        missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
+        if missing:
+            raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
+                             f"{llama3.get(missing[0])!r}")
+        scaling = {k: llama3[v] for k, v in keys.items()}
+        scaling["rope_original_context"] = int(scaling["rope_original_context"])
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ShardError(f"{flag}=true is not supported: shard's Llama has no biases")
@@ -62,7 +74,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=sizes["num_key_value_heads"],
         head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]),
+        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
     )
     problems = cfg.validate()
     if problems:
@@ -80,10 +92,18 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
         "max_position_embeddings": 4096,
-    }
+    } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
+
+
+def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
+    if not cfg.rope_scaling:
+        return {"rope_type": "default"}
+    return {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context}
 
 
 def _layer_map(cfg: ModelConfig):

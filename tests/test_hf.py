@@ -78,9 +78,9 @@ def test_export_reloads_in_transformers_with_identical_tensors(hf_model, tmp_pat
 
 def test_what_shard_cannot_represent(tmp_path):
     base = hf.config_to_hf(models.PRESETS["tiny"])
-    with pytest.raises(ShardError, match="rope scaling"):
+    with pytest.raises(ShardError, match="llama3 rope scaling needs a positive low_freq_factor, got None"):
         hf.config_from_hf(base | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
-    with pytest.raises(ShardError, match="rope scaling"):
+    with pytest.raises(ShardError, match="rope scaling .* is not supported"):
         hf.config_from_hf(base | {"rope_scaling": {"type": "linear", "factor": 2.0}})
     # plain RoPE spelled out in the older key is plain RoPE (it was refused, by a message saying it's fine)
     assert hf.config_from_hf(base | {"rope_scaling": {"rope_type": "default"}}) == hf.config_from_hf(base)
@@ -94,3 +94,30 @@ def test_what_shard_cannot_represent(tmp_path):
     tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
     with pytest.raises(ShardError, match=r"up_proj.weight has shape \(3, 3\), the config implies \(128, 64\)"):
         hf.params_from_hf(tensors, cfg)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # head_dim 8: one frequency kept, one blended, two scaled
+
+
+def test_llama3_rope_scaling_matches_transformers_and_exports_back(tmp_path):
+    """Llama 3.1 and 3.2 scale RoPE's low frequencies: their folders were refused."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-5,
+                                   rope_theta=10000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "in")
+    ours_cfg, params, ours = _shard_model(tmp_path / "in")
+    assert (ours_cfg.rope_scaling, ours_cfg.rope_original_context) == (8.0, 64)
+    positions = [list(range(1, 61))]  # far enough for the scaled frequencies to turn
+    with torch.no_grad():
+        theirs = model(torch.tensor(positions)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(positions))), theirs, atol=1e-4)
+    np.testing.assert_allclose(ours_cfg.rope_frequencies(), model.model.rotary_emb.inv_freq.numpy(), rtol=1e-6)
+    plain = dataclasses.replace(ours_cfg, rope_scaling=0.0).rope_frequencies()
+    assert (plain == ours_cfg.rope_frequencies()).tolist() == [True, False, False, False]  # kept, blended, scaled
+    hf.write_hf_dir(str(tmp_path / "out"), ours_cfg, params)
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(again(torch.tensor(positions)).logits.numpy(), theirs, atol=1e-5)

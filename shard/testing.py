@@ -23,6 +23,21 @@ def free_ports(n: int = 1) -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
+def finish(procs, timeout: float = 400) -> list[tuple[int, str, str]]:
+    """(return code, stdout, stderr) of each child process; any still running when one times out (a
+    hang) is killed, so a failed test leaves no process behind."""
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
 def xla_flags_for_tests(devices: int | None = None) -> str:
     """XLA_FLAGS for a test process: fast compiling, and `devices` simulated CPU devices if given."""
     return FAST_COMPILE_XLA_FLAGS + (f" {HOST_COUNT_FLAG}={devices}" if devices else "")

@@ -30,6 +30,7 @@ from shard.paths import RunDirLock
 from shard.preemption import StopOnSignal
 from shard.state import state_spec
 from shard.testing import devices_for, free_ports, subprocess_env, tiny_config
+from shard.testing import finish as finish_all
 
 STEPS = 12
 EVERY = 2
@@ -486,8 +487,7 @@ def shard_process(*args, devices: int | None = None) -> subprocess.Popen:
 
 
 def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
-    out, err = p.communicate(timeout=timeout)
-    return p.returncode, out, err
+    return finish_all([p], timeout)[0]
 
 
 def logged_losses(run_dir) -> dict[int, float]:
@@ -580,10 +580,10 @@ def test_two_processes_resume_stop_together_and_one_process_continues_their_chec
     script = Path(__file__).parent / "helpers" / "two_process_resume.py"
     procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(run_dir), str(STEPS), "8"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    outputs = finish_all(procs, 300)  # a hang kills both
+    for rc, _, err in outputs:
+        assert rc == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
     assert [r["start_step"] for r in results] == [4, 4]
     assert [r["stopped_at"] for r in results] == [8, 8]  # agreed, though only process 1 got the signal
     np.testing.assert_allclose(results[0]["losses"], ref_losses[4:8], rtol=1e-5)

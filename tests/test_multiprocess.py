@@ -19,7 +19,7 @@ import pytest
 
 from shard.loop import train
 from shard.metrics import read_jsonl
-from shard.testing import devices_for, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
+from shard.testing import devices_for, finish, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -42,19 +42,6 @@ def explicit(n: int, args, cwd, port: int) -> list[subprocess.Popen]:
                                        "--process-id", str(i)),
                              cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i in range(n)]
-
-
-def finish(procs, timeout=400):
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
 
 
 def run_losses(run_dir: Path) -> list[float]:

@@ -118,10 +118,10 @@ class ModelConfig:
         rope_scaling is set."""
         import numpy as np
 
-        inv = (1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
-        inv = inv.astype(np.float32)
+        # in float64, rounded to float32 once at the end
+        inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         if not self.rope_scaling:
-            return inv
+            return inv.astype(np.float32)
         factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
                                       self.rope_original_context)
         wavelen = 2 * math.pi / inv

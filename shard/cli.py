@@ -293,7 +293,7 @@ def train(
     saved_name = (base or {}).get("model", {}).get("name")
     if saved_name and cfg.model.name != saved_name:
         source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
-            f"--init-from {weights} holds a {saved_name} model"
+            f"init_from {weights} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == distributed.MPI:
@@ -357,8 +357,8 @@ def train(
             return
         if run.start_step and resumed and cfg.init_from != base.get("init_from", ""):
             # the run's own checkpoint was read: the weights it started from stay the ones on record
-            if init_from is not None:
-                notice(f"--init-from {init_from} is not read: the run resumes from its own checkpoint")
+            if weights:
+                notice(f"init_from {weights} is not read: the run resumes from its own checkpoint")
             cfg = dataclasses.replace(cfg, init_from=base.get("init_from", ""))
         cfg = dataclasses.replace(cfg, run_dir=str(path))
         config_toml = config_mod.to_toml(cfg)

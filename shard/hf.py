@@ -37,7 +37,9 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
                          "Llama 3's (llama3) are")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
-    llama3 = next((r for r in (rope, legacy) if r.get("rope_type", r.get("type")) == "llama3"), None)
+    # transformers reads rope_scaling before rope_parameters
+    given = legacy or rope
+    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
     scaling = {}
     if llama3 is not None:
         keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
@@ -46,7 +48,10 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         if missing:
             raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
                              f"{llama3.get(missing[0])!r}")
-        scaling = {k: llama3[v] for k, v in keys.items()}
+        scaling = {k: float(llama3[v]) for k, v in keys.items()}
+        if not scaling["rope_original_context"].is_integer():
+            raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
+                             f"{llama3['original_max_position_embeddings']!r}")
         scaling["rope_original_context"] = int(scaling["rope_original_context"])
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
@@ -94,7 +99,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
     } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
 
 
@@ -245,7 +250,8 @@ SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
               "added_tokens.json")
 # Keys of the original config.json that would contradict what export-hf writes (float32 weights, no
 # quantization, transformers' own Llama code).
-_NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map")
+# the model's own RoPE is in config_to_hf's keys: an original's llama3 rope_scaling would override them
+_NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map", "rope_scaling")
 
 
 def side_files_of(source: str | Path) -> Path | None:

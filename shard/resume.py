@@ -55,10 +55,10 @@ def inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) 
 
 def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
     """Notes on what a resume changes that makes it inexact: the held-out share, the lr schedule."""
-    from shard.data import held_out_share
+    from shard.data import EMBEDDED, SYNTHETIC, held_out_share
 
     saved = config_mod.resolve(base)
-    if cfg.data.path and Path(saved.data.path).absolute() == Path(cfg.data.path):
+    if saved.data.path not in (EMBEDDED, SYNTHETIC) and Path(saved.data.path).absolute() == Path(cfg.data.path):
         # a config saved before data paths were saved absolute: the same files, read from the same folder
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, path=cfg.data.path))
     # a config saved before eval.holdout existed trained on every window

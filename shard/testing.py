@@ -35,6 +35,7 @@ def finish(procs, timeout: float = 400) -> list[tuple[int, str, str]]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.communicate()  # reaped, its pipes closed
     return outs
 
 

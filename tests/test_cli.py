@@ -505,10 +505,10 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     same = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "3", "--compile-cache", "none")
     assert same.exit_code == 0 and "data order changes" not in same.output, same.output
     monkeypatch.chdir(tmp_path / "b")
-    again = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "3", "--compile-cache", "none")
-    assert again.exit_code == 0, again.output
+    again = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "4", "--compile-cache", "none")
+    assert again.exit_code == 0 and "resumed from step 3" in again.output, again.output
     assert "data order changes" not in again.output
-    moved = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "4", "--data", "tokens.npy",
+    moved = invoke("train", "--run-dir", str(tmp_path / "r"), "--resume", "--steps", "5", "--data", "tokens.npy",
                    "--compile-cache", "none")  # this folder's file, named as such
     assert f"data.path {tmp_path / 'a' / 'tokens.npy'} -> {tmp_path / 'b' / 'tokens.npy'}" in moved.output
 
@@ -519,3 +519,17 @@ def test_resume_takes_the_run_dir_from_the_config_file(tmp_path):
     assert first.exit_code == 0, first.output
     again = invoke("train", "--config", str(run / "config.toml"), "--resume", "--steps", "3", "--compile-cache", "none")
     assert again.exit_code == 0 and "resumed from step 2" in again.output, again.output
+
+
+def test_the_embedded_corpus_resumed_on_the_current_folder_is_a_data_change(tmp_path, monkeypatch):
+    """An old run's relative data.path read from its own folder is the same files; the embedded corpus
+    (data.path "") is not the current folder, though Path("").absolute() is."""
+    import dataclasses
+
+    from shard.resume import resume_changes
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config.resolve({"model": {"name": "tiny"}})
+    here = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path)))
+    assert any("the data order changes" in n for n in resume_changes({"model": {"name": "tiny"}}, here))
+    assert not resume_changes({"model": {"name": "tiny"}, "data": {"path": "."}}, here)

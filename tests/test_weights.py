@@ -321,7 +321,7 @@ def test_init_from_is_saved_in_the_config_and_a_resume_prefers_its_own_checkpoin
     again = fine_tune(3)
     assert again.exit_code == 0 and "resumed from step 2" in again.output and "initialised" not in again.output
     moved = fine_tune(4, imported)  # other weights named at a resume: not read, and not put on record
-    assert moved.exit_code == 0 and f"--init-from {imported} is not read: the run resumes from its own" in moved.output
+    assert moved.exit_code == 0 and f"init_from {imported} is not read: the run resumes from its own" in moved.output
     assert config.resolve(config.load_file(str(run / "config.toml"))).init_from == str(source)
 
 
@@ -359,3 +359,24 @@ def test_rope_theta_is_read_from_either_form_of_config_json(config_json, theta):
     base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 8, "intermediate_size": 128}
     assert hf.config_from_hf(base | config_json).rope_theta == theta
+
+
+def test_a_plain_rope_export_does_not_take_the_originals_rope_scaling(hf_dir, tmp_path):
+    """The side files' config.json lends its keys that shard's doesn't set: a Llama 3.1 original's llama3
+    rope_scaling made a plain-RoPE export scaled (transformers reads rope_scaling first)."""
+    side = tmp_path / "side"
+    side.mkdir()
+    original = json.loads((hf_dir / "config.json").read_text())
+    (side / "config.json").write_text(json.dumps(original | {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}}))
+    config_json, tensors = hf.read_hf_dir(str(hf_dir))
+    cfg = hf.config_from_hf(config_json)
+    hf.write_hf_dir(str(tmp_path / "out"), cfg, hf.params_from_hf(tensors, cfg), side=side)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "rope_scaling" not in written and hf.config_from_hf(written).rope_scaling == 0.0
+    # and where both keys are given, rope_scaling is read first, as transformers does
+    both = written | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                      "rope_scaling": {"rope_type": "default"}}
+    assert hf.config_from_hf(both).rope_scaling == 0.0

@@ -355,6 +355,10 @@ def train(
                               f"{cfg.steps}")
             distributed.finish()
             return
+        if cfg.optimizer.warmup_steps >= cfg.steps > 1:  # make_optimizer's clamp, said
+            notice(f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} is not below --steps {cfg.steps}: the "
+                   f"warmup is cut to {cfg.steps - 1} step{'s' if cfg.steps > 2 else ''}, so the learning rate "
+                   "peaks at the last step")
         if run.start_step and resumed and cfg.init_from != base.get("init_from", ""):
             # the run's own checkpoint was read: the weights it started from stay the ones on record
             if weights:

@@ -282,6 +282,8 @@ def test_a_resume_that_changes_the_windows_or_the_schedule_says_so(tmp_path):
     run = tmp_path / "r"
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert first.exit_code == 0, first.output
+    # the default warmup (10 steps) in a run of 2: cut, and said
+    assert "optimizer.warmup_steps 10 is not below --steps 2: the warmup is cut to 1 step," in first.output
     resumed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--resume", "--steps", "3",
                      "--eval-every", "1", "--compile-cache", "none")  # TINY's 2 steps, and one more
     assert resumed.exit_code == 0, resumed.output

@@ -122,7 +122,12 @@ def _checkpoint_given(positional: str | None, option: str | None) -> str:
     return positional if positional is not None else option
 
 
-def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = None, **flags) -> dict:
+def _config_file(config: Path | None) -> dict:
+    """The --config file's table ({} without one), read once per command."""
+    return config_mod.load_file(str(config)) if config else {}
+
+
+def _overrides(from_file: dict, sets: list[str] | None, base: dict | None = None, **flags) -> dict:
     """defaults < base (a resumed run's config) < config file < flags < --set, as one nested dict."""
     flag_keys = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batch": "data.batch",
                  "seq": "data.seq_len", "data": "data.path", "seed": "seed", "run_dir": "run_dir",
@@ -135,7 +140,7 @@ def _overrides(config: Path | None, sets: list[str] | None, base: dict | None = 
         raise ShardError("empty --run-dir: name a folder, or leave the flag out for runs/<model>-<mesh>-<time>")
     if flags.get("simulate_devices") is not None and flags["simulate_devices"] <= 0:
         raise ShardError(f"--simulate-devices must be positive, got {flags['simulate_devices']}")
-    out = config_mod.merge(base or {}, config_mod.load_file(str(config)) if config else {})
+    out = config_mod.merge(base or {}, from_file)
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.nested(flat))
     return config_mod.merge(out, config_mod.parse_sets(sets or []))
@@ -199,7 +204,7 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
-def _init_from_given(flag: str | None, config: Path | None, sets: list[str] | None) -> str:
+def _init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) -> str:
     """The weights a start is told to begin from, as the config will hold them: --set over --init-from
     over the --config file."""
     from_sets = config_mod.parse_sets(sets or []).get("init_from")
@@ -207,12 +212,13 @@ def _init_from_given(flag: str | None, config: Path | None, sets: list[str] | No
         return str(from_sets)
     if flag is not None:
         return flag
-    return str(config_mod.load_file(str(config)).get("init_from", "")) if config else ""
+    return str(from_file.get("init_from", ""))
 
 
-def _absolute_data_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
-    """The config with data.path and eval.path made absolute, once checked to exist: the saved config
-    then names the same data wherever a resume starts from (a relative one read another folder's)."""
+def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+    """The config with data.path and eval.path (once checked to exist) and init_from made absolute: the
+    saved config then names the same files wherever a resume starts from (a relative one read another
+    folder's). init_from is read only when the run has no checkpoint yet, so it is not checked here."""
     from shard.data import EMBEDDED, SYNTHETIC
 
     def absolute(path: str, key: str) -> str:
@@ -224,7 +230,8 @@ def _absolute_data_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
 
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"))
     evaluation = dataclasses.replace(cfg.eval, path=absolute(cfg.eval.path, "eval.path")) if cfg.eval.every else cfg.eval
-    return dataclasses.replace(cfg, data=data, eval=evaluation)
+    init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
+    return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
 
 
 @app.command()
@@ -276,20 +283,19 @@ def train(
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
     main = cluster is None or cluster.process_id == 0
-    if resume and run_dir is None and config is not None:  # the run dir named in the config file given
-        run_dir = config_mod.load_file(str(config)).get("run_dir") or None
+    from_file = _config_file(config)
+    if resume and run_dir is None:  # the run dir named in the config file given
+        run_dir = from_file.get("run_dir") or None
     base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else None
     resumed = bool(base)  # the run dir holds a run's config
-    weights = _init_from_given(init_from, config, set_)
+    weights = _init_from_given(init_from, from_file, set_)
     if weights and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
         base = init_from_base(weights)
     cfg = config_mod.resolve(_overrides(
-        config, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
+        from_file, set_, base, mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed,
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
         checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
         eval_every=eval_every, init_from=init_from))
-    if cfg.init_from:  # saved in config.toml, for a start from any folder
-        cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).absolute()))
     saved_name = (base or {}).get("model", {}).get("name")
     if saved_name and cfg.model.name != saved_name:
         source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
@@ -299,7 +305,7 @@ def train(
     if cluster is None and cfg.cluster.cross_host == distributed.MPI:
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
-    cfg = _absolute_data_paths(cfg)
+    cfg = _absolute_paths(cfg)
     if resumed and main:
         for note in resume_changes(base, cfg):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
@@ -441,7 +447,7 @@ def inspect(
     simulate_devices: SimOpt = None,
 ):
     """Every parameter's shape, logical axes, PartitionSpec and bytes per device, from shapes alone."""
-    cfg = config_mod.resolve(_overrides(config, set_, mesh=mesh, model=model, batch=batch, seq=seq,
+    cfg = config_mod.resolve(_overrides(_config_file(config), set_, mesh=mesh, model=model, batch=batch, seq=seq,
                                         simulate_devices=simulate_devices))
     mesh_spec = parse_mesh(cfg.mesh.spec)
     devices = start_devices(cfg, mesh_spec)
@@ -596,7 +602,7 @@ def bench_collectives(
     algorithm bandwidth and bus bandwidth as nccl-tests computes them."""
     from shard.hlo import KINDS
 
-    cfg = config_mod.resolve(_overrides(None, None, mesh=mesh, simulate_devices=simulate_devices))
+    cfg = config_mod.resolve(_overrides({}, None, mesh=mesh, simulate_devices=simulate_devices))
     mesh_spec = parse_mesh(cfg.mesh.spec)
     for k in kinds or ():
         if k not in KINDS:
@@ -668,7 +674,7 @@ def report(
 
 def _host_jax(mesh: str = "1x1", simulate_devices: int | None = None, sets: list[str] | None = None):
     """Start JAX for a command that only needs a mesh (generate, import/export): devices as for train."""
-    cfg = config_mod.resolve(_overrides(None, sets, mesh=mesh, simulate_devices=simulate_devices))
+    cfg = config_mod.resolve(_overrides({}, sets, mesh=mesh, simulate_devices=simulate_devices))
     spec = parse_mesh(cfg.mesh.spec)
     return cfg, spec, start_devices(cfg, spec)
 

@@ -388,7 +388,7 @@ def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder(
     from shard.cli import _overrides
     from shard.run_dir import mesh_label
 
-    assert _overrides(None, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
+    assert _overrides({}, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
     assert mesh_label("/tmp/my meshes/wide.toml") == "wide"
     assert mesh_label("data=2,fsdp=4") == "data2_fsdp4" and mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"
 

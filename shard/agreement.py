@@ -20,14 +20,13 @@ from shard import config as config_mod
 from shard import distributed
 from shard.errors import ShardError
 
-# Keys that may differ between the processes of one job: process 0 alone picks the run dir's name, and
-# each process's data paths are made absolute from its own working directory (check_same_data compares
-# what they hold; here only whether each names files, the embedded corpus, synthetic data or nothing).
-PER_PROCESS_KEYS = ("run_dir", "data.path", "eval.path")
 _FILES = "<files>"
 
 
 def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+    """The config as the processes of one job must agree on it. Process 0 alone picks the run dir's name,
+    and each process's data paths are absolute from its own working directory: check_same_data compares
+    what they hold, here only whether each names files, the embedded corpus, synthetic data or nothing."""
     from shard.data import EMBEDDED, SYNTHETIC
 
     def kind(path: str) -> str:

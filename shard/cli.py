@@ -361,10 +361,12 @@ def train(
                               f"{cfg.steps}")
             distributed.finish()
             return
-        if cfg.optimizer.warmup_steps >= cfg.steps > 1:  # make_optimizer's clamp, said
+        from shard.state import warmup_steps
+
+        cut = warmup_steps(cfg.optimizer, cfg.steps)
+        if cut < cfg.optimizer.warmup_steps and cfg.steps > 1:  # the schedule's cut, said
             notice(f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} is not below --steps {cfg.steps}: the "
-                   f"warmup is cut to {cfg.steps - 1} step{'s' if cfg.steps > 2 else ''}, so the learning rate "
-                   "peaks at the last step")
+                   f"warmup is cut to {cut} step{'s' if cut != 1 else ''}, so the learning rate peaks at the last step")
         if run.start_step and resumed and cfg.init_from != base.get("init_from", ""):
             # the run's own checkpoint was read: the weights it started from stay the ones on record
             if weights:

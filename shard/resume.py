@@ -13,6 +13,7 @@ from shard import tomlfiles
 from shard.console import err_console
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR
+from shard.run_dir import config_on_record
 
 
 def held_out_change(was: float, now: float) -> str:
@@ -121,8 +122,7 @@ def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = Fa
         raise ShardError(f"--resume: run dir {run_dir} is a file")
     if not Path(run_dir).is_dir() and not allow_fresh:
         raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
-    # an empty one (truncated by a full disk, or by hand) would resume with every default
-    if saved.is_file() and saved.read_bytes().strip():
+    if config_on_record(Path(run_dir)):  # an empty one would resume with every default
         return config_mod.load_file(str(saved))
     from shard.checkpoint import config_saved_with
 

@@ -29,6 +29,12 @@ def holds_run(path: Path) -> bool:
     return (path / "config.toml").exists() or has_records(path)
 
 
+def config_on_record(path: Path) -> bool:
+    """The run dir's config.toml is there and says something (a full disk once left one empty)."""
+    saved = path / "config.toml"
+    return saved.is_file() and bool(saved.read_bytes().strip())
+
+
 def has_records(path: Path) -> bool:
     """A logged step or a saved checkpoint (an empty checkpoints/ or metrics.jsonl is neither)."""
     metrics, checkpoints = path / "metrics.jsonl", path / CHECKPOINTS_DIR
@@ -71,10 +77,9 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
         if path.is_dir():
             RunDirLock(path).check_free()  # a run still starting there is in use, not "crashed"
         if not resume and holds_run(path):
-            saved = path / "config.toml"
-            if saved.is_file() and saved.read_bytes().strip():  # an empty one says nothing of its run
+            if config_on_record(path):
                 try:
-                    theirs = config_mod.resolve(config_mod.load_file(str(saved)))
+                    theirs = config_mod.resolve(config_mod.load_file(str(path / "config.toml")))
                 except ShardError:
                     theirs = None
                 # how the processes meet, or where compiled programs are cached, is not the run's identity

@@ -56,9 +56,14 @@ class StateSpec:
             raise ShardError(f"parameter {name} {have[name]} in {source} is not in the model{hint}")
 
 
+def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:
+    """The warmup the schedule uses: opt.warmup_steps, cut to total_steps - 1 so the cosine has a step."""
+    return min(opt.warmup_steps, max(total_steps - 1, 0))
+
+
 def make_optimizer(opt: OptimizerConfig, total_steps: int):
     """AdamW (no decay on norms or vectors), warmup + cosine schedule, global-norm clipping."""
-    warmup = min(opt.warmup_steps, max(total_steps - 1, 0))
+    warmup = warmup_steps(opt, total_steps)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=opt.lr * opt.min_lr_ratio,

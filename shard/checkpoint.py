@@ -244,18 +244,24 @@ class Checkpoints:
         self.cfg = cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
         keep: list = [policies.LatestN(n=cfg.keep)]
+        ranking = {}
         if cfg.best_metric:
             metric = cfg.best_metric
-            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last.
+            # orbax writes a save's metrics to disk only with a best_fn; without them a restart forgot
+            # which checkpoint was best. The preservation policy below still decides what is kept.
+            ranking = {"best_fn": lambda m: m[metric], "best_mode": cfg.best_mode}
+            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. A save with
+            # no value (a stop between evaluations, or one saved before the metric was chosen) is kept
+            # only while it is among the newest.
             keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=cfg.best_mode == "min",
-                                       n=cfg.keep_best))
+                                       n=cfg.keep_best, keep_checkpoints_without_metrics=False))
         _configure_orbax()
         handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
         with _absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
                 # No directory until the first save: a start that fails before it leaves no trace.
-                create=False, read_only=read_only,
+                create=False, read_only=read_only, **ranking,
             )
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -391,16 +397,22 @@ class Checkpoints:
 
 class SaveCheckpoints:
     """Loop observer: saves every `cfg.every` steps, at the last step and when the loop stops early
-    (preemption), then waits for the saves to commit when the loop ends."""
+    (preemption), then waits for the saves to commit when the loop ends. A save is ranked by the
+    step's metric, or by the evaluation logged at that step (a stop between evaluations has none)."""
 
     def __init__(self, checkpoints: Checkpoints, *, seed: int, config_toml: str):
         self.checkpoints, self.seed, self.config_toml = checkpoints, seed, config_toml
         self.every, self.best_metric = checkpoints.cfg.every, checkpoints.cfg.best_metric
         self.last_saved: int | None = None
         self.run = None  # the loop's Run, for the tokens seen at a step
+        self.evaluated: tuple[int, float] | None = None  # (step, eval loss) of the last evaluation logged
 
     def on_start(self, run) -> None:
         self.run = run
+
+    def on_log(self, record: dict) -> None:
+        if "eval_loss" in record:
+            self.evaluated = record["step"], record["eval_loss"]
 
     def saves_at(self, step: int, final: bool) -> bool:
         """The loop checks every step up to a save for divergence first, so only good states are saved."""
@@ -410,7 +422,10 @@ class SaveCheckpoints:
         if not self.saves_at(step, final):
             return
         ranked = None
-        if self.best_metric:
+        if self.best_metric == "eval_loss":
+            if self.evaluated is not None and self.evaluated[0] == step:
+                ranked = {"eval_loss": self.evaluated[1]}
+        elif self.best_metric:
             ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
         tokens = self.run.tokens_seen(step) if self.run is not None else None
         self.checkpoints.save(step, state, position=position, seed=self.seed, config_toml=self.config_toml,

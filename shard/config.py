@@ -95,7 +95,9 @@ class CheckpointConfig:
     # SIGTERM/SIGINT
     every: int = 1000
     keep: int = 3  # keep the newest K complete checkpoints
-    best_metric: str = ""  # e.g. "loss": also keep the `keep_best` best checkpoints by this metric
+    # also keep the `keep_best` best checkpoints by this metric: "loss" or "grad_norm" (the step's), or
+    # "eval_loss" (the held-out loss: saves must fall on evaluations)
+    best_metric: str = ""
     best_mode: str = "min"  # min | max
     keep_best: int = 1
 
@@ -168,11 +170,24 @@ class TrainConfig:
         if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
             problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
                             f"got {self.checkpoint.best_metric!r}")
+        if self.checkpoint.best_metric == "eval_loss":
+            problems.extend(_eval_ranking_problems(self.checkpoint, self.eval))
         if self.cluster.cross_host not in CROSS_HOST_MODES:
             problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
                             f"got {self.cluster.cross_host!r}")
         if problems:
             raise ShardError(problems[0])
+
+
+def _eval_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConfig) -> list[str]:
+    """Ranking checkpoints by the held-out loss needs one at every save (the last step evaluates too)."""
+    if not evaluation.every:
+        return ["checkpoint.best_metric eval_loss needs evaluations: set eval.every (--eval-every)"]
+    if checkpoint.every % evaluation.every:
+        return [f"checkpoint.best_metric eval_loss needs a held-out loss at every save, but checkpoint.every "
+                f"({checkpoint.every}) is not a multiple of eval.every ({evaluation.every}); use a multiple of "
+                f"{evaluation.every}"]
+    return []
 
 
 def is_positive_number(value) -> bool:
@@ -213,7 +228,7 @@ def _out_of_range(cfg: "TrainConfig") -> list[str]:
     return problems
 
 
-METRIC_NAMES = ("loss", "grad_norm")  # per-step metrics a checkpoint can be ranked by
+METRIC_NAMES = ("loss", "grad_norm", "eval_loss")  # metrics a checkpoint can be ranked by
 _DICT_SECTIONS = {"rules", "param_rules", "param_regex"}
 
 

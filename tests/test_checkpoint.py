@@ -146,6 +146,31 @@ def test_best_checkpoint_is_kept_beside_the_newest(tmp_path):
         ckpts.save(step, {"x": np.float32(step)}, position=step, seed=0, config_toml="", metrics={"loss": loss})
         ckpts.wait()
     assert ckpts.steps() == [2, 4]  # the lowest loss and the newest
+    ckpts.close()
+    reopened = request_close(Checkpoints(tmp_path, cfg.checkpoint))  # a restart: the ranking is read back
+    reopened.save(5, {"x": np.float32(5)}, position=5, seed=0, config_toml="", metrics={"loss": 7.0})
+    reopened.wait()
+    assert reopened.steps() == [2, 5]
+
+
+def test_best_by_eval_loss_ranks_each_save_by_the_evaluation_at_its_step(tmp_path):
+    cfg = tiny_config("8x1", checkpoint__keep=1, checkpoint__best_metric="eval_loss", checkpoint__every=2,
+                      eval__every=2)
+    ckpts = request_close(Checkpoints(tmp_path, cfg.checkpoint))
+    saver = SaveCheckpoints(ckpts, seed=0, config_toml="")
+    for step, eval_loss in [(2, 3.0), (4, 2.0), (6, 4.0), (7, None)]:  # 7: a stop between evaluations
+        saver.on_log({"step": step} | ({"eval_loss": eval_loss} if eval_loss else {}))
+        saver.on_state(step, {"x": np.float32(step)}, step, {"loss": np.float32(9.0)}, final=step == 7)
+        ckpts.wait()
+    assert ckpts.steps() == [4, 7]  # the lowest eval loss and the newest; 7, unranked, goes when it is not
+
+
+def test_a_run_ranked_by_eval_loss_records_it_with_each_save(tmp_path):
+    cfg = tiny_config("8x1", steps=4, checkpoint__best_metric="eval_loss", eval__every=2)
+    losses, run, ckpts = checkpointed_run(tmp_path / "run", cfg)
+    request_close(ckpts)
+    ranked = {s: json.loads((ckpts.path(s) / "metrics" / "metrics").read_text()) for s in ckpts.steps()}
+    assert list(ranked) == [2, 4] and all(set(m) == {"eval_loss"} and m["eval_loss"] > 0 for m in ranked.values())
 
 
 def test_shape_mismatch_names_the_parameter_and_both_shapes(reference):

@@ -49,6 +49,17 @@ def test_bad_sets(item, message):
         c.resolve(c.parse_sets([item]))
 
 
+@pytest.mark.parametrize("items, message", [
+    (["checkpoint.best_metric=eval_loss"], "needs evaluations: set eval.every"),
+    (["checkpoint.best_metric=eval_loss", "eval.every=300"],
+     r"checkpoint.every \(1000\) is not a multiple of eval.every \(300\); use a multiple of 300"),
+])
+def test_ranking_by_eval_loss_needs_an_evaluation_at_every_save(items, message):
+    with pytest.raises(ShardError, match=message):
+        c.resolve(c.parse_sets(items))
+    assert c.resolve(c.parse_sets([*items, "eval.every=500"])).checkpoint.best_metric == "eval_loss"
+
+
 def test_written_config_reads_back_the_same(tmp_path):
     cfg = c.resolve(c.parse_sets(["model.name=tiny", "rules.mlp=model", "param_regex.foo/.*=embed,mlp",
                                   "steps=7"]))

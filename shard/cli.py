@@ -306,8 +306,11 @@ def train(
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "
                           "so this is one process[/yellow]", soft_wrap=True)
     cfg = _absolute_paths(cfg)
-    if resumed and main:
-        for note in resume_changes(base, cfg):
+    changes = resume_changes(base, cfg) if resumed and main else []  # said once a checkpoint is read
+    if weights and not resumed and main:
+        from shard.hf import context_note
+
+        if note := context_note(cfg.init_from, cfg.data.seq_len):
             err_console.print(f"[yellow]{escape(note)}[/yellow]", soft_wrap=True)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     window = profiling.parse_window(profile_steps, cfg.steps) if profile_steps else None
@@ -361,6 +364,8 @@ def train(
                               f"{cfg.steps}")
             distributed.finish()
             return
+        for change in changes if run.start_step else ():  # a fresh start (--allow-fresh) changes nothing
+            notice(change)
         from shard.state import warmup_steps
 
         cut = warmup_steps(cfg.optimizer, cfg.steps)

@@ -266,6 +266,22 @@ def side_files_of(source: str | Path) -> Path | None:
     return side if side.is_dir() else None
 
 
+def context_note(source: str | Path, seq_len: int) -> str | None:
+    """A notice when `seq_len` is beyond the positions the weights at `source` were made for (the
+    max_position_embeddings of their config.json: a Hugging Face folder's, or the one a shard checkpoint
+    imported from one keeps); None otherwise, or when nothing says."""
+    try:
+        side = side_files_of(source)
+        limit = read_json(side / "config.json").get("max_position_embeddings") if side else None
+    except (ShardError, OSError):
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or seq_len <= limit:
+        return None
+    return (f"data.seq_len {seq_len} is beyond the {limit} positions {source} was made for "
+            "(max_position_embeddings in its config.json): the positions past it are new to the model; a longer "
+            "context usually comes with a larger model.rope_theta or model.rope_scaling")
+
+
 def keep_side_files(source: str | Path, run_dir: Path) -> None:
     """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
     side = side_files_of(source)

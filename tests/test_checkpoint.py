@@ -470,6 +470,9 @@ def test_resume_without_config_toml_uses_the_checkpoints_copy(reference, tmp_pat
     assert result.exit_code == 0, result.output
     assert f"config.toml is missing: using the config saved with checkpoint {STEPS}" in result.output
     assert "nothing to do: the checkpoint is at step" in result.output
+    shorter = invoke("train", "--run-dir", str(run_dir), "--resume", "--steps", str(STEPS // 2))
+    assert shorter.exit_code == 0 and "nothing to do: the checkpoint is at step" in shorter.output
+    assert "schedule" not in shorter.output, shorter.output  # a change that nothing trains with is not said
     (tmp_path / "afile").touch()
     a_file = invoke("train", "--run-dir", str(tmp_path / "afile"), "--resume")
     assert a_file.exit_code == 2 and "is a file" in a_file.output

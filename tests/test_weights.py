@@ -87,6 +87,20 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     assert first["loss"] != other["loss"]
 
 
+def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
+    """A fine-tune at --seq past config.json's max_position_embeddings trains on positions the model has
+    never seen: said once, as MaxText users expect from HF-based tools."""
+    short = tmp_path / "short"
+    shutil.copytree(hf_dir, short)
+    config = json.loads((short / "config.json").read_text()) | {"max_position_embeddings": 16}
+    (short / "config.json").write_text(json.dumps(config))
+    assert hf.context_note(short, 16) is None and hf.context_note(hf_dir, 32) is None  # 4096 positions
+    r = invoke("train", "--init-from", short, "--mesh", "8x1", "--steps", 1, "--batch", 8, "--seq", 32,
+               "--run-dir", tmp_path / "ft")
+    assert r.exit_code == 0, r.output
+    assert f"data.seq_len 32 is beyond the 16 positions {short} was made for" in r.output, r.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--checkpoint", "/nonexistent", "--prompt", "x"], "weights path /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--prompt-ids", "1"], "exactly one of"),

@@ -326,8 +326,9 @@ class Checkpoints:
 
     def _read(self, step: int, spec: StateSpec) -> dict:
         """orbax's restore of the state and meta items, which ends in a barrier of every process."""
-        spec.check_params_fit(self.stored_tree(step)["params"], f"checkpoint {self.path(step)}",
-                              "; it was saved from a different model")
+        stored = self.stored_tree(step)
+        spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model")
+        spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
                                      META: ocp.args.JsonRestore()})
         return self._manager.restore(step, args=args)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.axes import ACTIVATION_LAYOUTS, MOE_ACTIVATION_LAYOUTS
+from shard.axes import ACTIVATION_LAYOUTS, MESH_AXES, MOE_ACTIVATION_LAYOUTS
 from shard.errors import ShardError
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -30,6 +30,18 @@ class Layout:
     rules: Rules  # activations (and parameters)
     param_rules: Rules = field(default_factory=dict)  # parameters only, on top of `rules`
     regex_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (path regex, logical axes)
+
+    def __post_init__(self):
+        """A rule's mesh axes as a tuple (a bare name is one axis, not its letters), each a mesh axis
+        shard knows or this mesh has: a misspelt one would replicate the dimension in silence."""
+        known = set(MESH_AXES) | set(self.mesh.axis_names)
+        for name in ("rules", "param_rules"):
+            table = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in getattr(self, name).items()}
+            for logical, axes in table.items():
+                if unknown := [a for a in axes if a not in known]:
+                    raise ShardError(f"{name}: {logical!r} maps to {unknown[0]!r}, which is not a mesh axis "
+                                     f"(one of {', '.join(sorted(known))})")
+            object.__setattr__(self, name, table)
 
     @property
     def axis_sizes(self) -> dict[str, int]:

@@ -55,6 +55,17 @@ class StateSpec:
             name = extra[0]
             raise ShardError(f"parameter {name} {have[name]} in {source} is not in the model{hint}")
 
+    def check_opt_state_fits(self, opt_state, source: str) -> None:
+        """A ShardError when `opt_state` (arrays or stored metadata) from `source` is not this
+        optimizer's: other arrays, compared by shape (orbax stores optax's named tuples as dicts)."""
+        def shapes(tree):
+            return sorted(tuple(a.shape) for a in jax.tree.leaves(tree))
+
+        have, wanted = shapes(opt_state), shapes(self.abstract["opt_state"])
+        if have != wanted:
+            raise ShardError(f"the optimizer state in {source} is another optimizer's ({len(have)} arrays; this "
+                             f"optimizer keeps {len(wanted)}{' of other shapes' if len(have) == len(wanted) else ''})")
+
 
 def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:
     """The warmup the schedule uses: opt.warmup_steps, cut to total_steps - 1 so the cosine has a step."""
@@ -87,12 +98,20 @@ def _init_fn(model_cfg: ModelConfig, tx, seed: int):
     return init
 
 
-def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout) -> StateSpec:
-    """Shapes, logical axes and shardings of the whole train state, without allocating it."""
+def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout, *,
+               tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None) -> StateSpec:
+    """Shapes, logical axes and shardings of the whole train state, without allocating it. The
+    optimizer is `make_optimizer(opt, total_steps)`'s, or an optax `tx` of one's own with the
+    `schedule` its learning rate follows (what the step reports as `lr`); its state is sharded like
+    the parameters it mirrors."""
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg))
     graphdef, model_state = nnx.split(abstract_model)
     logical = logical_axes_of(model_state, layout.regex_rules)
-    tx, schedule = make_optimizer(opt, total_steps)
+    if tx is None:
+        tx, schedule = make_optimizer(opt, total_steps)
+    elif schedule is None:
+        raise ShardError("state_spec: an optimizer of one's own (tx) needs the schedule its learning rate "
+                         "follows (optax.constant_schedule(lr) for a constant one)")
     abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0))
     p_shardings = param_shardings(abstract["params"], logical, layout)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
@@ -111,6 +130,8 @@ _CPU_INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):
     """The compiled init: call it to create parameters and optimizer state in their shardings."""
+    if spec.model is not None and model_cfg != spec.model:  # params of other shapes than the spec's
+        raise ShardError("init: the model config differs from the one the state spec was built with")
     lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings).lower()
     on_cpu = next(iter(jax.tree.leaves(spec.shardings))).mesh.devices.flat[0].platform == "cpu"
     return lowered.compile(compiler_options=_CPU_INIT_COMPILER_OPTIONS if on_cpu else None)

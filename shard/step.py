@@ -133,7 +133,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         loss, grad_norm = nll / count, optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"])),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
                    "tokens": count}
         if spec.model is not None and spec.model.n_experts:
             metrics["aux_loss"] = aux / spec.model.n_layers  # per layer; 1 when experts are balanced
@@ -148,13 +148,14 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     return grad_sums, apply
 
 
-def schedule_count(opt_state) -> jax.Array:
+def schedule_count(opt_state, step: jax.Array) -> jax.Array:
     """The count the learning-rate schedule reads (optax's ScaleByScheduleState): the updates applied so
     far, which is the train step less any update `guard.action=skip` dropped (a dropped update keeps the
-    whole optimizer state, its schedule included)."""
-    (count,) = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-                if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
-    return count
+    whole optimizer state, its schedule included). An optimizer of one's own with no such state, or
+    several, reports the schedule at the train step."""
+    counts = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+              if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+    return counts[0] if len(counts) == 1 else step
 
 
 def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,

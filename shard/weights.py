@@ -35,7 +35,10 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     params, config_toml, _ = read_params(path)
     # only the model is read: the run's other settings (ranges checked by newer versions) don't matter here
     saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
-    return config_mod.resolve({"model": saved.get("model", {})}).model, params
+    if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
+        raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
+                         "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
+    return config_mod.resolve({"model": saved["model"]}).model, params
 
 
 def place(params: dict, spec: StateSpec) -> dict:

@@ -184,6 +184,21 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(reference):
     assert ckpts.steps() == [2, 4, 6, 8, 10, 12]  # nothing set aside or deleted
 
 
+def test_another_optimizers_state_is_refused_and_the_checkpoint_kept(reference):
+    """Restoring into a spec of another optimizer (state_spec(tx=...)) failed inside orbax's read, which
+    set the good checkpoint aside as corrupt and said --resume --allow-fresh would start over."""
+    import optax
+
+    cfg, _, _, ckpts = reference
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
+    lion = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, tx=optax.lion(1e-4),
+                      schedule=optax.constant_schedule(1e-4))
+    with pytest.raises(ShardError, match=r"the optimizer state in checkpoint \S+/12 is another optimizer's "
+                                         r"\(\d+ arrays; this optimizer keeps \d+\)"):
+        ckpts.restore_latest(lion)
+    assert ckpts.steps() == [2, 4, 6, 8, 10, 12]
+
+
 def _copy_checkpoints(reference, tmp_path):
     cfg, _, _, ckpts = reference
     shutil.copytree(ckpts.directory, tmp_path / CHECKPOINTS_DIR)

@@ -129,6 +129,18 @@ def test_rules_that_no_activation_can_take_are_refused_with_the_layout(rule, mes
         make_layout(dataclasses.replace(cfg, rules=cfg.rules | rule), parse_mesh("2x4"), devices_for("2x4"))
 
 
+def test_a_misspelt_mesh_axis_in_a_rule_is_an_error_and_a_bare_name_is_one_axis():
+    """From Python, {"mlp": ("modle",)} replicated the MLP in silence, and {"mlp": "model"} read each
+    letter as an axis."""
+    layout = _layout()
+    with pytest.raises(ShardError, match="rules: 'mlp' maps to 'modle', which is not a mesh axis"):
+        Layout(layout.mesh, dict(layout.rules) | {"mlp": ("modle",)})
+    with pytest.raises(ShardError, match="param_rules: 'embed' maps to 'fdsp'"):
+        Layout(layout.mesh, layout.rules, param_rules={"embed": ("fdsp",)})
+    bare = Layout(layout.mesh, dict(layout.rules) | {"mlp": "model"})
+    assert bare.spec(("embed", "mlp")) == P(None, "model")
+
+
 def test_logical_axis_without_rule_is_an_error():
     with pytest.raises(ShardError, match="logical axis 'experts' has no rule"):
         _layout().spec(("experts",))

@@ -45,6 +45,29 @@ def one_step():
     return cfg, before, jax.device_get(state["params"]), jax.device_get(metrics)
 
 
+def test_an_optimizer_of_ones_own_trains_and_reports_its_schedule():
+    """state_spec(tx=...) takes any optax optimizer. Lion at a constant rate keeps no schedule state (the
+    step's lr metric raised "not enough values to unpack"): the schedule given is read at the train step."""
+    cfg = tiny_config("2x4")
+    layout = make_layout(cfg, parse_mesh("2x4"), devices_for("2x4"))
+    schedule = optax.linear_schedule(1e-3, 0.0, 10)
+    with pytest.raises(ShardError, match="needs the schedule"):
+        state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, tx=optax.lion(1e-3))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, tx=optax.lion(1e-3), schedule=schedule)
+    state = init_state(spec, cfg.model, cfg.seed)
+    momentum = [x.sharding for x in jax.tree.leaves(state["opt_state"]) if x.ndim]  # Lion's one moment
+    assert momentum == [x.sharding for x in jax.tree.leaves(state["params"])]
+    batch = jax.device_put(random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, 0),
+                           batch_sharding(layout))
+    step = make_train_step(spec, layout)
+    state, first = step(state, batch)
+    state, second = step(state, batch)
+    assert float(first["lr"]) == pytest.approx(1e-3) and float(second["lr"]) == pytest.approx(9e-4)
+    assert float(second["loss"]) < float(first["loss"])
+    with pytest.raises(ShardError, match="differs from the one the state spec was built with"):
+        init_state(spec, cfg.model.__class__(**{**vars(cfg.model), "mlp_dim": 256}), cfg.seed)
+
+
 def test_the_step_reports_the_mean_loss_and_the_norm_of_the_mean_gradient(one_step):
     """The gradient is divided by the token count before its norm is taken (and before the optimizer,
     clipping and guard.max_grad_norm see it)."""

@@ -116,6 +116,19 @@ def test_bad_weights_input(args, message):
     assert r.exit_code == 2 and message in r.output, r.output
 
 
+def test_a_checkpoint_saved_without_a_config_says_so(imported, tmp_path):
+    """Saved from Python with config_toml="": the default model was built and its shapes refused."""
+    from shard.checkpoint import Checkpoints, read_params
+
+    params, _, _ = read_params(imported)
+    ckpts = Checkpoints(tmp_path / "ck")
+    ckpts.save(3, {"params": params}, position=0, seed=0, config_toml="")
+    ckpts.wait()
+    ckpts.close()
+    r = invoke("generate", "--checkpoint", tmp_path / "ck", "--prompt-ids", "1", "--max-new-tokens", 1)
+    assert r.exit_code == 2 and f"checkpoint {tmp_path / 'ck'} holds no model config" in r.output, r.output
+
+
 def test_shape_mismatch_names_the_parameter(imported, tmp_path):
     r = invoke("train", "--init-from", imported, "--set", "model.mlp_dim=64", "--mesh", "8x1", "--steps", 1,
                "--batch", 8, "--seq", 32, "--run-dir", tmp_path / "bad")

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.config import PipelineConfig
+from shard.errors import ShardError
 from shard.rules import Layout
 from shard.state import StateSpec
 from shard.step import BATCH_KEYS, batch_sharding, make_step_parts
@@ -68,6 +69,11 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipe: PipelineConfig | None = None):
     """`(state, batch) -> (state, metrics)` over this process's local mesh, reduced across `comm`; `pipe`
     is the schedule when that mesh has pipeline stages."""
+    try:
+        import mpi4jax  # noqa: F401 -- checked before anything compiles
+    except ImportError:
+        raise ShardError("--cross-host mpi needs mpi4jax: run `./install.sh mpi`, which builds it against the "
+                         "installed MPI (pip install -e '.[mpi]' brings mpich and mpi4py only)") from None
     grad_sums, apply = make_step_parts(spec, layout, microbatches, pipe=pipe)
     processes = comm.Get_size()
 

@@ -30,7 +30,7 @@ from shard.run_dir import (choose_run_dir, compile_cache_dir, continue_command, 
 
 # What to change when a command runs out of device memory.
 _OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
-                         "generate": "lower --batch or --max-new-tokens, or shorten the prompts",
+                         "generate": "give fewer or shorter prompts, or lower --max-new-tokens",
                          "inspect": "lower --batch or --seq"}
 
 
@@ -110,6 +110,7 @@ MeshOpt = Annotated[str | None, typer.Option("--mesh", help="8x4 | data=2,fsdp=2
 ModelOpt = Annotated[str | None, typer.Option("--model", help="model preset: tiny, small, moe-tiny, llama-1b, llama-7b, ...")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="TOML config file")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config key: --set optimizer.lr=3e-4")]
+PlanSetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a model key: --set model.remat=full")]
 SimOpt = Annotated[int | None, typer.Option("--simulate-devices", help="CPU devices to simulate in each process (default: what the mesh needs, 8 to fill)")]
 CheckpointArg = Annotated[str | None, typer.Argument(help="run dir, its checkpoints/ dir, or one step's dir", show_default=False)]
 CheckpointOpt = Annotated[str | None, typer.Option("--checkpoint", help="the same, as an option", show_default=False)]
@@ -523,7 +524,7 @@ def plan(
     batch: Annotated[int | None, typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
     top: Annotated[int, typer.Option(help="rows to print")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="print every layout as JSON")] = False,
-    set_: SetOpt = None,
+    set_: PlanSetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
     from shard.hardware import find_hardware, load_hardware

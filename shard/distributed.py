@@ -585,7 +585,8 @@ def _mpi_world():
     try:
         from mpi4py import MPI as _MPI
     except ImportError:
-        raise ShardError("MPI is not installed: run `pip install -e '.[mpi]'` (mpich, mpi4py, mpi4jax)") from None
+        raise ShardError("MPI is not installed: run `./install.sh mpi` (mpich, mpi4py, and mpi4jax built "
+                         "against them)") from None
     return _MPI.COMM_WORLD
 
 

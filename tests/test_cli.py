@@ -223,7 +223,7 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
     assert str(user_error(quota)) == "/r/x: Disk quota exceeded"
     oom = RuntimeError("INTERNAL: Out of memory allocating 38836157792 bytes.")
     assert str(user_error(oom, "generate")) == ("out of memory (INTERNAL: Out of memory allocating 38836157792 "
-                                                "bytes.); lower --batch or --max-new-tokens, or shorten the prompts")
+                                                "bytes.); give fewer or shorter prompts, or lower --max-new-tokens")
     assert str(user_error(oom, "bench")) == "out of memory (INTERNAL: Out of memory allocating 38836157792 bytes.)"
     assert "model.remat=full" in str(user_error(MemoryError(), "train"))
 

@@ -8,9 +8,16 @@ MFU follows shard's one definition (docs/observing.md): 6N + causal attention at
 device's bf16 peak from shard/hardware.toml (on CPU pass --peak-tflops).
 
 Batches that the planner's memory model puts above 1.25x the device's memory are skipped without
-compiling (the model over-estimates accelerator memory, so nothing that fits is skipped); the rest are
+compiling (the model over-estimates accelerator memory, so nothing that fits is skipped), and those
+whose compiled step needs more than the device holds are skipped before anything runs; the rest are
 tried from large to small, and the first that runs is reported. A configuration that fails other than
 by running out of memory is reported, and from then on XLA's attention is used.
+
+XLA's rematerialization pass is turned off (as MaxText's GPU recipes do): left on, it recomputes
+whatever it must to squeeze a batch into memory, so "the largest batch that fits" could be a slower
+one than a smaller batch without the recomputation. `full` is not in the default policies: recomputing
+the whole forward costs 8N instead of 6N FLOPs per token, so its MFU is bounded at three quarters of
+the hardware's efficiency; pass `--remat none,dots_no_batch,full` to measure it too.
 """
 
 import argparse
@@ -24,6 +31,7 @@ from shard.loop import make_layout, prepare, train
 from shard.mesh import parse_mesh
 
 SKIP_ABOVE = 1.25  # x the device's memory, by the planner's (upper-bound) estimate
+NO_XLA_REMAT = "--xla_disable_hlo_passes=rematerialization"
 
 
 def run_config(model: str, seq: int, batch: int, remat: str, steps: int, peak_tflops: float, attention: str):
@@ -49,10 +57,15 @@ def device_memory_bytes() -> float | None:
     return stats.get("bytes_limit")
 
 
-def measure(cfg) -> dict | None:
+def measure(cfg, capacity: float | None) -> dict | None:
     """The last logged record of a short run (its interval excludes the first step) plus the step's
-    compiled memory, or None when the batch does not fit in memory."""
+    compiled memory, or None when the batch does not fit in memory. A compiled step that needs more
+    than `capacity` bytes is not run (`prepare` then reads it from the compile cache)."""
+    from shard.analysis import compile_step, memory_of
+
     try:
+        if capacity and memory_of(compile_step(cfg, make_layout(cfg, parse_mesh(cfg.mesh.spec))))["total"] > capacity:
+            return None
         run = prepare(cfg)
         return train(cfg, run=run)[-1] | {"compiled_bytes": run.compiled_memory.get("total", 0)}
     except Exception as e:  # out of memory shows up as an XLA runtime error
@@ -66,12 +79,14 @@ def main():
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batches", default="64,48,32,24,16,12,8,4,2,1")
-    ap.add_argument("--remat", default="none,dots_no_batch,full")
+    ap.add_argument("--remat", default="none,dots_no_batch")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--attention", default="auto", help="model.attention; after an error other than out of "
                     "memory the rest runs with xla")
     args = ap.parse_args()
+    if "xla_disable_hlo_passes" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_XLA_REMAT}".strip()
     xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does, before JAX starts
     import jax
 
@@ -90,7 +105,7 @@ def main():
             if capacity and predicted_bytes(cfg) > SKIP_ABOVE * capacity:
                 continue
             try:
-                r = measure(cfg)
+                r = measure(cfg, capacity)
             except Exception as e:  # noqa: BLE001 -- one failed configuration must not end the benchmark
                 first = (str(e).strip().splitlines() or [""])[0]
                 print(f"remat {remat:14s} batch {batch:3d}: failed with attention {attention}: "

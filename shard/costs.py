@@ -302,9 +302,9 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # sequence 32 to 256 the total runs 7% low to 20% high, docs/formulas.md). q/k/v are
 # absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
 # fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
-ACT_PER_D = 6.6  # residual-stream-wide tensors (x, attention and MLP outputs, ...; norms are recomputed)
+ACT_PER_D = 9.0  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)
 ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
-ACT_PER_PROBS = 3.7  # attention scores / probabilities, N x T (N with flash attention)
+ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -49,6 +50,17 @@ def sample(logits_bv: jax.Array, key, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits_bv, axis=-1)
 
 
+def _token_ids(prompt) -> list[int]:
+    """One prompt's token ids as Python ints; a batch of prompts, or anything else, is a one-line error."""
+    try:
+        ids = np.asarray(prompt)
+    except ValueError:  # ragged: several prompts of different lengths
+        ids = None
+    if ids is None or ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        raise ShardError("a prompt is one sequence of token ids; generate one prompt at a time")
+    return [int(t) for t in ids]
+
+
 class Generator:
     """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come."""
 
@@ -72,7 +84,9 @@ class Generator:
         self._forward = jax.jit(forward, out_shardings=(replicated, cache_shardings), donate_argnums=2)
         self._sample = jax.jit(sample, static_argnums=2)
 
-    def stream(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:
+    def stream(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:
+        """`prompt`: one sequence of token ids (a list, or a 1-D array such as ByteTokenizer.encode's)."""
+        prompt = _token_ids(prompt)
         if not prompt:
             raise ShardError("the prompt is empty")
         if len(prompt) + max_new_tokens > self.max_len:
@@ -91,7 +105,7 @@ class Generator:
                 logits, cache = self._forward(self.params, token[:, None].astype(jnp.int32), cache, pos)
                 pos += 1
 
-    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, seed: int = 0,
+    def generate(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0,
                  on_token: Callable[[int], None] | None = None) -> list[int]:
         out = []
         for t in self.stream(prompt, max_new_tokens, sampling, seed):

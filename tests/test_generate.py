@@ -96,4 +96,9 @@ def test_bad_prompts(single):
         gen.generate(PROMPT, 30, Sampling())
     with pytest.raises(ShardError, match="token ids must lie in 0..255"):
         gen.generate([300], 2, Sampling())
+    for several in ([[1, 2], [3, 4]], [[1, 2], [3]], ["a"]):  # a batch of prompts, ragged, not ids
+        with pytest.raises(ShardError, match="a prompt is one sequence of token ids"):
+            gen.generate(several, 2, Sampling())
+    # an array (what ByteTokenizer.encode returns) is a prompt: "truth value of an array is ambiguous"
+    assert gen.generate(np.asarray(PROMPT), 3, Sampling(temperature=0)) == gen.generate(PROMPT, 3, Sampling(temperature=0))
     np.testing.assert_equal(len(gen.generate(PROMPT, 3, Sampling(temperature=1.0), seed=1)), 3)

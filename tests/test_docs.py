@@ -1,0 +1,27 @@
+"""Docs that are programs: docs/library.md's Python blocks, run top to bottom as one script."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from shard.testing import subprocess_env
+
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+def python_blocks(markdown: str) -> str:
+    return "\n".join(re.findall(r"```python\n(.*?)```", markdown, flags=re.S))
+
+
+def test_the_library_page_runs_as_written(tmp_path):
+    script = python_blocks((DOCS / "library.md").read_text())
+    assert script.count("\n") > 50  # the blocks were found
+    (tmp_path / "library.py").write_text(script)
+    done = subprocess.run([sys.executable, "library.py"], cwd=tmp_path, env=subprocess_env(8),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert out[0].endswith("(None, 'fsdp', 'model')"), out  # w_up on fsdp=2,model=4
+    assert float(out[1].split("'loss': ")[1].split(",")[0]) < 3.5, out  # from ln(256) = 5.5
+    assert out[2].startswith("20 ") and out[2].endswith("(None, None, 'model', None)"), out  # wq restored onto 2x4

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.config import PipelineConfig
-from shard.errors import ShardError
+from shard.errors import ShardError, first_line
 from shard.rules import Layout
 from shard.state import StateSpec
 from shard.step import BATCH_KEYS, batch_sharding, make_step_parts
@@ -71,7 +71,10 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
     is the schedule when that mesh has pipeline stages."""
     try:
         import mpi4jax  # noqa: F401 -- checked before anything compiles
-    except ImportError:
+    except ImportError as e:
+        if e.name != "mpi4jax":  # installed, but it cannot load (its MPI library, a JAX it was not built for)
+            raise ShardError(f"--cross-host mpi: mpi4jax is installed but does not import ({first_line(e)}); "
+                             "reinstall it against this MPI: pip uninstall -y mpi4jax && ./install.sh mpi") from None
         raise ShardError("--cross-host mpi needs mpi4jax: run `./install.sh mpi`, which builds it against the "
                          "installed MPI (pip install -e '.[mpi]' brings mpich and mpi4py only)") from None
     grad_sums, apply = make_step_parts(spec, layout, microbatches, pipe=pipe)

@@ -14,6 +14,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -246,15 +247,19 @@ class Checkpoints:
         keep: list = [policies.LatestN(n=cfg.keep)]
         ranking = {}
         if cfg.best_metric:
-            metric = cfg.best_metric
+            metric, worst = cfg.best_metric, math.inf if cfg.best_mode == "min" else -math.inf
+
+            def value(metrics: dict) -> float:
+                """A save's value; one without (a stop between evaluations, or one ranked by another metric
+                before a resume changed it) ranks last, so it is kept only while among the newest."""
+                return metrics.get(metric, worst)
+
             # orbax writes a save's metrics to disk only with a best_fn; without them a restart forgot
             # which checkpoint was best. The preservation policy below still decides what is kept.
-            ranking = {"best_fn": lambda m: m[metric], "best_mode": cfg.best_mode}
-            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. A save with
-            # no value (a stop between evaluations, or one saved before the metric was chosen) is kept
-            # only while it is among the newest.
-            keep.append(policies.BestN(get_metric_fn=lambda m: m[metric], reverse=cfg.best_mode == "min",
-                                       n=cfg.keep_best, keep_checkpoints_without_metrics=False))
+            ranking = {"best_fn": value, "best_mode": cfg.best_mode}
+            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. Checkpoints
+            # with no metrics on disk at all (written before shard recorded them) are kept.
+            keep.append(policies.BestN(get_metric_fn=value, reverse=cfg.best_mode == "min", n=cfg.keep_best))
         _configure_orbax()
         handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
         with _absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
@@ -423,9 +428,8 @@ class SaveCheckpoints:
         if not self.saves_at(step, final):
             return
         ranked = None
-        if self.best_metric == "eval_loss":
-            if self.evaluated is not None and self.evaluated[0] == step:
-                ranked = {"eval_loss": self.evaluated[1]}
+        if self.best_metric == "eval_loss":  # {} (ranked last) between evaluations: None would be kept forever
+            ranked = {"eval_loss": self.evaluated[1]} if self.evaluated and self.evaluated[0] == step else {}
         elif self.best_metric:
             ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
         tokens = self.run.tokens_seen(step) if self.run is not None else None

@@ -57,14 +57,16 @@ class StateSpec:
 
     def check_opt_state_fits(self, opt_state, source: str) -> None:
         """A ShardError when `opt_state` (arrays or stored metadata) from `source` is not this
-        optimizer's: other arrays, compared by shape (orbax stores optax's named tuples as dicts)."""
+        optimizer's: arrays by path and shape (orbax stores optax's named tuples as dicts, by the same
+        names and positions)."""
         def shapes(tree):
-            return sorted(tuple(a.shape) for a in jax.tree.leaves(tree))
+            return {path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
         have, wanted = shapes(opt_state), shapes(self.abstract["opt_state"])
         if have != wanted:
+            differ = sorted(set(have) ^ set(wanted)) or sorted(k for k in have if have[k] != wanted[k])
             raise ShardError(f"the optimizer state in {source} is another optimizer's ({len(have)} arrays; this "
-                             f"optimizer keeps {len(wanted)}{' of other shapes' if len(have) == len(wanted) else ''})")
+                             f"optimizer keeps {len(wanted)}, and they differ at opt_state/{differ[0]})")
 
 
 def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:

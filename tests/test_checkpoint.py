@@ -153,6 +153,29 @@ def test_best_checkpoint_is_kept_beside_the_newest(tmp_path):
     assert reopened.steps() == [2, 5]
 
 
+def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_one(tmp_path):
+    """A save ranked by another metric (best_metric changed on a resume) ranks last: it raised KeyError
+    at the first save. Checkpoints with no metrics on disk (written before shard recorded them, or with
+    no best_metric) are kept, not deleted as unranked."""
+    def save(ckpts, step, metrics):
+        ckpts.save(step, {"x": np.float32(step)}, position=step, seed=0, config_toml="", metrics=metrics)
+        ckpts.wait()
+
+    plain = Checkpoints(tmp_path, tiny_config(checkpoint__keep=5).checkpoint)
+    save(plain, 1, None)
+    plain.close()
+    by_loss = Checkpoints(tmp_path, tiny_config(checkpoint__keep=1, checkpoint__best_metric="loss").checkpoint)
+    for step, loss in [(2, 1.0), (3, 2.0)]:
+        save(by_loss, step, {"loss": loss})
+    assert by_loss.steps() == [1, 2, 3]
+    by_loss.close()
+    by_norm = request_close(Checkpoints(tmp_path, tiny_config(checkpoint__keep=1, checkpoint__best_metric="grad_norm",
+                                                              checkpoint__best_mode="max").checkpoint))
+    for step, norm in [(4, 0.5), (5, 0.1)]:
+        save(by_norm, step, {"grad_norm": norm})
+    assert by_norm.steps() == [1, 4, 5]  # the largest norm and the newest; 2 and 3 ranked by loss went
+
+
 def test_best_by_eval_loss_ranks_each_save_by_the_evaluation_at_its_step(tmp_path):
     cfg = tiny_config("8x1", checkpoint__keep=1, checkpoint__best_metric="eval_loss", checkpoint__every=2,
                       eval__every=2)
@@ -184,18 +207,20 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(reference):
     assert ckpts.steps() == [2, 4, 6, 8, 10, 12]  # nothing set aside or deleted
 
 
-def test_another_optimizers_state_is_refused_and_the_checkpoint_kept(reference):
+@pytest.mark.parametrize("name", ["lion", "adam"])
+def test_another_optimizers_state_is_refused_and_the_checkpoint_kept(reference, name):
     """Restoring into a spec of another optimizer (state_spec(tx=...)) failed inside orbax's read, which
-    set the good checkpoint aside as corrupt and said --resume --allow-fresh would start over."""
+    set the good checkpoint aside as corrupt and said --resume --allow-fresh would start over. Adam's
+    arrays have the shapes of the run's clipped AdamW's, in another tree."""
     import optax
 
     cfg, _, _, ckpts = reference
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
-    lion = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, tx=optax.lion(1e-4),
-                      schedule=optax.constant_schedule(1e-4))
+    tx = {"lion": optax.lion(1e-4), "adam": optax.adam(1e-4)}[name]
+    other = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, tx=tx, schedule=optax.constant_schedule(1e-4))
     with pytest.raises(ShardError, match=r"the optimizer state in checkpoint \S+/12 is another optimizer's "
-                                         r"\(\d+ arrays; this optimizer keeps \d+\)"):
-        ckpts.restore_latest(lion)
+                                         r"\(\d+ arrays; this optimizer keeps \d+, and they differ at opt_state/"):
+        ckpts.restore_latest(other)
     assert ckpts.steps() == [2, 4, 6, 8, 10, 12]
 
 

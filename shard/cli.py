@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -31,7 +32,7 @@ from shard.run_dir import (choose_run_dir, compile_cache_dir, continue_command, 
 # What to change when a command runs out of device memory.
 _OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
                          "generate": "give fewer or shorter prompts, or lower --max-new-tokens",
-                         "inspect": "lower --batch or --seq"}
+                         "inspect": "lower --batch or --seq", "eval": "lower --batch or --seq"}
 
 
 def user_error(e: BaseException, command: str | None = "train") -> ShardError | None:
@@ -755,6 +756,67 @@ def generate(
             emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
         gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
         print("" if ids else decoder.decode(b"", final=True), flush=True)  # an unfinished character: U+FFFD
+
+
+@app.command("eval")
+def evaluate(
+    checkpoint: Annotated[str | None, typer.Argument(help="a shard checkpoint or run dir, or a Hugging Face folder", show_default=False)] = None,
+    checkpoint_opt: CheckpointOpt = None,
+    data: Annotated[str | None, typer.Option(help="text file or folder to score (default: the run's held-out data)")] = None,
+    batches: Annotated[int | None, typer.Option(help="global batches (default: the run's eval.batches)")] = None,
+    batch: Annotated[int | None, typer.Option(help="global batch (default: the run's data.batch)")] = None,
+    seq: Annotated[int | None, typer.Option(help="sequence length (default: the run's data.seq_len)")] = None,
+    mesh: Annotated[str, typer.Option(help="mesh to evaluate on")] = "1x1",
+    json_out: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
+    simulate_devices: SimOpt = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a sharding rule: --set rules.vocab=none")] = None,
+):
+    """Held-out loss and perplexity of a checkpoint: the run's held-out data (as its evaluations saw
+    it) or --data."""
+    checkpoint = _checkpoint_given(checkpoint, checkpoint_opt)
+    others = set(config_mod.parse_sets(set_ or [])) - {"rules", "param_rules", "param_regex"}
+    if others:
+        raise ShardError(f"eval takes rules.*, param_rules.* and param_regex.* in --set (the model comes with "
+                         f"the checkpoint), got {sorted(others)[0]}")
+    for name, value in (("--batches", batches), ("--batch", batch), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise ShardError(f"{name} must be positive, got {value}")
+    from shard import weights
+    from shard.evaluate import held_out_source, summed_loss
+
+    if not Path(checkpoint).exists():
+        raise ShardError(f"weights path {checkpoint} does not exist")
+    saved, source = held_out_source(weights.saved_run_config(checkpoint), data, checkpoint)
+    batch, seq = batch or saved.data.batch, seq or saved.data.seq_len
+    batches = batches or saved.eval.batches
+    tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices, set_)
+    from shard.data import BatchStream, eval_samples
+    from shard.loop import make_layout
+    from shard.state import state_spec
+    from shard.step import batch_sharding, make_eval_step
+
+    model_cfg, params = weights.load(checkpoint)
+    cfg = dataclasses.replace(saved, model=model_cfg, data=dataclasses.replace(saved.data, batch=batch, seq_len=seq))
+    layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)
+    if batch % layout.degree("batch"):
+        raise ShardError(f"--batch {batch} does not divide over the {layout.degree('batch')} data-parallel devices "
+                         f"of mesh {mesh}")
+    samples = eval_samples(cfg)
+    if samples.windows is not None and samples.windows < batches * batch:  # none scored twice
+        batches = max(1, samples.windows // batch)
+        err_console.print(f"[yellow]the data holds {samples.windows} window(s) of {seq + 1} tokens: scoring "
+                          f"{batches} batch(es) of {batch}[/yellow]", soft_wrap=True)
+    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+    stream = BatchStream(samples, batch, seq, batch_sharding(layout))
+    nll, tokens = summed_loss(make_eval_step(spec, layout), weights.place(params, spec), stream, batches)
+    loss = float(nll / max(tokens, 1.0))
+    figures = {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens),
+               "batches": batches, "batch": batch, "seq_len": seq, "data": source}
+    if json_out:
+        print(json.dumps(figures))
+    else:
+        console.print(f"eval loss {loss:.4f} (perplexity {figures['perplexity']:,.2f}) over {batches} batch(es) of "
+                      f"{batch} x {seq} ({int(tokens):,} tokens) of {escape(source)}", soft_wrap=True)
 
 
 def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:

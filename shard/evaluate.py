@@ -7,6 +7,8 @@ processes go straight on (with the MPI bridge every process holds the whole mode
 evaluate). With one global mesh (--cross-host xla) the set is every process.
 """
 
+import dataclasses
+
 import numpy as np
 
 from shard import distributed
@@ -62,16 +64,46 @@ class Evaluator:
     def __call__(self, params) -> float | None:
         if not self.group.includes():
             return None
-        import jax
 
         self.stream.position = 0  # the same held-out batches every time
-        totals = np.zeros(2, np.float64)
-        for _ in range(self.cfg.eval.batches):
-            nll, count = self.step(params, self.stream.next())
-            totals += [float(jax.device_get(nll)), float(jax.device_get(count))]
+        totals = summed_loss(self.step, params, self.stream, self.cfg.eval.batches)
         if distributed.context().mode == distributed.MPI:
             totals = self.group.allreduce(totals)  # members only
         return float(totals[0] / max(totals[1], 1.0))
 
     def close(self) -> None:
         self.group.destroy()
+
+
+def summed_loss(step, params, stream: BatchStream, batches: int) -> np.ndarray:
+    """[summed next-token loss, tokens] over the next `batches` batches of `stream` (float64)."""
+    import jax
+
+    totals = np.zeros(2, np.float64)
+    for _ in range(batches):
+        nll, count = step(params, stream.next())
+        totals += [float(jax.device_get(nll)), float(jax.device_get(count))]
+    return totals
+
+
+def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str) -> tuple[TrainConfig, str]:
+    """(config whose eval_samples are the data to evaluate, a description) for `shard eval`: --data, or
+    else the held-out data the run evaluated on (eval.path, or data.path's held-out tail). A run that
+    never held any out trained on all of data.path, so that is refused rather than scored."""
+    from shard.data import SYNTHETIC, held_out_share
+
+    if data is not None:
+        if saved is None:
+            saved = TrainConfig()
+        return dataclasses.replace(saved, eval=dataclasses.replace(saved.eval, path=data)), f"--data {data}"
+    if saved is None:
+        raise ShardError(f"{checkpoint} holds no run config that names held-out data (a Hugging Face folder): "
+                         "give --data")
+    if saved.eval.path:
+        return saved, f"the run's eval.path {saved.eval.path}"
+    if saved.data.path == SYNTHETIC:
+        return saved, "fresh synthetic tokens (the run trained on synthetic data)"
+    if not held_out_share(saved):
+        raise ShardError(f"the run in {checkpoint} trained on all of its data (it had no eval.every, so nothing "
+                         "was held out): give --data with text it never saw")
+    return saved, f"the last {saved.eval.holdout:.0%} of the run's data, held out from training"

@@ -1,6 +1,6 @@
 """Model weights from outside the run: a shard checkpoint (run dir, checkpoints dir or step dir) or a
 Hugging Face Llama folder, read on the host, then placed into a mesh's shardings. Serves
-`shard generate`, `shard train --init-from`, `shard import-hf` and `shard export-hf`."""
+`shard generate`, `shard eval`, `shard train --init-from`, `shard import-hf` and `shard export-hf`."""
 
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import numpy as np
 
 from shard import config as config_mod
 from shard import tomlfiles
+from shard.config import TrainConfig
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig
 from shard.state import StateSpec
@@ -39,6 +40,20 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
                          "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
     return config_mod.resolve({"model": saved["model"]}).model, params
+
+
+def saved_run_config(path: str | Path) -> TrainConfig | None:
+    """The whole config a shard checkpoint was saved with (its data, batch, held-out share, ...), read
+    without JAX; None for a Hugging Face folder, which has none."""
+    if is_hf_dir(path):
+        return None
+    from shard.checkpoint import find_checkpoint, saved_config
+
+    directory, step = find_checkpoint(path)
+    text = saved_config(directory / str(step))
+    if text is None:
+        raise ShardError(f"checkpoint {directory / str(step)} holds no readable config")
+    return config_mod.resolve(tomlfiles.parse(text, f"the config saved with checkpoint {directory / str(step)}"))
 
 
 def place(params: dict, spec: StateSpec) -> dict:

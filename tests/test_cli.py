@@ -1,6 +1,7 @@
 """The command line: bad input is one line and exit code 2; device simulation; train and inspect end to end."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -535,3 +536,29 @@ def test_the_embedded_corpus_resumed_on_the_current_folder_is_a_data_change(tmp_
     here = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(tmp_path)))
     assert any("the data order changes" in n for n in resume_changes({"model": {"name": "tiny"}}, here))
     assert not resume_changes({"model": {"name": "tiny"}, "data": {"path": "."}}, here)
+
+
+def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_path):
+    """`shard eval RUN` reproduces the run's last logged eval loss (the same held-out batches, here on
+    another mesh); --data scores other text; a run that held nothing out is refused, not scored on data
+    it trained on."""
+    run = tmp_path / "r"
+    trained = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--eval-every", "2",
+                     "--compile-cache", "none")
+    assert trained.exit_code == 0, trained.output
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]["eval_loss"]
+    scored = invoke("eval", str(run), "--mesh", "4x2", "--json")
+    assert scored.exit_code == 0, scored.output
+    figures = json.loads(scored.output.strip().splitlines()[-1])
+    assert figures["eval_loss"] == pytest.approx(logged, rel=1e-5) and figures["tokens"] == 2 * 8 * 32
+    text = tmp_path / "other.txt"
+    text.write_text("an unrelated text, " * 20)
+    other = invoke("eval", str(run), "--data", str(text), "--batches", "50", "--mesh", "8x1")
+    assert other.exit_code == 0 and f"of --data {text}" in other.output, other.output
+    assert re.search(r"the data holds \d+ window\(s\) of 33 tokens: scoring 1 batch\(es\) of 8", other.output)  # none twice
+    plain = tmp_path / "plain"
+    assert invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(plain), "--compile-cache", "none").exit_code == 0
+    refused = invoke("eval", str(plain), "--mesh", "8x1")
+    assert refused.exit_code == 2 and "trained on all of its data" in refused.output, refused.output
+    assert "--batch 3 does not divide" in invoke("eval", str(run), "--mesh", "4x2", "--batch", "3").output
+    assert "--batches must be positive" in invoke("eval", str(run), "--batches", "0", "--mesh", "8x1").output

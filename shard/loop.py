@@ -55,6 +55,7 @@ class Run:
     stopped_at: int | None = None  # set when an observer's should_stop() ended the loop early
     replicas: int = 1  # processes that each run this mesh (the MPI bridge); 1: the mesh is the whole job
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
+    trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
 
     def tokens_seen(self, step: int) -> int:
         """Tokens trained on up to `step`, this start's at its batch and sequence length."""
@@ -290,7 +291,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
-    last_step = run.start_step
+    first = last_step = done = run.start_step if run.trained_to is None else run.trained_to
     saving_s = 0.0  # time the host spent saving since the last record: not step time
     state = run.state
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
@@ -327,9 +328,10 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         for o in observers:
             getattr(o, "on_log", lambda r: None)(record)
 
-    for i in range(run.start_step + 1, cfg.steps + 1):
+    for i in range(first + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
+        done = i
         pending.append((i, metrics))
         if len(pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
             jax.block_until_ready(pending[-MAX_STEPS_AHEAD - 1][1])
@@ -372,5 +374,5 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         if stopping:
             run.stopped_at = i
             break
-    run.state = state
+    run.state, run.trained_to = state, done
     return records

@@ -1,5 +1,6 @@
 """The default run learns."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -52,3 +53,9 @@ def test_the_loop_compiles_nothing_after_prepare():
     before = len(compiles)
     train(cfg, run=run)
     assert len(compiles) == before
+    # a second call (a notebook cell run again) goes on from the step the state holds: it retrained
+    # from step 1 on the trained state, and labelled the steps and tokens as a fresh start's
+    assert train(cfg, run=run) == []
+    more = train(dataclasses.replace(cfg, steps=6), run=run)
+    assert [r["step"] for r in more] == [6] and more[0]["tokens_seen"] == 6 * 8 * 32
+    assert int(run.state["step"]) == 6

@@ -7,6 +7,7 @@ Runs both in one process, alternating, and prints the median time per step of ea
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -82,7 +83,7 @@ def main():
     shard_times, base_times = [], []
     for _ in range(args.repeats):
         t = time.perf_counter()
-        train(cfg, run=run)
+        train(dataclasses.replace(cfg, steps=run.trained_to + args.steps), run=run)  # the next args.steps steps
         shard_times.append((time.perf_counter() - t) / args.steps)
         t = time.perf_counter()
         baseline(args.steps)

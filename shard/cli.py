@@ -415,6 +415,12 @@ def train(
                 forget_unstarted_run(path, found)
     except ShardError:
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, without the save the first one asked for
+        if main:
+            saved = checkpoints.steps()
+            err_console.print(f"interrupted again: stopped without saving; the newest checkpoint is "
+                              f"{checkpoints.path(saved[-1]) if saved else 'none'}", soft_wrap=True)
+        raise SystemExit(130) from None
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective
         if user_error(e) is not None:
             raise  # this process's own error (out of memory, a full disk), not a lost peer's

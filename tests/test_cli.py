@@ -562,3 +562,23 @@ def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_
     assert refused.exit_code == 2 and "trained on all of its data" in refused.output, refused.output
     assert "--batch 3 does not divide" in invoke("eval", str(run), "--mesh", "4x2", "--batch", "3").output
     assert "--batches must be positive" in invoke("eval", str(run), "--batches", "0", "--mesh", "8x1").output
+
+
+def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
+    """The second SIGINT raises KeyboardInterrupt out of the loop (tests/test_step.py): the process
+    ended with exit 130 and no word on the save it skipped."""
+    from shard.preemption import StopOnSignal
+
+    def second_ctrl_c(self):
+        if self.calls == 2:
+            raise KeyboardInterrupt
+        self.calls += 1
+        return False
+
+    monkeypatch.setattr(StopOnSignal, "calls", 0, raising=False)
+    monkeypatch.setattr(StopOnSignal, "should_stop", second_ctrl_c)
+    r = invoke("train", *TINY, "--steps", "5", "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--checkpoint-every",
+               "1", "--compile-cache", "none")
+    assert r.exit_code == 130, r.output
+    assert f"interrupted again: stopped without saving; the newest checkpoint is {tmp_path / 'r' / 'checkpoints' / '2'}" \
+        in r.output, r.output

@@ -169,6 +169,9 @@ class Restored:
     config_toml: str
     path: Path
     tokens_seen: int | None = None  # tokens trained on up to `step`; None: a checkpoint from before it was saved
+    # the step since which the held-out data (eval.path, or data.path's held-out tail) has been kept
+    # from training; None: nothing held out, or a checkpoint from before it was saved
+    held_out_since: int | None = None
 
 
 def _first_line(e: BaseException) -> str:
@@ -296,7 +299,7 @@ class Checkpoints:
     # -- save -------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict, *, position: int, seed: int, config_toml: str,
-             metrics: dict | None = None, tokens_seen: int | None = None) -> None:
+             metrics: dict | None = None, tokens_seen: int | None = None, held_out_since: int | None = None) -> None:
         """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
         so the caller may donate them to the next step."""
         if not distributed.writes_shared_files():
@@ -305,6 +308,8 @@ class Checkpoints:
                 "fingerprint": state_fingerprint(state)}
         if tokens_seen is not None:
             meta["tokens_seen"] = int(tokens_seen)
+        if held_out_since is not None:
+            meta["held_out_since"] = int(held_out_since)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         self._manager.save(step, args=args, metrics=metrics, force=True)
 
@@ -346,10 +351,11 @@ class Checkpoints:
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
         if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
-        tokens = meta.get("tokens_seen")
+        tokens, since = meta.get("tokens_seen"), meta.get("held_out_since")
         return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
                         config_toml=meta["config"], path=self.path(step),
-                        tokens_seen=None if tokens is None else int(tokens))
+                        tokens_seen=None if tokens is None else int(tokens),
+                        held_out_since=None if since is None else int(since))
 
     def restore_latest(self, spec: StateSpec) -> Restored:
         """The newest complete checkpoint that reads back; unreadable ones are set aside (renamed to
@@ -433,21 +439,28 @@ class SaveCheckpoints:
         elif self.best_metric:
             ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
         tokens = self.run.tokens_seen(step) if self.run is not None else None
+        since = self.run.held_out_since if self.run is not None else None
         self.checkpoints.save(step, state, position=position, seed=self.seed, config_toml=self.config_toml,
-                              metrics=ranked, tokens_seen=tokens)
+                              metrics=ranked, tokens_seen=tokens, held_out_since=since)
         self.last_saved = step
 
     def on_end(self, records: list[dict]) -> None:
         self.checkpoints.wait()
 
 
+def step_dirs(checkpoints: Path) -> list[int]:
+    """The steps whose folders stand in `checkpoints`, oldest first: a save that orbax finished (an
+    unfinished one is named <step>.orbax-checkpoint-tmp...), read from the disk without JAX."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted(int(c.name) for c in checkpoints.iterdir() if c.name.isdigit() and c.is_dir())
+
+
 def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
     """The config (TOML text) the newest checkpoint in `checkpoints` was saved with, and its step; None
     when no step holds a readable one. Each save keeps a copy in its meta item, read here as plain
     JSON: orbax's reader would start JAX, before `train` has set the device count."""
-    if not checkpoints.is_dir():
-        return None
-    for step in sorted((int(c.name) for c in checkpoints.iterdir() if c.name.isdigit()), reverse=True):
+    for step in reversed(step_dirs(checkpoints)):
         text = saved_config(checkpoints / str(step))
         if text is not None:
             return text, step
@@ -457,11 +470,11 @@ def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
 def saved_config(step_dir: Path) -> str | None:
     """The config (TOML text) one checkpoint step was saved with, from its meta item read as plain JSON;
     None when it holds no readable one."""
-    meta = _saved_meta(step_dir)
+    meta = saved_meta(step_dir)
     return meta["config"] if isinstance(meta.get("config"), str) else None
 
 
-def _saved_meta(step_dir: Path) -> dict:
+def saved_meta(step_dir: Path) -> dict:
     """A checkpoint step's meta item, read as plain JSON (orbax's reader would start JAX); {} when it
     is missing or unreadable."""
     try:
@@ -482,7 +495,7 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
         p = p / CHECKPOINTS_DIR
     if (p / STATE).is_dir() and p.name.isdigit():
         return p.parent, int(p.name)
-    steps = sorted(int(c.name) for c in p.iterdir() if c.name.isdigit() and c.is_dir())
+    steps = step_dirs(p)
     complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
     if not complete:
         if (p / "_CHECKPOINT_METADATA").is_file() and not steps:
@@ -500,7 +513,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
     directory, step = find_checkpoint(checkpoint)
     state_dir = directory / str(step) / STATE
-    meta = _saved_meta(directory / str(step))
+    meta = saved_meta(directory / str(step))
     config = meta.get("config")
     if not isinstance(config, str):
         raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")

@@ -332,7 +332,7 @@ def train(
     _check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
     check_same_data(cfg)
     check_shared_run_dir(path)
-    from shard.checkpoint import Checkpoints, SaveCheckpoints
+    from shard.checkpoint import Checkpoints, SaveCheckpoints, step_dirs
     from shard.loop import prepare
     from shard.loop import train as train_loop
     from shard.metrics import JsonlWriter, TensorBoardWriter
@@ -350,6 +350,7 @@ def train(
             lock.acquire()
     checkpoints = Checkpoints(path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notice)
     restore = restore_source(checkpoints, resume, allow_fresh, cfg.init_from, cfg.seed, notice)
+    stopper = None  # until the loop takes the signals
     try:
         run = prepare(cfg, devices, restore=restore)
         if cfg.init_from and not run.start_step and restore is not None:
@@ -415,11 +416,17 @@ def train(
                 forget_unstarted_run(path, found)
     except ShardError:
         raise
-    except KeyboardInterrupt:  # a second Ctrl-C: out at once, without the save the first one asked for
+    except KeyboardInterrupt:  # Ctrl-C before the loop took the signals, or a second one: out at once
         if main:
-            saved = checkpoints.steps()
-            err_console.print(f"interrupted again: stopped without saving; the newest checkpoint is "
-                              f"{checkpoints.path(saved[-1]) if saved else 'none'}", soft_wrap=True)
+            done = step_dirs(checkpoints.directory)  # on disk: a save under way may have finished
+            newest = checkpoints.path(done[-1]) if done else "none"
+            if stopper is not None and stopper.received:
+                err_console.print(f"interrupted again: stopped at once, without waiting for the save; the newest "
+                                  f"complete checkpoint is {newest} (an unfinished one is removed by --resume)",
+                                  soft_wrap=True)
+            else:
+                err_console.print(f"interrupted: stopped at once; the newest complete checkpoint is {newest}",
+                                  soft_wrap=True)
         raise SystemExit(130) from None
     except Exception as e:  # a lost peer surfaces as a runtime error in a collective
         if user_error(e) is not None:
@@ -792,24 +799,27 @@ def evaluate(
 
     if not Path(checkpoint).exists():
         raise ShardError(f"weights path {checkpoint} does not exist")
-    saved, source = held_out_source(weights.saved_run_config(checkpoint), data, checkpoint)
+    saved, source = held_out_source(weights.saved_run_config(checkpoint), data, checkpoint,
+                                    weights.held_out_since(checkpoint))
     batch, seq = batch or saved.data.batch, seq or saved.data.seq_len
     batches = batches or saved.eval.batches
     tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices, set_)
     from shard.data import BatchStream, eval_samples
-    from shard.loop import make_layout
+    from shard.loop import check_batch, make_layout
     from shard.state import state_spec
     from shard.step import batch_sharding, make_eval_step
 
     model_cfg, params = weights.load(checkpoint)
     cfg = dataclasses.replace(saved, model=model_cfg, data=dataclasses.replace(saved.data, batch=batch, seq_len=seq))
     layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)
-    if batch % layout.degree("batch"):
-        raise ShardError(f"--batch {batch} does not divide over the {layout.degree('batch')} data-parallel devices "
-                         f"of mesh {mesh}")
+    check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=1)), layout)  # and --seq
     samples = eval_samples(cfg)
+    if samples.windows is not None and samples.windows < batch:
+        raise ShardError(f"the data holds {samples.windows} window(s) of {seq + 1} tokens, fewer than one batch of "
+                         f"{batch}: give a smaller --batch (a multiple of the mesh's {layout.degree('batch')} "
+                         "data-parallel devices) or a shorter --seq")
     if samples.windows is not None and samples.windows < batches * batch:  # none scored twice
-        batches = max(1, samples.windows // batch)
+        batches = samples.windows // batch
         err_console.print(f"[yellow]the data holds {samples.windows} window(s) of {seq + 1} tokens: scoring "
                           f"{batches} batch(es) of {batch}[/yellow]", soft_wrap=True)
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)

@@ -86,10 +86,12 @@ def summed_loss(step, params, stream: BatchStream, batches: int) -> np.ndarray:
     return totals
 
 
-def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str) -> tuple[TrainConfig, str]:
+def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str,
+                    since: int | None = None) -> tuple[TrainConfig, str]:
     """(config whose eval_samples are the data to evaluate, a description) for `shard eval`: --data, or
     else the held-out data the run evaluated on (eval.path, or data.path's held-out tail). A run that
-    never held any out trained on all of data.path, so that is refused rather than scored."""
+    never held any out trained on all of data.path, so that is refused rather than scored. `since`:
+    the step since which the checkpoint's run has held that tail out (None: not recorded)."""
     from shard.data import SYNTHETIC, held_out_share
 
     if data is not None:
@@ -106,4 +108,10 @@ def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str
     if not held_out_share(saved):
         raise ShardError(f"the run in {checkpoint} trained on all of its data (it had no eval.every, so nothing "
                          "was held out): give --data with text it never saw")
-    return saved, f"the last {saved.eval.holdout:.0%} of the run's data, held out from training"
+    tail = f"the last {saved.eval.holdout:.0%} of the run's data"
+    if since is None:  # a checkpoint from before shard recorded it
+        return saved, f"{tail}, held out by the run's evaluations"
+    if since:
+        return saved, (f"{tail}, held out from training only since step {since}: a resume changed what is held "
+                       "out, so the steps before it may have read these windows")
+    return saved, f"{tail}, held out from training"

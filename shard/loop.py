@@ -56,6 +56,12 @@ class Run:
     replicas: int = 1  # processes that each run this mesh (the MPI bridge); 1: the mesh is the whole job
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
     trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
+    held_out_since: int | None = None  # kept in each checkpoint: see shard.checkpoint.Restored
+
+    @property
+    def at_step(self) -> int:
+        """The step `state` holds: where this start began, or where the last `train` call left it."""
+        return self.start_step if self.trained_to is None else self.trained_to
 
     def tokens_seen(self, step: int) -> int:
         """Tokens trained on up to `step`, this start's at its batch and sequence length."""
@@ -158,11 +164,11 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
     distributed.barrier("compiled")
-    state, start_step, position, tokens_before = _first_state(cfg, spec, init, restore)
+    state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=tokens_before)
+               start_step, tokens_before=tokens_before, held_out_since=since)
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
@@ -196,26 +202,54 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     dataset = training_samples(cfg)
     init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
-    state, start_step, position, tokens_before = _first_state(cfg, spec, init, restore)
+    state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
-               tokens_before=tokens_before)
+               tokens_before=tokens_before, held_out_since=since)
 
 
 def _first_state(cfg: TrainConfig, spec: StateSpec, init: Callable[[], dict] | None,
-                 restore: Callable | None) -> tuple[dict, int, int, int]:
-    """(state, its step, the data position, the tokens trained on before it): `init()`, or else
-    `restore(spec)`. A checkpoint saved before it counted its tokens counts its data position at this
-    start's sequence length."""
+                 restore: Callable | None) -> tuple[dict, int, int, int, int | None]:
+    """(state, its step, the data position, the tokens trained on before it, the step since which the
+    held-out data has been held out): `init()`, or else `restore(spec)`. A checkpoint saved before it
+    counted its tokens counts its data position at this start's sequence length."""
     if init is not None:
-        return init(), 0, 0, 0
+        return init(), 0, 0, 0, 0 if held_out(cfg) else None
     restored = restore(spec)
     tokens = restored.tokens_seen if restored.tokens_seen is not None else restored.position * cfg.data.seq_len
-    return restored.state, restored.step, restored.position, tokens
+    return restored.state, restored.step, restored.position, tokens, _held_out_since(cfg, restored)
+
+
+def held_out(cfg: TrainConfig) -> tuple | None:
+    """What a config keeps from training for evaluation, as a comparable value; None: nothing."""
+    from shard.data import held_out_share
+
+    if cfg.eval.path:
+        return ("eval.path", cfg.eval.path)
+    share = held_out_share(cfg)
+    return ("tail", cfg.data.path, share, cfg.data.seq_len) if share else None
+
+
+def _held_out_since(cfg: TrainConfig, restored) -> int | None:
+    """The held-out data's record carried over a resume: kept when the resumed run holds out the same
+    windows, reset to this step when it holds out others (the steps before may have read them)."""
+    if held_out(cfg) is None:
+        return None
+    if not restored.config_toml:  # weights from elsewhere (--init-from): the run starts here
+        return 0
+    from shard import config, tomlfiles
+
+    try:
+        before = held_out(config.resolve(tomlfiles.parse(restored.config_toml, "the checkpoint's config")))
+    except ShardError:
+        before = None
+    if before == held_out(cfg):
+        return restored.held_out_since  # None for a checkpoint from before this was recorded: unknown
+    return restored.step
 
 
 def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
@@ -291,7 +325,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
-    first = last_step = done = run.start_step if run.trained_to is None else run.trained_to
+    first = last_step = run.at_step
     saving_s = 0.0  # time the host spent saving since the last record: not step time
     state = run.state
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
@@ -331,7 +365,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     for i in range(first + 1, cfg.steps + 1):
         batch = run.stream.next()
         state, metrics = run.step_fn(state, batch)
-        done = i
+        run.state, run.trained_to = state, i  # kept current: a call that is interrupted leaves a usable run
         pending.append((i, metrics))
         if len(pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
             jax.block_until_ready(pending[-MAX_STEPS_AHEAD - 1][1])
@@ -374,5 +408,4 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         if stopping:
             run.stopped_at = i
             break
-    run.state, run.trained_to = state, done
     return records

@@ -59,7 +59,7 @@ class TensorBoardWriter:
 
         atexit.register = noting_ours
         try:
-            self._w = writer_class(str(self.logdir), purge_step=run.start_step + 1,
+            self._w = writer_class(str(self.logdir), purge_step=run.at_step + 1,
                                    filename_suffix=f".{time.time_ns() % 10**9:09d}")
         finally:
             atexit.register = register

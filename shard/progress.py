@@ -26,9 +26,9 @@ class ConsoleProgress:
             self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
 
     def on_start(self, run) -> None:
-        self.run, self.run_start = run, run.start_step
+        self.run, self.run_start = run, run.at_step
         if self.progress:
-            self.progress.update(self.task, completed=run.start_step)
+            self.progress.update(self.task, completed=run.at_step)
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         kind = run.mesh.devices.flat[0].platform

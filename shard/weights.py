@@ -56,6 +56,18 @@ def saved_run_config(path: str | Path) -> TrainConfig | None:
     return config_mod.resolve(tomlfiles.parse(text, f"the config saved with checkpoint {directory / str(step)}"))
 
 
+def held_out_since(path: str | Path) -> int | None:
+    """The step since which a shard checkpoint's run has held its evaluation data out of training (0:
+    from the start); None for a Hugging Face folder or a checkpoint that does not record it."""
+    if is_hf_dir(path):
+        return None
+    from shard.checkpoint import find_checkpoint, saved_meta
+
+    directory, step = find_checkpoint(path)
+    since = saved_meta(directory / str(step)).get("held_out_since")
+    return since if isinstance(since, int) and not isinstance(since, bool) and since >= 0 else None
+
+
 def place(params: dict, spec: StateSpec) -> dict:
     """Host params into the spec's parameter shardings, after checking every shape against the model."""
     spec.check_params_fit(params, "the weights")

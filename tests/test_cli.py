@@ -560,7 +560,19 @@ def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_
     assert invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(plain), "--compile-cache", "none").exit_code == 0
     refused = invoke("eval", str(plain), "--mesh", "8x1")
     assert refused.exit_code == 2 and "trained on all of its data" in refused.output, refused.output
-    assert "--batch 3 does not divide" in invoke("eval", str(run), "--mesh", "4x2", "--batch", "3").output
+    # evaluations started by a resume: the 2 steps before it read all the data, which eval says (it
+    # claimed "held out from training"), and so it goes on saying after the next resume
+    for steps, extra in (("3", ["--eval-every", "1"]), ("4", [])):
+        resumed = invoke("train", "--run-dir", str(plain), "--resume", "--steps", steps, *extra, "--compile-cache", "none")
+        assert resumed.exit_code == 0, resumed.output
+        late = invoke("eval", str(plain), "--mesh", "8x1")
+        assert late.exit_code == 0 and "held out from training only since step 2" in late.output, late.output
+    assert "held out from training\n" in invoke("eval", str(run), "--mesh", "8x1").output
+    assert "global batch 3 does not divide over 4 data-parallel devices" in \
+        invoke("eval", str(run), "--mesh", "4x2", "--batch", "3").output
+    assert "sequence length 33 does not divide over 4 devices" in invoke("eval", str(run), "--mesh", "cp", "--seq", "33").output
+    few = invoke("eval", str(run), "--data", str(text), "--batch", "16", "--mesh", "8x1")
+    assert few.exit_code == 2 and "fewer than one batch of 16" in few.output, few.output
     assert "--batches must be positive" in invoke("eval", str(run), "--batches", "0", "--mesh", "8x1").output
 
 
@@ -580,5 +592,6 @@ def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
     r = invoke("train", *TINY, "--steps", "5", "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--checkpoint-every",
                "1", "--compile-cache", "none")
     assert r.exit_code == 130, r.output
-    assert f"interrupted again: stopped without saving; the newest checkpoint is {tmp_path / 'r' / 'checkpoints' / '2'}" \
-        in r.output, r.output
+    assert f"the newest complete checkpoint is {tmp_path / 'r' / 'checkpoints' / '2'}" in r.output, r.output
+    # without a first signal (before the loop takes them, as here) it is not "again"
+    assert "interrupted: stopped at once" in r.output, r.output

@@ -39,7 +39,7 @@ def test_tensorboard_forgets_the_steps_a_resume_repeats(tmp_path):
 
     for start, steps, loss in ((0, [1, 2, 3, 4], 9.0), (2, [3], 1.0)):
         w = TensorBoardWriter(tmp_path)
-        w.on_start(SimpleNamespace(start_step=start))
+        w.on_start(SimpleNamespace(at_step=start))
         for step in steps:
             w.on_log({"step": step, "loss": loss})
         w.on_end([])
@@ -450,7 +450,7 @@ def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_traceba
     assert str(user_error(raised.value)) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
 
     tb = TensorBoardWriter(tmp_path / "tb")
-    tb.on_start(SimpleNamespace(start_step=0))
+    tb.on_start(SimpleNamespace(at_step=0))
     (theirs,) = tb._at_exit  # tensorboardX's close at exit, taken over
     real_close, tb._w.close = tb._w.close, FullDisk().close
     unregistered = []

@@ -54,8 +54,30 @@ def inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) 
     return notes
 
 
+def ranking_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
+    """A notice when a resume changes how checkpoints are ranked: each save recorded only the metric it
+    was ranked by (shard.checkpoint), so the earlier saves may lose their place among the best."""
+    changed = [f"{k} {a or '(none)'} -> {b or '(none)'}" for k, a, b in config_mod.differences(saved, cfg)
+               if k in ("checkpoint.best_metric", "checkpoint.best_mode")]
+    was, metric, keep = saved.checkpoint.best_metric, cfg.checkpoint.best_metric, cfg.checkpoint.keep
+    if not changed or not (was or metric):
+        return []
+    if not metric:
+        fate = f"the best checkpoints saved so far are kept only while among the newest {keep}"
+    elif not was:
+        fate = "the checkpoints saved so far recorded no ranking, and unranked checkpoints are all kept"
+    elif metric != was:
+        fate = (f"the checkpoints saved so far recorded no {metric}: they rank last, kept only while among "
+                f"the newest {keep}")
+    else:
+        fate = (f"the checkpoints saved so far are ranked again: the {'lowest' if cfg.checkpoint.best_mode == 'min' else 'highest'} "
+                f"{metric} is the best")
+    return [f"the checkpoint ranking changes ({', '.join(changed)}): {fate}"]
+
+
 def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
-    """Notes on what a resume changes that makes it inexact: the held-out share, the lr schedule."""
+    """Notes on what a resume changes: what makes it inexact (the held-out share, the lr schedule, ...),
+    and a new checkpoint ranking."""
     from shard.data import EMBEDDED, SYNTHETIC, held_out_share
 
     saved = config_mod.resolve(base)
@@ -66,7 +88,7 @@ def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
     was = held_out_share(saved) if "holdout" in base.get("eval", {}) else 0.0
     now = held_out_share(cfg)
     notes = [held_out_change(was, now)] if was != now else []
-    return notes + inexact_changes(saved, cfg)
+    return notes + inexact_changes(saved, cfg) + ranking_change(saved, cfg)
 
 
 def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str, seed: int,

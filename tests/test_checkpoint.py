@@ -176,6 +176,23 @@ def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_on
     assert by_norm.steps() == [1, 4, 5]  # the largest norm and the newest; 2 and 3 ranked by loss went
 
 
+def test_a_resume_that_changes_the_ranking_says_what_becomes_of_the_earlier_saves():
+    from shard import config
+    from shard.resume import resume_changes
+
+    def notes(was: dict, now: dict) -> list[str]:
+        base = {"model": {"name": "tiny"}, "checkpoint": was}
+        return resume_changes(base, config.resolve({"model": {"name": "tiny"}, "checkpoint": now}))
+
+    loss = {"best_metric": "loss"}
+    assert notes(loss, loss) == [] and notes({}, {"best_mode": "max"}) == []
+    assert notes(loss, {}) == ["the checkpoint ranking changes (checkpoint.best_metric loss -> (none)): the best "
+                               "checkpoints saved so far are kept only while among the newest 3"]
+    assert "recorded no grad_norm: they rank last" in notes(loss, {"best_metric": "grad_norm"})[0]
+    assert "unranked checkpoints are all kept" in notes({}, loss)[0]
+    assert "ranked again: the highest loss is the best" in notes(loss, loss | {"best_mode": "max"})[0]
+
+
 def test_best_by_eval_loss_ranks_each_save_by_the_evaluation_at_its_step(tmp_path):
     cfg = tiny_config("8x1", checkpoint__keep=1, checkpoint__best_metric="eval_loss", checkpoint__every=2,
                       eval__every=2)

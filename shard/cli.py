@@ -231,7 +231,10 @@ def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
         return str(Path(path).absolute())
 
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"))
-    evaluation = dataclasses.replace(cfg.eval, path=absolute(cfg.eval.path, "eval.path")) if cfg.eval.every else cfg.eval
+    # unused without eval.every, so not required to exist; but a later --eval-every must find the same files
+    unused_and_missing = not cfg.eval.every and not Path(cfg.eval.path or ".").exists()
+    evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
+                                                                         path=absolute(cfg.eval.path, "eval.path"))
     init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
     return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
 

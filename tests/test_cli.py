@@ -496,11 +496,12 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
         np.save(tmp_path / folder / "tokens.npy", np.random.default_rng(seed).integers(0, 256, 5000, np.int32))
     monkeypatch.chdir(tmp_path / "a")
     first = invoke("train", *TINY, "--mesh", "8x1", "--data", "tokens.npy", "--run-dir", str(tmp_path / "r"),
-                   "--compile-cache", "none")
+                   "--compile-cache", "none", "--set", "eval.path=tokens.npy")
     assert first.exit_code == 0, first.output
     assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
-    assert saved.data.path == str(tmp_path / "a" / "tokens.npy")
+    # eval.path too, though unused until a resume sets --eval-every
+    assert saved.data.path == saved.eval.path == str(tmp_path / "a" / "tokens.npy")
     # a run saved before data paths were saved absolute, resumed from its own folder: the same files
     toml = (tmp_path / "r" / "config.toml").read_text().replace(f'"{tmp_path / "a" / "tokens.npy"}"', '"tokens.npy"')
     assert 'path = "tokens.npy"' in toml

@@ -32,8 +32,11 @@ def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     def kind(path: str) -> str:
         return path if path in (EMBEDDED, SYNTHETIC) else _FILES
 
+    mesh_file, colon, shape = cfg.mesh.spec.partition(":")  # a mesh file, absolute like the data paths
+    mesh = Path(mesh_file).name + colon + shape if mesh_file.endswith(".toml") else cfg.mesh.spec
     return dataclasses.replace(cfg, run_dir="", data=dataclasses.replace(cfg.data, path=kind(cfg.data.path)),
-                               eval=dataclasses.replace(cfg.eval, path=kind(cfg.eval.path)))
+                               eval=dataclasses.replace(cfg.eval, path=kind(cfg.eval.path)),
+                               mesh=dataclasses.replace(cfg.mesh, spec=mesh))
 
 
 def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | None = None) -> None:

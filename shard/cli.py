@@ -145,7 +145,21 @@ def _overrides(from_file: dict, sets: list[str] | None, base: dict | None = None
     out = config_mod.merge(base or {}, from_file)
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.nested(flat))
-    return config_mod.merge(out, config_mod.parse_sets(sets or []))
+    out = config_mod.merge(out, config_mod.parse_sets(sets or []))
+    _check_model_named_over_file(from_file.get("model"), out.get("model", {}).get("name"))
+    return out
+
+
+def _check_model_named_over_file(file_model, name) -> None:
+    """A config file whose [model] names one model and amends it (a run's config.toml lists every key)
+    would amend the preset --model names instead: another model under that name."""
+    if not isinstance(file_model, dict) or file_model.get("name", name) == name:
+        return
+    amended = sorted(set(file_model) - {"name"})
+    if amended:
+        raise ShardError(f"--model {name}: the config file describes model {file_model['name']} (its [model] "
+                         f"section sets {', '.join(amended[:4])}{', ...' if len(amended) > 4 else ''}), which would "
+                         f"amend {name}; leave out --model, or the [model] section")
 
 
 def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None,
@@ -218,9 +232,10 @@ def _init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) 
 
 
 def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
-    """The config with data.path and eval.path (once checked to exist) and init_from made absolute: the
-    saved config then names the same files wherever a resume starts from (a relative one read another
-    folder's). init_from is read only when the run has no checkpoint yet, so it is not checked here."""
+    """The config with data.path and eval.path (once checked to exist), a mesh file and init_from made
+    absolute: the saved config then names the same files wherever a resume starts from (a relative one
+    read another folder's, or none). init_from is read only when the run has no checkpoint yet, so it is
+    not checked here."""
     from shard.data import EMBEDDED, SYNTHETIC
 
     def absolute(path: str, key: str) -> str:
@@ -236,6 +251,10 @@ def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
                                                                          path=absolute(cfg.eval.path, "eval.path"))
     init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
+    mesh_file, colon, shape = cfg.mesh.spec.strip().partition(":")  # a mesh TOML file, perhaps with a shape
+    if mesh_file.endswith(".toml") and Path(mesh_file).is_file():
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+            cfg.mesh, spec=str(Path(mesh_file).absolute()) + colon + shape))
     return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
 
 

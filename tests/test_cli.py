@@ -394,6 +394,22 @@ def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder(
     assert mesh_label("data=2,fsdp=4") == "data2_fsdp4" and mesh_label("fsdp_tp:4x2") == "fsdp_tp_4x2"
 
 
+def test_a_model_flag_over_a_config_file_that_amends_another_model_is_refused():
+    """`--config RUN/config.toml --model small` trained a model labelled small with the file's tiny
+    dimensions (its [model] lists every key, and they amended small)."""
+    from shard.cli import _overrides
+    from shard.errors import ShardError
+
+    run_config = {"model": {"name": "tiny", "d_model": 64, "n_layers": 2}}
+    with pytest.raises(ShardError, match="describes model tiny .*d_model, n_layers.*leave out --model"):
+        _overrides(run_config, None, model="small")
+    with pytest.raises(ShardError, match="describes model tiny"):
+        _overrides(run_config, ["model.name=small"])
+    assert _overrides(run_config, None, model="tiny")["model"]["d_model"] == 64
+    assert _overrides({"model": {"name": "tiny"}}, None, model="small") == {"model": {"name": "small"}}
+    assert _overrides({"model": {"d_model": 64}}, None, model="small")["model"] == {"d_model": 64, "name": "small"}
+
+
 def test_a_mesh_file_that_is_not_a_regular_file_is_refused(tmp_path):
     """A FIFO named as the mesh hung `train` and `inspect` on its read."""
     import os
@@ -488,20 +504,23 @@ def test_the_stop_handlers_still_take_signals_while_the_final_save_is_awaited(tm
 
 
 def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
-    """A resume started from another folder read that folder's file of the same name, with no notice."""
+    """A resume started from another folder read that folder's file of the same name, with no notice
+    (or, for a mesh file, failed: not found)."""
     import numpy as np
 
     for folder, seed in (("a", 0), ("b", 1)):
         (tmp_path / folder).mkdir()
         np.save(tmp_path / folder / "tokens.npy", np.random.default_rng(seed).integers(0, 256, 5000, np.int32))
     monkeypatch.chdir(tmp_path / "a")
-    first = invoke("train", *TINY, "--mesh", "8x1", "--data", "tokens.npy", "--run-dir", str(tmp_path / "r"),
-                   "--compile-cache", "none", "--set", "eval.path=tokens.npy")
+    (tmp_path / "a" / "mesh.toml").write_text('axes = ["data", "model"]\n')  # a mesh file: saved absolute too
+    first = invoke("train", *TINY, "--mesh", "mesh.toml:8x1", "--data", "tokens.npy", "--run-dir",
+                   str(tmp_path / "r"), "--compile-cache", "none", "--set", "eval.path=tokens.npy")
     assert first.exit_code == 0, first.output
     assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
     # eval.path too, though unused until a resume sets --eval-every
     assert saved.data.path == saved.eval.path == str(tmp_path / "a" / "tokens.npy")
+    assert saved.mesh.spec == f"{tmp_path / 'a' / 'mesh.toml'}:8x1"
     # a run saved before data paths were saved absolute, resumed from its own folder: the same files
     toml = (tmp_path / "r" / "config.toml").read_text().replace(f'"{tmp_path / "a" / "tokens.npy"}"', '"tokens.npy"')
     assert 'path = "tokens.npy"' in toml

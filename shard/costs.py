@@ -170,8 +170,9 @@ def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
     """Mesh axes (of size > 1) whose traffic `comm_bytes` leaves out, each with the parallelism that
     moves it: an axis other than data, fsdp and model; the axes that split the residual stream's length
     (Megatron-SP turns their all-reduces into reduce-scatters and all-gathers, and gathers again in the
-    backward pass); and under expert parallelism every axis, since the token dispatch changes the
-    batch layout. No minimum, so no efficiency, is claimed for them."""
+    backward pass); under expert parallelism every axis, since the token dispatch changes the batch
+    layout; and under pipeline parallelism every axis but data. No minimum, so no efficiency, is
+    claimed for them."""
     out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
     for a in shape.table(False).get(RES_LENGTH, ()):
         if shape.sizes[a] > 1:
@@ -180,6 +181,10 @@ def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
         for a, n in shape.sizes.items():
             if n > 1:
                 out.setdefault(a, "expert parallel")
+    if shape.sizes.get(STAGE, 1) > 1:  # a stage holds n_layers / S layers and runs M microbatches; the
+        for a, n in shape.sizes.items():  # formulas count neither (data's one psum ends the schedule)
+            if n > 1 and a != DATA:
+                out.setdefault(a, "pipeline parallel")
     return out
 
 

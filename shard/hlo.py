@@ -159,8 +159,33 @@ def _called(attrs: str, key: str) -> list[str]:
     return [m.group(1)] if m else []
 
 
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _collective_weights(comps: list[Computation]) -> dict[str, float]:
+    """Bytes of collective output per call of each computation, callees included (a while body times
+    its trip count, a conditional as its heaviest branch): what picks the branch a conditional counts."""
+    weight: dict[str, float] = {}
+    for comp in comps:  # callees are printed before their callers
+        w = 0.0
+        for ins in comp.instrs.values():
+            if _base_kind(ins.opcode) is not None:
+                w += sum(array_bytes(ins.shape))
+            if ins.opcode == "while":
+                trip = _TRIP.search(ins.attrs)
+                w += sum(weight.get(b, 0.0) for b in _called(ins.attrs, "body")) * (int(trip.group(1)) if trip else 1)
+            w += sum(weight.get(c, 0.0) for c in _called(ins.attrs, "calls"))
+            w += max((weight.get(c, 0.0) for key in _BRANCHES for c in _called(ins.attrs, key)), default=0.0)
+        weight[comp.name] = w
+    return weight
+
+
 def multiplicities(comps: list[Computation], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    """How many times each computation runs per call of the entry (while bodies x trip count). A
+    conditional runs one branch per call, which the HLO does not tell: it counts as its branch that
+    moves the most, the others not at all, so collectives in branches are an upper bound (the 1F1B
+    schedule's switch: idle, forward or backward by tick)."""
+    weight = _collective_weights(comps)
     mult: dict[str, int] = defaultdict(int)
     mult[entry] = 1
     for comp in reversed(comps):  # callers are printed after their callees
@@ -175,9 +200,11 @@ def multiplicities(comps: list[Computation], entry: str) -> dict[str, int]:
                 for body in _called(ins.attrs, "body"):
                     mult[body] += m * (int(trip.group(1)) if trip else 1)
                 continue
-            for key in ("calls", "branch_computations", "true_computation", "false_computation"):
-                for callee in _called(ins.attrs, key):
-                    mult[callee] += m
+            for callee in _called(ins.attrs, "calls"):
+                mult[callee] += m
+            branches = [c for key in _BRANCHES for c in _called(ins.attrs, key)]
+            if branches:
+                mult[max(branches, key=lambda c: weight.get(c, 0.0))] += m
     return dict(mult)
 
 

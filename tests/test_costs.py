@@ -162,6 +162,9 @@ def test_axes_without_formulas_claim_no_minimum():
 
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, fsdp=2, model=2)) == {}
     assert costs.unmodelled_axes(costs.LayoutShape.of(stage=2, data=4)) == {"stage": "pipeline parallel"}
+    # a stage holds half the layers: tensor parallel's minimum for all of them read efficiency 1.575
+    assert costs.unmodelled_axes(costs.LayoutShape.of(stage=2, data=2, model=2)) == {
+        "stage": "pipeline parallel", "model": "pipeline parallel"}
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, context=4)) == {"context": "context parallel"}
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4)) == {"expert": "expert parallel",
                                                                              "data": "expert parallel"}

@@ -211,3 +211,18 @@ def test_real_programs(kind, fn, axis):
     expected = {"all-reduce": 2 * (n - 1) / n * 256, "all-gather": (n - 1) / n * 256 * n,
                 "all-to-all": (n - 1) / n * 256, "collective-permute": 256}[kind]
     assert items[0].wire_bytes == pytest.approx(expected)
+
+
+def test_a_conditional_in_a_loop_counts_one_branch_per_call_the_heaviest():
+    """Each branch of a `lax.switch` counted as running on every call: 9 iterations over (identity,
+    psum, psum of 2x) read 18 all-reduces, 6 running. Now the heaviest branch counts, once a call."""
+    mesh = fake_mesh("2x4")
+
+    def body(i, x):
+        return lax.switch(i % 3, [lambda x: x, lambda x: lax.psum(x, "model"), lambda x: lax.psum(x * 2, "model")], x)
+
+    f = jax.jit(jax.shard_map(lambda x: lax.fori_loop(0, 9, body, x), mesh=mesh, in_specs=P(), out_specs=P(),
+                              check_vma=False))
+    text = f.lower(jax.ShapeDtypeStruct((256,), jnp.float32)).compile().as_text()
+    items = [c for c in hlo.collectives(text, AXES, SIZES) if c.axes]
+    assert sum(c.count for c in items) == 9 and all(c.axes == ("model",) for c in items), items

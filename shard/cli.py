@@ -591,8 +591,6 @@ def plan(
         if best is None:
             raise typer.Exit(1)
         return
-    if cfg.model.n_experts:
-        err_console.print(f"[yellow]warning:[/yellow] {escape(_MOE_NOT_PLANNED)}", soft_wrap=True)
     console.print(f"{cfg.model.name} ({param_count(cfg.model.num_params())} params) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
     columns = ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits")
@@ -613,6 +611,8 @@ def plan(
     Console(highlight=False, emoji=False, markup=False, width=max(console.width, 150)).print(table)
     fitting = sum(c.fits for c in ranked)
     console.print(f"{fitting} of {len(ranked)} layouts fit · * = the axis crosses nodes")
+    if cfg.model.n_experts:  # with the table, before the best: that best is not weighed against expert parallel
+        console.print(f"warning: {_MOE_NOT_PLANNED}", soft_wrap=True)
     if best:
         console.print(f"best: {best.command(cfg.model.name, global_batch, seq, passed_on)}", soft_wrap=True)  # one line to copy
     else:
@@ -948,8 +948,8 @@ def export_hf(
 
 
 _MOE_NOT_PLANNED = ("mixture-of-experts layers are planned without an expert axis (their FLOPs, capacity and "
-                    "dispatch included; their memory and all-to-all traffic not): check a layout with shard inspect "
-                    "--compiled")
+                    "dispatch included; their memory and all-to-all traffic not), so no layout here is expert "
+                    "parallel: compare the best with one that is (--mesh ep) under shard inspect --compiled")
 
 
 def main() -> None:

@@ -470,7 +470,9 @@ def export(
     checkpoint: CheckpointArg = None,
     checkpoint_opt: CheckpointOpt = None,
 ):
-    """Write a checkpoint's params only (for inference or fine-tuning), readable by plain orbax."""
+    """Write a checkpoint's params alone, as a plain orbax checkpoint for code outside shard.
+
+    shard's own generate, eval and --init-from read the training checkpoint itself."""
     from shard.checkpoint import export_params
 
     target, step = export_params(Path(_checkpoint_given(checkpoint, checkpoint_opt)), out)

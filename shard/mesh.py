@@ -132,7 +132,7 @@ def parse_mesh(spec: str) -> MeshSpec:
             raise ShardError(f"mesh {spec}: a bare shape has 1 to 3 dimensions; name the axes instead (data=2,...)")
         shape = _check_shape(shape, len(shape), f"mesh {spec}")
         return MeshSpec(AXES_FOR_BARE_SHAPE[len(shape)], shape, default.rules, default.param_rules, spec)
-    if "=" in spec:
+    if "=" in spec and ":" not in spec:  # PRESET:data=2 is a preset given the wrong kind of shape
         axes, shape = [], []
         for part in spec.split(","):
             name, _, size = part.partition("=")
@@ -150,7 +150,8 @@ def parse_mesh(spec: str) -> MeshSpec:
     if not shape_text:
         return preset
     if not _BARE_SHAPE.match(shape_text):
-        raise ShardError(f"mesh {spec}: the part after ':' must be a shape like 4x2")
+        raise ShardError(f"mesh {spec}: the part after ':' must be a shape like 4x2 (the preset names its axes: "
+                         f"{', '.join(preset.axes)})")
     shape = _check_shape([int(s) for s in shape_text.split("x")], len(preset.axes), f"mesh {spec}")
     return MeshSpec(preset.axes, shape, preset.rules, preset.param_rules, spec)
 

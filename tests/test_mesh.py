@@ -52,6 +52,7 @@ def test_build_mesh_names_axes():
     ("data=2,data=4", "named twice"),
     ("1x2x3x4", "1 to 3 dimensions"),
     ("fsdp_tp:8", "has 1 sizes for 2 axes"),
+    ("fsdp_tp:data=2,model=2", r"after ':' must be a shape like 4x2 \(the preset names its axes: fsdp, model\)"),
     ("0x8", "must be positive"),
     ("-1x-1", r"one may be -1 to fill the devices\), got \[-1, -1\]"),
     ("data=-1,model=-1", r"one may be -1 to fill the devices"),

@@ -77,7 +77,7 @@ class LayoutShape:
 
     def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
         """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
-        problems = []
+        params: dict[tuple[str, int, int], list[str]] = {}  # (logical, size, ways) -> the parameters
         for name, shape, axes in cfg.param_shapes():
             table = self.table(True)
             used: set[str] = set()
@@ -85,7 +85,10 @@ class LayoutShape:
                 ways = math.prod(self.sizes[a] for a in table.get(logical, ()) if a not in used)
                 used |= set(table.get(logical, ()))
                 if n % ways:
-                    problems.append(f"{name} dimension {logical}={n} does not split {ways} ways")
+                    params.setdefault((logical, n, ways), []).append(name)
+        problems = [f"{names[0]} dimension {logical}={n} does not split {ways} ways" if len(names) == 1 else
+                    f"dimension {logical}={n} does not split {ways} ways ({len(names)} parameters)"
+                    for (logical, n, ways), names in params.items()]
         b = self.degree(BATCH) * microbatches
         if global_batch % b:
             problems.append(f"global batch {global_batch} does not split over {b} data-parallel devices")

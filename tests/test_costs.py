@@ -2,6 +2,7 @@
 DP x TP, and the planner's memory and bytes per axis within 10% of what XLA compiles."""
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -243,3 +244,11 @@ def test_each_remat_policy_keeps_less_than_the_one_before():
         layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
         temporaries.append(memory_of(compile_step(cfg, layout))["temporaries"])
     assert temporaries == sorted(temporaries, reverse=True) and len(set(temporaries)) == 4, temporaries
+
+
+def test_a_dimension_that_does_not_split_is_one_problem_however_many_parameters_have_it():
+    """`shard plan` listed every parameter with an embed dimension of a layout that can't split it:
+    about twelve lines a row for a 7B model."""
+    problems = costs.LayoutShape.of(fsdp=3).divisibility_problems(PRESETS["tiny"], global_batch=6)
+    assert len(problems) == 1 and re.fullmatch(r"dimension embed=64 does not split 3 ways \(\d+ parameters\)",
+                                               problems[0]), problems

@@ -146,7 +146,8 @@ def _overrides(from_file: dict, sets: list[str] | None, base: dict | None = None
     flat = {flag_keys[k]: v for k, v in flags.items() if v is not None}
     out = config_mod.merge(out, config_mod.nested(flat))
     out = config_mod.merge(out, config_mod.parse_sets(sets or []))
-    _check_model_named_over_file(from_file.get("model"), out.get("model", {}).get("name"))
+    if isinstance(model := out.get("model"), dict):  # not: resolve says what else it is
+        _check_model_named_over_file(from_file.get("model"), model.get("name"))
     return out
 
 

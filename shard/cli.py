@@ -20,7 +20,7 @@ from shard import config as config_mod
 from shard import profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError, first_line, out_of_memory
-from shard.mesh import MeshSpec, devices_needed, parse_mesh
+from shard.mesh import MeshSpec, devices_needed, parse_mesh, split_mesh_file
 from shard.console import console, err_console, human_bytes, param_count, short_bytes
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
                          write_text_atomic, written_whole)
@@ -152,15 +152,15 @@ def _overrides(from_file: dict, sets: list[str] | None, base: dict | None = None
 
 
 def _check_model_named_over_file(file_model, name) -> None:
-    """A config file whose [model] names one model and amends it (a run's config.toml lists every key)
-    would amend the preset --model names instead: another model under that name."""
+    """A config file whose [model] describes one model whole (a run's config.toml lists every key)
+    would amend the preset --model names into that model under the other name. A partial [model] (a
+    recipe's remat or dtype) amends whichever model is named, as documented."""
     if not isinstance(file_model, dict) or file_model.get("name", name) == name:
         return
-    amended = sorted(set(file_model) - {"name"})
-    if amended:
-        raise ShardError(f"--model {name}: the config file describes model {file_model['name']} (its [model] "
-                         f"section sets {', '.join(amended[:4])}{', ...' if len(amended) > 4 else ''}), which would "
-                         f"amend {name}; leave out --model, or the [model] section")
+    if set(file_model) >= set(config_mod.field_names()):
+        raise ShardError(f"--model {name}: the config file describes model {file_model['name']} whole (every "
+                         f"[model] key, as a run's config.toml does), which would give {name} its dimensions; leave "
+                         "out --model, or the file's [model] section")
 
 
 def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None,
@@ -252,10 +252,10 @@ def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
                                                                          path=absolute(cfg.eval.path, "eval.path"))
     init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
-    mesh_file, colon, shape = cfg.mesh.spec.strip().partition(":")  # a mesh TOML file, perhaps with a shape
-    if mesh_file.endswith(".toml") and Path(mesh_file).is_file():
+    mesh_file, shape = split_mesh_file(cfg.mesh.spec) or ("", "")
+    if mesh_file and Path(mesh_file).is_file():
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-            cfg.mesh, spec=str(Path(mesh_file).absolute()) + colon + shape))
+            cfg.mesh, spec=str(Path(mesh_file).absolute()) + (f":{shape}" if shape else "")))
     return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
 
 
@@ -535,16 +535,21 @@ def _print_compiled(doc: dict) -> None:
     table = Table(title=f"collectives per step (batch {doc['batch']}x{doc['seq_len']}, {doc['platform']})")
     for col in ("kind", "mesh axes", "compiled as", "count", "bytes/device", "as compiled"):
         table.add_column(col, justify="right" if col in ("count", "bytes/device", "as compiled") else "left")
+    bounded = {a for r in doc["collectives"] if r["upper_bound"] for a in r["axes"]}  # counted as if every branch ran
     for r in doc["collectives"]:
-        table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], str(r["count"]),
+        table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], f"{'<=' if r['upper_bound'] else ''}{r['count']}",
                       human_bytes(r["bytes_per_device"]), human_bytes(r["compiled_bytes_per_device"]))
     Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
+    if bounded:
+        console.print("<=: in a conditional's branches (the 1F1B schedule's switch), counted as if every branch ran "
+                      "on every call: an upper bound", soft_wrap=True)
+    moved = lambda axis: ("at most " if axis in bounded else "") + human_bytes(doc["bytes_per_axis"].get(axis, 0))  # noqa: E731
     for axis, eff in doc["communication_efficiency"].items():
-        console.print(f"axis {axis}: moved {human_bytes(doc['bytes_per_axis'].get(axis, 0))}, analytic minimum "
-                      f"{human_bytes(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}")
+        console.print(f"axis {axis}: moved {moved(axis)}, analytic minimum "
+                      f"{human_bytes(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}"
+                      + (" (a lower bound)" if axis in bounded else ""))
     for axis, parallelism in doc["unmodelled_axes"].items():
-        console.print(f"axis {axis}: moved {human_bytes(doc['bytes_per_axis'].get(axis, 0))}, no analytic minimum "
-                      f"({parallelism} has no formula yet)")
+        console.print(f"axis {axis}: moved {moved(axis)}, no analytic minimum ({parallelism} has no formula yet)")
     m = doc["memory"]
     console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
                   f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "

@@ -74,6 +74,7 @@ class Collective:
     result_bytes: int  # the buffer the op produces (for a CPU reduce-scatter: the full all-reduce)
     wire_bytes: float  # bytes one device sends per execution, as compiled
     logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective
+    in_branch: bool = False  # in a conditional's branch: `count` is an upper bound (see multiplicities)
 
 
 def array_bytes(shape_text: str) -> list[int]:
@@ -162,31 +163,13 @@ def _called(attrs: str, key: str) -> list[str]:
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
-def _collective_weights(comps: list[Computation]) -> dict[str, float]:
-    """Bytes of collective output per call of each computation, callees included (a while body times
-    its trip count, a conditional as its heaviest branch): what picks the branch a conditional counts."""
-    weight: dict[str, float] = {}
-    for comp in comps:  # callees are printed before their callers
-        w = 0.0
-        for ins in comp.instrs.values():
-            if _base_kind(ins.opcode) is not None:
-                w += sum(array_bytes(ins.shape))
-            if ins.opcode == "while":
-                trip = _TRIP.search(ins.attrs)
-                w += sum(weight.get(b, 0.0) for b in _called(ins.attrs, "body")) * (int(trip.group(1)) if trip else 1)
-            w += sum(weight.get(c, 0.0) for c in _called(ins.attrs, "calls"))
-            w += max((weight.get(c, 0.0) for key in _BRANCHES for c in _called(ins.attrs, key)), default=0.0)
-        weight[comp.name] = w
-    return weight
-
-
-def multiplicities(comps: list[Computation], entry: str) -> dict[str, int]:
-    """How many times each computation runs per call of the entry (while bodies x trip count). A
-    conditional runs one branch per call, which the HLO does not tell: it counts as its branch that
-    moves the most, the others not at all, so collectives in branches are an upper bound (the 1F1B
-    schedule's switch: idle, forward or backward by tick)."""
-    weight = _collective_weights(comps)
+def multiplicities(comps: list[Computation], entry: str) -> tuple[dict[str, int], set[str]]:
+    """How many times each computation runs per call of the entry (while bodies x trip count), and the
+    computations that run in a conditional's branch. The HLO does not say which branch a call takes, so
+    each branch counts as running on every call: what runs in one is an upper bound (the 1F1B
+    schedule's switch runs idle, forward or backward by tick)."""
     mult: dict[str, int] = defaultdict(int)
+    in_branch: set[str] = set()
     mult[entry] = 1
     for comp in reversed(comps):  # callers are printed after their callees
         m = mult.get(comp.name, 0)
@@ -199,13 +182,14 @@ def multiplicities(comps: list[Computation], entry: str) -> dict[str, int]:
                 trip = _TRIP.search(ins.attrs)
                 for body in _called(ins.attrs, "body"):
                     mult[body] += m * (int(trip.group(1)) if trip else 1)
+                    in_branch |= {body} if comp.name in in_branch else set()
                 continue
-            for callee in _called(ins.attrs, "calls"):
-                mult[callee] += m
-            branches = [c for key in _BRANCHES for c in _called(ins.attrs, key)]
-            if branches:
-                mult[max(branches, key=lambda c: weight.get(c, 0.0))] += m
-    return dict(mult)
+            for key in ("calls", *_BRANCHES):
+                for callee in _called(ins.attrs, key):
+                    mult[callee] += m
+                    if key in _BRANCHES or comp.name in in_branch:
+                        in_branch.add(callee)
+    return dict(mult), in_branch
 
 
 # --- replica groups -------------------------------------------------------------------------------------
@@ -378,7 +362,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
     """Every collective of an optimized HLO module, with its mesh axes, count and bytes per device."""
     comps, entry = parse_module(text)
     by_name = {c.name: c for c in comps}
-    mult = multiplicities(comps, entry)
+    mult, in_branch = multiplicities(comps, entry)
     n_devices = math.prod(axis_sizes)
     out: list[Collective] = []
     for comp in comps:
@@ -406,11 +390,12 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                 for logical, compiled_as, m, part in _split_reduce_scatter(comp, ins, n, by_name, summed, axes):
                     total = sum(part)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
-                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, n, m)))
+                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, n, m),
+                                          comp.name in in_branch))
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
-            out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w))
+            out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))
     return out
 
 
@@ -471,8 +456,10 @@ def summarize(items: list[Collective]) -> list[dict]:
             continue
         key = (c.kind, c.axes, c.compiled_as)
         row = table.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "compiled_as": c.compiled_as,
-                                     "count": 0, "bytes_per_device": 0.0, "compiled_bytes_per_device": 0.0})
+                                     "count": 0, "bytes_per_device": 0.0, "compiled_bytes_per_device": 0.0,
+                                     "upper_bound": False})
         row["count"] += c.count
+        row["upper_bound"] |= c.in_branch
         row["bytes_per_device"] += c.logical_wire_bytes * c.count
         row["compiled_bytes_per_device"] += c.wire_bytes * c.count
     rows = sorted(table.values(), key=lambda r: (-r["bytes_per_device"], r["kind"]))

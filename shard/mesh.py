@@ -120,6 +120,16 @@ def load_preset(name_or_path: str) -> MeshSpec:
     return MeshSpec(axes, shape, rules, param_rules, source=label)
 
 
+def split_mesh_file(spec: str) -> tuple[str, str] | None:
+    """`path/to/mesh.toml` -> (the path, ""), `path/to/mesh.toml:4x2` -> (the path, "4x2"); None for a
+    spec of another form. Read first: a path may hold '=' or ':' (a folder `lr=3e-4`)."""
+    spec = spec.strip()
+    if spec.endswith(".toml"):
+        return spec, ""
+    path, colon, shape = spec.rpartition(":")
+    return (path, shape) if colon and path.endswith(".toml") else None
+
+
 def parse_mesh(spec: str) -> MeshSpec:
     """`8x4` | `data=2,fsdp=2,model=2` | `PRESET` | `PRESET:4x2` | `path/to/mesh.toml`."""
     spec = spec.strip()
@@ -132,7 +142,7 @@ def parse_mesh(spec: str) -> MeshSpec:
             raise ShardError(f"mesh {spec}: a bare shape has 1 to 3 dimensions; name the axes instead (data=2,...)")
         shape = _check_shape(shape, len(shape), f"mesh {spec}")
         return MeshSpec(AXES_FOR_BARE_SHAPE[len(shape)], shape, default.rules, default.param_rules, spec)
-    if "=" in spec and ":" not in spec:  # PRESET:data=2 is a preset given the wrong kind of shape
+    if "=" in spec and ":" not in spec and not split_mesh_file(spec):  # PRESET:data=2: a preset, a wrong shape
         axes, shape = [], []
         for part in spec.split(","):
             name, _, size = part.partition("=")
@@ -145,7 +155,7 @@ def parse_mesh(spec: str) -> MeshSpec:
         _check_axes(tuple(axes), f"mesh {spec}")
         shape = _check_shape(shape, len(axes), f"mesh {spec}")
         return MeshSpec(tuple(axes), shape, default.rules, default.param_rules, spec)
-    name, _, shape_text = spec.partition(":")
+    name, shape_text = split_mesh_file(spec) or spec.partition(":")[::2]
     preset = load_preset(name)
     if not shape_text:
         return preset

@@ -67,8 +67,8 @@ def ranking_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -
     elif not was:
         fate = "the checkpoints saved so far recorded no ranking, and unranked checkpoints are all kept"
     elif metric != was:
-        fate = (f"the checkpoints saved so far recorded no {metric}: they rank last, kept only while among "
-                f"the newest {keep}")
+        fate = (f"the checkpoints saved so far recorded no {metric}: they rank last, so once "
+                f"{cfg.checkpoint.keep_best} save(s) are ranked by it they are kept only while among the newest {keep}")
     else:
         fate = (f"the checkpoints saved so far are ranked again: the {'lowest' if cfg.checkpoint.best_mode == 'min' else 'highest'} "
                 f"{metric} is the best")

@@ -397,17 +397,21 @@ def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder(
 def test_a_model_flag_over_a_config_file_that_amends_another_model_is_refused():
     """`--config RUN/config.toml --model small` trained a model labelled small with the file's tiny
     dimensions (its [model] lists every key, and they amended small)."""
+    import dataclasses
+
     from shard.cli import _overrides
     from shard.errors import ShardError
 
-    run_config = {"model": {"name": "tiny", "d_model": 64, "n_layers": 2}}
-    with pytest.raises(ShardError, match="describes model tiny .*d_model, n_layers.*leave out --model"):
+    run_config = {"model": dataclasses.asdict(config.resolve({"model": {"name": "tiny"}}).model)}
+    with pytest.raises(ShardError, match="describes model tiny whole .*leave out --model"):
         _overrides(run_config, None, model="small")
-    with pytest.raises(ShardError, match="describes model tiny"):
+    with pytest.raises(ShardError, match="describes model tiny whole"):
         _overrides(run_config, ["model.name=small"])
     assert _overrides(run_config, None, model="tiny")["model"]["d_model"] == 64
     assert _overrides({"model": {"name": "tiny"}}, None, model="small") == {"model": {"name": "small"}}
-    assert _overrides({"model": {"d_model": 64}}, None, model="small")["model"] == {"d_model": 64, "name": "small"}
+    # a recipe's partial [model] amends the model named
+    recipe = _overrides({"model": {"name": "tiny", "remat": "full"}}, None, model="small")["model"]
+    assert recipe == {"name": "small", "remat": "full"}
 
 
 def test_a_mesh_file_that_is_not_a_regular_file_is_refused(tmp_path):

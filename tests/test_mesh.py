@@ -100,3 +100,19 @@ def test_a_mesh_file_without_a_shape_fills_its_first_axis(tmp_path):
     f = tmp_path / "m.toml"
     f.write_text('axes = ["data", "model"]\n')
     assert resolve_shape(load_preset(str(f)), 8) == (8, 1)
+
+
+def test_a_mesh_file_is_read_as_a_file_whatever_its_folder_is_called(tmp_path):
+    """Saved absolute, a mesh file's path may hold '=' or ':' (a folder `lr=3e-4`): it was read as
+    axes (`size of axis '/tmp/lr' must be an integer`) or as a preset and a shape."""
+    from shard.mesh import split_mesh_file
+    from shard.run_dir import mesh_label
+
+    folder = tmp_path / "lr=3e-4" / "t10:00"
+    folder.mkdir(parents=True)
+    (folder / "m.toml").write_text('axes = ["data", "model"]\n')
+    assert parse_mesh(str(folder / "m.toml")).axes == ("data", "model")
+    assert parse_mesh(f"{folder / 'm.toml'}:4x2").shape == (4, 2)
+    assert split_mesh_file(f"{folder / 'm.toml'}:4x2") == (str(folder / "m.toml"), "4x2")
+    assert split_mesh_file("fsdp_tp:4x2") is None and split_mesh_file("data=2,model=4") is None
+    assert mesh_label(f"{folder / 'm.toml'}:4x2") == "m_4x2"

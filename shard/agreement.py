@@ -19,7 +19,7 @@ from pathlib import Path
 from shard import config as config_mod
 from shard import distributed
 from shard.errors import ShardError
-from shard.mesh import split_mesh_file
+from shard.mesh import rename_mesh_file
 
 _FILES = "<files>"
 
@@ -33,8 +33,7 @@ def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     def kind(path: str) -> str:
         return path if path in (EMBEDDED, SYNTHETIC) else _FILES
 
-    mesh_file, shape = split_mesh_file(cfg.mesh.spec) or ("", "")  # absolute, like the data paths
-    mesh = Path(mesh_file).name + (f":{shape}" if shape else "") if mesh_file else cfg.mesh.spec
+    mesh = rename_mesh_file(cfg.mesh.spec, lambda path: path.name)  # absolute, like the data paths
     return dataclasses.replace(cfg, run_dir="", data=dataclasses.replace(cfg.data, path=kind(cfg.data.path)),
                                eval=dataclasses.replace(cfg.eval, path=kind(cfg.eval.path)),
                                mesh=dataclasses.replace(cfg.mesh, spec=mesh))

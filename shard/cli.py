@@ -20,7 +20,7 @@ from shard import config as config_mod
 from shard import profiling
 from shard.compile_cache import use_compile_cache
 from shard.errors import ShardError, first_line, out_of_memory
-from shard.mesh import MeshSpec, devices_needed, parse_mesh, split_mesh_file
+from shard.mesh import MeshSpec, devices_needed, parse_mesh, rename_mesh_file, split_mesh_file
 from shard.console import console, err_console, human_bytes, param_count, short_bytes
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
                          write_text_atomic, written_whole)
@@ -252,10 +252,10 @@ def _absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
                                                                          path=absolute(cfg.eval.path, "eval.path"))
     init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
-    mesh_file, shape = split_mesh_file(cfg.mesh.spec) or ("", "")
+    mesh_file, _ = split_mesh_file(cfg.mesh.spec) or ("", "")
     if mesh_file and Path(mesh_file).is_file():
-        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-            cfg.mesh, spec=str(Path(mesh_file).absolute()) + (f":{shape}" if shape else "")))
+        spec = rename_mesh_file(cfg.mesh.spec, lambda path: str(path.absolute()))
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec=spec))
     return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
 
 

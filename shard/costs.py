@@ -78,8 +78,8 @@ class LayoutShape:
     def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
         """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
         params: dict[tuple[str, int, int], list[str]] = {}  # (logical, size, ways) -> the parameters
+        table = self.table(True)
         for name, shape, axes in cfg.param_shapes():
-            table = self.table(True)
             used: set[str] = set()
             for n, logical in zip(shape, axes):
                 ways = math.prod(self.sizes[a] for a in table.get(logical, ()) if a not in used)

@@ -182,7 +182,8 @@ def multiplicities(comps: list[Computation], entry: str) -> tuple[dict[str, int]
                 trip = _TRIP.search(ins.attrs)
                 for body in _called(ins.attrs, "body"):
                     mult[body] += m * (int(trip.group(1)) if trip else 1)
-                    in_branch |= {body} if comp.name in in_branch else set()
+                    if comp.name in in_branch:
+                        in_branch.add(body)
                 continue
             for key in ("calls", *_BRANCHES):
                 for callee in _called(ins.attrs, key):

@@ -5,7 +5,7 @@ Parsing is pure Python (the CLI needs the device count before JAX starts); only 
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -130,6 +130,16 @@ def split_mesh_file(spec: str) -> tuple[str, str] | None:
     return (path, shape) if colon and path.endswith(".toml") else None
 
 
+def rename_mesh_file(spec: str, rename: Callable[[Path], str]) -> str:
+    """The spec with its mesh file's path given by `rename` and its `:shape` kept; a spec of another
+    form as it is."""
+    found = split_mesh_file(spec)
+    if not found:
+        return spec
+    path, shape = found
+    return rename(Path(path)) + (f":{shape}" if shape else "")
+
+
 def parse_mesh(spec: str) -> MeshSpec:
     """`8x4` | `data=2,fsdp=2,model=2` | `PRESET` | `PRESET:4x2` | `path/to/mesh.toml`."""
     spec = spec.strip()
@@ -142,7 +152,8 @@ def parse_mesh(spec: str) -> MeshSpec:
             raise ShardError(f"mesh {spec}: a bare shape has 1 to 3 dimensions; name the axes instead (data=2,...)")
         shape = _check_shape(shape, len(shape), f"mesh {spec}")
         return MeshSpec(AXES_FOR_BARE_SHAPE[len(shape)], shape, default.rules, default.param_rules, spec)
-    if "=" in spec and ":" not in spec and not split_mesh_file(spec):  # PRESET:data=2: a preset, a wrong shape
+    mesh_file = split_mesh_file(spec)
+    if "=" in spec and ":" not in spec and not mesh_file:  # PRESET:data=2: a preset, a wrong shape
         axes, shape = [], []
         for part in spec.split(","):
             name, _, size = part.partition("=")
@@ -155,7 +166,7 @@ def parse_mesh(spec: str) -> MeshSpec:
         _check_axes(tuple(axes), f"mesh {spec}")
         shape = _check_shape(shape, len(axes), f"mesh {spec}")
         return MeshSpec(tuple(axes), shape, default.rules, default.param_rules, spec)
-    name, shape_text = split_mesh_file(spec) or spec.partition(":")[::2]
+    name, shape_text = mesh_file or spec.partition(":")[::2]
     preset = load_preset(name)
     if not shape_text:
         return preset

@@ -5,7 +5,7 @@ import tomllib
 from pathlib import Path
 
 from shard.errors import ShardError
-from shard.mesh import split_mesh_file
+from shard.mesh import rename_mesh_file
 from shard.metrics import read_records
 
 RECORD_FIELDS = {"step", "loss", "time_s", "tokens_per_s"}  # what the table and plots read
@@ -27,9 +27,8 @@ def load_run(run_dir: str) -> dict:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         cfg = {}  # the layout is then shown as "?"
     model = cfg.get("model", {}).get("name", "?")
-    mesh = str(cfg.get("mesh", {}).get("spec", "?"))
-    if found := split_mesh_file(mesh):  # saved absolute: the file's name says enough
-        mesh = Path(found[0]).name + (f":{found[1]}" if found[1] else "")
+    # a mesh file is saved absolute: its name says enough
+    mesh = rename_mesh_file(str(cfg.get("mesh", {}).get("spec", "?")), lambda path: path.name)
     trained, latest_start = as_trained(complete)
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
             "records": trained, "latest_start": latest_start, "skipped_lines": skipped}

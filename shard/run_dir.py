@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shard import config as config_mod
 from shard.errors import ShardError
-from shard.mesh import MeshSpec, split_mesh_file
+from shard.mesh import MeshSpec, rename_mesh_file
 from shard.paths import CHECKPOINTS_DIR, RunDirLock
 
 
@@ -110,8 +110,7 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
 
 def mesh_label(source: str) -> str:
     """A mesh as given, made one folder name: `data=2,fsdp=4` -> `data2_fsdp4`; a TOML file by its stem."""
-    if found := split_mesh_file(source):  # a TOML file by its stem (and shape)
-        source = Path(found[0]).stem + (f"_{found[1]}" if found[1] else "")
+    source = rename_mesh_file(source, lambda path: path.stem)  # a TOML file by its stem (and shape)
     return re.sub(r"[^\w.-]+", "_", source.replace("=", "")).strip("_.") or "mesh"
 
 

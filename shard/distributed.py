@@ -34,7 +34,7 @@ EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one w
 _ERROR_PREFIX = "shard/error/"
 _ERROR_KEY = _ERROR_PREFIX + "{rank}"  # coordination-service key: "CODE why" process `rank` stopped
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
-_JOIN_GRACE = 10.0  # seconds past the join timeout before a join that has not completed is given up
+_JOIN_GRACE = 10.0  # seconds past the join timeout before the runtime's own deadline (a native abort)
 _JOIN_NOTICE_AFTER = 10.0  # seconds of waiting to join before process 0 says it waits
 
 @dataclass
@@ -115,8 +115,9 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
 
 def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> None:
     """`jax.distributed.initialize`, waited for at most the join timeout. The runtime's own deadline
-    ends in a native abort (a C++ check failure, exit 134), so the join runs in a thread with a later
-    deadline, and this one gives up first, with a ShardError; Ctrl-C also ends the wait."""
+    ends in a native abort (a C++ check failure, exit 134), so the join runs in a thread and the
+    runtime's deadline comes later (`_JOIN_GRACE`): this one gives up first, with a ShardError; Ctrl-C
+    also ends the wait."""
     global _join_stuck
     import jax
 
@@ -139,11 +140,12 @@ def _join(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> 
     joining.start()
     where = f"the {cluster.launcher} cluster as process {cluster.process_id} of {cluster.num_processes}"
     try:
-        joining.join(min(_JOIN_NOTICE_AFTER, join_timeout + _JOIN_GRACE))
-        if joining.is_alive() and cluster.process_id == 0:  # the others print their own wait for process 0
+        joining.join(min(_JOIN_NOTICE_AFTER, join_timeout))
+        # the others print their own wait for process 0
+        if joining.is_alive() and cluster.process_id == 0 and join_timeout > _JOIN_NOTICE_AFTER:
             sys.stderr.write(f"waiting for the other {cluster.num_processes - 1} process(es) to join, up to "
                              f"{join_timeout:.0f}s (cluster.join_timeout)\n")
-        joining.join(max(0.0, join_timeout + _JOIN_GRACE - _JOIN_NOTICE_AFTER))
+        joining.join(max(0.0, join_timeout - _JOIN_NOTICE_AFTER))
     except KeyboardInterrupt:
         _join_stuck = True
         raise ShardError(f"interrupted while joining {where}") from None
@@ -423,12 +425,13 @@ def leave_on_error(message: str, code: int) -> None:
 
 def _stop_helper_service() -> None:
     """Process 0 after a join it gave up: stop its coordination service's helper, which would otherwise
-    serve on (and hold the port) for twice the failure timeout."""
+    serve on (and hold the port) for twice the failure timeout. At once: the join never completed, so
+    no process has a reply to wait for (a graceful stop waited seconds on this process's own client)."""
     from jax._src import distributed as jax_distributed
 
     service = getattr(jax_distributed.global_state, "service", None)
     if isinstance(service, ServiceHandle):
-        service.shutdown()
+        service.stop_now()
 
 
 def _bounded(fn, seconds: float = 5.0) -> None:

@@ -2,7 +2,7 @@
 process), and the tiny model on 1 vs 8 simulated devices. Each case runs in a fresh process so device
 counts and caches start clean. Everything is compiled from shapes (AOT): nothing is allocated.
 
-    python benchmarks/compile_time.py [--big llama-1b] [--seq 2048] [--batch 8]
+    python benchmarks/compile_time.py [--big llama-1b] [--seq 2048] [--batch 8] [--meshes dp,fsdp_tp:4x2]
 """
 
 import argparse
@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--big", default="llama-1b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--meshes", default="dp,fsdp_tp:4x2",
+                    help="the tiny model's meshes on 8 devices: presets or shapes such as 2x4, comma-separated "
+                         "(on 1 device: dp)")
     args = ap.parse_args()
     measured = 0
     with tempfile.TemporaryDirectory() as cache:
@@ -78,7 +81,7 @@ def main():
                 measured += 1
                 print(f"{args.big} from the persistent cache: step {hit['step_compile_s']:.1f}s, "
                       f"init {hit['init_compile_s']:.1f}s", flush=True)
-    for devices, mesh in ((1, "dp"), (8, "dp"), (8, "fsdp_tp:4x2")):
+    for devices, mesh in [(1, "dp")] + [(8, mesh) for mesh in args.meshes.split(",")]:
         r = run_case("tiny", mesh, devices, 32, 8, None, platform="cpu")
         if "error" not in r:
             measured += 1

@@ -322,7 +322,7 @@ def test_a_lost_process_stops_the_other(tmp_path, lost):
     """Either process may die: process 0 hosts the coordination service, which outlives it in a helper
     process (shard.coordinator), so its loss reads like any other."""
     long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
-                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "10"]
+                "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "5"]
     procs = explicit(2, long_run, tmp_path, free_ports()[0])
     try:
         metrics = tmp_path / "r" / "metrics.jsonl"
@@ -333,7 +333,7 @@ def test_a_lost_process_stops_the_other(tmp_path, lost):
         survivor = procs[1 - lost]
         assert survivor.poll() is None and procs[lost].poll() is None, procs[0].communicate()[1][-3000:]
         procs[lost].send_signal(signal.SIGKILL)
-        _, err = survivor.communicate(timeout=60)  # the failure timeout (10 s) plus margin, never a hang
+        _, err = survivor.communicate(timeout=60)  # the failure timeout (5 s) plus margin, never a hang
     finally:
         for p in procs:
             if p.poll() is None:

@@ -136,18 +136,25 @@ def path_str(path) -> str:
 def logical_axes_of(abstract_state, regex_rules=()) -> dict:
     """Logical axes for every parameter: from its annotation, else the first matching regex rule.
 
-    A parameter neither annotated nor matched is an error, never silently replicated.
+    A parameter neither annotated nor matched is an error, never silently replicated; so is a regex
+    rule that decides no parameter (a typo, or a pattern for parameters whose annotations win).
     """
     from flax import nnx
 
     flat = {}
     missing = []
+    annotated, decided = [], set()  # names with axes of their own; the regex rules that gave some
     for path, var in nnx.to_flat_state(abstract_state):
         name = path_str(path)
         meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
         axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-        if axes is None:
-            axes = next((tuple(ax) for rx, ax in regex_rules if re.fullmatch(rx, name)), None)
+        if axes is not None:
+            annotated.append(name)
+        else:
+            rule = next((i for i, (rx, _) in enumerate(regex_rules) if re.fullmatch(rx, name)), None)
+            if rule is not None:
+                decided.add(rule)
+                axes = tuple(regex_rules[rule][1])
         if axes is None:
             missing.append(name)
             continue
@@ -161,7 +168,26 @@ def logical_axes_of(abstract_state, regex_rules=()) -> dict:
             + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             + "; annotate them or add a param_regex rule"
         )
+    for i, (rx, _) in enumerate(regex_rules):
+        if i not in decided:
+            raise ShardError(_undeciding_rule(rx, annotated, [path_str(p) for p in flat]))
     return _unflatten(flat)
+
+
+def _undeciding_rule(pattern: str, annotated: list[str], names: list[str]) -> str:
+    """Why a param_regex rule decides no parameter, for its error."""
+    matched = [n for n in names if re.fullmatch(pattern, n)]
+    if not matched:
+        example = next((n for n in names if "/" in n), names[0])
+        return (f"param_regex {pattern!r} matches no parameter (a full match of paths such as {example}; "
+                "`shard inspect` lists them)")
+    own = [n for n in matched if n in annotated]
+    if own:
+        whose = f"{own[0]} and {len(own) - 1} more carry logical axes of their own" if len(own) > 1 else \
+            f"{own[0]} carries logical axes of its own"
+        return (f"param_regex {pattern!r} decides no parameter: {whose}, which win over it; "
+                "param_rules.AXIS=MESH_AXES changes how an axis is sharded")
+    return f"param_regex {pattern!r} decides no parameter: an earlier pattern matches {matched[0]} first"
 
 
 def _unflatten(flat: dict) -> dict:

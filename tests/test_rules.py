@@ -1,6 +1,7 @@
 """Rules place every parameter where they say; inspect's bytes are the real shards' bytes."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -101,6 +102,28 @@ def test_unannotated_parameter_without_a_rule_is_an_error():
     state = nnx.state(nnx.eval_shape(lambda: Unannotated(nnx.Rngs(0))))
     with pytest.raises(ShardError, match="without logical axes.*out/kernel"):
         logical_axes_of(state, (("proj/kernel", ("embed", "mlp")), ("proj/bias", ("mlp",))))
+
+
+@pytest.mark.parametrize("pattern, why", [
+    ("proj/kernal", r"matches no parameter \(a full match of paths such as \w+/\w+; `shard inspect` lists them\)"),
+    ("proj/.*", r"decides no parameter: an earlier pattern matches proj/\w+ first"),
+])
+def test_a_regex_rule_that_decides_no_parameter_is_an_error(pattern, why):
+    """A typo in a pattern (or one an earlier pattern shadows) changed nothing, silently."""
+    state = nnx.state(nnx.eval_shape(lambda: Unannotated(nnx.Rngs(0))))
+    regex = (("proj/kernel", ("embed", "mlp")), ("proj/bias", ("mlp",)), ("out/.*", ("mlp", "embed")),
+             (pattern, ("embed", "mlp")))
+    with pytest.raises(ShardError, match=rf"param_regex '{re.escape(pattern)}' {why}"):
+        logical_axes_of(state, regex)
+
+
+def test_a_regex_rule_for_annotated_parameters_is_an_error_naming_param_rules():
+    cfg = tiny_config("2x4")
+    layout = make_layout(cfg, parse_mesh("2x4"), devices_for("2x4"))
+    layout = dataclasses.replace(layout, regex_rules=(("layers/w.", ("layers", "mlp", "embed")),))
+    with pytest.raises(ShardError, match=r"param_regex 'layers/w.' decides no parameter: layers/w\w and \d+ more "
+                                         r"carry logical axes of their own, which win over it; param_rules"):
+        state_spec(cfg.model, cfg.optimizer, 3, layout)
 
 
 def test_non_dividing_dimension_names_parameter_axis_and_sizes():

@@ -58,16 +58,16 @@ class StepAnalysis:
         }
 
 
-def compile_step(cfg: TrainConfig, layout: Layout, spec=None):
+def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):
     """The AOT-compiled train step for this config and layout (and state `spec`, built here when not
-    given), from abstract shapes only."""
+    given), from abstract shapes only; `compiler_options` override XLA_FLAGS for this compile."""
     from shard.state import state_spec
     from shard.step import abstract_batch, make_train_step
 
     spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     return jitted.lower(spec.abstract_with_shardings(),
-                        abstract_batch(layout, cfg.data.batch, cfg.data.seq_len)).compile()
+                        abstract_batch(layout, cfg.data.batch, cfg.data.seq_len)).compile(compiler_options)
 
 
 def memory_of(compiled) -> dict[str, int]:

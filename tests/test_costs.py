@@ -10,11 +10,11 @@ from flax import nnx
 from shard.models.configs import PRESETS
 
 from shard import costs, models
-from shard.analysis import StepAnalysis, analyze
+from shard.analysis import StepAnalysis, analyze, compile_step
 from shard.loop import make_layout
 from shard.mesh import parse_mesh
 from shard.rules import logical_axes_of, path_str
-from shard.testing import devices_for, tiny_config
+from shard.testing import AS_USERS_COMPILE, devices_for, tiny_config
 
 # name -> (model, mesh, --set style overrides); batch 16 x 32 unless overridden.
 CASES = {
@@ -67,7 +67,7 @@ def analysed():
             model, mesh, sets = CASES[name]
             cfg = tiny_config(mesh, model__name=model, **{"data__batch": 16, **sets})
             layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
-            cache[name] = (cfg, layout, analyze(cfg, layout))
+            cache[name] = (cfg, layout, analyze(cfg, layout, compile_step(cfg, layout, compiler_options=AS_USERS_COMPILE)))
         return cache[name]
 
     return get

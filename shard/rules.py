@@ -143,13 +143,13 @@ def logical_axes_of(abstract_state, regex_rules=()) -> dict:
 
     flat = {}
     missing = []
-    annotated, decided = [], set()  # names with axes of their own; the regex rules that gave some
+    annotated, decided = set(), set()  # names with axes of their own; the regex rules that gave some
     for path, var in nnx.to_flat_state(abstract_state):
         name = path_str(path)
         meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
         axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
         if axes is not None:
-            annotated.append(name)
+            annotated.add(name)
         else:
             rule = next((i for i, (rx, _) in enumerate(regex_rules) if re.fullmatch(rx, name)), None)
             if rule is not None:
@@ -174,7 +174,7 @@ def logical_axes_of(abstract_state, regex_rules=()) -> dict:
     return _unflatten(flat)
 
 
-def _undeciding_rule(pattern: str, annotated: list[str], names: list[str]) -> str:
+def _undeciding_rule(pattern: str, annotated: set[str], names: list[str]) -> str:
     """Why a param_regex rule decides no parameter, for its error."""
     matched = [n for n in names if re.fullmatch(pattern, n)]
     if not matched:

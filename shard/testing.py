@@ -8,8 +8,9 @@ from shard import config as config_mod
 from shard.config import TrainConfig
 from shard.devices import HOST_COUNT_FLAG
 
-# Compiling dominates the test suite on CPU: LLVM at -O0 halves it, and XLA:CPU's older loop emitters
-# instead of its MLIR fusion emitters take a third again (the tiny model's step: 2.7-3.0 s -> 0.9-1.1 s).
+# Compiling dominates the test suite on CPU: LLVM at -O0 halves it, and XLA:CPU's older loop emitters in
+# place of its MLIR fusion emitters cut what is left to a third (the tiny model's step at -O0: 2.7-3.0 s
+# -> 0.9-1.1 s).
 # Tests compare runs made under the same flags, so what they check does not depend on them; users' runs
 # keep XLA's defaults.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

@@ -46,8 +46,7 @@ def _ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
     q_pos = i * T + jnp.arange(T)
     perm = [(j, (j + 1) % n) for j in range(n)]
 
-    def tick(step, carry):
-        k_blk, v_blk, m_btkg, l_btkg, o_btkgh = carry
+    def fold(step, k_blk, v_blk, m_btkg, l_btkg, o_btkgh):
         j = (i - step) % n  # which block of keys this device holds now; step 0 is its own (diagonal)
         s_btkgs = jnp.einsum("btkgh,bskh->btkgs", q_btkgh, k_blk.astype(jnp.float32))
         if causal:
@@ -58,8 +57,14 @@ def _ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
         corr = jnp.exp(m_btkg - m_new)
         l_btkg = l_btkg * corr + jnp.sum(p_btkgs, axis=-1)
         o_btkgh = o_btkgh * corr[..., None] + jnp.einsum("btkgs,bskh->btkgh", p_btkgs, v_blk.astype(jnp.float32))
-        k_blk, v_blk = lax.ppermute((k_blk, v_blk), axes, perm)
-        return k_blk, v_blk, m_new, l_btkg, o_btkgh
+        return m_new, l_btkg, o_btkgh
 
-    _, _, _, l_btkg, o_btkgh = lax.fori_loop(0, n, tick, (k_bskh, v_bskh, m_btkg, l_btkg, o_btkgh))
+    def tick(step, carry):  # fold the block held, then pass it on
+        k_blk, v_blk, *acc = carry
+        acc = fold(step, k_blk, v_blk, *acc)
+        return *lax.ppermute((k_blk, v_blk), axes, perm), *acc
+
+    # n - 1 passes: the last block is folded where it arrives (n passes sent 1/n more, forward and back)
+    k_blk, v_blk, *acc = lax.fori_loop(0, n - 1, tick, (k_bskh, v_bskh, m_btkg, l_btkg, o_btkgh))
+    _, l_btkg, o_btkgh = fold(n - 1, k_blk, v_blk, *acc)
     return (o_btkgh / l_btkg[..., None]).reshape(B, T, N, H).astype(q_btnh.dtype)

@@ -420,8 +420,9 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
 
     Elements of the same shape over the same axes that meet in one `add` (a parameter used twice, e.g.
     tied embeddings, has two partial gradients) count once, in one all-reduce or in two of the same
-    computation (`summed` holds the earlier ones): XLA:GPU's AllReduceReassociate turns
-    add(ar(a), ar(b)) into ar(add(a, b)); XLA:CPU reduces both.
+    computation (`summed` holds the earlier ones), also when they are reduced over other axes on the
+    way to the add: XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b)) into ar(add(a, b)); XLA:CPU
+    reduces both.
     """
     groups: dict[tuple, list[int]] = defaultdict(list)
     elements = _element_shapes(ins.shape)
@@ -429,8 +430,13 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
     summed = [] if summed is None else summed  # (shape, axes, adds) of each element so far
     for i, shape in enumerate(elements):
         size, elems = sum(array_bytes(shape)), _elems(shape)
+        shape = re.sub(r"\{[^}]*\}", "", shape)  # a tuple's elements are printed without their layout
         seen: set = set()
         readers = _readers(comp, ins.name, i if is_tuple else None, seen)
+        for r, p in readers:  # reduced again over other axes before use (context, then data): its adds
+            if _base_kind(r.opcode) == "all-reduce":
+                for r2, p2 in _readers(comp, r.name, p if r.shape.startswith("(") else None, seen):
+                    _slice_reads(r2, p2, comps, comp, seen)  # into a fusion: its add
         reads = [_slice_reads(r, p, comps, comp, seen) for r, p in readers]
         adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
         if elems > 1 and any(adds & earlier and (s, a) == (shape, axes) for s, a, earlier in summed):

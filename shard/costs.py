@@ -3,9 +3,9 @@ activation memory, FLOPs. Pure functions of the model's hyperparameters, the mes
 rule tables; docs/formulas.md derives each formula. `shard.analysis` checks them against the compiled
 step, `shard.plan` uses them to rank layouts.
 
-Mesh axes covered: data (DP), fsdp (ZeRO-3) and model (Megatron TP), and their products. Pipeline,
-context, expert and sequence parallelism have no formulas yet: `unmodelled_axes` names the axes whose
-traffic they move, and no minimum is claimed for those.
+Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP) and context (ring attention over one
+mesh axis), and their products. Pipeline, expert and Megatron-sequence parallelism have no formulas
+yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for those.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT_AXIS, FSDP, HEADS, MLP, MODEL, RES_LENGTH, STAGE, VOCAB)
+from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP, MODEL,
+                        RES_LENGTH, STAGE, VOCAB)
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -75,7 +76,12 @@ class LayoutShape:
     def degree(self, logical: str, *, param: bool = False) -> int:
         return math.prod(self.sizes[a] for a in self.table(param).get(logical, ()))
 
-    def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1) -> list[str]:
+    def token_ways(self) -> int:
+        """Devices a step's tokens are split over: the batch ways times the sequence (context) ways."""
+        return self.degree(BATCH) * self.degree(LENGTH)
+
+    def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1,
+                              seq_len: int | None = None) -> list[str]:
         """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
         params: dict[tuple[str, int, int], list[str]] = {}  # (logical, size, ways) -> the parameters
         table = self.table(True)
@@ -92,6 +98,8 @@ class LayoutShape:
         b = self.degree(BATCH) * microbatches
         if global_batch % b:
             problems.append(f"global batch {global_batch} does not split over {b} data-parallel devices")
+        if seq_len is not None and seq_len % (c := self.degree(LENGTH)):
+            problems.append(f"sequence length {seq_len} does not split over {c} context-parallel devices")
         return problems
 
 
@@ -165,21 +173,25 @@ def _lookup_tokens(work: Workload) -> float:
     return work.global_batch * work.seq_len / work.microbatches
 
 
-MODELLED_AXES = (DATA, FSDP, MODEL)
+MODELLED_AXES = (DATA, FSDP, MODEL, CONTEXT)
 _PARALLELISM = {STAGE: "pipeline parallel", CONTEXT: "context parallel", EXPERT_AXIS: "expert parallel"}
 
 
 def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
     """Mesh axes (of size > 1) whose traffic `comm_bytes` leaves out, each with the parallelism that
-    moves it: an axis other than data, fsdp and model; the axes that split the residual stream's length
-    (Megatron-SP turns their all-reduces into reduce-scatters and all-gathers, and gathers again in the
-    backward pass); under expert parallelism every axis, since the token dispatch changes the batch
-    layout; and under pipeline parallelism every axis but data. No minimum, so no efficiency, is
-    claimed for them."""
+    moves it: an axis other than data, fsdp, model and context; the axes that split the residual
+    stream's length but not the sequence (Megatron-SP turns their all-reduces into reduce-scatters and
+    all-gathers, and gathers again in the backward pass); the sequence split over more than one mesh
+    axis (a ring over two axes); under expert parallelism every axis, since the token dispatch changes
+    the batch layout; and under pipeline parallelism every axis but data. No minimum, so no
+    efficiency, is claimed for them."""
     out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
+    length = shape.table(False).get(LENGTH, ())
     for a in shape.table(False).get(RES_LENGTH, ()):
-        if shape.sizes[a] > 1:
+        if shape.sizes[a] > 1 and a not in length:
             out.setdefault(a, "sequence parallel")
+    for a in length if len(length) > 1 else ():
+        out.setdefault(a, "context parallel")
     if shape.sizes.get(EXPERT_AXIS, 1) > 1:
         for a, n in shape.sizes.items():
             if n > 1:
@@ -203,6 +215,9 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
       (attention and MLP outputs), two backward (their input gradients), and the attention output's
       again under full remat; the vocab-parallel embedding lookup and logits add one each, plus three
       (batch, length) float32 reductions for the softmax;
+    - context (the sequence split over one mesh axis of n): the gradients all-reduced as over a batch
+      axis, and ring attention's key and value blocks passed n - 1 times per layer in each forward pass
+      (remat runs it again) and their gradients n - 1 times back;
     - a lookup from the stored table (`stored_lookup_axes`): the ids gathered and the looked-up rows and
       their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
       its gradient reduced over that split.
@@ -214,6 +229,8 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             out[axis] = out.get(axis, 0.0) + b
 
     batch_axes = list(shape.table(False).get(BATCH, ()))
+    length_axes = shape.table(False).get(LENGTH, ())
+    grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
     forward_passes = 1 if work.remat == "none" else 2
     lookup = _stored_lookup(cfg, shape, work)
     for name, dims, axes in cfg.param_shapes():
@@ -235,12 +252,12 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
             add(a, (passes + 1) * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
-        for a in batch_axes:
+        for a in grad_axes:
             if a not in gather and a not in local:
                 add(a, wire_bytes("all-reduce", compute_bytes / (g * math.prod(local.values())), shape.sizes[a]))
     # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
     # between the split and the batch layout; `tokens`: the ids each device looks up in a step
-    kept = math.prod(shape.sizes[b] for b in batch_axes if b not in lookup)
+    kept = math.prod(shape.sizes[b] for b in grad_axes if b not in lookup)
     tokens = work.global_batch * work.seq_len / kept
     for a, n in lookup.items():
         add(a, wire_bytes("all-gather", tokens * 4, n)
@@ -248,7 +265,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     m = shape.degree(HEADS)
     if m > 1:
         model_axis = shape.table(False)[HEADS][0]
-        tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
+        tokens = work.global_batch * work.seq_len / shape.token_ways()
         act = tokens * cfg.d_model * work.act_bytes
         # Full remat recomputes the attention output's all-reduce (the MLP's input needs it), not the
         # MLP output's (that is the layer's output, kept); the dots policies keep both outputs.
@@ -258,6 +275,11 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             n_ar += 2
             add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
         add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
+    if len(length_axes) == 1:
+        n = shape.sizes[length_axes[0]]
+        kv_block = (work.global_batch * work.seq_len / shape.token_ways() * cfg.n_kv_heads / shape.degree(KV_HEADS)
+                    * cfg.head_dim * work.act_bytes)
+        add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
     return out
 
 
@@ -291,8 +313,13 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
     """Training FLOPs for `tokens` tokens as XLA computes them: 6N per token (N: parameters in matmuls)
     plus attention's QK^T and PV, forward and backward, 12 L T N H per token (full T x T), plus a
     mixture of experts' empty slots and token dispatch."""
-    return tokens * (6 * matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-                     + _moe_overhead_flops(cfg, seq_len))
+    return tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len)) + attention_flops(cfg, tokens, seq_len)
+
+
+def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
+    """Training FLOPs of attention's QK^T and PV for `tokens` tokens, forward and backward, over the
+    full T x T (XLA's attention and ring attention compute the masked half too): 12 L T N H per token."""
+    return tokens * 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -315,21 +342,25 @@ ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
 ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
+ACT_PER_RING_TICK = 1.75  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
 
 
 def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     """Bytes of activations one device keeps between forward and backward (all microbatches' worth
     at once only for the one being processed)."""
-    m = shape.degree(HEADS)
-    tokens = work.global_batch * work.seq_len / shape.degree(BATCH) / work.microbatches
+    m, n = shape.degree(HEADS), shape.degree(LENGTH)
+    tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
     D, F = cfg.d_model, cfg.mlp_dim
+    probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
     per_layer = (ACT_PER_D * D + ACT_PER_F * F / shape.degree(MLP)
-                 + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if work.attention_probs else 1) / m) * work.act_bytes
+                 + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if probs else 1) / m) * work.act_bytes
+    # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
+    ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":
-        layers = cfg.n_layers * per_layer
+        layers = cfg.n_layers * (per_layer + ring)
     else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
-        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer
+        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
     logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
     return tokens * (layers + logits)
 
@@ -345,7 +376,8 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     if work.remat == "dots_no_batch":
         return projections
     if work.remat == "dots":
-        return projections + (cfg.n_heads * (work.seq_len + cfg.head_dim) / m if work.attention_probs else 0.0)
+        probs = work.attention_probs or shape.degree(LENGTH) > 1
+        return projections + (cfg.n_heads * (work.seq_len + cfg.head_dim) / m if probs else 0.0)
     return 0.0
 
 
@@ -362,7 +394,7 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
     params = param_bytes(cfg, shape, pb)
     gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in cfg.param_shapes())
     layer = _one_layer(cfg, shape, work.act_bytes)
-    tokens = work.global_batch * work.seq_len / shape.degree(BATCH)
+    tokens = work.global_batch * work.seq_len / shape.token_ways()
     out = {
         "params": params,
         "optimizer": 2 * params,  # AdamW's two moments, sharded like the parameters

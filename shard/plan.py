@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard import costs
-from shard.axes import DATA, FSDP, MODEL
+from shard.axes import CONTEXT, DATA, FSDP, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.mesh import hosts_per_axis
@@ -27,8 +27,8 @@ def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> li
     takes longer than the step's compute (per-device token batch below the break-even), or tensor
     parallelism that leaves too thin a slice of the MLP per device."""
     out = []
-    if any(n > 1 for a, n in sizes.items() if a not in (DATA, FSDP, MODEL)):
-        return out  # the cost model has no formulas for pipeline, context or expert axes yet
+    if costs.unmodelled_axes(costs.LayoutShape.of(**sizes)):  # the default rules, as predict() plans
+        return out  # the cost model has no formulas for pipeline or expert axes, or Megatron-SP, yet
     c = predict(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
     tokens_per_device = cfg.data.batch * cfg.data.seq_len / math.prod(sizes.values())
     for axis, t in sorted(c.comm_s.items()):
@@ -105,14 +105,19 @@ def node_split(sizes: dict[str, int], nodes: int) -> dict[str, int]:
     return dict(zip(sizes, spans))
 
 
-def layouts(devices: int, per_node: int) -> list[dict[str, int]]:
-    """Every data x fsdp x model factorisation of `devices` with tensor parallel inside a node."""
+def layouts(devices: int, per_node: int, seq_len: int | None = None) -> list[dict[str, int]]:
+    """Every data x fsdp x context x model factorisation of `devices` with tensor parallel inside a node
+    and a context axis that splits `seq_len` (none when it is not given), outermost axis first."""
     out = []
     for model in _divisors(devices):
         if per_node % model:
             continue
         for fsdp in _divisors(devices // model):
-            out.append({DATA: devices // model // fsdp, FSDP: fsdp, MODEL: model})
+            for context in _divisors(devices // model // fsdp) if seq_len else (1,):
+                if seq_len and seq_len % context:
+                    continue
+                sizes = {DATA: devices // model // fsdp // context, FSDP: fsdp, CONTEXT: context, MODEL: model}
+                out.append(sizes if seq_len else {a: n for a, n in sizes.items() if a != CONTEXT})
     return out
 
 
@@ -132,7 +137,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
-    problems = shape.divisibility_problems(cfg, global_batch)
+    problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
     memory = costs.memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
         problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
@@ -144,6 +149,9 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len)
+    if sizes.get(CONTEXT, 1) > 1 and platform == "gpu":
+        # ring attention's einsums run in float32 (TF32 on tensor cores: about half the bf16 rate)
+        flops += costs.attention_flops(cfg, tokens, seq_len)
     hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
     compute_s = hw_flops / devices / (hw.bf16_tflops * 1e12)
     hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
@@ -172,7 +180,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
     out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
-           for sizes in layouts(devices, per_node) for remat in remats]
+           for sizes in layouts(devices, per_node, seq_len) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB
     return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),

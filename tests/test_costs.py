@@ -1,5 +1,5 @@
-"""The compiled step against the analytic model: communication efficiency >= 0.9 for DP, FSDP, TP and
-DP x TP, and the planner's memory and bytes per axis within 10% of what XLA compiles."""
+"""The compiled step against the analytic model: communication efficiency >= 0.9 for DP, FSDP, TP, context
+parallel and their products, and the planner's memory and bytes per axis within 10% of what XLA compiles."""
 
 import dataclasses
 import re
@@ -40,6 +40,9 @@ CASES = {
     "small-dp_tp": ("small", "2x4", {}),
     "tiny-tp2": ("tiny", "data=4,model=2", {"data__seq_len": 128}),
     "tiny-sp": ("tiny", "sp", {"data__seq_len": 128}),  # the same mesh, the residual stream split on model
+    "tiny-cp": ("tiny", "cp", {"data__seq_len": 128}),  # data=2, context=4: ring attention
+    "tiny-cp_tp": ("tiny", "data=2,context=2,model=2", {"data__seq_len": 128}),
+    "tiny-cp-remat": ("tiny", "cp", {"data__seq_len": 128, "model__remat": "full"}),  # the ring runs again
     "tiny-pp-1f1b": ("tiny", "pipeline", {"pipeline__schedule": "1f1b"}),  # stage=2, data=4
     "tiny-pp-gpipe": ("tiny", "pipeline", {"pipeline__schedule": "gpipe"}),
     # one layer, so that XLA's count (which counts a scanned loop's body once) is the whole model's
@@ -54,7 +57,8 @@ CASES = {
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
 MOE_CASES = ("moe-dp",)  # the memory model is for dense models (docs/formulas.md)
-EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp")
+EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
+                                                             "cp_tp")
                     and k.count("-") == 1]
 
 
@@ -157,8 +161,9 @@ def test_param_table_matches_the_model(name):
 
 
 def test_axes_without_formulas_claim_no_minimum():
-    """Pipeline, context and expert axes, and the model axis under Megatron-SP, have no formula: no
-    efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the context axis)."""
+    """Pipeline and expert axes, the model axis under Megatron-SP and a sequence split over two axes have
+    no formula: no efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the
+    context axis, before it had one)."""
     from shard.mesh import load_preset
 
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, fsdp=2, model=2)) == {}
@@ -166,16 +171,19 @@ def test_axes_without_formulas_claim_no_minimum():
     # a stage holds half the layers: tensor parallel's minimum for all of them read efficiency 1.575
     assert costs.unmodelled_axes(costs.LayoutShape.of(stage=2, data=2, model=2)) == {
         "stage": "pipeline parallel", "model": "pipeline parallel"}
-    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, context=4)) == {"context": "context parallel"}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, context=4)) == {}
+    two = costs.LayoutShape.of(context=2, model=4)
+    two = costs.LayoutShape(two.sizes, {**two.rules, "length": ("context", "model")}, two.param_rules)
+    assert costs.unmodelled_axes(two) == {"context": "context parallel", "model": "context parallel"}
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4)) == {"expert": "expert parallel",
                                                                              "data": "expert parallel"}
     sp = load_preset("sp")
     assert costs.unmodelled_axes(costs.LayoutShape({"data": 4, "model": 2}, dict(sp.rules), dict(sp.param_rules))) \
         == {"model": "sequence parallel"}
     analysis = StepAnalysis(collectives=[], memory={}, flops=0.0, model_flops=0.0,
-                            bytes_by_axes={"data": 10.0, "context": 99.0}, compiled_bytes_by_axes={},
+                            bytes_by_axes={"data": 10.0, "stage": 99.0}, compiled_bytes_by_axes={},
                             minimum_bytes_by_axes={"data": 10.0}, platform="cpu",
-                            unmodelled_axes={"context": "context parallel"})
+                            unmodelled_axes={"stage": "pipeline parallel"})
     assert analysis.efficiency == {"data": 1.0}
 
 

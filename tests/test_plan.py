@@ -237,8 +237,33 @@ def test_a_layout_fits_in_ninety_percent_of_memory():
         assert c.fits == fits and any("> 90% of" in p for p in c.problems) != fits
 
 
+def test_a_batch_that_does_not_split_over_the_devices_is_planned_context_parallel():
+    """100 sequences don't split 8 ways, and 8 is the fewest data-parallel devices that hold llama-7b on 64
+    H100s with tensor parallel inside a node: splitting each sequence in two (ring attention) does."""
+    r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    best = doc["layouts"][0]
+    assert best["sizes"]["context"] == 2 and best["comm_bytes_per_axis"]["context"] > 0
+    assert doc["best"].startswith("shard train --model llama-7b --mesh fsdp=4,context=2,model=8 --batch 100")
+    # where the batch splits, context parallel is not chosen: its ring attention runs in float32
+    r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "128", "--json")
+    assert json.loads(r.output)["layouts"][0]["sizes"]["context"] == 1
+
+
+def test_context_parallel_layouts_split_the_sequence():
+    assert {d["context"] for d in layouts(8, 8, seq_len=12)} == {1, 2, 4}  # not 8: 12 does not split 8 ways
+    assert all("context" not in d for d in layouts(8, 8))
+    from shard import costs
+    from shard.models.configs import PRESETS
+
+    problems = costs.LayoutShape.of(context=8).divisibility_problems(PRESETS["tiny"], 8, seq_len=12)
+    assert problems == ["sequence length 12 does not split over 8 context-parallel devices"]
+
+
 def test_a_batch_no_layout_can_split_is_named_as_the_reason():
-    """It said "add devices, shorten --seq, or lower --batch" where 100 sequences don't split 8 ways."""
-    r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100")
+    """It said "add devices, shorten --seq, or lower --batch" where 100 sequences don't split 8 ways (and,
+    at 2047 tokens, no sequence splits either)."""
+    r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100", "--seq", "2047")
     assert r.exit_code == 1 and ("no layout fits: --batch 100 splits over the data-parallel devices of none of them "
                                  "(the fewest are 8); use a multiple of 8") in r.output

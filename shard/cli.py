@@ -300,6 +300,9 @@ def train(
 
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (distributed.leave_on_error), even before it joins them.
+    from shard.preemption import remember_interrupts
+
+    _at_command_end.append(remember_interrupts())  # a Ctrl-C that Python drops still stops the run
     cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
     defaults = config_mod.ClusterConfig()  # until the config is read
     distributed.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,

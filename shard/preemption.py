@@ -3,6 +3,11 @@
 A loop observer, so the loop stays free of signals. With several processes the flag is OR-ed over
 them after every step, so all processes stop after the same step even when only one got the signal.
 A second SIGINT restores Python's default handling (KeyboardInterrupt) for a user in a hurry.
+
+Before the loop, a SIGINT raises KeyboardInterrupt at once, as Python's own handler does, and is also
+remembered (`remember_interrupts`): Python drops an exception raised in a garbage-collection callback
+or a `__del__` (JAX runs one at every collection), so a Ctrl-C landing there was lost and the run
+trained on. The loop then stops before its first step.
 """
 
 import signal
@@ -11,6 +16,21 @@ from collections.abc import Callable
 from shard import distributed
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_early = {"interrupted": False}
+
+
+def remember_interrupts() -> Callable[[], None]:
+    """Until the loop takes the signals: SIGINT raises KeyboardInterrupt and is remembered, so that the
+    loop does not start after one was dropped. Returns what puts the previous handler back."""
+    _early["interrupted"] = False
+
+    def handle(signum, frame):
+        _early["interrupted"] = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handle)
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 class StopOnSignal:
@@ -30,6 +50,9 @@ class StopOnSignal:
         self.received = self.received or signal.Signals(signum).name  # the first one stopped the run
 
     def on_start(self, run) -> None:
+        if _early["interrupted"]:  # a Ctrl-C before the loop that Python dropped (see the module's doc)
+            _early["interrupted"] = False
+            raise KeyboardInterrupt
         for s in SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
 

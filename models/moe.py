@@ -77,11 +77,13 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
     dispatch_btec, combine_btec, aux = route(router_probs(h_btd, p["router"]), cfg.experts_per_token, cap)
     # The all-to-all: rows split over (data, expert) become experts split over expert.
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))
+    x_ebcd = constrain(x_ebcd, (None, BATCH, None, EMBED))  # dispatched where the rows are
     x_ebcd = constrain(x_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
     gate_ebcf = jnp.einsum("ebcd,edf->ebcf", x_ebcd, p["w_gate"].astype(dtype))
     up_ebcf = jnp.einsum("ebcd,edf->ebcf", x_ebcd, p["w_up"].astype(dtype))
     hidden_ebcf = constrain(jax.nn.silu(gate_ebcf) * up_ebcf, (EXPERT, EXPERT_BATCH, None, MLP))
     y_ebcd = jnp.einsum("ebcf,efd->ebcd", hidden_ebcf, p["w_down"].astype(dtype))
     y_ebcd = constrain(y_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
+    y_ebcd = constrain(y_ebcd, (None, BATCH, None, EMBED))  # back where the rows are
     out_btd = jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype))  # and back
     return constrain(out_btd, (BATCH, RES_LENGTH, EMBED)), aux

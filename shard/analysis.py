@@ -99,5 +99,5 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
         platform=layout.mesh.devices.flat[0].platform,
-        unmodelled_axes=costs.unmodelled_axes(shape),
+        unmodelled_axes=costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
     )

@@ -3,9 +3,11 @@ activation memory, FLOPs. Pure functions of the model's hyperparameters, the mes
 rule tables; docs/formulas.md derives each formula. `shard.analysis` checks them against the compiled
 step, `shard.plan` uses them to rank layouts.
 
-Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP) and context (ring attention over one
-mesh axis), and their products. Pipeline, expert and Megatron-sequence parallelism have no formulas
-yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for those.
+Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP), context (ring attention over one
+mesh axis) and expert (a mixture of experts' all-to-all), and their products, but for a mixture of
+experts with tensor or context parallelism. Pipeline and Megatron-sequence parallelism have no
+formulas yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for
+those.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP, MODEL,
-                        RES_LENGTH, STAGE, VOCAB)
+from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
+                        MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -173,18 +175,19 @@ def _lookup_tokens(work: Workload) -> float:
     return work.global_batch * work.seq_len / work.microbatches
 
 
-MODELLED_AXES = (DATA, FSDP, MODEL, CONTEXT)
+MODELLED_AXES = (DATA, FSDP, MODEL, CONTEXT, EXPERT_AXIS)
 _PARALLELISM = {STAGE: "pipeline parallel", CONTEXT: "context parallel", EXPERT_AXIS: "expert parallel"}
 
 
-def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
+def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
     """Mesh axes (of size > 1) whose traffic `comm_bytes` leaves out, each with the parallelism that
-    moves it: an axis other than data, fsdp, model and context; the axes that split the residual
+    moves it: an axis other than data, fsdp, model, context and expert; the axes that split the residual
     stream's length but not the sequence (Megatron-SP turns their all-reduces into reduce-scatters and
     all-gathers, and gathers again in the backward pass); the sequence split over more than one mesh
-    axis (a ring over two axes); under expert parallelism every axis, since the token dispatch changes
-    the batch layout; and under pipeline parallelism every axis but data. No minimum, so no
-    efficiency, is claimed for them."""
+    axis (a ring over two axes); of a mixture of experts (`moe`), the axes that split its experts' MLP
+    or its routing groups (tensor and context parallel), and every axis when the experts are split
+    over several mesh axes or over one that does not also split the batch; and under pipeline
+    parallelism every axis but data. No minimum, so no efficiency, is claimed for them."""
     out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
     length = shape.table(False).get(LENGTH, ())
     for a in shape.table(False).get(RES_LENGTH, ()):
@@ -192,10 +195,14 @@ def unmodelled_axes(shape: LayoutShape) -> dict[str, str]:
             out.setdefault(a, "sequence parallel")
     for a in length if len(length) > 1 else ():
         out.setdefault(a, "context parallel")
-    if shape.sizes.get(EXPERT_AXIS, 1) > 1:
-        for a, n in shape.sizes.items():
-            if n > 1:
-                out.setdefault(a, "expert parallel")
+    if moe:
+        experts, batch = shape.table(False).get(EXPERT, ()), shape.table(False).get(BATCH, ())
+        for a in shape.table(False).get(MLP, ()) + length:
+            out.setdefault(a, "expert parallel")
+        if len(experts) > 1 or (experts and experts[0] not in batch):
+            for a, n in shape.sizes.items():
+                if n > 1:
+                    out.setdefault(a, "expert parallel")
     if shape.sizes.get(STAGE, 1) > 1:  # a stage holds n_layers / S layers and runs M microbatches; the
         for a, n in shape.sizes.items():  # formulas count neither (data's one psum ends the schedule)
             if n > 1 and a != DATA:
@@ -247,14 +254,20 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             local = {a: n for a, n in gather.items() if a in lookup}
             gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
-        # FSDP: a gather per forward pass (remat recomputes only the scanned layers), and the
-        # gradient's reduce-scatter
+        # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
-            add(a, (passes + 1) * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
-        for a in grad_axes:
-            if a not in gather and a not in local:
-                add(a, wire_bytes("all-reduce", compute_bytes / (g * math.prod(local.values())), shape.sizes[a]))
+            add(a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
+        # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
+        # (not over one that splits the parameter as computed: experts over expert), as one logical
+        # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
+        # compiled step's are read (shard.hlo)
+        reduce = {a: shape.sizes[a] for a in grad_axes if a not in gather and a not in local and a not in computed}
+        both = gather | reduce
+        b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
+            "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
+        for a in both:
+            add(a, b * axis_share(both, a))
     # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
     # between the split and the batch layout; `tokens`: the ids each device looks up in a step
     kept = math.prod(shape.sizes[b] for b in grad_axes if b not in lookup)
@@ -275,6 +288,14 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             n_ar += 2
             add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
         add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
+    experts = shape.table(False).get(EXPERT, ())
+    if cfg.n_experts and len(experts) == 1:
+        # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
+        # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
+        n = shape.sizes[experts[0]]
+        rows = work.global_batch / shape.degree(BATCH)
+        buffer = cfg.n_experts * rows * cfg.expert_capacity(work.seq_len) * cfg.d_model * work.act_bytes
+        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n))
     if len(length_axes) == 1:
         n = shape.sizes[length_axes[0]]
         kv_block = (work.global_batch * work.seq_len / shape.token_ways() * cfg.n_kv_heads / shape.degree(KV_HEADS)

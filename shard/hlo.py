@@ -75,6 +75,12 @@ class Collective:
     wire_bytes: float  # bytes one device sends per execution, as compiled
     logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective
     in_branch: bool = False  # in a conditional's branch: `count` is an upper bound (see multiplicities)
+    logical_axes: tuple[str, ...] | None = None  # the logical collective's axes, where not `axes` (folded)
+
+    @property
+    def over(self) -> tuple[str, ...]:
+        """Mesh axes of the logical collective."""
+        return self.axes if self.logical_axes is None else self.logical_axes
 
 
 def array_bytes(shape_text: str) -> list[int]:
@@ -371,6 +377,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
         if not count:
             continue
         summed: list[tuple] = []  # the all-reduced elements met so far in this computation (see below)
+        continued: dict[tuple, tuple] = {}  # (all-reduce, element) -> axes an earlier one reduced it over
         for ins in comp.instrs.values():
             kind = _base_kind(ins.opcode)
             if kind is None:
@@ -388,11 +395,13 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             if kind == "reduce-scatter":
                 sizes = [s * n for s in sizes]  # ring traffic scales with the input, n x the output
             if kind == "all-reduce" and n > 1:
-                for logical, compiled_as, m, part in _split_reduce_scatter(comp, ins, n, by_name, summed, axes):
+                split = _split_reduce_scatter(comp, ins, n, by_name, summed, axes, continued, axis_names, axis_sizes)
+                for (logical, compiled_as, m, over), part in split.items():
                     total = sum(part)
+                    k = math.prod(axis_sizes[axis_names.index(a)] for a in over)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
-                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, n, m),
-                                          comp.name in in_branch))
+                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, k, m),
+                                          comp.name in in_branch, None if over == axes else over))
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
@@ -412,11 +421,15 @@ def _logical_bytes(logical: str, size: int, n: int, kept: int | None) -> float:
 
 
 def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str, Computation],
-                          summed: list[tuple] | None = None, axes: tuple = ()):
-    """The all-reduce's elements by how they are used: (logical kind, compiled as, m, [bytes]) for
-    elements used whole, elements only read through dynamic slices that keep 1/m of them (m dividing
-    n: a CPU reduce-scatter, over all n or over some of the axes), and elements summed with an earlier
-    one before use (m None).
+                          summed: list[tuple] | None = None, axes: tuple = (), continued: dict | None = None,
+                          axis_names: tuple = (), axis_sizes: tuple = ()) -> dict[tuple, list[int]]:
+    """The all-reduce's elements by how they are used, {(logical kind, compiled as, m, logical axes):
+    [bytes]}, for elements used whole, elements only read through dynamic slices that keep 1/m of them
+    (m dividing n: a CPU reduce-scatter, over all n or over some of the axes), elements summed with an
+    earlier one before use (m None), and elements reduced again over other axes by the all-reduce that
+    alone reads them (m None: counted there, as one all-reduce over both axes' devices; XLA:GPU's
+    AllReduceFolder folds the two, XLA:CPU runs both: context parallel's gradients, over context, then
+    over data).
 
     Elements of the same shape over the same axes that meet in one `add` (a parameter used twice, e.g.
     tied embeddings, has two partial gradients) count once, in one all-reduce or in two of the same
@@ -428,11 +441,22 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
     elements = _element_shapes(ins.shape)
     is_tuple = ins.shape.startswith("(")
     summed = [] if summed is None else summed  # (shape, axes, adds) of each element so far
+    continued = {} if continued is None else continued
     for i, shape in enumerate(elements):
         size, elems = sum(array_bytes(shape)), _elems(shape)
         shape = re.sub(r"\{[^}]*\}", "", shape)  # a tuple's elements are printed without their layout
+        over = axes  # the logical all-reduce's axes: with those of the all-reduces this one continues
+        if earlier := continued.get((ins.name, i)):
+            over = tuple(a for a in axis_names if a in set(axes) | set(earlier))
         seen: set = set()
         readers = _readers(comp, ins.name, i if is_tuple else None, seen)
+        if len(readers) == 1 and _base_kind(readers[0][0].opcode) == "all-reduce" and axis_names:
+            nxt, pos = readers[0]
+            groups_next = replica_groups(nxt.attrs, math.prod(axis_sizes)) or [list(range(math.prod(axis_sizes)))]
+            if not set(over) & set(group_axes(groups_next, axis_names, axis_sizes)):
+                continued[nxt.name, pos] = over
+                groups["all-reduce", "all-reduce, reduced again over other axes", None, over].append(size)
+                continue
         for r, p in readers:  # reduced again over other axes before use (context, then data): its adds
             if _base_kind(r.opcode) == "all-reduce":
                 for r2, p2 in _readers(comp, r.name, p if r.shape.startswith("(") else None, seen):
@@ -441,18 +465,20 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
         adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
         if elems > 1 and any(adds & earlier and (s, a) == (shape, axes) for s, a, earlier in summed):
             summed.append((shape, axes, set()))
-            groups["all-reduce", "all-reduce (reassociable)", None].append(size)
+            groups["all-reduce", "all-reduce (reassociable)", None, over].append(size)
             continue  # summed with an earlier element before use: one logical all-reduce
         summed.append((shape, axes, adds))
         parts = {} if not readers or None in reads else _merge_parts(reads)
         kept = sum(parts.values())
-        m = n if parts and kept * n <= elems else (elems // kept if parts and elems % kept == 0 else 0)
-        if m > 1 and n % m == 0:
-            label = "all-reduce+dynamic-slice" if m == n else f"all-reduce+dynamic-slice 1/{m}"
-            groups["reduce-scatter", label, m].append(size)
+        k = n if over == axes else math.prod(axis_sizes[axis_names.index(a)] for a in over)
+        m = k if parts and kept * k <= elems else (elems // kept if parts and elems % kept == 0 else 0)
+        if m > 1 and k % m == 0:
+            label = "all-reduce+dynamic-slice" if m == k else f"all-reduce+dynamic-slice 1/{m}"
+            groups["reduce-scatter", label, m, over].append(size)
         else:
-            groups["all-reduce", ins.opcode, 1].append(size)
-    return [(*key, sizes) for key, sizes in groups.items()]
+            groups["all-reduce", ins.opcode if over == axes else "all-reduce, after one over other axes", 1,
+                   over].append(size)
+    return dict(groups)
 
 
 def summarize(items: list[Collective]) -> list[dict]:
@@ -461,8 +487,8 @@ def summarize(items: list[Collective]) -> list[dict]:
     for c in items:
         if not c.axes:
             continue
-        key = (c.kind, c.axes, c.compiled_as)
-        row = table.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "compiled_as": c.compiled_as,
+        key = (c.kind, c.over, c.compiled_as)
+        row = table.setdefault(key, {"kind": c.kind, "axes": list(c.over), "compiled_as": c.compiled_as,
                                      "count": 0, "bytes_per_device": 0.0, "compiled_bytes_per_device": 0.0,
                                      "upper_bound": False})
         row["count"] += c.count
@@ -479,16 +505,18 @@ def summarize(items: list[Collective]) -> list[dict]:
 def bytes_by_axes(items: list[Collective], logical: bool = True,
                   axis_sizes: dict[str, int] | None = None) -> dict[str, float]:
     """Wire bytes per device per step by mesh axis. A collective over several axes at once is keyed
-    "data+fsdp", or, given the axis sizes, split between its axes in proportion to (n - 1)."""
+    "data+fsdp", or, given the axis sizes, split between its axes in proportion to (n - 1). Logical
+    bytes go to the logical collective's axes (two all-reduces in a row: both's)."""
     out: dict[str, float] = defaultdict(float)
     for c in items:
         if not c.axes:
             continue
         b = (c.logical_wire_bytes if logical else c.wire_bytes) * c.count
-        if axis_sizes is None or len(c.axes) == 1:
-            out["+".join(c.axes)] += b
+        axes = c.over if logical else c.axes
+        if axis_sizes is None or len(axes) == 1:
+            out["+".join(axes)] += b
             continue
-        sizes = {a: axis_sizes[a] for a in c.axes}
-        for a in c.axes:
+        sizes = {a: axis_sizes[a] for a in axes}
+        for a in axes:
             out[a] += b * axis_share(sizes, a)
     return dict(out)

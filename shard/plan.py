@@ -27,7 +27,7 @@ def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> li
     takes longer than the step's compute (per-device token batch below the break-even), or tensor
     parallelism that leaves too thin a slice of the MLP per device."""
     out = []
-    if costs.unmodelled_axes(costs.LayoutShape.of(**sizes)):  # the default rules, as predict() plans
+    if costs.unmodelled_axes(costs.LayoutShape.of(**sizes), moe=bool(cfg.model.n_experts)):  # as predict() plans
         return out  # the cost model has no formulas for pipeline or expert axes, or Megatron-SP, yet
     c = predict(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
     tokens_per_device = cfg.data.batch * cfg.data.seq_len / math.prod(sizes.values())

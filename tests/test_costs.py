@@ -49,6 +49,8 @@ CASES = {
     # the tied table's two partial gradients in two all-reduces (one in the layer loop's MoE path): one
     # logical all-reduce, as in one instruction (efficiency was 0.938)
     "moe-dp": ("moe-tiny", "8x1", {}),
+    "moe-ep": ("moe-tiny", "ep", {}),  # data=2, expert=4
+    "moe-ep-remat": ("moe-tiny", "ep", {"model__remat": "full"}),  # the dispatch and combine run again
     "tiny-1layer": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
     "tiny-1layer-untied": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128, "model__tie_embeddings": False}),
     "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1}),
@@ -56,9 +58,9 @@ CASES = {
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
-MOE_CASES = ("moe-dp",)  # the memory model is for dense models (docs/formulas.md)
+MOE_CASES = ("moe-dp", "moe-ep", "moe-ep-remat")  # the memory model is for dense models (docs/formulas.md)
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
-                                                             "cp_tp")
+                                                             "cp_tp", "ep")
                     and k.count("-") == 1]
 
 
@@ -87,7 +89,7 @@ def test_communication_efficiency_is_at_least_0_9(name, analysed):
         assert 0.9 <= value <= 1.1, (name, axis, value, a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
-@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES + MOE_CASES])
+@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES])
 def test_planner_agrees_with_the_compiler(name, analysed):
     cfg, layout, a = analysed(name)
     shape = costs.LayoutShape.from_layout(layout)
@@ -96,7 +98,7 @@ def test_planner_agrees_with_the_compiler(name, analysed):
     assert set(predicted) == set(a.bytes_by_axes)
     for axis, moved in a.bytes_by_axes.items():
         assert predicted[axis] == pytest.approx(moved, rel=0.10), axis
-    if cfg.model.remat.startswith("dots"):
+    if cfg.model.remat.startswith("dots") or name in MOE_CASES:
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
     memory = costs.memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)
@@ -123,6 +125,15 @@ def test_fsdp_cpu_reduce_scatter_is_recognised(analysed):
     assert ("reduce-scatter", "all-reduce+dynamic-slice") in kinds and ("all-gather", "all-gather") in kinds
     # compiled bytes count the all-reduce; the logical reduce-scatter moves half
     assert a.compiled_bytes_by_axes["fsdp"] > a.bytes_by_axes["fsdp"]
+
+
+def test_tokens_reach_their_experts_by_all_to_all(analysed):
+    """The dispatch is pinned first where the rows are, then to the experts: left to choose, XLA gathered
+    the tokens and the routing tensor over data and expert instead (905,830 B on expert and 547,180 on
+    data per step for moe-tiny on `ep`, against 511,078 and 285,036)."""
+    _, _, a = analysed("moe-ep")
+    kinds = {c.kind for c in a.collectives if c.axes}
+    assert "all-to-all" in kinds and "all-gather" not in kinds, kinds
 
 
 def test_partial_gradients_in_two_all_reduces_count_once(analysed):
@@ -161,8 +172,8 @@ def test_param_table_matches_the_model(name):
 
 
 def test_axes_without_formulas_claim_no_minimum():
-    """Pipeline and expert axes, the model axis under Megatron-SP and a sequence split over two axes have
-    no formula: no efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the
+    """Pipeline axes, the model axis under Megatron-SP or a mixture of experts, and a sequence split over
+    two axes have no formula: no efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the
     context axis, before it had one)."""
     from shard.mesh import load_preset
 
@@ -175,8 +186,12 @@ def test_axes_without_formulas_claim_no_minimum():
     two = costs.LayoutShape.of(context=2, model=4)
     two = costs.LayoutShape(two.sizes, {**two.rules, "length": ("context", "model")}, two.param_rules)
     assert costs.unmodelled_axes(two) == {"context": "context parallel", "model": "context parallel"}
-    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4)) == {"expert": "expert parallel",
-                                                                             "data": "expert parallel"}
+    # the expert axis: a batch axis for a dense model, and a mixture of experts' all-to-all has a formula,
+    # but not with its experts' MLP split over model (the MLP output's all-reduce is another tensor's)
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4)) == {}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=4), moe=True) == {}
+    assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, expert=2, model=2), moe=True) == {
+        "model": "expert parallel"}
     sp = load_preset("sp")
     assert costs.unmodelled_axes(costs.LayoutShape({"data": 4, "model": 2}, dict(sp.rules), dict(sp.param_rules))) \
         == {"model": "sequence parallel"}

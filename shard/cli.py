@@ -119,7 +119,10 @@ CheckpointOpt = Annotated[str | None, typer.Option("--checkpoint", help="the sam
 
 def _checkpoint_given(positional: str | None, option: str | None) -> str:
     """The checkpoint a reading command was given, as its first argument or as --checkpoint (both work)."""
-    if (positional is None) == (option is None):
+    if positional is None and option is None:
+        raise ShardError("give a checkpoint: a run dir, its checkpoints/ dir or one step's dir, as the first "
+                         "argument or as --checkpoint")
+    if positional is not None and option is not None:
         raise ShardError("give the checkpoint once: as the first argument or as --checkpoint")
     return positional if positional is not None else option
 

@@ -56,6 +56,13 @@ def _read_text_files(files: list[Path]) -> np.ndarray:
 def _read_token_file(path: Path) -> np.ndarray:
     try:
         if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                magic = f.read(6)
+            if magic[:2] == b"PK":  # numpy.savez's zip archive
+                raise ShardError(f"token file {path} is an archive of arrays, not one .npy array")
+            if magic != b"\x93NUMPY":  # numpy would try it as a pickle, and say so
+                raise ShardError(f"token file {path} is not an .npy array (no NUMPY header): write it with "
+                                 "numpy.save, or name raw uint16 tokens .bin")
             tokens = np.load(path, mmap_mode="r")
         elif path.stat().st_size == 0:  # an empty shard: numpy can't map it
             tokens = np.zeros(0, np.uint16)
@@ -63,8 +70,6 @@ def _read_token_file(path: Path) -> np.ndarray:
             tokens = np.memmap(path, dtype=np.uint16, mode="r")
     except (ValueError, OSError) as e:
         raise ShardError(f"cannot read token file {path}: {e}") from None
-    if not isinstance(tokens, np.ndarray):  # np.load of an .npz archive
-        raise ShardError(f"token file {path} is an archive of arrays, not one .npy array")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ShardError(f"token file {path}: expected a 1-D integer array, got {tokens.dtype} {tokens.shape}")
     return tokens

@@ -144,9 +144,15 @@ def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = Fa
         raise ShardError(f"--resume: run dir {run_dir} is a file")
     if not Path(run_dir).is_dir() and not allow_fresh:
         raise ShardError(f"--resume: run dir {run_dir} does not exist (--allow-fresh starts it when it doesn't)")
-    if config_on_record(Path(run_dir)):  # an empty one would resume with every default
-        return config_mod.load_file(str(saved))
     from shard.checkpoint import config_saved_with
+
+    if config_on_record(Path(run_dir)):  # an empty one would resume with every default
+        try:
+            return config_mod.load_file(str(saved))
+        except ShardError as e:  # not read over: it may hold the user's edit; the way out is named
+            found = config_saved_with(Path(run_dir) / CHECKPOINTS_DIR)
+            raise ShardError(f"--resume: {e}" + (f"; fix it, or move it away to resume with the config saved "
+                                                 f"with checkpoint {found[1]}" if found else "")) from None
 
     if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
         text, step = found

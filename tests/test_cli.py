@@ -482,6 +482,11 @@ def test_a_resume_takes_the_checkpoints_config_when_config_toml_is_empty(tmp_pat
     assert "optimizer.lr" not in again.output  # no schedule change: the saved lr was taken
     saved = config.resolve(config.load_file(str(run / "config.toml")))
     assert (saved.optimizer.lr, saved.model.name, saved.steps) == (5e-4, "tiny", 3)
+    # one that does not parse may hold the user's edit: not read over, and the way out is named
+    (run / "config.toml").write_text("steps = [\n")
+    broken = invoke("train", "--run-dir", str(run), "--resume", "--steps", "4", "--compile-cache", "none")
+    assert broken.exit_code == 2 and "move it away to resume with the config saved with checkpoint 3" in broken.output
+    assert (run / "config.toml").read_text() == "steps = [\n"
 
 
 def test_an_error_with_an_empty_message_is_named_by_its_type():

@@ -169,6 +169,8 @@ def test_token_files_and_folders(tmp_path):
     (lambda d: (d / "a.png").write_bytes(b"\x89PNG\x00\x00") and d, "a.png looks binary"),
     (lambda d: (np.savez(d / "z.npz", a=np.arange(3)), (d / "z.npz").rename(d / "z.npy"), d / "z.npy")[2],
      "is an archive of arrays"),
+    # numpy tried it as a pickle and said "If you trust the file you can load it unsafely"
+    (lambda d: (d / "junk.npy").write_bytes(bytes(range(100))) and None or d / "junk.npy", "is not an .npy array"),
 ])
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(ShardError, match=message):

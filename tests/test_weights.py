@@ -107,9 +107,10 @@ def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
     (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be 0"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--seed", "-1"], "--seed must be between 0 and 2**32-1"),
-    (["generate", "--prompt", "x"], "give the checkpoint once: as the first argument or as --checkpoint"),
+    (["generate", "--prompt", "x"], "give a checkpoint: a run dir, its checkpoints/ dir or one step's dir, as the "
+                                    "first argument or as --checkpoint"),
     (["export-hf", "/tmp", "--checkpoint", "/tmp", "--out", "/tmp/never"], "give the checkpoint once"),
-    (["export", "--out", "/tmp/never"], "give the checkpoint once"),
+    (["export", "--out", "/tmp/never"], "give a checkpoint"),
 ])
 def test_bad_weights_input(args, message):
     r = invoke(*args)

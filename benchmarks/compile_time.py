@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 
+from shard.devices import with_host_devices
+
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
@@ -39,7 +41,8 @@ print(json.dumps({"import_s": t1 - t0, "step_compile_s": t2 - t1, "init_compile_
 def run_case(model, mesh, devices, seq, batch, cache_dir, platform=None, attention="auto"):
     """One compile in a fresh process; `platform="cpu"` for simulated devices on a machine with a GPU.
     {"error": stderr}, after printing it, when it fails: one failed case must not end the benchmark."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    # the caller's XLA_FLAGS (the tests': -O0), with this case's device count
+    env = dict(os.environ, XLA_FLAGS=with_host_devices(os.environ.get("XLA_FLAGS", ""), devices))
     if platform:
         env["JAX_PLATFORMS"] = platform
     if cache_dir:

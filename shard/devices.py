@@ -17,10 +17,14 @@ def jax_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def with_host_devices(flags: str, n: int) -> str:
+    """XLA_FLAGS `flags` with the simulated CPU device count set to n (any other count removed)."""
+    return f"{_FLAG_RE.sub('', flags).strip()} {HOST_COUNT_FLAG}={n}".strip()
+
+
 def request_host_devices(n: int) -> bool:
     """Ask XLA's CPU platform for n devices; False when JAX has already started (too late to change)."""
     if jax_started():
         return False
-    flags = _FLAG_RE.sub("", os.environ.get("XLA_FLAGS", "")).strip()
-    os.environ["XLA_FLAGS"] = f"{flags} {HOST_COUNT_FLAG}={n}".strip()
+    os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), n)
     return True

@@ -722,7 +722,8 @@ def report(
         loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
                       "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
-    console.print(table)
+    # at least 120 columns, as plan's table: in 80 a column's heading shrank to "e"; paths are not markup
+    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 120)).print(table)
     for r in doc["runs"]:
         if r["skipped_lines"]:
             err_console.print(f"[yellow]{escape(r['run'])}: skipped {r['skipped_lines']} line(s) of metrics.jsonl that "

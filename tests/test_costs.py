@@ -50,7 +50,6 @@ CASES = {
     # logical all-reduce, as in one instruction (efficiency was 0.938)
     "moe-dp": ("moe-tiny", "8x1", {}),
     "moe-ep": ("moe-tiny", "ep", {}),  # data=2, expert=4
-    "moe-ep-remat": ("moe-tiny", "ep", {"model__remat": "full"}),  # the dispatch and combine run again
     "tiny-1layer": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
     "tiny-1layer-untied": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128, "model__tie_embeddings": False}),
     "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1}),
@@ -58,7 +57,7 @@ CASES = {
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
-MOE_CASES = ("moe-dp", "moe-ep", "moe-ep-remat")  # the memory model is for dense models (docs/formulas.md)
+MOE_CASES = ("moe-dp", "moe-ep")  # the memory model is for dense models (docs/formulas.md)
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep")
                     and k.count("-") == 1]

@@ -148,8 +148,10 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
 
     def block(x_btd, xs):
         p, kv = xs
-        if not cfg.n_experts:
-            p = {k: constrain(v if k.endswith("norm") else v.astype(dtype), LAYER_AXES[k]) for k, v in p.items()}
+        # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
+        # the router (its softmax is float32) keep their dtype
+        axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
+        p = {k: constrain(v if k.endswith("norm") or k == "router" else v.astype(dtype), axes[k]) for k, v in p.items()}
         attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
         x_btd = x_btd + attn_btd
         if cfg.n_experts:

@@ -17,6 +17,11 @@ from shard.models.configs import ModelConfig
 from shard.rules import constrain
 
 
+# The logical axes of one layer's router and experts (the stacked parameters less LAYERS)
+EXPERT_AXES = {"router": (EMBED, None), "w_gate": (EXPERT, EMBED, MLP), "w_up": (EXPERT, EMBED, MLP),
+               "w_down": (EXPERT, MLP, EMBED)}
+
+
 def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
     """Router and stacked expert weights for every layer, with their logical axes."""
     D, L, E, F = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.mlp_dim

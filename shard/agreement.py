@@ -47,21 +47,27 @@ def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | No
     flags = json.dumps(start or {})
     theirs, their_flags = json.loads(distributed.broadcast_text(json.dumps([mine, flags])))
     differs = (theirs, their_flags) != (mine, flags)
+    # the message is made before the processes agree that one differs: process 0 stops at once then, and
+    # a process still resolving process 0's config to name the key was told "lost process 0" instead
+    problem = _difference(cfg, start, mine, flags, theirs, their_flags) if differs else None
     if not distributed.any_process_by_service(differs):
         return
-    if not differs:
-        raise ShardError("another process of this job was started with a different config (or --resume, "
-                         "--allow-fresh, --init-from); start every process with the same command")
+    raise ShardError(problem or "another process of this job was started with a different config (or --resume, "
+                     "--allow-fresh, --init-from); start every process with the same command")
+
+
+def _difference(cfg, start, mine: str, flags: str, theirs: str, their_flags: str) -> str:
+    """What this process was started with that process 0 was not (its config `theirs`, flags `their_flags`)."""
     rank = distributed.context().rank
     if theirs == mine:
         ours, zeros = (start or {}), json.loads(their_flags)
         flag = next(k for k in {**ours, **zeros} if ours.get(k) != zeros.get(k))
-        raise ShardError(f"process {rank} was started with {_flag_text(flag, ours.get(flag))}, process 0 with "
-                         f"{_flag_text(flag, zeros.get(flag))}; start every process with the same command")
+        return (f"process {rank} was started with {_flag_text(flag, ours.get(flag))}, process 0 with "
+                f"{_flag_text(flag, zeros.get(flag))}; start every process with the same command")
     diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), _comparable(cfg), ignore=("run_dir",))
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
-    raise ShardError(f"process {rank} was started with a different config "
-                     f"from process 0's{what}; start every process with the same command")
+    return (f"process {rank} was started with a different config from process 0's{what}; start every process "
+            "with the same command")
 
 
 def _flag_text(flag: str, value) -> str:

@@ -27,10 +27,10 @@ def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
     D, L, E, F = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.mlp_dim
     dt = jnp.dtype(cfg.param_dtype)
     return dict(
-        router=param(rngs, (L, D, E), (LAYERS, EMBED, None), D**-0.5, dt),
-        w_gate=param(rngs, (L, E, D, F), (LAYERS, EXPERT, EMBED, MLP), D**-0.5, dt),
-        w_up=param(rngs, (L, E, D, F), (LAYERS, EXPERT, EMBED, MLP), D**-0.5, dt),
-        w_down=param(rngs, (L, E, F, D), (LAYERS, EXPERT, MLP, EMBED), F**-0.5 * out_std, dt),
+        router=param(rngs, (L, D, E), (LAYERS, *EXPERT_AXES["router"]), D**-0.5, dt),
+        w_gate=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_gate"]), D**-0.5, dt),
+        w_up=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_up"]), D**-0.5, dt),
+        w_down=param(rngs, (L, E, F, D), (LAYERS, *EXPERT_AXES["w_down"]), F**-0.5 * out_std, dt),
     )
 
 

@@ -176,7 +176,7 @@ def _lookup_tokens(work: Workload) -> float:
 
 
 MODELLED_AXES = (DATA, FSDP, MODEL, CONTEXT, EXPERT_AXIS)
-_PARALLELISM = {STAGE: "pipeline parallel", CONTEXT: "context parallel", EXPERT_AXIS: "expert parallel"}
+_PARALLELISM = {STAGE: "pipeline parallel"}
 
 
 def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:

@@ -382,9 +382,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             kind = _base_kind(ins.opcode)
             if kind is None:
                 continue
-            groups = replica_groups(ins.attrs, n_devices)
-            if groups is None:
-                groups = [list(range(n_devices))]
+            groups = _groups(ins, n_devices)
             axes = group_axes(groups, axis_names, axis_sizes)
             n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
@@ -398,7 +396,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                 split = _split_reduce_scatter(comp, ins, n, by_name, summed, axes, continued, axis_names, axis_sizes)
                 for (logical, compiled_as, m, over), part in split.items():
                     total = sum(part)
-                    k = math.prod(axis_sizes[axis_names.index(a)] for a in over)
+                    k = _devices(over, axis_names, axis_sizes)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
                                           wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, k, m),
                                           comp.name in in_branch, None if over == axes else over))
@@ -407,6 +405,17 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             w = wire_bytes(kind, total, n)
             out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))
     return out
+
+
+def _groups(ins: Instr, n_devices: int) -> list[list[int]]:
+    """The collective's replica groups (none given: one group of every device)."""
+    groups = replica_groups(ins.attrs, n_devices)
+    return [list(range(n_devices))] if groups is None else groups
+
+
+def _devices(axes: tuple[str, ...], axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> int:
+    """Devices in a group spanning these mesh axes."""
+    return math.prod(axis_sizes[axis_names.index(a)] for a in axes)
 
 
 def _logical_bytes(logical: str, size: int, n: int, kept: int | None) -> float:
@@ -433,8 +442,8 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
 
     Elements of the same shape over the same axes that meet in one `add` (a parameter used twice, e.g.
     tied embeddings, has two partial gradients) count once, in one all-reduce or in two of the same
-    computation (`summed` holds the earlier ones), also when they are reduced over other axes on the
-    way to the add: XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b)) into ar(add(a, b)); XLA:CPU
+    computation (`summed` holds the earlier ones), also when one was reduced over other axes before
+    (folded, above): XLA:GPU's AllReduceReassociate turns add(ar(a), ar(b)) into ar(add(a, b)); XLA:CPU
     reduces both.
     """
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -452,15 +461,10 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
         readers = _readers(comp, ins.name, i if is_tuple else None, seen)
         if len(readers) == 1 and _base_kind(readers[0][0].opcode) == "all-reduce" and axis_names:
             nxt, pos = readers[0]
-            groups_next = replica_groups(nxt.attrs, math.prod(axis_sizes)) or [list(range(math.prod(axis_sizes)))]
-            if not set(over) & set(group_axes(groups_next, axis_names, axis_sizes)):
+            if not set(over) & set(group_axes(_groups(nxt, math.prod(axis_sizes)), axis_names, axis_sizes)):
                 continued[nxt.name, pos] = over
                 groups["all-reduce", "all-reduce, reduced again over other axes", None, over].append(size)
                 continue
-        for r, p in readers:  # reduced again over other axes before use (context, then data): its adds
-            if _base_kind(r.opcode) == "all-reduce":
-                for r2, p2 in _readers(comp, r.name, p if r.shape.startswith("(") else None, seen):
-                    _slice_reads(r2, p2, comps, comp, seen)  # into a fusion: its add
         reads = [_slice_reads(r, p, comps, comp, seen) for r, p in readers]
         adds = {x for x in seen if comps[x[0]].instrs[x[1]].opcode == "add"}
         if elems > 1 and any(adds & earlier and (s, a) == (shape, axes) for s, a, earlier in summed):
@@ -470,7 +474,7 @@ def _split_reduce_scatter(comp: Computation, ins: Instr, n: int, comps: dict[str
         summed.append((shape, axes, adds))
         parts = {} if not readers or None in reads else _merge_parts(reads)
         kept = sum(parts.values())
-        k = n if over == axes else math.prod(axis_sizes[axis_names.index(a)] for a in over)
+        k = n if over == axes else _devices(over, axis_names, axis_sizes)
         m = k if parts and kept * k <= elems else (elems // kept if parts and elems % kept == 0 else 0)
         if m > 1 and k % m == 0:
             label = "all-reduce+dynamic-slice" if m == k else f"all-reduce+dynamic-slice 1/{m}"

@@ -23,7 +23,7 @@ from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, 
 from shard.models import moe
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
-from shard.parallel.ring_attention import context_axes, ring_attention
+from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
 from shard.rules import active_layout, constrain
 
 # Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
@@ -100,9 +100,11 @@ class Llama(nnx.Module):
         return head_logits(self.cfg, params, x_btd), cache
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Logits and the summed auxiliary loss. `zigzag`: the tokens are in ring attention's load-balanced
+    order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits."""
     x_btd = embed_tokens(cfg, params, tokens_bt)
-    x_btd, aux = run_layers(cfg, params["layers"], x_btd)
+    x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag)
     return head_logits(cfg, params, x_btd), aux
 
 
@@ -139,12 +141,15 @@ def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, .
                                           layout.param_rules))
 
 
-def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0):
+def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
+               zigzag: bool = False):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
-    the updated cache as well."""
+    the updated cache as well. `zigzag`: as in `forward`."""
     dtype = compute_dtype(cfg)
-    cos_th, sin_th = rope_tables(start + jnp.arange(x_btd.shape[1]), cfg)
+    T = x_btd.shape[1]
+    positions_t = zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T)
+    cos_th, sin_th = rope_tables(jnp.asarray(positions_t), cfg)
 
     def block(x_btd, xs):
         p, kv = xs
@@ -152,7 +157,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         # the router (its softmax is float32) keep their dtype
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
         p = {k: constrain(v if k.endswith("norm") or k == "router" else v.astype(dtype), axes[k]) for k, v in p.items()}
-        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start)
+        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag)
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
@@ -245,9 +250,10 @@ def apply_rope(x_btnh, cos_th, sin_th):
     return out.astype(x_btnh.dtype)
 
 
-def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0):
+def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
-    keys and values are written at `start` and the queries attend to the whole cache, masked by position."""
+    keys and values are written at `start` and the queries attend to the whole cache, masked by position.
+    `zigzag`: as in `forward`."""
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
@@ -256,7 +262,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if kv is None:
-        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention)
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
@@ -294,16 +300,17 @@ def _heads_split_alike() -> bool:
                                  for param in (False, True))
 
 
-def causal_attention(q_btnh, k_bskh, v_bskh, impl: str):
+def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
-    them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead."""
+    them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead,
+    load-balanced where the sequence comes in its zig-zag order (`zigzag`)."""
     if axes := context_axes():
         if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
             raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
                              f"{'x'.join(axes)}) uses ring attention; use auto")
-        return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True)
+        return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag)
     if impl in ("auto", "cudnn"):
         problem = _cudnn_problem(q_btnh)
         if impl == "cudnn" and problem:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shard import costs, hlo
+from shard.axes import LENGTH
 from shard.config import TrainConfig
 from shard.rules import Layout
 
@@ -94,7 +95,8 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         collectives=items,
         memory=memory_of(compiled),
         flops=float(cost.get("flops", 0.0)),
-        model_flops=costs.model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len) / layout.mesh.size,
+        model_flops=costs.model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len,
+                                      shape.degree(LENGTH)) / layout.mesh.size,
         bytes_by_axes=hlo.bytes_by_axes(items, axis_sizes=dict(zip(names, sizes))),
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),

@@ -330,17 +330,34 @@ def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     return cfg.n_layers * (experts + dispatch_and_combine)
 
 
-def model_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
+def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1) -> float:
     """Training FLOPs for `tokens` tokens as XLA computes them: 6N per token (N: parameters in matmuls)
-    plus attention's QK^T and PV, forward and backward, 12 L T N H per token (full T x T), plus a
-    mixture of experts' empty slots and token dispatch."""
-    return tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len)) + attention_flops(cfg, tokens, seq_len)
+    plus attention's QK^T and PV, forward and backward (`attention_flops`), plus a mixture of experts'
+    empty slots and token dispatch. `context`: the ways the sequence is split (ring attention)."""
+    return (tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len))
+            + attention_flops(cfg, tokens, seq_len, context))
 
 
-def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int) -> float:
-    """Training FLOPs of attention's QK^T and PV for `tokens` tokens, forward and backward, over the
-    full T x T (XLA's attention and ring attention compute the masked half too): 12 L T N H per token."""
-    return tokens * 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1) -> float:
+    """Training FLOPs of attention's QK^T and PV for `tokens` tokens, forward and backward: 12 L K N H
+    per token, K the keys each query is scored against (`scored_keys`)."""
+    return tokens * 12 * cfg.n_layers * scored_keys(cfg, seq_len, context) * cfg.n_heads * cfg.head_dim
+
+
+def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
+    """Does ring attention run load-balanced (the zig-zag order, shard.parallel.ring_attention)? Where
+    the sequence is split (`context` > 1) into 2 x context chunks, for a dense model (a mixture of
+    experts keeps the tokens' order: which overflow an expert depends on it)."""
+    return context > 1 and seq_len % (2 * context) == 0 and not cfg.n_experts
+
+
+def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1) -> float:
+    """Keys each query's scores are computed for, on average: the whole sequence (XLA's attention and
+    ring attention in sequence order compute the masked half too), or (c + 1) / 2c of it for the
+    load-balanced ring over c devices (its own block whole, half of each other block)."""
+    if balanced_ring(cfg, seq_len, context):
+        return seq_len * (context + 1) / (2 * context)
+    return seq_len
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -374,8 +391,9 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
     D, F = cfg.d_model, cfg.mlp_dim
     probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
+    keys = scored_keys(cfg, work.seq_len, n) if probs else 1
     per_layer = (ACT_PER_D * D + ACT_PER_F * F / shape.degree(MLP)
-                 + ACT_PER_PROBS * cfg.n_heads * (work.seq_len if probs else 1) / m) * work.act_bytes
+                 + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":
@@ -397,8 +415,9 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     if work.remat == "dots_no_batch":
         return projections
     if work.remat == "dots":
-        probs = work.attention_probs or shape.degree(LENGTH) > 1
-        return projections + (cfg.n_heads * (work.seq_len + cfg.head_dim) / m if probs else 0.0)
+        n = shape.degree(LENGTH)
+        probs = work.attention_probs or n > 1
+        return projections + (cfg.n_heads * (scored_keys(cfg, work.seq_len, n) + cfg.head_dim) / m if probs else 0.0)
     return 0.0
 
 

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard import costs
-from shard.axes import CONTEXT, DATA, FSDP, MODEL
+from shard.axes import CONTEXT, DATA, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.mesh import hosts_per_axis
@@ -148,10 +148,11 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
               for a, b in comm.items()}
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
-    flops = costs.model_flops(cfg, tokens, seq_len)
-    if sizes.get(CONTEXT, 1) > 1 and platform == "gpu":
+    context = shape.degree(LENGTH)
+    flops = costs.model_flops(cfg, tokens, seq_len, context)
+    if context > 1 and platform == "gpu":
         # ring attention's einsums run in float32 (TF32 on tensor cores: about half the bf16 rate)
-        flops += costs.attention_flops(cfg, tokens, seq_len)
+        flops += costs.attention_flops(cfg, tokens, seq_len, context)
     hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
     compute_s = hw_flops / devices / (hw.bf16_tflops * 1e12)
     hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)

@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shard import costs
 from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
 from shard.config import GuardConfig, PipelineConfig
 from shard.models import llama
 from shard.parallel import pipeline
+from shard.parallel.ring_attention import zigzag_positions
 from shard.rules import Layout, activation_layout
 from shard.state import StateSpec
 
@@ -31,6 +33,17 @@ def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
     return jnp.sum((logz_bt - target_bt) * mask_bt), jnp.sum(mask_bt)
+
+
+def context_order(batch: dict, layout: Layout, cfg) -> tuple[dict, bool]:
+    """The batch in ring attention's load-balanced order (`zigzag_positions`) where the layout splits
+    the sequence (context parallel), and whether it is. The loss sums over tokens, so their order leaves
+    it as it is (`costs.balanced_ring` says where)."""
+    seq_len, ways = batch["inputs"].shape[1], layout.degree(LENGTH)
+    if not costs.balanced_ring(cfg, seq_len, ways):
+        return batch, False
+    positions = zigzag_positions(seq_len, ways)
+    return {k: v[:, positions] for k, v in batch.items()}, True
 
 
 def _microbatches(x: jax.Array, m: int, layout: Layout, logical=(BATCH, LENGTH)) -> jax.Array:
@@ -59,7 +72,8 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
 
     def plain(params, mb):
-        logits, aux = llama.forward(cfg, params, mb["inputs"])
+        mb, zigzag = context_order(mb, layout, cfg)
+        logits, aux = llama.forward(cfg, params, mb["inputs"], zigzag)
         nll, count = token_nll(logits, mb["targets"], mb["mask"])
         return nll + aux_w * aux * count, (nll, count, aux)
 
@@ -180,7 +194,8 @@ def make_eval_step(spec: StateSpec, layout: Layout):
     """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
     def evaluate(params, batch):
         with activation_layout(layout):
-            logits = llama.forward(spec.model, params, batch["inputs"])[0]
+            batch, zigzag = context_order(batch, layout, spec.model)
+            logits = llama.forward(spec.model, params, batch["inputs"], zigzag)[0]
             return token_nll(logits, batch["targets"], batch["mask"])
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())

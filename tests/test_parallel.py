@@ -4,17 +4,19 @@ same loss, same gradients; plus the pieces (schedules, ring attention, routing) 
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shard import costs
 from shard.errors import ShardError
 from shard.loop import check_batch, make_layout
 from shard.mesh import parse_mesh
 from shard.models import moe
 from shard.models.configs import PRESETS
 from shard.parallel import pipeline
-from shard.parallel.ring_attention import ring_attention
+from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config
 
 RTOL = 1e-5
@@ -100,16 +102,69 @@ def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro
 # --- context and sequence parallel ---------------------------------------------------------------------
 
 
+def _qkv(seq_len=256):
+    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+    return (jax.random.normal(kq, (2, seq_len, 4, 16)), jax.random.normal(kk, (2, seq_len, 2, 16)),
+            jax.random.normal(kv, (2, seq_len, 2, 16)))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_matches_full_attention(causal):
     mesh = fake_mesh("data=2,context=4")
-    kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(kq, (2, 256, 4, 16))
-    k = jax.random.normal(kk, (2, 256, 2, 16))
-    v = jax.random.normal(kv, (2, 256, 2, 16))
+    q, k, v = _qkv()
     got = jax.jit(lambda q, k, v: ring_attention(q, k, v, ("context",), causal=causal, mesh=mesh))(q, k, v)
     want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mesh, n", [("data=2,context=4", 4), ("context=8", 8), ("data=4,context=2", 2)])
+def test_the_load_balanced_ring_matches_full_attention_and_its_gradients(mesh, n):
+    """The zig-zag order in, the same order out: full causal attention, permuted; and its gradients."""
+    mesh = fake_mesh(mesh)
+    q, k, v = _qkv()
+    order = zigzag_positions(256, n)
+    h = 256 // (2 * n)  # device 0 holds the first chunk and the last
+    assert sorted(order) == list(range(256)) and list(order[:2 * h]) == [*range(h), *range(256 - h, 256)]
+
+    def balanced(q, k, v):
+        return ring_attention(q[:, order], k[:, order], v[:, order], ("context",), zigzag=True, mesh=mesh)
+
+    def full(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)[:, order]
+
+    np.testing.assert_allclose(jax.jit(balanced)(q, k, v), full(q, k, v), atol=2e-5, rtol=2e-5)
+    weigh = jax.random.normal(jax.random.key(4), q[:, order].shape)  # a loss that weighs every output
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weigh), argnums=(0, 1, 2)))(q, k, v)
+             for f in (balanced, full)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _attention_flops(jaxpr) -> float:
+    """FLOPs of the dot products in a jaxpr, a scanned body counted once per iteration."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * np.prod(eqn.outvars[0].aval.shape) * np.prod([lhs[d] for d in contract])
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += times * _attention_flops(sub)
+    return total
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_load_balanced_ring_scores_c_plus_1_over_2c_of_the_keys(n):
+    """Its own block whole and half of every other: (n + 1) / 2n of the plain ring's work on every
+    device, which is what costs.scored_keys counts."""
+    mesh = fake_mesh(f"context={n}")
+    q, k, v = _qkv()
+    flops = {zigzag: _attention_flops(jax.make_jaxpr(
+        lambda q, k, v, z=zigzag: ring_attention(q, k, v, ("context",), zigzag=z, mesh=mesh))(q, k, v).jaxpr)
+        for zigzag in (False, True)}
+    assert flops[True] / flops[False] == pytest.approx((n + 1) / (2 * n))
+    assert costs.scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((n + 1) / (2 * n))
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,21 @@
 
 With the sequence split into n blocks over the mesh axes that `length` maps to, each device holds one
 query block and, over n ticks, sees every key/value block (passed to its neighbour by ppermute),
-folding each into an online softmax (flash-attention style). Memory per device is O(T/n); causal
-masking uses global positions, so blocks wholly in the future contribute nothing.
+folding each into an online softmax (flash-attention style). Memory per device is O(T/n).
+
+Causal attention in the sequence's own order leaves the work unbalanced: the device holding the first
+block needs one block of keys, the last device all n. Training therefore lays the sequence out
+zig-zag (`zigzag_positions`): cut into 2n chunks, device i holds chunks i and 2n-1-i, an early one and
+a late one. Then, after its own block, every device folds exactly half of each block it receives:
+from a device before it in the ring, its queries attend to that block's early chunk only; from a
+device after it, only its late chunk's queries attend, to the whole block. Every device does the same
+work, (n + 1) / 2n of the full n x n grid of blocks instead of all of it, and the ring moves the same
+bytes (MaxText calls this load-balanced context parallelism).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -23,48 +32,112 @@ def context_axes() -> tuple[str, ...]:
     return () if layout is None else layout.mesh_axes(LENGTH)
 
 
-def ring_attention(q_btnh, k_bskh, v_bskh, axes: tuple[str, ...], *, causal: bool = True, mesh=None):
-    """Grouped-query attention with the length dim split over `axes`; equals full attention."""
+def zigzag_positions(seq_len: int, n: int) -> np.ndarray | None:
+    """The sequence positions in the load-balanced order for n devices (each holds chunks i and
+    2n-1-i of 2n), or None where the length does not cut into 2n chunks."""
+    if n < 2 or seq_len % (2 * n):
+        return None
+    chunks = np.arange(seq_len).reshape(2 * n, seq_len // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def ring_attention(q_btnh, k_bskh, v_bskh, axes: tuple[str, ...], *, causal: bool = True, zigzag: bool = False,
+                   mesh=None):
+    """Grouped-query attention with the length dim split over `axes`; equals full attention. With
+    `zigzag` (causal only), the inputs are in `zigzag_positions` order and so is the output."""
     if mesh is None:
         mesh = active_layout().mesh
+    if zigzag and not causal:
+        raise ValueError("the zig-zag order balances causal attention only")
     spec = P(None, axes if len(axes) > 1 else axes[0])
-    fn = jax.shard_map(lambda q, k, v: _ring(q, k, v, axes, causal), mesh=mesh, in_specs=(spec, spec, spec),
+    ring = _zigzag_ring if zigzag else _ring
+    fn = jax.shard_map(lambda q, k, v: ring(q, k, v, axes, causal), mesh=mesh, in_specs=(spec, spec, spec),
                        out_specs=spec, axis_names=set(axes))
     return fn(q_btnh, k_bskh, v_bskh)
 
 
-def _ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
-    B, T, N, H = q_btnh.shape  # local block: T = global length / n
-    K = k_bskh.shape[2]
-    n = lax.axis_size(axes)
-    i = lax.axis_index(axes)
+def _fold(q_btkgh, k_bskh, v_bskh, acc, mask_ts=None):
+    """One block of keys folded into the online softmax's (running max, sum, output) of these queries."""
+    m_btkg, l_btkg, o_btkgh = acc
+    s_btkgs = jnp.einsum("btkgh,bskh->btkgs", q_btkgh, k_bskh.astype(jnp.float32))
+    if mask_ts is not None:
+        s_btkgs = jnp.where(mask_ts[None, :, None, None, :], s_btkgs, _NEG)
+    m_new = jnp.maximum(m_btkg, jnp.max(s_btkgs, axis=-1))
+    p_btkgs = jnp.exp(s_btkgs - m_new[..., None])
+    corr = jnp.exp(m_btkg - m_new)
+    l_btkg = l_btkg * corr + jnp.sum(p_btkgs, axis=-1)
+    o_btkgh = o_btkgh * corr[..., None] + jnp.einsum("btkgs,bskh->btkgh", p_btkgs, v_bskh.astype(jnp.float32))
+    return m_new, l_btkg, o_btkgh
+
+
+def _start(q_btnh, K, axes):
+    """Scaled float32 queries grouped by kv head, and an empty accumulator, varying over the ring."""
+    B, T, N, H = q_btnh.shape
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H).astype(jnp.float32) * H**-0.5
     vary = lambda x: lax.pcast(x, axes, to="varying")  # noqa: E731
-    m_btkg = vary(jnp.full((B, T, K, N // K), _NEG, jnp.float32))
-    l_btkg = vary(jnp.zeros((B, T, K, N // K), jnp.float32))
-    o_btkgh = vary(jnp.zeros((B, T, K, N // K, H), jnp.float32))
+    acc = (vary(jnp.full((B, T, K, N // K), _NEG, jnp.float32)), vary(jnp.zeros((B, T, K, N // K), jnp.float32)),
+           vary(jnp.zeros((B, T, K, N // K, H), jnp.float32)))
+    return q_btkgh, acc
+
+
+def _finish(acc, q_btnh):
+    _, l_btkg, o_btkgh = acc
+    return (o_btkgh / l_btkg[..., None]).reshape(q_btnh.shape).astype(q_btnh.dtype)
+
+
+def _ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
+    """Blocks in sequence order: the block arriving at each tick is folded whole, masked by position."""
+    T = q_btnh.shape[1]  # local block: T = global length / n
+    n = lax.axis_size(axes)
+    i = lax.axis_index(axes)
+    q_btkgh, acc = _start(q_btnh, k_bskh.shape[2], axes)
     q_pos = i * T + jnp.arange(T)
     perm = [(j, (j + 1) % n) for j in range(n)]
 
-    def fold(step, k_blk, v_blk, m_btkg, l_btkg, o_btkgh):
+    def fold(step, k_blk, v_blk, acc):
         j = (i - step) % n  # which block of keys this device holds now; step 0 is its own (diagonal)
-        s_btkgs = jnp.einsum("btkgh,bskh->btkgs", q_btkgh, k_blk.astype(jnp.float32))
-        if causal:
-            k_pos = j * T + jnp.arange(T)
-            s_btkgs = jnp.where((k_pos[None, :] <= q_pos[:, None])[None, :, None, None, :], s_btkgs, _NEG)
-        m_new = jnp.maximum(m_btkg, jnp.max(s_btkgs, axis=-1))
-        p_btkgs = jnp.exp(s_btkgs - m_new[..., None])
-        corr = jnp.exp(m_btkg - m_new)
-        l_btkg = l_btkg * corr + jnp.sum(p_btkgs, axis=-1)
-        o_btkgh = o_btkgh * corr[..., None] + jnp.einsum("btkgs,bskh->btkgh", p_btkgs, v_blk.astype(jnp.float32))
-        return m_new, l_btkg, o_btkgh
+        mask = (j * T + jnp.arange(T))[None, :] <= q_pos[:, None] if causal else None
+        return _fold(q_btkgh, k_blk, v_blk, acc, mask)
 
     def tick(step, carry):  # fold the block held, then pass it on
-        k_blk, v_blk, *acc = carry
-        acc = fold(step, k_blk, v_blk, *acc)
-        return *lax.ppermute((k_blk, v_blk), axes, perm), *acc
+        k_blk, v_blk, acc = carry
+        return *lax.ppermute((k_blk, v_blk), axes, perm), fold(step, k_blk, v_blk, acc)
 
     # n - 1 passes: the last block is folded where it arrives (n passes sent 1/n more, forward and back)
-    k_blk, v_blk, *acc = lax.fori_loop(0, n - 1, tick, (k_bskh, v_bskh, m_btkg, l_btkg, o_btkgh))
-    _, l_btkg, o_btkgh = fold(n - 1, k_blk, v_blk, *acc)
-    return (o_btkgh / l_btkg[..., None]).reshape(B, T, N, H).astype(q_btnh.dtype)
+    k_blk, v_blk, acc = lax.fori_loop(0, n - 1, tick, (k_bskh, v_bskh, acc))
+    return _finish(fold(n - 1, k_blk, v_blk, acc), q_btnh)
+
+
+def _zigzag_ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
+    """Blocks in zig-zag order (chunks i and 2n-1-i of 2n on device i): the own block is folded with a
+    causal mask, every other block half, unmasked (see the module docstring).
+
+    Half a block is two chunk pairs, and one of them is the same either way: the late queries against
+    the early keys. The other is the early queries against the early keys (a block from before) or the
+    late queries against the late keys (from after), chosen by `where`, not `cond`: autodiff through a
+    `cond` keeps both branches' residuals. Each pair is folded into its queries' running state in turn,
+    so a tick keeps one chunk's worth of state per pair for the backward pass, as the plain ring keeps
+    one block's (merging separately folded pairs kept three times as much)."""
+    T = q_btnh.shape[1]
+    h = T // 2  # one chunk
+    n = lax.axis_size(axes)
+    i = lax.axis_index(axes)
+    q_btkgh, acc = _start(q_btnh, k_bskh.shape[2], axes)
+    pos = jnp.concatenate([i * h + jnp.arange(h), (2 * n - 1 - i) * h + jnp.arange(h)])
+    acc = _fold(q_btkgh, k_bskh, v_bskh, acc, pos[None, :] <= pos[:, None])  # the diagonal block
+    early, late = (tuple(a[:, :h] for a in acc), tuple(a[:, h:] for a in acc))
+    q_early, q_late = q_btkgh[:, :h], q_btkgh[:, h:]
+    perm = [(j, (j + 1) % n) for j in range(n)]
+
+    def tick(step, carry):  # receive the next block, fold its half that counts
+        k_blk, v_blk, early, late = carry
+        k_blk, v_blk = lax.ppermute((k_blk, v_blk), axes, perm)
+        before = (i - step) % n < i  # the block comes from a device before this one
+        pick = lambda a, b: jnp.where(before, a, b)  # noqa: E731
+        late = _fold(q_late, k_blk[:, :h], v_blk[:, :h], late)  # the pair either way
+        into = tuple(map(pick, early, late))
+        got = _fold(pick(q_early, q_late), pick(k_blk[:, :h], k_blk[:, h:]), pick(v_blk[:, :h], v_blk[:, h:]), into)
+        return k_blk, v_blk, tuple(map(pick, got, early)), tuple(map(pick, late, got))
+
+    _, _, early, late = lax.fori_loop(1, n, tick, (k_bskh, v_bskh, early, late))
+    return _finish(tuple(jnp.concatenate(pair, axis=1) for pair in zip(early, late)), q_btnh)

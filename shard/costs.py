@@ -353,10 +353,10 @@ def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
 
 def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1) -> float:
     """Keys each query's scores are computed for, on average: the whole sequence (XLA's attention and
-    ring attention in sequence order compute the masked half too), or (c + 1) / 2c of it for the
-    load-balanced ring over c devices (its own block whole, half of each other block)."""
+    ring attention in sequence order compute the masked half too), or (2c + 1) / 4c of it for the
+    load-balanced ring over c devices (three quarters of its own block, half of each other block)."""
     if balanced_ring(cfg, seq_len, context):
-        return seq_len * (context + 1) / (2 * context)
+        return seq_len * (2 * context + 1) / (4 * context)
     return seq_len
 
 
@@ -380,7 +380,7 @@ ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
 ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
-ACT_PER_RING_TICK = 1.75  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
+ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
 
 

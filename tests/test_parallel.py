@@ -155,16 +155,16 @@ def _attention_flops(jaxpr) -> float:
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_the_load_balanced_ring_scores_c_plus_1_over_2c_of_the_keys(n):
-    """Its own block whole and half of every other: (n + 1) / 2n of the plain ring's work on every
-    device, which is what costs.scored_keys counts."""
+def test_the_load_balanced_ring_scores_2c_plus_1_over_4c_of_the_keys(n):
+    """Three chunk pairs of its own block's four and half of every other block: (2n + 1) / 4n of the
+    plain ring's work on every device, which is what costs.scored_keys counts."""
     mesh = fake_mesh(f"context={n}")
     q, k, v = _qkv()
     flops = {zigzag: _attention_flops(jax.make_jaxpr(
         lambda q, k, v, z=zigzag: ring_attention(q, k, v, ("context",), zigzag=z, mesh=mesh))(q, k, v).jaxpr)
         for zigzag in (False, True)}
-    assert flops[True] / flops[False] == pytest.approx((n + 1) / (2 * n))
-    assert costs.scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((n + 1) / (2 * n))
+    assert flops[True] / flops[False] == pytest.approx((2 * n + 1) / (4 * n))
+    assert costs.scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((2 * n + 1) / (4 * n))
 
 
 @pytest.fixture(scope="module")

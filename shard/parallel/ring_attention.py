@@ -10,8 +10,8 @@ zig-zag (`zigzag_positions`): cut into 2n chunks, device i holds chunks i and 2n
 a late one. Then, after its own block, every device folds exactly half of each block it receives:
 from a device before it in the ring, its queries attend to that block's early chunk only; from a
 device after it, only its late chunk's queries attend, to the whole block. Every device does the same
-work, (n + 1) / 2n of the full n x n grid of blocks instead of all of it, and the ring moves the same
-bytes (MaxText calls this load-balanced context parallelism).
+work, (2n + 1) / 4n of the full grid of chunk pairs (its own block: three pairs of four) instead of all
+of it, and the ring moves the same bytes (MaxText calls this load-balanced context parallelism).
 """
 
 import jax
@@ -109,8 +109,8 @@ def _ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
 
 
 def _zigzag_ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
-    """Blocks in zig-zag order (chunks i and 2n-1-i of 2n on device i): the own block is folded with a
-    causal mask, every other block half, unmasked (see the module docstring).
+    """Blocks in zig-zag order (chunks i and 2n-1-i of 2n on device i): of the own block the three chunk
+    pairs not wholly masked, of every other block half, unmasked (see the module docstring).
 
     Half a block is two chunk pairs, and one of them is the same either way: the late queries against
     the early keys. The other is the early queries against the early keys (a block from before) or the
@@ -123,10 +123,13 @@ def _zigzag_ring(q_btnh, k_bskh, v_bskh, axes, causal: bool):
     n = lax.axis_size(axes)
     i = lax.axis_index(axes)
     q_btkgh, acc = _start(q_btnh, k_bskh.shape[2], axes)
-    pos = jnp.concatenate([i * h + jnp.arange(h), (2 * n - 1 - i) * h + jnp.arange(h)])
-    acc = _fold(q_btkgh, k_bskh, v_bskh, acc, pos[None, :] <= pos[:, None])  # the diagonal block
     early, late = (tuple(a[:, :h] for a in acc), tuple(a[:, h:] for a in acc))
     q_early, q_late = q_btkgh[:, :h], q_btkgh[:, h:]
+    # the own block: three of its four chunk pairs (the early queries precede the late keys)
+    causal = jnp.arange(h)[None, :] <= jnp.arange(h)[:, None]
+    early = _fold(q_early, k_bskh[:, :h], v_bskh[:, :h], early, causal)
+    late = _fold(q_late, k_bskh[:, :h], v_bskh[:, :h], late)
+    late = _fold(q_late, k_bskh[:, h:], v_bskh[:, h:], late, causal)
     perm = [(j, (j + 1) % n) for j in range(n)]
 
     def tick(step, carry):  # receive the next block, fold its half that counts

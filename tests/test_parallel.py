@@ -167,6 +167,30 @@ def test_the_load_balanced_ring_scores_2c_plus_1_over_4c_of_the_keys(n):
     assert costs.scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((2 * n + 1) / (4 * n))
 
 
+def _dot_products(jaxpr) -> list:
+    return [e for e in jaxpr.eqns if e.primitive.name == "dot_general"] + [
+        d for e in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(e.params) for d in _dot_products(sub)]
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_the_rings_matmuls_take_bf16_and_accumulate_in_float32(zigzag):
+    """As flash attention does: bf16 inputs run at the tensor cores' full rate (float32 ran as TF32)."""
+    mesh = fake_mesh("data=2,context=4")
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv())
+    order = zigzag_positions(256, 4) if zigzag else np.arange(256)
+
+    def ring(q, k, v):
+        return ring_attention(q, k, v, ("context",), zigzag=zigzag, mesh=mesh)
+
+    dots = _dot_products(jax.make_jaxpr(ring)(q, k, v).jaxpr)
+    assert dots and all(e.invars[0].aval.dtype == e.invars[1].aval.dtype == jnp.bfloat16
+                        and e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    got = jax.jit(ring)(q[:, order], k[:, order], v[:, order])
+    want = jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=True)[:, order]
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=1e-2)  # bf16 rounds the output by up to 7e-3
+
+
 @pytest.fixture(scope="module")
 def reference():
     return loss_and_grads(tiny_config("1x1"))

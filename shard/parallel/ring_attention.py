@@ -57,23 +57,28 @@ def ring_attention(q_btnh, k_bskh, v_bskh, axes: tuple[str, ...], *, causal: boo
 
 
 def _fold(q_btkgh, k_bskh, v_bskh, acc, mask_ts=None):
-    """One block of keys folded into the online softmax's (running max, sum, output) of these queries."""
+    """One block of keys folded into the online softmax's (running max, sum, output) of these queries.
+    As in flash attention, the two matmuls take their inputs in the compute dtype (bf16 on GPUs: the
+    tensor cores' full rate, where float32 inputs ran as TF32 at about half) and accumulate in float32;
+    the softmax's statistics and the output stay float32."""
     m_btkg, l_btkg, o_btkgh = acc
-    s_btkgs = jnp.einsum("btkgh,bskh->btkgs", q_btkgh, k_bskh.astype(jnp.float32))
+    s_btkgs = jnp.einsum("btkgh,bskh->btkgs", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     if mask_ts is not None:
         s_btkgs = jnp.where(mask_ts[None, :, None, None, :], s_btkgs, _NEG)
     m_new = jnp.maximum(m_btkg, jnp.max(s_btkgs, axis=-1))
     p_btkgs = jnp.exp(s_btkgs - m_new[..., None])
     corr = jnp.exp(m_btkg - m_new)
     l_btkg = l_btkg * corr + jnp.sum(p_btkgs, axis=-1)
-    o_btkgh = o_btkgh * corr[..., None] + jnp.einsum("btkgs,bskh->btkgh", p_btkgs, v_bskh.astype(jnp.float32))
+    pv_btkgh = jnp.einsum("btkgs,bskh->btkgh", p_btkgs.astype(v_bskh.dtype), v_bskh, preferred_element_type=jnp.float32)
+    o_btkgh = o_btkgh * corr[..., None] + pv_btkgh
     return m_new, l_btkg, o_btkgh
 
 
 def _start(q_btnh, K, axes):
-    """Scaled float32 queries grouped by kv head, and an empty accumulator, varying over the ring."""
+    """Scaled queries grouped by kv head (in their own dtype), and an empty float32 accumulator,
+    varying over the ring."""
     B, T, N, H = q_btnh.shape
-    q_btkgh = q_btnh.reshape(B, T, K, N // K, H).astype(jnp.float32) * H**-0.5
+    q_btkgh = (q_btnh.reshape(B, T, K, N // K, H).astype(jnp.float32) * H**-0.5).astype(q_btnh.dtype)
     vary = lambda x: lax.pcast(x, axes, to="varying")  # noqa: E731
     acc = (vary(jnp.full((B, T, K, N // K), _NEG, jnp.float32)), vary(jnp.zeros((B, T, K, N // K), jnp.float32)),
            vary(jnp.zeros((B, T, K, N // K, H), jnp.float32)))

@@ -330,18 +330,22 @@ def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     return cfg.n_layers * (experts + dispatch_and_combine)
 
 
-def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1) -> float:
+def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
+                flash: bool = False) -> float:
     """Training FLOPs for `tokens` tokens as XLA computes them: 6N per token (N: parameters in matmuls)
     plus attention's QK^T and PV, forward and backward (`attention_flops`), plus a mixture of experts'
-    empty slots and token dispatch. `context`: the ways the sequence is split (ring attention)."""
+    empty slots and token dispatch. `context`: the ways the sequence is split (ring attention);
+    `flash`: attention runs as a fused flash kernel (cuDNN on GPUs), which skips masked blocks."""
     return (tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len))
-            + attention_flops(cfg, tokens, seq_len, context))
+            + attention_flops(cfg, tokens, seq_len, context, flash))
 
 
-def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1) -> float:
+def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
+                    flash: bool = False) -> float:
     """Training FLOPs of attention's QK^T and PV for `tokens` tokens, forward and backward: 12 L K N H
     per token, K the keys each query is scored against (`scored_keys`)."""
-    return tokens * 12 * cfg.n_layers * scored_keys(cfg, seq_len, context) * cfg.n_heads * cfg.head_dim
+    return (tokens * 12 * cfg.n_layers * scored_keys(cfg, seq_len, context, flash)
+            * cfg.n_heads * cfg.head_dim)
 
 
 def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
@@ -351,12 +355,15 @@ def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
     return context > 1 and seq_len % (2 * context) == 0 and not cfg.n_experts
 
 
-def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1) -> float:
+def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1, flash: bool = False) -> float:
     """Keys each query's scores are computed for, on average: the whole sequence (XLA's attention and
-    ring attention in sequence order compute the masked half too), or (2c + 1) / 4c of it for the
-    load-balanced ring over c devices (three quarters of its own block, half of each other block)."""
+    ring attention in sequence order compute the masked half too), (2c + 1) / 4c of it for the
+    load-balanced ring over c devices (three quarters of its own block, half of each other block), or
+    half of it for a causal flash kernel on one device (`flash`: it skips the blocks wholly masked)."""
     if balanced_ring(cfg, seq_len, context):
         return seq_len * (2 * context + 1) / (4 * context)
+    if flash and context == 1:
+        return seq_len / 2
     return seq_len
 
 
@@ -461,6 +468,18 @@ def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -
     ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
     table = cfg.vocab_size * cfg.d_model * work.act_bytes / ways
     return table * (1 - 1 / math.prod(lookup.values()))
+
+
+def probs_hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """The share of `hbm_bytes` that is attention's materialised probabilities (where no flash kernel
+    fuses them away: XLA's attention, and ring attention tick by tick). Their softmax runs between
+    attention's two matmuls and waits on them, so a roofline cannot hide this traffic behind compute."""
+    n = shape.degree(LENGTH)
+    if not (work.attention_probs or n > 1):
+        return 0.0
+    tokens = work.global_batch * work.seq_len / shape.token_ways()
+    keys = scored_keys(cfg, work.seq_len, n)
+    return 2 * tokens * cfg.n_layers * ACT_PER_PROBS * cfg.n_heads * keys / shape.degree(HEADS) * work.act_bytes
 
 
 def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict[str, float]) -> float:

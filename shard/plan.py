@@ -148,15 +148,12 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
               for a, b in comm.items()}
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
-    context = shape.degree(LENGTH)
-    flops = costs.model_flops(cfg, tokens, seq_len, context)
-    if context > 1 and platform == "gpu":
-        # ring attention's einsums run in float32 (TF32 on tensor cores: about half the bf16 rate)
-        flops += costs.attention_flops(cfg, tokens, seq_len, context)
+    flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
     hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
     compute_s = hw_flops / devices / (hw.bf16_tflops * 1e12)
     hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
-    local = max(compute_s, hbm_s)
+    probs_s = costs.probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
+    local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
     tp = comm_s.get(MODEL, 0.0)
     overlappable = sum(v for a, v in comm_s.items() if a != MODEL)
     step = max(local + tp, overlappable)

@@ -220,6 +220,22 @@ def test_xla_attention_plans_more_memory_than_flash_attention_on_gpus():
     assert total["xla"] > total["auto"]
 
 
+def test_the_planner_times_flash_attention_at_the_causal_half_and_without_its_probabilities():
+    """cuDNN's kernel skips the masked blocks and keeps no probabilities; XLA's attention computes the
+    whole T x T and moves its probabilities through HBM between the two matmuls."""
+    cfg = tiny_config("8x1").model
+    assert costs.scored_keys(cfg, 256, flash=True) == 128 and costs.scored_keys(cfg, 256) == 256
+    assert costs.scored_keys(cfg, 256, 2, flash=True) == costs.scored_keys(cfg, 256, 2)  # the ring runs
+    assert costs.model_flops(cfg, 1024, 256, flash=True) < costs.model_flops(cfg, 1024, 256)
+    shape = costs.LayoutShape.of(data=8)
+    probs = {a: costs.probs_hbm_bytes(cfg, shape, costs.Workload.from_config(c, "gpu"))
+             for a in ("auto", "xla") for c in [tiny_config("8x1", model__attention=a)]}
+    assert probs["auto"] == 0 < probs["xla"]
+    ring = tiny_config("8x1", model__attention="auto")
+    assert costs.probs_hbm_bytes(ring.model, costs.LayoutShape.of(data=4, context=2),
+                                 costs.Workload.from_config(ring, "gpu")) > 0
+
+
 def test_sequence_parallel_moves_no_more_than_tensor_parallel(analysed):
     """Megatron-SP turns each activation all-reduce into a reduce-scatter and an all-gather: the same
     bytes. Left to itself XLA gathered the weights instead and moved q, k, v all-to-all (1.77 MiB

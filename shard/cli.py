@@ -962,9 +962,8 @@ def export_hf(
     console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
 
 
-_MOE_NOT_PLANNED = ("mixture-of-experts layers are planned without an expert axis (their FLOPs, capacity and "
-                    "dispatch included; their memory and all-to-all traffic not), so no layout here is expert "
-                    "parallel: compare the best with one that is (--mesh ep) under shard inspect --compiled")
+_MOE_NOT_PLANNED = ("a mixture of experts is planned over data, fsdp and expert axes only: tensor and context "
+                    "parallel have no formula for its layers")
 
 
 def main() -> None:

@@ -323,7 +323,7 @@ def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     takes no gradient."""
     if not cfg.n_experts:
         return 0.0
-    slots = cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len  # expert slots per token
+    slots = ffn_slots(cfg, seq_len)
     d, f = cfg.d_model, cfg.mlp_dim
     experts = 3 * 3 * d * f * 2 * (slots - cfg.experts_per_token)
     dispatch_and_combine = (2 + 3) * 2 * slots * seq_len * d
@@ -389,6 +389,12 @@ LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the targe
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
 ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
+# A mixture of experts' layer in place of the MLP, fitted the same way on moe-tiny variants (data,
+# expert and data x expert; sequence 32-128, 4-16 experts, top 1-2, remat none and full: 7% low to
+# 7% high). Per expert slot, S = E x C / T of them per token:
+ACT_PER_SLOT_D = 5.5  # the dispatched token and the expert's output, D wide
+ACT_PER_SLOT_F = 10.0  # the expert's gate, up and hidden, F wide
+ACT_PER_ROUTE = 2.5  # routing's dispatch and combine tensors and their one-hots, E x C per token
 
 
 def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
@@ -396,11 +402,15 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     at once only for the one being processed)."""
     m, n = shape.degree(HEADS), shape.degree(LENGTH)
     tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
-    D, F = cfg.d_model, cfg.mlp_dim
+    D, F = cfg.d_model, cfg.mlp_dim / shape.degree(MLP)
     probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
     keys = scored_keys(cfg, work.seq_len, n) if probs else 1
-    per_layer = (ACT_PER_D * D + ACT_PER_F * F / shape.degree(MLP)
-                 + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
+    if cfg.n_experts:
+        slots = ffn_slots(cfg, work.seq_len)
+        ffn = slots * (ACT_PER_SLOT_D * D + ACT_PER_SLOT_F * F) + ACT_PER_ROUTE * slots * work.seq_len
+    else:
+        ffn = ACT_PER_F * F
+    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":
@@ -411,6 +421,12 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     return tokens * (layers + logits)
 
 
+def ffn_slots(cfg: ModelConfig, seq_len: int) -> float:
+    """Feed-forward rows computed per token: 1 for a dense MLP; for a mixture of experts every expert's
+    capacity, filled or not, E x C per routing group (a sequence) of T tokens."""
+    return cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len if cfg.n_experts else 1.0
+
+
 def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     """Elements per token one layer keeps for the backward pass beyond its input under the remat policy:
     "full" nothing; "dots_no_batch" the projections' outputs (q/k/v, attention output, gate/up, down);
@@ -418,7 +434,7 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     runs (cuDNN's is not a matmul to JAX)."""
     m = shape.degree(HEADS)
     projections = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m + 2 * cfg.d_model \
-        + 2 * cfg.mlp_dim / shape.degree(MLP)
+        + 2 * cfg.mlp_dim / shape.degree(MLP) * ffn_slots(cfg, work.seq_len)
     if work.remat == "dots_no_batch":
         return projections
     if work.remat == "dots":

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard import costs
-from shard.axes import CONTEXT, DATA, FSDP, LENGTH, MODEL
+from shard.axes import CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.mesh import hosts_per_axis
@@ -105,9 +105,15 @@ def node_split(sizes: dict[str, int], nodes: int) -> dict[str, int]:
     return dict(zip(sizes, spans))
 
 
-def layouts(devices: int, per_node: int, seq_len: int | None = None) -> list[dict[str, int]]:
+def layouts(devices: int, per_node: int, seq_len: int | None = None, experts: int = 0) -> list[dict[str, int]]:
     """Every data x fsdp x context x model factorisation of `devices` with tensor parallel inside a node
-    and a context axis that splits `seq_len` (none when it is not given), outermost axis first."""
+    and a context axis that splits `seq_len` (none when it is not given), outermost axis first. For a
+    mixture of `experts`, every data x fsdp x expert one with the expert axis splitting the experts
+    (and the batch, as in meshes/ep.toml): tensor and context parallel have no formula for its layers."""
+    if experts:
+        return [{DATA: devices // expert // fsdp, FSDP: fsdp, EXPERT_AXIS: expert}
+                for expert in _divisors(devices) if experts % expert == 0
+                for fsdp in _divisors(devices // expert)]
     out = []
     for model in _divisors(devices):
         if per_node % model:
@@ -142,6 +148,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
         problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
     comm = costs.comm_bytes(cfg, shape, work)
+    comm = {a: comm[a] for a in sorted(comm, key=lambda a: list(sizes).index(a) if a in sizes else len(sizes))}
     spans = node_split(sizes, nodes)
     crosses = {a: spans[a] > 1 for a in sizes if sizes[a] > 1}
     comm_s = {a: b / ((hw.inter_node_gbps if crosses.get(a) else hw.intra_node_gbps) * 1e9)
@@ -154,9 +161,10 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
     probs_s = costs.probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
     local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
-    tp = comm_s.get(MODEL, 0.0)
-    overlappable = sum(v for a, v in comm_s.items() if a != MODEL)
-    step = max(local + tp, overlappable)
+    # tensor parallel's all-reduces and the experts' all-to-alls sit between the matmuls that need them
+    exposed = comm_s.get(MODEL, 0.0) + comm_s.get(EXPERT_AXIS, 0.0)
+    overlappable = sum(v for a, v in comm_s.items() if a not in (MODEL, EXPERT_AXIS))
+    step = max(local + exposed, overlappable)
     serial = local + sum(comm_s.values())
     mfu = costs.mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
     return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
@@ -178,7 +186,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
     out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
-           for sizes in layouts(devices, per_node, seq_len) for remat in remats]
+           for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB
     return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),

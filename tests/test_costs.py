@@ -57,7 +57,6 @@ CASES = {
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
-MOE_CASES = ("moe-dp", "moe-ep")  # the memory model is for dense models (docs/formulas.md)
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep")
                     and k.count("-") == 1]
@@ -97,7 +96,7 @@ def test_planner_agrees_with_the_compiler(name, analysed):
     assert set(predicted) == set(a.bytes_by_axes)
     for axis, moved in a.bytes_by_axes.items():
         assert predicted[axis] == pytest.approx(moved, rel=0.10), axis
-    if cfg.model.remat.startswith("dots") or name in MOE_CASES:
+    if cfg.model.remat.startswith("dots"):
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
     memory = costs.memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)

@@ -112,14 +112,23 @@ def test_a_plan_where_nothing_fits_exits_1():
     assert as_json.exit_code == 1 and json.loads(as_json.stdout)["best"] is None
 
 
-def test_a_mixture_of_experts_plan_says_what_it_leaves_out():
-    r = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--seq", "128", "--batch", "16")
+def test_a_mixture_of_experts_is_planned_over_an_expert_axis():
+    # 8 experts, top 2, of a 7B Llama: 37B parameters on 4 nodes of 8 H100s
+    moe = ("--model", "llama-7b", "--set", "model.n_experts=8", "--set", "model.experts_per_token=2")
+    r = invoke("plan", *moe, "--devices", "32", "--nodes", "4", "--hardware", "h100", "--json")
     assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    best = doc["layouts"][0]
+    # the experts split 8 ways inside a node, their all-to-alls over NVLink
+    assert best["fits"] and best["sizes"]["expert"] == 8 and not best["crosses_nodes"]["expert"]
+    assert "--mesh data=2,fsdp=2,expert=8 " in doc["best"] and "--set model.n_experts=8" in doc["best"]
+    assert all(set(c["sizes"]) == {"data", "fsdp", "expert"} for c in doc["layouts"])
+    assert doc["warnings"] == ["a mixture of experts is planned over data, fsdp and expert axes only: tensor and "
+                               "context parallel have no formula for its layers"]
+    text = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--seq", "128", "--batch", "16")
+    assert text.exit_code == 0, text.output
     # with the table, before the best (it went to stderr, easily missed)
-    warned = r.stdout.index("warning: mixture-of-experts layers are planned without an expert axis")
-    assert warned < r.stdout.index("best: ") and "(--mesh ep)" in r.stdout, r.stdout
-    as_json = invoke("plan", "--model", "moe-tiny", "--devices", "8", "--hardware", "cpu", "--json")
-    assert "their memory and all-to-all traffic not" in json.loads(as_json.stdout)["warnings"][0]
+    assert text.stdout.index("warning: a mixture of experts is planned over") < text.stdout.index("best: ")
 
 
 def test_user_hardware_file(tmp_path):

@@ -303,7 +303,22 @@ def load_file(path: str) -> dict:
     for key in sections & set(doc):
         if not isinstance(doc[key], dict):
             raise ShardError(f"config file {path}: {key} must be a [{key}] table, got {type(doc[key]).__name__}")
+    try:
+        check_types(doc)
+    except ShardError as e:
+        raise ShardError(f"config file {path}: {e}") from None
     return doc
+
+
+def check_types(overrides: dict) -> None:
+    """Each key a config file sets is a known key of the right type, checked on the file alone: a flag
+    that later overrides the same key must not hide a wrong value in the file. Rules between keys wait
+    for the whole config (resolve), since flags may complete it."""
+    model = overrides.get("model", {})
+    if not isinstance(model, dict):
+        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
+    _build(ModelConfig, model, "model.")
+    _build(TrainConfig, {k: v for k, v in overrides.items() if k != "model"}, "")
 
 
 def _coerce(value, tp, key: str):
@@ -375,7 +390,7 @@ def resolve(overrides: dict) -> TrainConfig:
     if not isinstance(model_over, dict):
         raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
     model_over = dict(model_over)
-    name = model_over.get("name", TrainConfig().model.name)
+    name = _coerce(model_over.get("name", TrainConfig().model.name), str, "model.name")
     complete = set(model_over) >= set(field_names())
     if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset
         raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)})")

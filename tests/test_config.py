@@ -41,6 +41,7 @@ def test_set_overrides_with_types():
     ('param_regex.(=["embed"]', "is not a regular expression"),
     ("param_regex.x=[1,2]", "param_regex.x expects tuple"),
     ('rules.batch=["data","data"]', "mesh axis named twice"),
+    ("model.name.x=1", r"model.name expects str, got \{'x': 1\}"),
 ])
 def test_bad_sets(item, message):
     if item.startswith("optimizer.grad_clip"):
@@ -73,6 +74,19 @@ def test_file_then_set_precedence(tmp_path):
     p.write_text('steps = 5\n[optimizer]\nlr = 0.01\n[model]\nname = "tiny"\n')
     cfg = c.resolve(c.merge(c.load_file(str(p)), c.parse_sets(["optimizer.lr=0.02"])))
     assert (cfg.steps, cfg.optimizer.lr, cfg.model.name) == (5, 0.02, "tiny")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('steps = "ten"\n', "steps expects int, got 'ten'"),
+    ("[model]\nname = [1]\n", r"model.name expects str, got \[1\]"),
+    ('[model]\nd_model = "wide"\n', "model.d_model expects int"),
+    ("[optimizer]\nlrr = 1\n", "unknown config key 'optimizer.lrr'"),
+])
+def test_a_wrong_value_in_the_file_is_refused_even_where_a_flag_overrides_it(tmp_path, text, message):
+    p = tmp_path / "run.toml"
+    p.write_text(text)
+    with pytest.raises(ShardError, match=f"config file {p}: config key {message}|config file {p}: {message}"):
+        c.merge(c.load_file(str(p)), c.parse_sets(["steps=3", "model.name=tiny", "model.d_model=64"]))
 
 
 def test_docs_config_md_lists_every_key_with_its_default():

@@ -91,12 +91,14 @@ def check_fresh_out(out: Path) -> None:
     check_outside_checkpoints(out)
 
 
-def check_outside_checkpoints(out: Path) -> None:
-    """Never write among a run's checkpoints, where it would be taken for (or into) one of them."""
+def check_outside_checkpoints(out: Path, what: str = "--out") -> None:
+    """Never write among a run's checkpoints, where it would be taken for (or into) one of them, and set
+    aside as a corrupt one by that run's next resume. `what` names the path in the error (`--out`, `run
+    dir`, `compile cache`)."""
     for above in out.absolute().parents:
         if above.name == CHECKPOINTS_DIR and (above.parent / "config.toml").is_file() \
                 and any(p.name.isdigit() and p.is_dir() for p in above.iterdir()):
-            raise ShardError(f"--out {out} is in the checkpoints folder of the run in {above.parent}, where it "
+            raise ShardError(f"{what} {out} is in the checkpoints folder of the run in {above.parent}, where it "
                              "would be read as one of its checkpoints; choose a path outside it")
 
 

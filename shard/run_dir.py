@@ -10,14 +10,17 @@ from pathlib import Path
 from shard import config as config_mod
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, rename_mesh_file
-from shard.paths import CHECKPOINTS_DIR, RunDirLock
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_outside_checkpoints
 
 
 def compile_cache_dir(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
     """`auto`: one cache beside the run dirs, so a restart or the next run does not recompile."""
     if cfg.xla.compile_cache in ("", "none"):
         return None
-    return run_dir.parent / ".compile_cache" if cfg.xla.compile_cache == "auto" else Path(cfg.xla.compile_cache)
+    if cfg.xla.compile_cache == "auto":
+        return run_dir.parent / ".compile_cache"
+    check_outside_checkpoints(Path(cfg.xla.compile_cache), "compile cache")
+    return Path(cfg.xla.compile_cache)
 
 
 # What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
@@ -69,6 +72,7 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
     """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
         path = Path(cfg.run_dir)
+        check_outside_checkpoints(path, "run dir")
         if path.exists() and not path.is_dir():
             raise ShardError(f"run dir {path} is a file; choose another --run-dir")
         above = next((p for p in path.absolute().parents if p.exists()), None)  # None: path is /

@@ -507,6 +507,21 @@ def test_export_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path):
         sorted(p.name for p in ckpts.directory.iterdir())
 
 
+@pytest.mark.parametrize("flag, label", [("--run-dir", "run dir"), ("--compile-cache", "compile cache")])
+def test_a_train_writing_into_a_runs_checkpoints_folder_is_refused(reference, tmp_path, flag, label):
+    """The run's next resume would read the folder as its newest checkpoint and set it aside as corrupt."""
+    _, _, _, ckpts = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ckpts.directory.parent, run_dir)
+    inside = run_dir / CHECKPOINTS_DIR / "11"
+    extra = [] if flag == "--run-dir" else ["--run-dir", str(tmp_path / "other")]
+    result = invoke("train", *TINY, flag, str(inside), *extra)
+    assert result.exit_code == 2, result.output
+    assert f"{label} {inside} is in the checkpoints folder of the run in {run_dir}" in result.output, result.output
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS_DIR).iterdir()) == \
+        sorted(p.name for p in ckpts.directory.iterdir())
+
+
 # -- the CLI's bad inputs: each one line, exit 2, nothing deleted --------------------------------------
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32", "--mesh", "2x4"]

@@ -54,8 +54,8 @@ def _configure_orbax() -> None:
         min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
     _drop_closed_loop_callbacks()
     for name in ("absl", "asyncio"):
-        if _orbax_thread_tracebacks not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_orbax_thread_tracebacks)
+        if _orbax_noise not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_orbax_noise)
     with _absl_quiet():  # not the "overriding jax.Array" warning
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
@@ -75,16 +75,24 @@ def _absl_quiet():
 _ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"  # in the path of orbax's own files
 
 
-def _orbax_thread_tracebacks(record: logging.LogRecord) -> bool:
+def _orbax_noise(record: logging.LogRecord) -> bool:
     """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
     disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
     where the CLI reports it in one line. Also asyncio's "Task exception was never retrieved" for an
     orbax write task that failed beside the one reported (logged when the task is collected, after the
-    error line)."""
+    error line). And orbax's notes on reading a damaged checkpoint (_ORBAX_READ_NOTES)."""
     if record.name == "asyncio":
         message = record.getMessage()
         return not (message.startswith("Task exception was never retrieved") and _ORBAX_SOURCE in message)
-    return not (record.exc_info and _ORBAX_SOURCE in record.pathname)
+    if _ORBAX_SOURCE not in record.pathname:
+        return True
+    return not (record.exc_info or record.getMessage().startswith(_ORBAX_READ_NOTES))
+
+
+# What orbax logs on reading a damaged checkpoint (or a folder that is none), before the error that shard
+# reports in one line with the path and what is wrong: dropped, so that line is all that is printed.
+_ORBAX_READ_NOTES = ('Item "', "Metadata file does not exist", "Failed to read Metadata file",
+                     "Failed to json parse Metadata file")
 
 
 def _drop_closed_loop_callbacks() -> None:

@@ -229,26 +229,34 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
     assert "model.remat=full" in str(user_error(MemoryError(), "train"))
 
 
-def test_orbax_thread_tracebacks_are_dropped_from_the_log():
+def test_orbax_noise_are_dropped_from_the_log():
     import logging
 
-    from shard.checkpoint import _orbax_thread_tracebacks
+    from shard.checkpoint import _orbax_noise
 
     def record(path, exc_info):
         return logging.LogRecord("absl", logging.ERROR, path, 1, "save failed", None, exc_info)
 
     failed = (ValueError, ValueError("x"), None)
-    assert not _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", failed))
-    assert _orbax_thread_tracebacks(record("/site-packages/orbax/checkpoint/_src/x.py", None))  # a message alone
-    assert _orbax_thread_tracebacks(record("/site-packages/jax/x.py", failed))
+    assert not _orbax_noise(record("/site-packages/orbax/checkpoint/_src/x.py", failed))
+    assert _orbax_noise(record("/site-packages/orbax/checkpoint/_src/x.py", None))  # a message alone
+    assert _orbax_noise(record("/site-packages/jax/x.py", failed))
 
     def task(coro_file):  # asyncio's report of a task collected with its exception unread
         msg = (f"Task exception was never retrieved\nfuture: <Task finished coro=<write() defined at {coro_file}:126> "
                "exception=ValueError('No space left on device')>")
         return logging.LogRecord("asyncio", logging.ERROR, "/lib/asyncio/base_events.py", 1, msg, None, failed)
 
-    assert not _orbax_thread_tracebacks(task("/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
-    assert _orbax_thread_tracebacks(task("/work/mine.py"))
+    assert not _orbax_noise(task("/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
+    assert _orbax_noise(task("/work/mine.py"))
+
+    def note(message):  # what orbax logs on reading a damaged checkpoint, before shard's one-line error
+        return logging.LogRecord("absl", logging.WARNING, "/site-packages/orbax/checkpoint/_src/m.py", 1, message,
+                                 None, None)
+
+    assert not _orbax_noise(note('Item "state" was found in the checkpoint, but could not be restored.'))
+    assert not _orbax_noise(note("Failed to json parse Metadata file: /r/checkpoints/2/_CHECKPOINT_METADATA"))
+    assert _orbax_noise(note("Saving checkpoint at step 2"))
 
 
 def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():

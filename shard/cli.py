@@ -25,7 +25,7 @@ from shard.console import console, err_console, human_bytes, param_count, short_
 from shard.paths import (CHECKPOINTS_DIR, RunDirLock, check_fresh_out, check_outside_checkpoints, globless,
                          write_text_atomic, written_whole)
 from shard.progress import ConsoleProgress
-from shard.resume import init_from_base, restore_source, resume_base, resume_changes
+from shard.resume import check_hf_model_is_preset, init_from_base, restore_source, resume_base, resume_changes
 from shard.run_dir import (choose_run_dir, compile_cache_dir, continue_command, forget_unstarted_run, holds_run,
                            start_files)
 
@@ -327,8 +327,12 @@ def train(
         run_dir=run_dir, simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
         checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host, failure_timeout=failure_timeout,
         eval_every=eval_every, init_from=init_from))
+    from shard.hf import is_hf_dir
+
     saved_name = (base or {}).get("model", {}).get("name")
-    if saved_name and cfg.model.name != saved_name:
+    if saved_name and cfg.model.name != saved_name and weights and not resumed and is_hf_dir(weights):
+        check_hf_model_is_preset(weights, base["model"], cfg.model.name)  # no error: the preset's name it is
+    elif saved_name and cfg.model.name != saved_name:
         source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
             f"init_from {weights} holds a {saved_name} model"
         raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
@@ -911,7 +915,7 @@ def import_hf(
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
-    from shard.weights import is_hf_dir
+    from shard.hf import is_hf_dir
 
     if not is_hf_dir(hf_dir):
         what = "does not exist" if not hf_dir.exists() else "is a file" if not hf_dir.is_dir() else \

@@ -22,6 +22,11 @@ SUPPORTED_TYPES = ("llama",)
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
 
 
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model folder: one with a config.json."""
+    return (Path(path) / "config.json").is_file()
+
+
 def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
     kind = hf.get("model_type")
@@ -258,8 +263,6 @@ def side_files_of(source: str | Path) -> Path | None:
     """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
     of a shard checkpoint's run dir; None when there is none."""
     from shard.checkpoint import find_checkpoint
-    from shard.weights import is_hf_dir
-
     if is_hf_dir(source):
         return Path(source)
     side = find_checkpoint(source)[0].parent / SIDE_DIR

@@ -134,6 +134,26 @@ def init_from_base(source: str) -> dict:
     raise ShardError(f"--init-from: checkpoint {directory / str(step)} holds no readable config")
 
 
+# What a Hugging Face config.json decides of a model (shard.hf.config_from_hf); the rest is how to run it.
+HF_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+                   "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "n_experts")
+
+
+def check_hf_model_is_preset(source: str, hf_model: dict, name: str) -> None:
+    """`--init-from HF_FOLDER --model NAME`: the folder's model (named after the folder) may be called
+    by a preset's name where it is that preset's model; else a one-line error says how they differ."""
+    from shard.models.configs import PRESETS
+
+    if name not in PRESETS:
+        raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)}); leave out --model to use the "
+                         f"model of {source}")
+    preset = dataclasses.asdict(PRESETS[name])
+    for key in HF_MODEL_FIELDS:
+        if hf_model[key] != preset[key]:
+            raise ShardError(f"init_from {source} is another model than {name} (model.{key} is {hf_model[key]!r} "
+                             f"there, {preset[key]!r} in {name}); leave out --model to use its own")
+
+
 def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:
     """The config a resumed run starts from: the one saved in its run dir (flags still override it).
     With --allow-fresh a run dir that doesn't exist yet is a first start."""

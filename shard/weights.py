@@ -11,12 +11,9 @@ from shard import config as config_mod
 from shard import tomlfiles
 from shard.config import TrainConfig
 from shard.errors import ShardError
+from shard.hf import is_hf_dir
 from shard.models.configs import ModelConfig
 from shard.state import StateSpec
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    return (Path(path) / "config.json").is_file()
 
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:

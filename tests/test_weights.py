@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from shard import hf, models
+from shard import config, hf, models
 from shard.cli import app
 from shard.errors import ShardError
 from shard.models.configs import PRESETS
@@ -85,6 +85,21 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     assert fresh.exit_code == 0, fresh.output
     other = json.loads((tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] != other["loss"]
+
+
+def test_a_hugging_face_folder_takes_a_presets_name_only_where_it_is_that_model(hf_dir, tmp_path):
+    """Its model is named after the folder; --model may name the preset it is, and nothing else."""
+    other = invoke("train", "--init-from", hf_dir, "--model", "tiny", "--steps", 1, "--run-dir", tmp_path / "a")
+    assert other.exit_code == 2 and len(other.output.strip().splitlines()) == 1, other.output
+    assert f"init_from {hf_dir} is another model than tiny (model.n_kv_heads is 4 there, " in other.output
+    assert not (tmp_path / "a").exists()
+    tiny = tmp_path / "tiny-export"
+    hf.write_hf_dir(str(tiny), PRESETS["tiny"],
+                    jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(PRESETS["tiny"], seed=3)))))
+    same = invoke("train", "--init-from", tiny, "--model", "tiny", "--steps", 1, "--batch", 8, "--seq", 32,
+                  "--run-dir", tmp_path / "b")
+    assert same.exit_code == 0, same.output
+    assert config.resolve(config.load_file(str(tmp_path / "b" / "config.toml"))).model.name == "tiny"
 
 
 def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
@@ -325,7 +340,6 @@ def test_a_checkpoint_without_its_array_metadata_is_one_line(imported, tmp_path,
 def test_init_from_is_saved_in_the_config_and_a_resume_prefers_its_own_checkpoint(imported, tmp_path):
     """--init-from was recorded nowhere: a run started from a fine-tune's config.toml began from random
     weights. And --init-from with --resume was refused, so a preemptible fine-tune needed two commands."""
-    from shard import config
 
     run, source = tmp_path / "ft", tmp_path / "source"
     shutil.copytree(imported, source)

@@ -52,7 +52,7 @@ class Evaluator:
         self.cfg = cfg
         self.group = distributed.process_set(range(n), name="eval")
         self.step = make_eval_step(run.spec, run.layout)
-        dataset = eval_samples(cfg)
+        dataset = run.eval_data if run.eval_data is not None else eval_samples(cfg)
         if ctx.mode == distributed.MPI:
             rows = eval_rows(cfg, n, run.layout)
             offset = self.group.rank * rows if self.group.includes() else 0

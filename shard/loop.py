@@ -26,7 +26,7 @@ from shard import distributed
 from shard.analysis import compile_step, memory_of
 from shard.config import GuardConfig, TrainConfig
 from shard.costs import mfu_flops_per_token
-from shard.data import BatchStream, training_samples
+from shard.data import BatchStream, eval_samples, training_samples
 from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
@@ -57,6 +57,7 @@ class Run:
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
     trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
     held_out_since: int | None = None  # kept in each checkpoint: see shard.checkpoint.Restored
+    eval_data: object = None  # the held-out Samples with eval.every (read before compiling: a bad eval.path fails first)
 
     @property
     def at_step(self) -> int:
@@ -143,7 +144,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset = training_samples(cfg)
+    dataset, eval_data = training_samples(cfg), _eval_data(cfg)
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -168,7 +169,14 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=tokens_before, held_out_since=since)
+               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
+
+
+def _eval_data(cfg: TrainConfig):
+    """The held-out samples an evaluating run reads, or None without evaluation."""
+    if not cfg.eval.every:
+        return None
+    return eval_samples(cfg)
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
@@ -200,7 +208,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset = training_samples(cfg)
+    dataset, eval_data = training_samples(cfg), _eval_data(cfg)
     init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
@@ -209,7 +217,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
-               tokens_before=tokens_before, held_out_since=since)
+               tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
 
 def _first_state(cfg: TrainConfig, spec: StateSpec, init: Callable[[], dict] | None,

@@ -391,6 +391,16 @@ def test_hidden_leftovers_do_not_make_a_run_dir_foreign_and_a_missing_eval_path_
     assert ok.exit_code == 0, ok.output
 
 
+def test_an_empty_eval_path_is_refused_before_the_step_compiles_and_leaves_no_run(tmp_path):
+    """It was read at the first evaluation, after step 1 was logged and saved: a run left to --resume."""
+    (tmp_path / "empty.txt").write_text("")
+    run = tmp_path / "run"
+    r = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--eval-every", "1",
+               "--set", f"eval.path={tmp_path / 'empty.txt'}", "--compile-cache", "none")
+    assert r.exit_code == 2 and "empty.txt is empty" in r.output, r.output
+    assert "compiled" not in r.output and not run.exists()
+
+
 def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():
     """Flags went through JSON text into TOML: `--run-dir runs/😀` became a quoted, escaped string. A mesh
     given as a TOML path made the default run dir several nested folders."""

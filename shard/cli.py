@@ -808,7 +808,11 @@ def generate(
         else:
             print(ByteTokenizer().decode(p), end="", flush=True)
             emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731, B023 - used in this loop turn
-        gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
+        try:
+            gen.generate(p, max_new_tokens, sampling, seed=seed + n, on_token=emit)
+        except BaseException:  # out of memory, Ctrl-C: the error line starts on a line of its own
+            print(flush=True)
+            raise
         print("" if ids else decoder.decode(b"", final=True), flush=True)  # an unfinished character: U+FFFD
 
 

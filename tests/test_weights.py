@@ -161,6 +161,20 @@ def test_bad_generate_input(imported, args, message):
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
+def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):
+    """The prompt is printed first, without a newline; the out-of-memory error was appended to it."""
+    from shard.generate import Generator
+
+    def out_of_memory(self, prompt, *args, on_token=None, **kwargs):
+        on_token(ord("!"))
+        raise MemoryError()
+
+    monkeypatch.setattr(Generator, "generate", out_of_memory)
+    r = invoke("generate", "--checkpoint", imported, "--max-new-tokens", 2, "--mesh", "8x1", "--prompt", "Hi")
+    assert r.exit_code == 2 and r.output.splitlines()[0] == "Hi!", r.output
+    assert r.output.splitlines()[1].startswith("error: out of memory"), r.output
+
+
 def test_a_prompts_file_has_one_prompt_per_newline(tmp_path):
     """str.splitlines also split at form feeds (common in Python source) and other separators."""
     from shard.cli import _prompt_texts

@@ -1,6 +1,7 @@
 """A run's directory: where a run writes, whether a folder already holds one, what a failed start
 leaves behind, and the command that continues it. No JAX: the CLI checks these before devices start."""
 
+import os
 import re
 import shlex
 import shutil
@@ -109,7 +110,28 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{cfg.model.name}-{mesh_label(mesh_spec.source)}-{stamp}"
+    check_writable(path)
     return path
+
+
+def check_writable(path: Path) -> None:
+    """Write a file in the run dir and take it away again, with any folders made for it, so a run dir
+    that can't be written (read-only, no permission, /proc) fails before the devices start and the step
+    compiles, and a start that fails leaves no trace."""
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    probe = path / f".shard-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ShardError(f"run dir {path} can't be written ({e.strerror or e}); choose another --run-dir") from None
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def mesh_label(source: str) -> str:

@@ -3,6 +3,7 @@
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -399,6 +400,14 @@ def test_an_empty_eval_path_is_refused_before_the_step_compiles_and_leaves_no_ru
                "--set", f"eval.path={tmp_path / 'empty.txt'}", "--compile-cache", "none")
     assert r.exit_code == 2 and "empty.txt is empty" in r.output, r.output
     assert "compiled" not in r.output and not run.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+def test_a_run_dir_that_cant_be_written_is_named_before_devices_start(tmp_path):
+    r = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", "/proc/shard-test-run")
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "run dir /proc/shard-test-run can't be written (No such file or directory); choose another --run-dir" \
+        in r.output
 
 
 def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():

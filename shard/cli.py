@@ -228,6 +228,9 @@ def _init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) 
     """The weights a start is told to begin from, as the config will hold them: --set over --init-from
     over the --config file."""
     from_sets = config_mod.parse_sets(sets or []).get("init_from")
+    if isinstance(from_sets, dict):
+        raise ShardError(f"config key 'init_from' is a value, not a section, so 'init_from.{next(iter(from_sets))}' "
+                         "is not a key")
     if from_sets is not None:
         return str(from_sets)
     if flag is not None:

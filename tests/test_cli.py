@@ -34,6 +34,8 @@ def invoke(*args):
     (["--mesh", "8x1", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: it needs an NVIDIA GPU"),
     (["--mesh", "cp", "--set", "model.attention=cudnn"], "model.attention=cudnn can't run here: context parallelism"),
     (["--set", "model=3"], "config key 'model' is a section"),
+    (["--set", "model.name.x=1"], "config key model.name expects str, got {'x': 1}"),  # was a TypeError traceback
+    (["--set", "init_from.x=1"], "config key 'init_from' is a value, not a section, so 'init_from.x' is not a key"),
     (["--seed", "-1"], "seed must be between 0 and 2**32-1, got -1"),
     (["--simulate-devices", "-1"], "--simulate-devices must be positive"),
     (["--run-dir", ""], "empty --run-dir"),

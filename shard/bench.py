@@ -63,7 +63,8 @@ def measure(mesh, kind: str, axis: str, size: int, iters: int = 5, warmup: int =
     t = statistics.median(times)
     moved = elems * 4 * (n if kind == "all-gather" else 1)
     algbw = moved / t / 1e9
-    return {"kind": kind, "axis": axis, "devices": n, "size_bytes": moved, "time_us": round(t * 1e6, 2),
+    return {"kind": kind, "axis": axis, "devices": n, "size_bytes": moved, "asked_bytes": size,
+            "time_us": round(t * 1e6, 2),
             "algbw_gbps": _sig(algbw), "busbw_gbps": _sig(algbw * wire_bytes(kind, 1.0, n))}
 
 

@@ -684,13 +684,18 @@ def bench_collectives(
     from shard.mesh import build_mesh
 
     jmesh = build_mesh(mesh_spec, devices)
-    table = None
+    table, noted = None, []
     if not as_json:
         table = Table(title="collectives (nccl-tests conventions; GB/s = 1e9 B/s)")
         for col in ("collective", "axis", "n", "size", "time", "algbw GB/s", "busbw GB/s"):
             table.add_column(col, justify="left" if col in ("collective", "axis") else "right")
 
     def show(r):
+        if r["size_bytes"] != r["asked_bytes"] and not noted:  # whole float32s, at least one per device
+            noted.append(r)
+            err_console.print(f"[yellow]sizes are rounded to whole float32 elements, at least one per device of "
+                              f"the axis: {human_bytes(r['asked_bytes'])} asked, {human_bytes(r['size_bytes'])} "
+                              f"measured ({r['kind']} over {r['axis']})[/yellow]", soft_wrap=True)
         if as_json:
             print(json.dumps(r), flush=True)
         else:

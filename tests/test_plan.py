@@ -211,6 +211,16 @@ def test_bench_collectives_json():
     assert ar["busbw_gbps"] == pytest.approx(ar["algbw_gbps"] * 2 * 3 / 4, rel=1e-3)
 
 
+def test_bench_says_when_it_measures_another_size_than_asked():
+    """A float32 per device at least: 3 bytes over 2 devices is 8; it was measured in silence."""
+    r = invoke("bench", "collectives", "--mesh", "2x4", "--kind", "all-reduce", "--min-size", "3", "--max-size", "5",
+               "--iters", "1", "--json")
+    assert r.exit_code == 0, r.output
+    assert "sizes are rounded to whole float32 elements, at least one per device of the axis: 3 B asked, 8 B " \
+           "measured (all-reduce over data)" in r.output
+    assert r.output.count("sizes are rounded") == 1
+
+
 def test_bench_rejects_no_timed_runs():
     r = invoke("bench", "collectives", "--mesh", "4", "--iters", "0")
     assert r.exit_code == 2 and "--iters must be positive" in r.output, r.output

@@ -740,6 +740,9 @@ def report(
         if r["skipped_lines"]:
             err_console.print(f"[yellow]{escape(r['run'])}: skipped {r['skipped_lines']} line(s) of metrics.jsonl that "
                               "are not complete records (a run killed mid-write?)[/yellow]", soft_wrap=True)
+        if r["config_problem"]:
+            err_console.print(f"[yellow]{escape(r['run'])}: {escape(r['config_problem'])}, so its model and layout "
+                              "are shown as ?[/yellow]", soft_wrap=True)
     console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
 
 

@@ -22,16 +22,20 @@ def load_run(run_dir: str) -> dict:
     if not complete:
         raise ShardError(f"{run_dir}: metrics.jsonl holds no complete record"
                          + (f" ({skipped} unreadable line(s))" if skipped else ""))
+    config_problem = None if config.is_file() else "no config.toml"
     try:
         cfg = tomllib.loads(config.read_text()) if config.is_file() else {}
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
-        cfg = {}  # the layout is then shown as "?"
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        cfg, config_problem = {}, f"config.toml is not valid TOML ({e})"
+    if not isinstance(cfg.get("model", {}), dict) or not isinstance(cfg.get("mesh", {}), dict):
+        cfg, config_problem = {}, "config.toml's [model] or [mesh] is not a table"
     model = cfg.get("model", {}).get("name", "?")
     # a mesh file is saved absolute: its name says enough
     mesh = rename_mesh_file(str(cfg.get("mesh", {}).get("spec", "?")), lambda path: path.name)
     trained, latest_start = as_trained(complete)
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
-            "records": trained, "latest_start": latest_start, "skipped_lines": skipped}
+            "records": trained, "latest_start": latest_start, "skipped_lines": skipped,
+            "config_problem": config_problem}  # the model and layout are then shown as "?"
 
 
 def as_trained(records: list[dict]) -> tuple[list[dict], int]:
@@ -70,6 +74,7 @@ def summary_row(run: dict) -> dict:
         "final_loss": recs[-1]["loss"], "median_tokens_per_s": statistics.median(tps),
         "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
+        "config_problem": run.get("config_problem"),
     }
 
 

@@ -235,6 +235,20 @@ def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_pa
     assert r.exit_code == 2 and "is a file" in r.output
 
 
+@pytest.mark.parametrize("config, problem", [
+    ("[model\n", "config.toml is not valid TOML"), ("model = 3\n", "config.toml's [model] or [mesh] is not a table"),
+    (None, "no config.toml")])
+def test_a_run_whose_config_cant_be_read_is_reported_with_a_note(tmp_path, config, problem):
+    _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5])
+    if config is None:
+        (tmp_path / "a" / "config.toml").unlink()
+    else:
+        (tmp_path / "a" / "config.toml").write_text(config)
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert f"{problem}" in r.output and "so its model and layout are shown as ?" in r.output, r.output
+
+
 def test_report_on_a_directory_that_is_not_a_run(tmp_path):
     r = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert r.exit_code == 2 and "not a run directory" in r.output

@@ -77,7 +77,8 @@ def _read_token_file(path: Path) -> np.ndarray:
 
 def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
     """A data folder's token files (.npy/.bin) and its other files, sorted; not those under hidden
-    folders (.git/, .cache/) or __pycache__/. Linked folders are followed (each real folder once).
+    folders (.git/, .cache/) or __pycache__/. Linked folders are followed (each real folder once); a
+    link to nothing is an error, not a file left out in silence.
     Token files win: the others are read only when there are none."""
     files, seen = [], set()
     for root, dirs, names in os.walk(folder, followlinks=True):
@@ -87,7 +88,10 @@ def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
             continue
         seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")  # the same on every host
-        files += [Path(root, n) for n in names if not n.startswith(".") and Path(root, n).is_file()]
+        visible = [Path(root, n) for n in names if not n.startswith(".")]
+        if broken := next((f for f in visible if f.is_symlink() and not f.exists()), None):  # data gone missing
+            raise ShardError(f"data folder {folder}: {broken} links to {os.readlink(broken)}, which does not exist")
+        files += [f for f in visible if f.is_file()]
     files.sort()
     return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
 

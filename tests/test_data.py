@@ -109,6 +109,16 @@ def test_a_linked_folder_is_read_once_and_a_loop_ends(tmp_path):
     assert load_tokens(str(tmp_path / "data"), 256) is not before
 
 
+def test_a_link_to_nothing_in_a_data_folder_is_named(tmp_path):
+    """It was left out in silence: a shard whose disk was not mounted trained on the rest."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("here")
+    (tmp_path / "data" / "b.txt").symlink_to(tmp_path / "unmounted" / "b.txt")
+    with pytest.raises(ShardError, match=f"data folder {tmp_path / 'data'}: {tmp_path / 'data' / 'b.txt'} links to "
+                                         f"{tmp_path / 'unmounted' / 'b.txt'}, which does not exist"):
+        load_tokens(str(tmp_path / "data"), 256)
+
+
 def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_path):
     """uint8 token files were taken for bytes of text (refused under 256 ids); the largest seed made the
     evaluation's seed + 1 fall outside grain's range."""

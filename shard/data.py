@@ -371,7 +371,10 @@ def eval_samples(cfg) -> Samples:
     """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
     seed = (cfg.seed + 1) % 2**32  # another order than training's, within grain's seed range
     if cfg.eval.path:
-        return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed)
+        try:
+            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed)
+        except ShardError as e:  # said as the held-out data's, not the training data's
+            raise ShardError(f"eval.path: {e}") from None
     return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, seed,
                           holdout=cfg.eval.holdout, part="eval")
 

@@ -400,7 +400,7 @@ def test_an_empty_eval_path_is_refused_before_the_step_compiles_and_leaves_no_ru
     run = tmp_path / "run"
     r = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--eval-every", "1",
                "--set", f"eval.path={tmp_path / 'empty.txt'}", "--compile-cache", "none")
-    assert r.exit_code == 2 and "empty.txt is empty" in r.output, r.output
+    assert r.exit_code == 2 and f"eval.path: data path {tmp_path / 'empty.txt'} is empty" in r.output, r.output
     assert "compiled" not in r.output and not run.exists()
 
 

@@ -32,7 +32,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from shard import distributed
 from shard.config import CheckpointConfig
 from shard.errors import ShardError, first_line, out_of_memory
-from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless
+from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
 from shard.rules import path_str
 from shard.state import StateSpec
 
@@ -565,10 +565,6 @@ def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
     except BaseException:  # a bad checkpoint, a full disk: nothing of the export left behind
         for partial in out.parent.glob(f"{out.name}{TMP_MARK}*"):
             shutil.rmtree(partial, ignore_errors=True)
-        for folder in made[1:]:  # the folders made for it, while empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made_folders(made[1:])  # the folders made for it
         raise
     return out, step

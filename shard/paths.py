@@ -53,12 +53,17 @@ def written_whole(out: Path) -> Iterator[Path]:
         partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made_folders(made)
         raise
+
+
+def remove_made_folders(made: list[Path]) -> None:
+    """Take away the folders a failed write made (deepest first), while they are empty."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from shard import config as config_mod
 from shard.errors import ShardError
 from shard.mesh import MeshSpec, rename_mesh_file
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_outside_checkpoints
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_outside_checkpoints, remove_made_folders
 
 
 def compile_cache_dir(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
@@ -127,11 +127,7 @@ def check_writable(path: Path) -> None:
     except OSError as e:
         raise ShardError(f"run dir {path} can't be written ({e.strerror or e}); choose another --run-dir") from None
     finally:
-        for folder in made:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made_folders(made)
 
 
 def mesh_label(source: str) -> str:

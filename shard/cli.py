@@ -333,12 +333,13 @@ def train(
     from shard.hf import is_hf_dir
 
     saved_name = (base or {}).get("model", {}).get("name")
-    if saved_name and cfg.model.name != saved_name and weights and not resumed and is_hf_dir(weights):
-        check_hf_model_is_preset(weights, base["model"], cfg.model.name)  # no error: the preset's name it is
-    elif saved_name and cfg.model.name != saved_name:
-        source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
-            f"init_from {weights} holds a {saved_name} model"
-        raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
+    if saved_name and cfg.model.name != saved_name:
+        if weights and not resumed and is_hf_dir(weights):  # a folder's model is named after the folder
+            check_hf_model_is_preset(weights, base["model"], cfg.model.name)  # no error: the preset's name it is
+        else:
+            source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
+                f"init_from {weights} holds a {saved_name} model"
+            raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
     distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == distributed.MPI:
         err_console.print("[yellow]--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), "

@@ -314,10 +314,7 @@ def check_types(overrides: dict) -> None:
     """Each key a config file sets is a known key of the right type, checked on the file alone: a flag
     that later overrides the same key must not hide a wrong value in the file. Rules between keys wait
     for the whole config (resolve), since flags may complete it."""
-    model = overrides.get("model", {})
-    if not isinstance(model, dict):
-        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
-    _build(ModelConfig, model, "model.")
+    _build(ModelConfig, _model_section(overrides), "model.")
     _build(TrainConfig, {k: v for k, v in overrides.items() if k != "model"}, "")
 
 
@@ -384,12 +381,16 @@ def _build(cls, overrides: dict, prefix: str, base=None):
     return dataclasses.replace(base, **changes)
 
 
+def _model_section(overrides: dict) -> dict:
+    model = overrides.get("model", {})
+    if not isinstance(model, dict):
+        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
+    return model
+
+
 def resolve(overrides: dict) -> TrainConfig:
     """The validated config from user overrides; `model.name` picks the preset the other model keys amend."""
-    model_over = overrides.get("model", {})
-    if not isinstance(model_over, dict):
-        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
-    model_over = dict(model_over)
+    model_over = dict(_model_section(overrides))
     name = _coerce(model_over.get("name", TrainConfig().model.name), str, "model.name")
     complete = set(model_over) >= set(field_names())
     if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset

@@ -121,7 +121,7 @@ def init_from_base(source: str) -> dict:
     path = Path(source)
     if not path.exists():
         raise ShardError(f"--init-from: {source} does not exist")
-    if (path / "config.json").is_file():
+    if hf.is_hf_dir(path):
         cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
         return {"model": dataclasses.asdict(cfg)}
     directory, step = find_checkpoint(path)

@@ -59,16 +59,21 @@ class StepAnalysis:
         }
 
 
-def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):
-    """The AOT-compiled train step for this config and layout (and state `spec`, built here when not
-    given), from abstract shapes only; `compiler_options` override XLA_FLAGS for this compile."""
+def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
+    """The train step for this config and layout (and state `spec`, built here when not given), lowered
+    from abstract shapes only."""
     from shard.state import state_spec
-    from shard.step import abstract_batch, make_train_step
+    from shard.step import abstract_batch, abstract_schedule_inputs, jit_train_step
 
     spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    jitted = make_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
-    return jitted.lower(spec.abstract_with_shardings(),
-                        abstract_batch(layout, cfg.data.batch, cfg.data.seq_len)).compile(compiler_options)
+    jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
+    return jitted.lower(spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len),
+                        abstract_schedule_inputs(spec, layout))
+
+
+def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):
+    """The AOT-compiled train step (`lower_step`'s); `compiler_options` override XLA_FLAGS for this compile."""
+    return lower_step(cfg, layout, spec).compile(compiler_options)
 
 
 def memory_of(compiled) -> dict[str, int]:

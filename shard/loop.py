@@ -31,7 +31,7 @@ from shard.errors import DivergenceError, ShardError
 from shard.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
 from shard.rules import Layout
 from shard.state import StateSpec, compile_init, init_state, state_spec
-from shard.step import batch_sharding, pipeline_stages
+from shard.step import batch_sharding, pipeline_stages, with_schedule
 
 # Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
@@ -168,7 +168,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, compiled, compile_s, memory_of(compiled), peak, hw,
+    return Run(cfg, layout, spec, state, stream, with_schedule(compiled, spec, layout), compile_s, memory_of(compiled), peak, hw,
                start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
 

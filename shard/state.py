@@ -4,10 +4,12 @@ Everything here is computed from shapes first (`jax.eval_shape`), so inspecting 
 nothing; the real init is one jit with out_shardings, so no device ever holds the whole model.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -30,6 +32,14 @@ class StateSpec:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     model: ModelConfig | None = None  # the hyperparameters the params were built with
+    # The schedule's numbers (peak and final lr, warm-up and decay steps), which the compiled step takes
+    # as arguments, and the (tx, schedule) built from them, traced or not; none for a tx of one's own.
+    schedule_args: dict = field(default_factory=dict)
+    optimizer_from: Callable[[dict], tuple] | None = None
+
+    def optimizer(self, args: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """(tx, schedule) with the schedule's numbers `args` (inside the step: its traced arguments)."""
+        return self.optimizer_from(args) if self.optimizer_from is not None else (self.tx, self.schedule)
 
     def abstract_with_shardings(self) -> dict:
         """The state as ShapeDtypeStructs that carry their shardings (for AOT lowering and restore)."""
@@ -74,13 +84,38 @@ def warmup_steps(opt: OptimizerConfig, total_steps: int) -> int:
     return min(opt.warmup_steps, max(total_steps - 1, 0))
 
 
+def schedule_args(opt: OptimizerConfig, total_steps: int) -> dict:
+    """The learning-rate schedule's numbers. The compiled step takes them as arguments, not as constants
+    of its program, so a run with another --steps or lr reads the same cached program."""
+    warmup = warmup_steps(opt, total_steps)
+    return {"peak": np.float32(opt.lr), "end": np.float32(opt.lr * opt.min_lr_ratio),
+            "warmup": np.int32(warmup), "decay": np.int32(max(total_steps, warmup + 1))}
+
+
+def warmup_cosine(args: dict) -> optax.Schedule:
+    """optax.warmup_cosine_decay_schedule's curve from `schedule_args`, in jnp arithmetic only, so its
+    numbers may be traced: linear from 0 to `peak` over `warmup` updates, then a cosine down to `end` at
+    `decay`, and `end` after."""
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        warmup, decay = jnp.asarray(args["warmup"], jnp.float32), jnp.asarray(args["decay"], jnp.float32)
+        peak, end = args["peak"], args["end"]
+        rising = peak * count / jnp.maximum(warmup, 1.0)
+        done = jnp.clip(count - warmup, 0.0, decay - warmup) / (decay - warmup)
+        falling = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+        return jnp.where(count < warmup, rising, falling)
+
+    return schedule
+
+
 def make_optimizer(opt: OptimizerConfig, total_steps: int):
     """AdamW (no decay on norms or vectors), warmup + cosine schedule, global-norm clipping."""
-    warmup = warmup_steps(opt, total_steps)
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=opt.lr * opt.min_lr_ratio,
-    )
+    return optimizer_with(opt, schedule_args(opt, total_steps))
+
+
+def optimizer_with(opt: OptimizerConfig, args: dict):
+    """make_optimizer's (tx, schedule) with the schedule's numbers `args` (schedule_args' or traced)."""
+    schedule = warmup_cosine(args)
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda p, x: x.ndim >= 2 and "norm" not in path_str(p), params)
@@ -109,8 +144,11 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     abstract_model = nnx.eval_shape(lambda: models.build(model_cfg))
     graphdef, model_state = nnx.split(abstract_model)
     logical = logical_axes_of(model_state, layout.regex_rules)
+    args, optimizer_from = {}, None
     if tx is None:
-        tx, schedule = make_optimizer(opt, total_steps)
+        args = schedule_args(opt, total_steps)
+        optimizer_from = lambda a: optimizer_with(opt, a)  # noqa: E731
+        tx, schedule = optimizer_from(args)
     elif schedule is None:
         raise ShardError("state_spec: an optimizer of one's own (tx) needs the schedule its learning rate "
                          "follows (optax.constant_schedule(lr) for a constant one)")
@@ -122,7 +160,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
         "params": p_shardings,
         "opt_state": like_params(abstract["opt_state"], abstract["params"], p_shardings, layout.mesh),
     }
-    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg)
+    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from)
 
 
 # The init runs once, so on CPU it is compiled without LLVM's optimisations: the same numbers, in a

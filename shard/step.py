@@ -1,8 +1,11 @@
 """One jitted SPMD train step: next-token loss, gradients (optionally accumulated over microbatches),
-the optax update. State is donated; input and output shardings are explicit."""
+the optax update. State is donated; input and output shardings are explicit. The learning-rate
+schedule's numbers are arguments of the step (`StateSpec.schedule_args`), so its program does not
+change with --steps or lr."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -111,13 +114,13 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                     pipe: PipelineConfig | None = None):
     """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
     summed next-token loss, token count and MoE auxiliary loss over the batch this program sees (not yet
-    normalised), and `apply(state, grads, nll, count, aux)` normalises by the count, updates and reports
-    metrics. The MPI bridge sums the first half's outputs across processes before the second.
+    normalised), and `apply(state, grads, nll, count, aux, args)` normalises by the count, updates with
+    the optimizer of the schedule's numbers `args` and reports metrics. The MPI bridge sums the first
+    half's outputs across processes before the second.
 
     With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
     """
-    tx, schedule = spec.tx, spec.schedule
     skip_bad = guard is not None and guard.action == "skip"
     grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
 
@@ -140,7 +143,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 aux = aux / microbatches
         return grads, nll, count, aux
 
-    def apply(state, grads, nll, count, aux):
+    def apply(state, grads, nll, count, aux, args):
+        tx, schedule = spec.optimizer(args)
         params = state["params"]
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
@@ -174,20 +178,48 @@ def schedule_count(opt_state, step: jax.Array) -> jax.Array:
 
 def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
                     pipe: PipelineConfig | None = None):
-    """The jitted step `(state, batch) -> (state, metrics)`; `state` is donated."""
+    """The step `(state, batch) -> (state, metrics)`, jitted once per batch shape; `state` is donated."""
+    return with_schedule(jit_train_step(spec, layout, microbatches, guard, pipe), spec, layout)
+
+
+def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                   pipe: PipelineConfig | None = None):
+    """make_train_step's program: the jitted `(state, batch, args) -> (state, metrics)`, `args` the
+    schedule's numbers (`schedule_inputs` places them); `state` is donated."""
     grad_sums, apply = make_step_parts(spec, layout, microbatches, guard, pipe)
 
-    def step(state, batch):
-        return apply(state, *grad_sums(state["params"], batch))
+    def step(state, batch, args):
+        return apply(state, *grad_sums(state["params"], batch), args)
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
     return jax.jit(
         step,
-        in_shardings=(spec.shardings, dict.fromkeys(BATCH_KEYS, data)),
+        in_shardings=(spec.shardings, dict.fromkeys(BATCH_KEYS, data), replicated),
         out_shardings=(spec.shardings, replicated),
         donate_argnums=0,
     )
+
+
+def schedule_inputs(spec: StateSpec, layout: Layout) -> dict:
+    """The schedule's numbers as arrays replicated over the mesh, placed once (every process holds the
+    same numbers, so each fills its own devices)."""
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return {k: jax.make_array_from_callback((), replicated, lambda _, v=v: np.asarray(v))
+            for k, v in spec.schedule_args.items()}
+
+
+def abstract_schedule_inputs(spec: StateSpec, layout: Layout) -> dict:
+    """schedule_inputs' shapes, for lowering."""
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return {k: jax.ShapeDtypeStruct((), np.asarray(v).dtype, sharding=replicated)
+            for k, v in spec.schedule_args.items()}
+
+
+def with_schedule(step, spec: StateSpec, layout: Layout):
+    """`step(state, batch, args)` as `(state, batch) -> (state, metrics)`, with this spec's schedule."""
+    args = schedule_inputs(spec, layout)
+    return lambda state, batch: step(state, batch, args)
 
 
 def make_eval_step(spec: StateSpec, layout: Layout):

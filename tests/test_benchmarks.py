@@ -29,6 +29,6 @@ def test_mfu_prints_a_line_per_remat_policy_with_xlas_remat_off(tmp_path):
 
 def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_counts(tmp_path):
     out = run("compile_time.py", "--big", "tiny", "--seq", "32", "--batch", "8", "--meshes", "dp", cwd=tmp_path)
-    assert re.search(r"tiny from the persistent cache: step [\d.]+s", out), out
+    assert re.search(r"tiny from the persistent cache \(5000 steps, not 1000\): step [\d.]+s", out), out
     for devices in (1, 8):
         assert f"tiny on {devices} device(s), mesh dp: step compile" in out, out

@@ -28,3 +28,18 @@ def test_a_new_process_reads_the_cached_program(tmp_path, user_setting, hits):
     # A hit adds nothing. With the partitioning callback's address in the key (JAX's default, kept when
     # the user sets it), every process misses and writes the program again.
     assert (second == first) is hits
+
+
+def test_another_length_or_learning_rate_lowers_to_the_same_step():
+    """The schedule's numbers are arguments of the step, not constants of its program, so a run with
+    another --steps, lr or warm-up reads the program the first one cached."""
+    from shard.analysis import lower_step
+    from shard.loop import make_layout
+    from shard.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+
+    programs = []
+    for steps, lr, warmup in ((2, 3e-4, 10), (500, 1e-3, 1)):
+        cfg = tiny_config("2x4", steps=steps, optimizer__lr=lr, optimizer__warmup_steps=warmup)
+        programs.append(lower_step(cfg, make_layout(cfg, parse_mesh("2x4"), devices_for("2x4"))).as_text())
+    assert programs[0] == programs[1]

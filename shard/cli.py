@@ -175,7 +175,10 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     from shard.devices import jax_started, request_host_devices
 
     if not jax_started():
-        xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
+        unknown = xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
+        if unknown:
+            err_console.print(f"[yellow]warning: this XLA does not know {', '.join(unknown)} (renamed or retired in "
+                              "this jaxlib): left out of shard's XLA flags[/yellow]", soft_wrap=True)
     n_proc = cluster.num_processes if cluster else 1
     needed = devices_needed(mesh_spec, DEFAULT_FILL_DEVICES * n_proc)
     if not cfg.mesh.simulate_devices and needed % n_proc:

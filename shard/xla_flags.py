@@ -1,10 +1,19 @@
 """XLA flags shard applies on GPUs, and the deterministic mode. Flags must be in XLA_FLAGS before JAX
-starts; a flag the user already set is never overridden. XLA aborts on unknown flags, so a test checks
-that every flag here exists in the installed jaxlib."""
+starts; a flag the user already set is never overridden. XLA aborts at start-up on a flag it does not
+know, and XLA renames and retires flags between releases, so a flag of these that the installed XLA
+does not know is left out, with a warning (`unknown_to_xla`); a test checks that every flag here exists
+in the jaxlib the tests run on."""
 
+import contextlib
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 # flag -> (value, what it does). Applied on GPU only.
 GPU_PRESET: dict[str, tuple[str, str]] = {
@@ -47,19 +56,99 @@ def gpu_expected() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
-def merged_flags(current: str, *, gpu: bool, gpu_preset: bool, deterministic: bool) -> str:
-    """`current` XLA_FLAGS plus the preset flags the user has not set themselves."""
+def added_flags(current: str, *, gpu: bool, gpu_preset: bool, deterministic: bool) -> list[str]:
+    """The preset flags ("--name=value") the user has not set themselves in `current` XLA_FLAGS."""
     wanted: dict[str, tuple[str, str]] = {}
     if gpu and gpu_preset:
         wanted |= GPU_PRESET
     if deterministic:
         wanted |= DETERMINISTIC
     present = set(re.findall(r"(--[\w]+)=?", current))
-    extra = [f"{flag}={value}" for flag, (value, _) in wanted.items() if flag not in present]
+    return [f"{flag}={value}" for flag, (value, _) in wanted.items() if flag not in present]
+
+
+def merged_flags(current: str, *, gpu: bool, gpu_preset: bool, deterministic: bool) -> str:
+    """`current` XLA_FLAGS plus the preset flags the user has not set themselves."""
+    extra = added_flags(current, gpu=gpu, gpu_preset=gpu_preset, deterministic=deterministic)
     return " ".join([current.strip(), *extra]).strip()
 
 
-def apply(*, gpu_preset: bool, deterministic: bool) -> None:
-    """Set XLA_FLAGS for this process (call before JAX starts)."""
-    os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), gpu=gpu_expected(),
-                                           gpu_preset=gpu_preset, deterministic=deterministic)
+def apply(*, gpu_preset: bool, deterministic: bool) -> list[str]:
+    """Set XLA_FLAGS for this process (call before JAX starts); returns the names of the preset flags
+    left out because the installed XLA does not know them. A GPU run asked to be deterministic whose
+    XLA lacks a deterministic flag is refused: without it the run would not be."""
+    current = os.environ.get("XLA_FLAGS", "")
+    gpu = gpu_expected()
+    extra = added_flags(current, gpu=gpu, gpu_preset=gpu_preset, deterministic=deterministic)
+    unknown = unknown_to_xla(extra) if extra else []
+    missing = [f for f in unknown if f in DETERMINISTIC]
+    if gpu and missing:
+        from shard.errors import ShardError
+
+        raise ShardError(f"xla.deterministic: this XLA does not know {', '.join(missing)}, so the run would "
+                         "not be deterministic; use a jaxlib that has it, or set xla.deterministic=false")
+    kept = [f for f in extra if f.split("=")[0] not in unknown]
+    os.environ["XLA_FLAGS"] = " ".join([current.strip(), *kept]).strip()
+    return unknown
+
+
+_PROBE = "import jax; jax.devices('cpu')"
+
+
+def unknown_to_xla(flags: list[str]) -> list[str]:
+    """The names of the flags ("--name=value") the installed XLA does not know. XLA parses its flags,
+    GPU ones included, when a backend starts, and aborts naming every unknown one: JAX is started on CPU
+    in a subprocess with these flags (about a second), once per jaxlib version and set of flags; the
+    answer is kept in the user's cache folder. [] when the probe fails for another reason: the run
+    itself will then say what is wrong."""
+    key = hashlib.sha256(" ".join([_versions(), *sorted(flags)]).encode()).hexdigest()[:16]
+    path = _cache_file()
+    known = _read_json(path)
+    if isinstance(known.get(key), list):
+        return known[key]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", r.stderr)
+    if r.returncode and not found:
+        return []
+    unknown = sorted({f.split("=")[0] for f in found.group(1).split()}) if found else []
+    _write_json(path, known | {key: unknown})
+    return unknown
+
+
+def _versions() -> str:
+    """The installed XLA, as the packages that bring it."""
+    out = []
+    for package in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out.append(f"{package}=={importlib.metadata.version(package)}")
+    return " ".join(out)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "shard" / "xla_flags.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Whole or not at all (several processes of one job may probe at once); a cache that can't be
+    written only costs the next start its probe."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)

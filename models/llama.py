@@ -95,38 +95,59 @@ class Llama(nnx.Module):
         params = nnx.to_pure_dict(nnx.state(self))
         if cache is None:
             return forward(self.cfg, params, tokens_bt)[0]
-        x_btd = embed_tokens(self.cfg, params, tokens_bt)
+        table = tied_table(self.cfg, params, tokens_bt)
+        x_btd = embed_tokens(self.cfg, params, tokens_bt, table)
         x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start)
-        return head_logits(self.cfg, params, x_btd), cache
+        return head_logits(self.cfg, params, x_btd, table), cache
 
 
 def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False) -> tuple[jax.Array, jax.Array]:
     """Logits and the summed auxiliary loss. `zigzag`: the tokens are in ring attention's load-balanced
     order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits."""
-    x_btd = embed_tokens(cfg, params, tokens_bt)
+    table = tied_table(cfg, params, tokens_bt)
+    x_btd = embed_tokens(cfg, params, tokens_bt, table)
     x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag)
-    return head_logits(cfg, params, x_btd), aux
+    return head_logits(cfg, params, x_btd, table), aux
+
+
+def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:
+    """A stored weight in the compute dtype and layout, cast where it is stored and then gathered
+    (FSDP), so the all-gather, and the reduce-scatter of its gradient, move compute-dtype bytes. Cast
+    and constrained to the compute layout alone, sharding propagation moved the cast after the gather,
+    which then moved float32 (tiny, fsdp=8, bfloat16: every all-gather float32)."""
+    if w.dtype == dtype:
+        return constrain(w, logical_axes)
+    return constrain(constrain(w.astype(dtype), logical_axes, param=True), logical_axes)
 
 
 def _table(cfg: ModelConfig, params: dict) -> jax.Array:
-    """The embedding table in its compute layout and dtype (FSDP: gathered once, in the compute dtype,
-    and shared by the lookup and the tied logits)."""
-    return constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED))
+    """The embedding table in its compute layout and dtype (FSDP: gathered in the compute dtype)."""
+    return compute_weight(params["embed"], (VOCAB, EMBED), compute_dtype(cfg))
 
 
-def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Array:
+def tied_table(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Array | None:
+    """With tied embeddings and a lookup that reads the compute-layout table, `_table` made once for the
+    lookup and the logits to share (made by each, it was cast twice and gathered twice); None otherwise
+    (made before the layers for the logits alone, it would be held through them)."""
+    if not cfg.tie_embeddings or _stored_lookup_split(cfg, tokens_bt):
+        return None
+    return _table(cfg, params)
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: jax.Array | None = None) -> jax.Array:
     """The token lookup. Under FSDP, when the tokens are fewer than the table's rows (a large vocab),
     it reads the table as stored instead of a gathered copy: each device holds a slice of the embed
     dim of every row, looks up the tokens of all the devices it shares that split with (the ids are
     small) in its slice, and the gradient scatters into that slice locally, with no full-table
     gradient to all-reduce (2 x 33 MB per device on the CPU reference config). Otherwise (a small
-    vocab, data or vocab parallel) it reads the compute-layout table of `_table`."""
+    vocab, data or vocab parallel) it reads the compute-layout table of `_table` (`table`, when given)."""
     split = _stored_lookup_split(cfg, tokens_bt)
     if split:
         table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
         x_btd = jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0)
     else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
-        x_btd = constrain(jnp.take(_table(cfg, params), tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
+        table = table if table is not None else _table(cfg, params)
+        x_btd = constrain(jnp.take(table, tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
     return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
 
 
@@ -156,7 +177,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
         # the router (its softmax is float32) keep their dtype
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
-        p = {k: constrain(v if k.endswith("norm") or k == "router" else v.astype(dtype), axes[k]) for k, v in p.items()}
+        p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
+             for k, v in p.items()}
         attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag)
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
@@ -173,14 +195,15 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     return (x_btd, jnp.sum(aux_l)) if cache is None else (x_btd, jnp.sum(aux_l), new_cache)
 
 
-def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array) -> jax.Array:
-    """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast)."""
+def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None) -> jax.Array:
+    """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast). Tied:
+    through `_table` (`table`, when given)."""
     dtype = compute_dtype(cfg)
     x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
     if cfg.tie_embeddings:
-        logits_btv = _logits_einsum("btd,vd->btv", x_btd, _table(cfg, params))
+        logits_btv = _logits_einsum("btd,vd->btv", x_btd, table if table is not None else _table(cfg, params))
     else:
-        w_dv = constrain(params["unembed"].astype(dtype), (EMBED, VOCAB))
+        w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
     return constrain(logits_btv, (BATCH, LENGTH, VOCAB))
 

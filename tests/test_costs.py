@@ -2,7 +2,10 @@
 parallel and their products, and the planner's memory and bytes per axis within 10% of what XLA compiles."""
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -289,3 +292,28 @@ def test_a_dimension_that_does_not_split_is_one_problem_however_many_parameters_
     problems = costs.LayoutShape.of(fsdp=3).divisibility_problems(PRESETS["tiny"], global_batch=6)
     assert len(problems) == 1 and re.fullmatch(r"dimension embed=64 does not split 3 ways \(\d+ parameters\)",
                                                problems[0]), problems
+
+
+def test_fsdp_gathers_each_weight_once_in_the_compute_dtype(tmp_path):
+    """A weight is cast where it is stored and then gathered, so under bfloat16 compute FSDP's all-gathers
+    move bfloat16, as the analytic minimum counts them (cast and gathered in one constraint, every one
+    moved float32: twice the bytes), and the tied table, shared by the lookup and the logits, is gathered
+    once. XLA:CPU widens bfloat16 collectives to float32 after partitioning, so the program is read as
+    the SPMD partitioner leaves it, which is what a GPU's compiler goes on with: dumped by a compile in a
+    process without the persistent cache (a hit compiles nothing, so dumps nothing)."""
+    code = ("import sys; from shard.testing import tiny_config; from shard.loop import make_layout; "
+            "from shard.mesh import parse_mesh; from shard.analysis import compile_step; "
+            "cfg = tiny_config('fsdp', model__compute_dtype='bfloat16'); "
+            "compile_step(cfg, make_layout(cfg, parse_mesh('fsdp')), compiler_options={'xla_dump_to': sys.argv[1], "
+            "'xla_dump_hlo_pass_re': 'spmd-partitioning'})")
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = next(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt")).read_text()
+    gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather\(", text)
+    # norm scales ([D], and [1, D] per scanned layer) stay float32
+    weights = [(dtype, dims) for dtype, dims in gathers if "," in dims and "1" not in dims.split(",")]
+    assert len(weights) >= 8 and {dtype for dtype, _ in weights} == {"bf16"}, weights
+    vocab, width = PRESETS["tiny"].vocab_size, PRESETS["tiny"].d_model
+    assert [dims for _, dims in weights].count(f"{vocab},{width}") == 1, weights

@@ -178,7 +178,9 @@ def schedule_count(opt_state, step: jax.Array) -> jax.Array:
 
 def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
                     pipe: PipelineConfig | None = None):
-    """The step `(state, batch) -> (state, metrics)`, jitted once per batch shape; `state` is donated."""
+    """The step `(state, batch) -> (state, metrics)`, jitted once per batch shape; `state` is donated.
+    A plain function around the jitted program: for `.lower` or `.trace`, take `jit_train_step` and pass
+    `schedule_inputs(spec, layout)` (or `abstract_schedule_inputs`) as its third argument."""
     return with_schedule(jit_train_step(spec, layout, microbatches, guard, pipe), spec, layout)
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # flag -> (value, what it does). Applied on GPU only.
@@ -99,16 +100,18 @@ def unknown_to_xla(flags: list[str]) -> list[str]:
     """The names of the flags ("--name=value") the installed XLA does not know. XLA parses its flags,
     GPU ones included, when a backend starts, and aborts naming every unknown one: JAX is started on CPU
     in a subprocess with these flags (about a second), once per jaxlib version and set of flags; the
-    answer is kept in the user's cache folder. [] when the probe fails for another reason: the run
-    itself will then say what is wrong."""
-    key = hashlib.sha256(" ".join([_versions(), *sorted(flags)]).encode()).hexdigest()[:16]
-    path = _cache_file()
-    known = _read_json(path)
+    answer is kept in the user's cache folder (not kept where there is none, or where the XLA's version
+    is unknown). [] when the probe fails for another reason or takes over a minute: the run itself will
+    then say what is wrong."""
+    versions = _versions()
+    key = hashlib.sha256(" ".join([versions, *sorted(flags)]).encode()).hexdigest()[:16]
+    path = _cache_file() if versions else None
+    known = _read_json(path) if path else {}
     if isinstance(known.get(key), list):
         return known[key]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     try:
-        r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300,
+        r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60,
                            check=False)
     except (OSError, subprocess.TimeoutExpired):
         return []
@@ -116,21 +119,28 @@ def unknown_to_xla(flags: list[str]) -> list[str]:
     if r.returncode and not found:
         return []
     unknown = sorted({f.split("=")[0] for f in found.group(1).split()}) if found else []
-    _write_json(path, known | {key: unknown})
+    if path:
+        _write_json(path, known | {key: unknown})
     return unknown
 
 
 def _versions() -> str:
     """The installed XLA, as the packages that bring it."""
     out = []
-    for package in ("jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin"):
+    for package in ("jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out.append(f"{package}=={importlib.metadata.version(package)}")
     return " ".join(out)
 
 
-def _cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+def _cache_file() -> Path | None:
+    """$XDG_CACHE_HOME/shard/xla_flags.json (~/.cache by default); None without a home folder."""
+    root = os.environ.get("XDG_CACHE_HOME")
+    if not root:
+        try:
+            root = Path.home() / ".cache"
+        except (RuntimeError, KeyError):  # no HOME, and a user id with no passwd entry
+            return None
     return Path(root) / "shard" / "xla_flags.json"
 
 
@@ -143,12 +153,16 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    """Whole or not at all (several processes of one job may probe at once); a cache that can't be
-    written only costs the next start its probe."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    """Whole or not at all (several processes of one job, on one host or sharing a home folder, may
+    probe at once); a cache that can't be written only costs the next start its probe."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, indent=1))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1))
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

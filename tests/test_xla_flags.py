@@ -62,3 +62,12 @@ def test_a_deterministic_gpu_run_needs_every_deterministic_flag(monkeypatch, tmp
         xla_flags.apply(gpu_preset=True, deterministic=True)
     monkeypatch.setattr(xla_flags, "gpu_expected", lambda: False)  # on CPU the deterministic flags do nothing
     assert xla_flags.apply(gpu_preset=True, deterministic=True) == ["--xla_gpu_retired_deterministic_flag"]
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_a_probe(monkeypatch, tmp_path):
+    (tmp_path / "shard").write_text("a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(xla_flags.GPU_PRESET, "--xla_gpu_retired_flag", ("true", ""))
+    flags = xla_flags.added_flags("", gpu=True, gpu_preset=True, deterministic=False)
+    assert xla_flags.unknown_to_xla(flags) == ["--xla_gpu_retired_flag"]
+    assert (tmp_path / "shard").is_file()

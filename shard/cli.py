@@ -174,11 +174,9 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     from shard import distributed, xla_flags
     from shard.devices import jax_started, request_host_devices
 
+    unknown = []
     if not jax_started():
         unknown = xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
-        if unknown:
-            err_console.print(f"[yellow]warning: this XLA does not know {', '.join(unknown)} (renamed or retired in "
-                              "this jaxlib): left out of shard's XLA flags[/yellow]", soft_wrap=True)
     n_proc = cluster.num_processes if cluster else 1
     needed = devices_needed(mesh_spec, DEFAULT_FILL_DEVICES * n_proc)
     if not cfg.mesh.simulate_devices and needed % n_proc:
@@ -202,6 +200,9 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     if compile_cache is not None:
         use_compile_cache(compile_cache)
     devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
+    if unknown and ctx.is_main:  # said once, not by every process
+        err_console.print(f"[yellow]warning: this XLA does not know {', '.join(unknown)} (renamed or retired in "
+                          "this jaxlib): left out of shard's XLA flags[/yellow]", soft_wrap=True)
     if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main and not cfg.mesh.simulate_devices:
         each = f" in each of {n_proc} processes" if n_proc > 1 else ""
         err_console.print(f"[dim]simulating {wanted} CPU devices{each} (XLA host platform); "

@@ -154,13 +154,21 @@ def stored_lookup_axes(vocab_size: int, tokens: float, sizes: dict[str, int], ru
     """Mesh axes (with sizes) over which the token lookup reads the embedding table as stored
     (models/llama.py): those that split the stored table's embed dim but not the activations' (FSDP),
     when the ids the devices of that split look up together, `tokens` over the batch ways that remain,
-    are fewer than each device's rows of the table. {} when the lookup reads a gathered table.
+    are fewer than each device's rows of the table, and when those of the split that split the batch
+    are its innermost axes. {} when the lookup reads a gathered table.
+
+    The looked-up rows go from the split to the batch layout by an all-to-all within each group of the
+    split only if each group's rows are its own block of the batch; with the split outside another batch
+    axis (fsdp=2,expert=4: batch over fsdp then expert) they are not, and XLA replicated the rows and
+    their gradient ("involuntary full rematerialization", twice a step).
     Takes the mesh and rules apart (not a LayoutShape), as the model asks on any mesh."""
     acts, params = axes_table(sizes, rules), axes_table(sizes, rules, param_rules)
     split = {a: sizes[a] for a in params.get(EMBED, ()) if a not in acts.get(EMBED, ())}
-    if not split:
+    batch = acts.get(BATCH, ())
+    in_batch = tuple(a for a in batch if a in split)
+    if not split or batch[len(batch) - len(in_batch):] != in_batch:
         return {}
-    kept = math.prod(sizes[a] for a in acts.get(BATCH, ()) if a not in split)
+    kept = math.prod(sizes[a] for a in batch if a not in split)
     rows = vocab_size / math.prod(sizes[a] for a in params.get(VOCAB, ()))
     return split if tokens / kept < rows else {}
 

@@ -17,6 +17,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import costs
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
@@ -24,7 +25,7 @@ from shard.models import moe
 from shard.errors import ShardError
 from shard.models.configs import ModelConfig, attention_backend, cudnn_attention_problem
 from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
-from shard.rules import active_layout, constrain
+from shard.rules import active_layout, constrain, mesh_axes_of
 
 # Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
 # scanned block every weight is pinned to these axes under the activation rules: the layout it is
@@ -144,11 +145,23 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
     split = _stored_lookup_split(cfg, tokens_bt)
     if split:
         table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
-        x_btd = jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0)
+        x_btd = _as_looked_up(jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0), split)
     else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
         table = table if table is not None else _table(cfg, params)
         x_btd = constrain(jnp.take(table, tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
     return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
+
+
+def _as_looked_up(x_btd: jax.Array, split: tuple[str, ...]) -> jax.Array:
+    """The stored table's lookup pinned to the layout it makes its rows in: the batch over its axes but
+    `split`, the embed dim over `split`. Left to propagation, the batch layout that follows was pulled
+    onto the lookup, whose gradient's scatter XLA then could not partition from it (data=2,fsdp=4,
+    batch 8: "involuntary full rematerialization", twice a step); pinned, the rows go between the two
+    layouts by all-to-all."""
+    layout = active_layout()
+    batch = tuple(a for a in mesh_axes_of(layout.spec((BATCH,))[0]) if a not in split)
+    spec = PartitionSpec(batch or None, layout.spec((LENGTH,))[0], split if len(split) > 1 else split[0])
+    return jax.lax.with_sharding_constraint(x_btd, NamedSharding(layout.mesh, spec))
 
 
 def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, ...]:

@@ -122,13 +122,19 @@ def test_the_stored_lookup_needs_its_split_innermost_in_the_batch():
     assert costs.stored_lookup_axes(vocab, tokens, {"fsdp": 8}, base.rules, base.param_rules) == {"fsdp": 8}
 
 
-def test_fsdp_by_expert_compiles_without_replicating_the_looked_up_rows():
-    """What the rule above avoids, as XLA says it while partitioning (a compile in a process without the
-    persistent cache: a hit partitions nothing, so warns of nothing)."""
+@pytest.mark.parametrize("model, mesh, batch", [
+    ("moe-tiny", "fsdp=2,expert=4", 16),  # the rule above: the gathered table
+    ("tiny", "data=2,fsdp=4", 8),  # the stored table's rows pinned where the lookup makes them
+])
+def test_the_stored_lookup_compiles_without_replicating_the_looked_up_rows(model, mesh, batch):
+    """The lookup's rows and their gradient go between its layout and the batch's by all-to-all, never
+    by XLA's last resort, as XLA says while partitioning (a compile in a process without the persistent
+    cache: a hit partitions nothing, so warns of nothing). Before, both warned twice a step (data=2,fsdp=4:
+    efficiency data 0.717, fsdp 0.942; now 0.858 and 0.999)."""
     code = ("from shard.testing import tiny_config; from shard.loop import make_layout; "
             "from shard.mesh import parse_mesh; from shard.analysis import compile_step; "
-            "cfg = tiny_config('fsdp=2,expert=4', model__name='moe-tiny', data__batch=16); "
-            "compile_step(cfg, make_layout(cfg, parse_mesh('fsdp=2,expert=4')))")
+            f"cfg = tiny_config({mesh!r}, model__name={model!r}, data__batch={batch}); "
+            f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})))")
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        check=False)

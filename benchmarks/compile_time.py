@@ -1,6 +1,7 @@
 """Compile times: the ~1B model's train step (first compile, then a persistent-cache hit in a new
-process that trains for another number of steps), and the tiny model on 1 vs 8 simulated devices. Each case runs in a fresh process so device
-counts and caches start clean. Everything is compiled from shapes (AOT): nothing is allocated.
+process that trains for another number of steps), and the tiny model on 1 vs 8 simulated devices.
+Each case runs in a fresh process so device counts and caches start clean. Everything is compiled
+from shapes (AOT): nothing is allocated.
 
     python benchmarks/compile_time.py [--big llama-1b] [--seq 2048] [--batch 8] [--meshes dp,fsdp_tp:4x2]
 """

@@ -8,7 +8,7 @@ here costs seconds, not the device lease. Each check runs in a fresh process.
    sitecustomize.py that restores the old name (importing jax at every start, so JAX_PLATFORMS set
    inside a script comes too late: the GPU benchmarks don't), and the import is tried again.
 2. XLA_FLAGS with shard's GPU preset and deterministic flags. XLA aborts at start-up on a flag it doesn't
-   know; shard leaves such a flag out (shard.xla_flags.unknown_to_xla): they are named, and JAX must
+   know; shard leaves such a flag out (shard.xla_flags.known_flags): they are named, and JAX must
    start with the rest.
 Exit status 1 when a check still fails.
 """
@@ -62,12 +62,10 @@ def check_flags() -> bool:
     JAX must start with the rest."""
     from shard import xla_flags  # SITE's copy: it is first on sys.path
 
-    flags = xla_flags.added_flags("", gpu=True, gpu_preset=True, deterministic=True)
-    unknown = xla_flags.unknown_to_xla(flags)
+    kept, unknown = xla_flags.known_flags(xla_flags.added_flags("", gpu=True, gpu_preset=True, deterministic=True))
     if unknown:
         print(f"preflight: this XLA doesn't know {', '.join(unknown)}; shard leaves them out", flush=True)
-    kept = " ".join(f for f in flags if f.split("=")[0] not in unknown)
-    r = python("import jax; jax.devices()", XLA_FLAGS=kept)
+    r = python("import jax; jax.devices()", XLA_FLAGS=" ".join(kept))
     if r.returncode:
         print(f"preflight: JAX fails to start with shard's XLA flags: {last_line(r.stderr)}", flush=True)
     return r.returncode == 0

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # flag -> (value, what it does). Applied on GPU only.
@@ -80,17 +79,21 @@ def apply(*, gpu_preset: bool, deterministic: bool) -> list[str]:
     XLA lacks a deterministic flag is refused: without it the run would not be."""
     current = os.environ.get("XLA_FLAGS", "")
     gpu = gpu_expected()
-    extra = added_flags(current, gpu=gpu, gpu_preset=gpu_preset, deterministic=deterministic)
-    unknown = unknown_to_xla(extra) if extra else []
+    kept, unknown = known_flags(added_flags(current, gpu=gpu, gpu_preset=gpu_preset, deterministic=deterministic))
     missing = [f for f in unknown if f in DETERMINISTIC]
     if gpu and missing:
         from shard.errors import ShardError
 
         raise ShardError(f"xla.deterministic: this XLA does not know {', '.join(missing)}, so the run would "
                          "not be deterministic; use a jaxlib that has it, or set xla.deterministic=false")
-    kept = [f for f in extra if f.split("=")[0] not in unknown]
     os.environ["XLA_FLAGS"] = " ".join([current.strip(), *kept]).strip()
     return unknown
+
+
+def known_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """(the flags the installed XLA knows, the names of those it does not), by `unknown_to_xla`."""
+    unknown = unknown_to_xla(flags) if flags else []
+    return [f for f in flags if f.split("=")[0] not in unknown], unknown
 
 
 _PROBE = "import jax; jax.devices('cpu')"
@@ -153,16 +156,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    """Whole or not at all (several processes of one job, on one host or sharing a home folder, may
-    probe at once); a cache that can't be written only costs the next start its probe."""
-    tmp = None
-    try:
+    """Whole or not at all (several processes of one job may probe at once); a cache that can't be
+    written (its clean-up included) only costs the next start its probe."""
+    from shard.paths import write_text_atomic
+
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        if tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        write_text_atomic(path, json.dumps(doc, indent=1))

@@ -131,15 +131,23 @@ def test_the_stored_lookup_compiles_without_replicating_the_looked_up_rows(model
     by XLA's last resort, as XLA says while partitioning (a compile in a process without the persistent
     cache: a hit partitions nothing, so warns of nothing). Before, both warned twice a step (data=2,fsdp=4:
     efficiency data 0.717, fsdp 0.942; now 0.858 and 0.999)."""
+    stderr = compile_uncached(mesh, f"model__name={model!r}, data__batch={batch}")
+    assert "Involuntary full rematerialization" not in stderr, stderr[-2000:]
+
+
+def compile_uncached(mesh: str, sets: str, compiler_options: str = "None") -> str:
+    """Compile the tiny config on `mesh` with `sets` (tiny_config's keyword arguments, as source) in a
+    process without the persistent cache, and return its stderr: a cache hit compiles nothing, so XLA
+    neither dumps nor warns."""
     code = ("from shard.testing import tiny_config; from shard.loop import make_layout; "
             "from shard.mesh import parse_mesh; from shard.analysis import compile_step; "
-            f"cfg = tiny_config({mesh!r}, model__name={model!r}, data__batch={batch}); "
-            f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})))")
+            f"cfg = tiny_config({mesh!r}, {sets}); "
+            f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})), compiler_options={compiler_options})")
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "Involuntary full rematerialization" not in r.stderr, r.stderr[-2000:]
+    return r.stderr
 
 
 def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
@@ -338,15 +346,8 @@ def test_fsdp_gathers_each_weight_once_in_the_compute_dtype(tmp_path):
     once. XLA:CPU widens bfloat16 collectives to float32 after partitioning, so the program is read as
     the SPMD partitioner leaves it, which is what a GPU's compiler goes on with: dumped by a compile in a
     process without the persistent cache (a hit compiles nothing, so dumps nothing)."""
-    code = ("import sys; from shard.testing import tiny_config; from shard.loop import make_layout; "
-            "from shard.mesh import parse_mesh; from shard.analysis import compile_step; "
-            "cfg = tiny_config('fsdp', model__compute_dtype='bfloat16'); "
-            "compile_step(cfg, make_layout(cfg, parse_mesh('fsdp')), compiler_options={'xla_dump_to': sys.argv[1], "
-            "'xla_dump_hlo_pass_re': 'spmd-partitioning'})")
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=300, check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
+    compile_uncached("fsdp", "model__compute_dtype='bfloat16'",
+                     repr({"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "spmd-partitioning"}))
     text = next(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt")).read_text()
     gathers = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather\(", text)
     # norm scales ([D], and [1, D] per scanned layer) stay float32

@@ -9,8 +9,9 @@ from shard import tomlfiles
 from shard.config import is_positive_number
 from shard.errors import ShardError
 
-_HW_KEYS = {"description", "aliases", "bf16_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
+_HW_KEYS = {"description", "aliases", "bf16_tflops", "matmul_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node"}
+_OPTIONAL_KEYS = {"description", "aliases", "matmul_tflops"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,13 @@ class Hardware:
     inter_node_gbps: float
     devices_per_node: int
     aliases: tuple[str, ...] = ()
+    matmul_tflops: float | None = None  # what a large bf16 matmul reaches, where measured
+
+    @property
+    def achieved_tflops(self) -> float:
+        """The bf16 rate the planner's compute time is taken at: the measured matmul rate, else the peak
+        (MFU stays against the peak, as `shard train` reports it)."""
+        return self.matmul_tflops or self.bf16_tflops
 
 
 def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
@@ -49,16 +57,19 @@ def _hardware_entry(label: str, name: str, entry) -> Hardware:
     if not isinstance(entry, dict):
         raise ShardError(f"{where} must be a table (a key outside any [section]?)")
     unknown = set(entry) - _HW_KEYS
-    missing = _HW_KEYS - {"description", "aliases"} - set(entry)
+    missing = _HW_KEYS - _OPTIONAL_KEYS - set(entry)
     if unknown or missing:
         what = f"unknown key(s) {', '.join(sorted(unknown))}" if unknown else \
             f"missing key(s) {', '.join(sorted(missing))}"
         raise ShardError(f"{where} has {what}")
-    figures = {k: entry[k] for k in _HW_KEYS - {"description", "aliases"}}
+    figures = {k: entry[k] for k in _HW_KEYS - {"description", "aliases"} if k in entry}
     for key, value in sorted(figures.items()):
         if not is_positive_number(value) or (key == "devices_per_node" and not isinstance(value, int)):
             kind = "a positive whole number" if key == "devices_per_node" else "a positive number"
             raise ShardError(f"{where}: {key} must be {kind}, got {value!r}")
+    if figures.get("matmul_tflops", 0) > figures["bf16_tflops"]:
+        raise ShardError(f"{where}: matmul_tflops ({figures['matmul_tflops']:g}) is above the peak bf16_tflops "
+                         f"({figures['bf16_tflops']:g})")
     aliases = entry.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ShardError(f"{where}: aliases must be a list of names")

@@ -157,7 +157,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
     hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
-    compute_s = hw_flops / devices / (hw.bf16_tflops * 1e12)
+    compute_s = hw_flops / devices / (hw.achieved_tflops * 1e12)
     hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
     probs_s = costs.probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
     local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls

@@ -50,6 +50,29 @@ def test_plan_reports_mfu_as_train_does():
         assert c.mfu == pytest.approx(useful / (c.step_s * hw.bf16_tflops * 1e12))
 
 
+def test_compute_is_taken_at_the_measured_matmul_rate(tmp_path):
+    # the roofline took matmuls at the datasheet's peak, so a compute-bound layout read 100% MFU
+    from shard import costs
+    from shard.models.configs import PRESETS
+    from shard.plan import predict
+
+    cfg, table = PRESETS["llama-1b"], load_hardware()
+    h200 = find_hardware("h200", table)
+    assert (h200.bf16_tflops, h200.achieved_tflops) == (989.0, 790.0)
+    c = predict(cfg, {"data": 1}, "none", h200, 1, 8, 2048)
+    assert c.compute_s == pytest.approx(costs.model_flops(cfg, 8 * 2048, 2048, 1, flash=True) / 790e12)
+    assert 0.5 < c.mfu <= 790 / 989 + 1e-9
+    # an entry without the figure takes the peak; one above the peak is refused in one line
+    a100 = find_hardware("a100-80g", table)
+    assert a100.matmul_tflops is None and a100.achieved_tflops == a100.bf16_tflops
+    f = tmp_path / "mine.toml"
+    f.write_text("[mine]\nbf16_tflops = 100.0\nmatmul_tflops = 120.0\nhbm_gib = 80.0\nhbm_gbps = 3000.0\n"
+                 "intra_node_gbps = 400.0\ninter_node_gbps = 50.0\ndevices_per_node = 8\n")
+    r = invoke(*REFERENCE, "--hardware-file", str(f), "--hardware", "mine")
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"error: hardware file {f}: [mine]: matmul_tflops (120) is above the peak bf16_tflops (100)")
+
+
 def test_remat_is_never_predicted_faster():
     """Remat adds compute and moves no fewer activations; the HBM term counted only those remat keeps,
     so a small model on H100s (HBM-bound) ranked fsdp=4,model=2 with full remat first, at 22% MFU
@@ -121,7 +144,11 @@ def test_a_mixture_of_experts_is_planned_over_an_expert_axis():
     best = doc["layouts"][0]
     # the experts split 8 ways inside a node, their all-to-alls over NVLink
     assert best["fits"] and best["sizes"]["expert"] == 8 and not best["crosses_nodes"]["expert"]
-    assert "--mesh data=2,fsdp=2,expert=8 " in doc["best"] and "--set model.n_experts=8" in doc["best"]
+    # with data=2,fsdp=2,expert=8 within the 2% tie: compute-bound both, the one with room to spare first
+    assert "--mesh fsdp=4,expert=8 " in doc["best"] and "--set model.n_experts=8" in doc["best"]
+    second = doc["layouts"][1]
+    assert second["mesh"] == "data=2,fsdp=2,expert=8" and second["step_s"] <= 1.02 * best["step_s"]
+    assert best["memory_per_device_bytes"] < second["memory_per_device_bytes"]
     assert all(set(c["sizes"]) == {"data", "fsdp", "expert"} for c in doc["layouts"])
     assert doc["warnings"] == ["a mixture of experts is planned over data, fsdp and expert axes only: tensor and "
                                "context parallel have no formula for its layers"]

@@ -27,8 +27,23 @@ def test_mfu_prints_a_line_per_remat_policy_with_xlas_remat_off(tmp_path):
         assert re.search(rf"remat {remat} +batch +8: +[\d,]+ tokens/s +MFU +[\d.]+% +step memory", out), out
 
 
+def test_mfu_skips_a_batch_over_memory_by_the_estimate_uncompiled_and_by_the_compiled_step_unrun(tmp_path):
+    # tiny at seq 64 on one CPU device: compiled 15.7 MiB at batch 8 and 8.8 at 4 without remat, 9.0 at 8
+    # with dots_no_batch; the planner's estimate of batch 64 is far over twice 10 MiB
+    out = run("mfu.py", "--model", "tiny", "--seq", "64", "--batches", "64,8,4", "--steps", "3", "--peak-tflops", "1",
+              "--memory-gib", str(10 / 1024), cwd=tmp_path)
+    for remat in ("none", "dots_no_batch"):
+        assert f"remat {remat:14s} batch  64: over 2x the device's memory by the planner's estimate, not compiled" in out
+    assert re.search(r"remat none +batch +8: compiled step needs 0.02 GiB, 0.01 free: not run", out), out
+    assert re.search(r"remat none +batch +4: +[\d,]+ tokens/s", out), out
+    assert re.search(r"remat dots_no_batch +batch +8: +[\d,]+ tokens/s", out), out
+
+
 def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_counts(tmp_path):
     out = run("compile_time.py", "--big", "tiny", "--seq", "32", "--batch", "8", "--meshes", "dp", cwd=tmp_path)
     assert re.search(r"tiny from the persistent cache \(5000 steps, not 1000\): step [\d.]+s", out), out
     for devices in (1, 8):
         assert f"tiny on {devices} device(s), mesh dp: step compile" in out, out
+    # as gpu.sh runs it: the big model's two cases only
+    out = run("compile_time.py", "--big", "tiny", "--seq", "32", "--batch", "8", "--meshes", "none", cwd=tmp_path)
+    assert "from the persistent cache" in out and "device(s)" not in out, out

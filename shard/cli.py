@@ -580,7 +580,7 @@ def plan(
     model: Annotated[str, typer.Option("--model", help="model preset")] = "llama-13b-24l",
     devices: Annotated[int, typer.Option("--devices", help="accelerators in all")] = 8,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes they sit in (tensor parallel stays inside one)")] = 1,
-    hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100-40g, a100-80g, cpu, or yours")] = "h100",
+    hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, h100-pcie, h100-nvl, h200-nvl, a100-40g, a100-80g, cpu, or yours")] = "h100",
     hardware_file: Annotated[Path | None, typer.Option("--hardware-file", help="TOML with more hardware")] = None,
     seq: Annotated[int, typer.Option(help="sequence length")] = 2048,
     batch: Annotated[int | None, typer.Option(help="global batch in sequences (default: 2 per device)")] = None,

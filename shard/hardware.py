@@ -1,6 +1,7 @@
 """Accelerators' figures for the cost model and MFU: the shipped table (shard/hardware.toml), a user's
 own file of the same form, and the entry that matches a JAX device."""
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -79,17 +80,20 @@ def _hardware_entry(label: str, name: str, entry) -> Hardware:
 
 def hardware_for_device(device_kind: str, platform: str, table: dict[str, Hardware] | None = None) -> Hardware | None:
     """The table entry for a JAX device (`device.device_kind`, e.g. "NVIDIA H100 80GB HBM3"), or None.
-    An entry matches when its model name (h100, a100, ...) is in the kind and, where the entry names a
-    memory size (a100-40g), that size is too. CPU devices match the `cpu` entry."""
+    An entry matches when its model name (h100, a100, ...) is in the kind and so is its variant, where it
+    names one: a memory size (a100-40g: "40gb") or a form (h100-pcie, h200-nvl). The more specific entry
+    wins, so an H100 PCIe is not taken for the SXM part. CPU devices match the `cpu` entry."""
     table = table or load_hardware()
     if platform == "cpu":
         return table.get("cpu")
     kind = device_kind.lower().replace(" ", "").replace("-", "")
     best = None
     for hw in table.values():
-        model, _, size = hw.name.partition("-")
-        matches = model in kind and (not size or size.rstrip("gb") + "gb" in kind)
-        if matches and (best is None or len(hw.name) > len(best.name)):  # the more specific entry wins
+        model, _, variant = hw.name.partition("-")
+        if re.fullmatch(r"\d+gb?", variant):
+            variant = variant.rstrip("gb") + "gb"
+        matches = model in kind and variant.replace("-", "") in kind
+        if matches and (best is None or len(hw.name) > len(best.name)):
             best = hw
     return best
 

@@ -339,6 +339,10 @@ def test_device_kinds_find_their_hardware():
 
     assert hardware_for_device("NVIDIA H100 80GB HBM3", "gpu").name == "h100"
     assert hardware_for_device("NVIDIA H200", "gpu").name == "h200"
+    # the PCIe and NVL forms have lower peaks: taken for the SXM part, their MFU read low
+    assert hardware_for_device("NVIDIA H100 PCIe", "gpu").bf16_tflops == 756.0
+    assert hardware_for_device("NVIDIA H100 NVL", "gpu").name == "h100-nvl"
+    assert hardware_for_device("NVIDIA H200 NVL", "gpu").name == "h200-nvl"
     assert hardware_for_device("NVIDIA A100-SXM4-40GB", "gpu").name == "a100-40g"
     assert hardware_for_device("NVIDIA A100-SXM4-80GB", "gpu").name == "a100-80g"
     assert hardware_for_device("cpu", "cpu").name == "cpu"

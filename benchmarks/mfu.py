@@ -75,12 +75,15 @@ def measure(cfg, stated_gib: float = 0.0) -> dict | str:
 
     capacity, free = memory_bytes(stated_gib)
     try:
-        if capacity and predicted_bytes(cfg) > SKIP_ABOVE * capacity:
+        predicted = predicted_bytes(cfg)
+        if capacity and predicted > SKIP_ABOVE * capacity:
             return f"over {SKIP_ABOVE:g}x the device's memory by the planner's estimate, not compiled"
         if free and (need := memory_of(compile_step(cfg, make_layout(cfg, parse_mesh(cfg.mesh.spec))))["total"]) > free:
-            return f"compiled step needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} free: not run"
+            return (f"compiled step needs {need / 2**30:.2f} GiB (the planner {predicted / 2**30:.2f}), "
+                    f"{free / 2**30:.2f} free: not run")
         run = prepare(cfg)
-        return train(cfg, run=run)[-1] | {"compiled_bytes": run.compiled_memory.get("total", 0)}
+        return train(cfg, run=run)[-1] | {"compiled_bytes": run.compiled_memory.get("total", 0),
+                                          "predicted_bytes": predicted}
     except Exception as e:  # out of memory shows up as an XLA runtime error
         if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
             return "out of memory"
@@ -131,7 +134,8 @@ def main():
             mfu = f"{r['mfu']:.1%}" if "mfu" in r else "n/a (no peak)"
             # the device's peak is the process's so far (JAX cannot reset it); the compiled figure is this step's
             print(f"remat {remat:14s} batch {batch:3d}: {r['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>8s}  "
-                  f"step memory {r['compiled_bytes'] / 2**30:6.2f} GiB (compiled), peak so far "
+                  f"step memory {r['compiled_bytes'] / 2**30:6.2f} GiB (compiled; the planner "
+                  f"{r['predicted_bytes'] / 2**30:.2f}), peak so far "
                   f"{r['mem_peak_bytes'] / 2**30:6.2f} GiB ({r['mem_source']})  attention {attention}", flush=True)
             break
         else:

@@ -24,7 +24,8 @@ def test_mfu_prints_a_line_per_remat_policy_with_xlas_remat_off(tmp_path):
               cwd=tmp_path)
     assert "--xla_disable_hlo_passes=rematerialization" in out.splitlines()[0], out
     for remat in ("none", "dots_no_batch"):
-        assert re.search(rf"remat {remat} +batch +8: +[\d,]+ tokens/s +MFU +[\d.]+% +step memory", out), out
+        assert re.search(rf"remat {remat} +batch +8: +[\d,]+ tokens/s +MFU +[\d.]+% +step memory +[\d.]+ GiB "
+                         r"\(compiled; the planner [\d.]+\)", out), out
 
 
 def test_mfu_skips_a_batch_over_memory_by_the_estimate_uncompiled_and_by_the_compiled_step_unrun(tmp_path):
@@ -34,7 +35,8 @@ def test_mfu_skips_a_batch_over_memory_by_the_estimate_uncompiled_and_by_the_com
               "--memory-gib", str(10 / 1024), cwd=tmp_path)
     for remat in ("none", "dots_no_batch"):
         assert f"remat {remat:14s} batch  64: over 2x the device's memory by the planner's estimate, not compiled" in out
-    assert re.search(r"remat none +batch +8: compiled step needs 0.02 GiB, 0.01 free: not run", out), out
+    assert re.search(r"remat none +batch +8: compiled step needs 0.02 GiB \(the planner 0.01\), 0.01 free: not run",
+                     out), out
     assert re.search(r"remat none +batch +4: +[\d,]+ tokens/s", out), out
     assert re.search(r"remat dots_no_batch +batch +8: +[\d,]+ tokens/s", out), out
 

@@ -788,8 +788,8 @@ def generate(
     given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
     if len(given) != 1:
         raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
-    if max_new_tokens < 0:
-        raise ShardError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}")
+    if not 0 <= max_new_tokens < 2**31:
+        raise ShardError(f"--max-new-tokens must be 0 or more and below 2**31, got {max_new_tokens}")
     if not 0 <= seed < 2**32:  # as train's
         raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
     texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []

@@ -61,12 +61,18 @@ class Evaluator:
         else:
             self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout))
 
-    def __call__(self, params) -> float | None:
+    def __call__(self, params, stop=None) -> float | None:
+        """The eval loss; None outside the eval set, and when `stop()` (asked before each batch, on every
+        process of the set) turned true: a SIGTERM must not wait for a long evaluation."""
+        self.interrupted = False
         if not self.group.includes():
             return None
 
         self.stream.position = 0  # the same held-out batches every time
-        totals = summed_loss(self.step, params, self.stream, self.cfg.eval.batches)
+        totals = summed_loss(self.step, params, self.stream, self.cfg.eval.batches, stop)
+        if totals is None:
+            self.interrupted = True
+            return None
         if distributed.context().mode == distributed.MPI:
             totals = self.group.allreduce(totals)  # members only
         return float(totals[0] / max(totals[1], 1.0))
@@ -75,12 +81,15 @@ class Evaluator:
         self.group.destroy()
 
 
-def summed_loss(step, params, stream: BatchStream, batches: int) -> np.ndarray:
-    """[summed next-token loss, tokens] over the next `batches` batches of `stream` (float64)."""
+def summed_loss(step, params, stream: BatchStream, batches: int, stop=None) -> np.ndarray | None:
+    """[summed next-token loss, tokens] over the next `batches` batches of `stream` (float64); None when
+    `stop()`, asked before each batch, turned true."""
     import jax
 
     totals = np.zeros(2, np.float64)
     for _ in range(batches):
+        if stop is not None and stop():
+            return None
         nll, count = step(params, stream.next())
         totals += [float(jax.device_get(nll)), float(jax.device_get(count))]
     return totals

@@ -339,6 +339,10 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
     skipped = 0
+    # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
+    eval_stop = None
+    if evaluator is not None and len(evaluator.group.ranks) == distributed.context().size:
+        eval_stop = lambda: any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419, E731
 
     def make_record(step: int, values: dict, synced: int | None = None) -> dict:
         """One step's record: its metrics, and speed and memory over the steps since the last record
@@ -403,11 +407,14 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             if evaluating:
-                eval_loss = evaluator(state["params"])  # None on processes outside the eval set
+                eval_loss = evaluator(state["params"], eval_stop)  # None on processes outside the eval set
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             publish(record)
             last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
+            if evaluating and evaluator.interrupted and not stopping:  # a signal came during it: stop here
+                stopping = final = True
+                saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
         before = time.perf_counter()
         for o in observers:
             getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)

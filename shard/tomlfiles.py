@@ -17,7 +17,7 @@ def read_text(path, name: str) -> str:
         if path.exists() and not path.is_file():  # a FIFO would block the read
             raise ShardError(f"{name} is not a regular file; give a TOML file")
     try:
-        return path.read_text()
+        return path.read_text().removeprefix("\ufeff")  # a byte-order mark, as Windows editors write
     except FileNotFoundError:
         raise ShardError(f"{name} not found") from None
     except UnicodeDecodeError:

@@ -115,6 +115,17 @@ def test_signal_saves_the_current_step_and_resume_is_exact(reference, tmp_path, 
     assert first + second == ref_losses  # bitwise: no sample skipped or repeated, same optimizer state
 
 
+def test_a_signal_during_an_evaluation_ends_it_and_saves_that_step(tmp_path):
+    """A SIGTERM that came during an evaluation waited for all of it, and then one more step: with
+    eval.batches=1e20 it was ignored for good, and a scheduler's grace period runs out on a long one.
+    It is asked between eval batches: the evaluation is dropped and the step it followed saved."""
+    cfg = tiny_config("2x4", steps=6, eval__every=2, eval__batches=200)
+    stopper = StopOnSignal()
+    _, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(3), stopper], every=0)
+    request_close(ckpts)  # SignalAt(3) signals after step 2, before its evaluation
+    assert run.stopped_at == 2 and ckpts.steps() == [2] and stopper.received == "SIGTERM"
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
 def test_a_ctrl_c_that_python_drops_before_the_loop_still_stops_the_run():
     """A Ctrl-C during a resume's start-up raised its KeyboardInterrupt in JAX's garbage-collection

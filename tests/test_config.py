@@ -42,6 +42,10 @@ def test_set_overrides_with_types():
     ("param_regex.x=[1,2]", "param_regex.x expects tuple"),
     ('rules.batch=["data","data"]', "mesh axis named twice"),
     ("model.name.x=1", r"model.name expects str, got \{'x': 1\}"),
+    # the step counter is int32: 2**31 steps overflowed building the schedule, with a traceback
+    ("steps=2147483648", r"steps must be positive and below 2\*\*31, got 2147483648"),
+    # past int64, NumPy or XLA raised (n_experts: while parsing an argument to a jitted computation)
+    ("model.n_experts=99999999999999999999", "model.n_experts expects a 64-bit integer, got 99999999999999999999"),
 ])
 def test_bad_sets(item, message):
     if item.startswith("optimizer.grad_clip"):
@@ -87,6 +91,12 @@ def test_a_wrong_value_in_the_file_is_refused_even_where_a_flag_overrides_it(tmp
     p.write_text(text)
     with pytest.raises(ShardError, match=f"config file {p}: config key {message}|config file {p}: {message}"):
         c.merge(c.load_file(str(p)), c.parse_sets(["steps=3", "model.name=tiny", "model.d_model=64"]))
+
+
+def test_a_config_file_may_start_with_a_byte_order_mark(tmp_path):
+    p = tmp_path / "run.toml"  # as Windows editors write it: it read as "Invalid statement (at line 1)"
+    p.write_bytes(b"\xef\xbb\xbfsteps = 5\n")
+    assert c.resolve(c.load_file(str(p))).steps == 5
 
 
 def test_docs_config_md_lists_every_key_with_its_default():

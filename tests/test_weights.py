@@ -121,6 +121,9 @@ def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--prompt-ids", "1"], "exactly one of"),
     (["train", "--init-from", "/nonexistent", "--model", "tiny"], "--init-from: /nonexistent does not exist"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "-1"], "--max-new-tokens must be 0"),
+    # past int64 it was a 77-line traceback from jnp (below, out of memory in one line)
+    (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--max-new-tokens", "99999999999999999999"],
+     "--max-new-tokens must be 0 or more and below 2**31, got 99999999999999999999"),
     (["generate", "--checkpoint", "/tmp", "--prompt", "x", "--seed", "-1"], "--seed must be between 0 and 2**32-1"),
     (["generate", "--prompt", "x"], "give a checkpoint: a run dir, its checkpoints/ dir or one step's dir, as the "
                                     "first argument or as --checkpoint"),

@@ -91,8 +91,8 @@ class ModelConfig:
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
                 problems.append(f"model.{f} must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
-        if self.n_experts < 0:
-            problems.append(f"model.n_experts must be >= 0, got {self.n_experts}")
+        if not 0 <= self.n_experts < 2**31:  # an array dimension too
+            problems.append(f"model.n_experts must be 0 (dense) or more and below 2**31, got {self.n_experts}")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             problems.append(f"model.experts_per_token must be in 1..{self.n_experts}, got {self.experts_per_token}")
         if self.n_experts and not 0 < self.capacity_factor < math.inf:

@@ -16,7 +16,8 @@ definitions, so this reads the handful of things it needs with regular expressio
   It is reported as compiled (`all-reduce`) and as the logical collective (`reduce-scatter`).
 
 Bytes on the wire per device follow the ring algorithms nccl-tests assumes: all-reduce 2(n-1)/n x S,
-all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S.
+all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S x the share
+of devices that send (a pipeline's chain of stages: (S-1)/S; a ring: 1), a device's average.
 """
 
 from __future__ import annotations
@@ -403,6 +404,8 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
+            if kind == "collective-permute" and "source_target_pairs" in ins.attrs:  # one sender a pair
+                w *= min(len(groups), n_devices) / n_devices
             out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))
     return out
 

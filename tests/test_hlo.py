@@ -54,10 +54,11 @@ ENTRY %main (a: f32[256], b: bf16[16], c: f32[64], d: f32[32]) -> f32[8] {
   %agc = ((f32[64]{0}, f32[32]{0}), (f32[256]{0}, f32[128]{0})) all-gather-start(%c, %d), channel_id=7, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
   %agcd = (f32[256]{0}, f32[128]{0}) all-gather-done(%agc)
   %rs = f32[8]{0} reduce-scatter(%c), channel_id=4, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}, to_apply=%add
-  %cp = f32[64]{0} collective-permute(%c), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}
-  %cps = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%c), channel_id=8, source_target_pairs={{0,4},{4,0}}
+  %cp = f32[64]{0} collective-permute(%c), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}
+  %chain = f32[64]{0} collective-permute(%c), channel_id=10, source_target_pairs={{0,4},{1,5},{2,6},{3,7}}
+  %cps = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%c), channel_id=8, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}
   %cpsd = f32[64]{0} collective-permute-done(%cps)
-  %cpc = ((f32[64]{0}, f32[32]{0}), (f32[64]{0}, f32[32]{0}), u32[], u32[]) collective-permute-start(%c, %d), channel_id=9, source_target_pairs={{0,4},{4,0}}
+  %cpc = ((f32[64]{0}, f32[32]{0}), (f32[64]{0}, f32[32]{0}), u32[], u32[]) collective-permute-start(%c, %d), channel_id=9, source_target_pairs={{0,4},{4,0},{1,5},{5,1},{2,6},{6,2},{3,7},{7,3}}
   %cpcd = (f32[64]{0}, f32[32]{0}) collective-permute-done(%cpc)
   %cpu_rs = f32[64]{0} all-reduce(%c), channel_id=6, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
   %pid = s32[] partition-id()
@@ -106,6 +107,8 @@ def test_mesh_form_with_transposed_device_ids(parsed):
 
 def test_permute_pairs(parsed):
     assert parsed["cp"].axes == ("data",) and parsed["cp"].wire_bytes == 256
+    # half the devices send (a pipeline's chain of 2 stages, not a ring): a device's average is half
+    assert parsed["chain"].axes == ("data",) and parsed["chain"].wire_bytes == 128
 
 
 def test_async_permute_counts_its_outputs_combined_or_not(parsed):

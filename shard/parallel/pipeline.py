@@ -168,6 +168,14 @@ def _stage_fn(cfg: ModelConfig):
     return stage
 
 
+def _chain(S: int, step: int) -> list[tuple[int, int]]:
+    """ppermute pairs passing each stage's buffer to the next stage (`step` +1) or the one before (-1),
+    and not round from the last to the first: what stage 0 received forwards (the last stage backwards)
+    was dropped, so a ring sent 1/S more on every tick, and the two end stages' links (across nodes, the
+    one path through the whole cluster) carried two buffers where the others carry one."""
+    return [(j, j + step) for j in range(S) if 0 <= j + step < S]
+
+
 def _vary(tree, axes=(STAGE,)):
     """Mark every leaf as varying over `axes`, which must be axes it does not vary over yet (the
     callers know: an input varies over the manual axes its in_spec splits it on, a constant over none)."""
@@ -221,7 +229,7 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
         x_mbtd = _summed_in_f32_on_cpu(_vary, x_mbtd, mesh)  # the backward psums its gradient over stages
         # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
         layers = jax.tree.map(lambda w: _summed_in_f32_on_cpu(lambda a: _vary(a, replicas), w, mesh), layers)
-        perm = [(j, (j + 1) % S) for j in range(S)]
+        perm = _chain(S, +1)
 
         def tick(t, carry):
             incoming, out_mbtd = carry
@@ -274,8 +282,7 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
         zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
                                         everywhere)
         act = x_mbtd[0]
-        fwd_perm = [(j, (j + 1) % S) for j in range(S)]
-        bwd_perm = [(j, (j - 1) % S) for j in range(S)]
+        fwd_perm, bwd_perm = _chain(S, +1), _chain(S, -1)
 
         def put(buf, m, value, valid):
             i = m % K

@@ -44,9 +44,11 @@ def eval_rows(cfg: TrainConfig, n: int, layout) -> int:
 
 
 class Evaluator:
-    """`__call__(params) -> eval loss` on members of the eval set (None elsewhere)."""
+    """`__call__(params, stop=None) -> eval loss` on members of the eval set (None elsewhere, and when
+    `stop` ended it: then `interrupted`)."""
 
     def __init__(self, cfg: TrainConfig, run):
+        self.interrupted = False
         ctx = distributed.context()
         n = eval_processes(cfg, ctx)
         self.cfg = cfg

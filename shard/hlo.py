@@ -233,10 +233,13 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]] | None:
     if m:
         groups = [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
         return groups or [list(range(n_devices))]
+    return permute_pairs(attrs)
+
+
+def permute_pairs(attrs: str) -> list[list[int]] | None:
+    """A collective-permute's (source, target) pairs, or None where none are printed."""
     m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
-    if m:
-        return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-    return None
+    return [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", m.group(1))] if m else None
 
 
 def group_axes(groups: list[list[int]], axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[str, ...]:
@@ -404,8 +407,9 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
-            if kind == "collective-permute" and "source_target_pairs" in ins.attrs:  # one sender a pair
-                w *= min(len(groups), n_devices) / n_devices
+            pairs = permute_pairs(ins.attrs) if kind == "collective-permute" else None
+            if pairs:  # one sender a pair
+                w *= min(len(pairs), n_devices) / n_devices
             out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))
     return out
 

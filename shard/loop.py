@@ -5,7 +5,8 @@ Observers (console, metrics.jsonl, TensorBoard, profiler, checkpoints, signals) 
 `saves_at(step, final)` (whether on_state will save: the divergence guard then checks every step up to
 it first, so a diverged state is never saved), `on_state(step, state, data_position, metrics, final)`
 (after each step, before the state is donated to the next one), `should_stop()` (asked after each
-step: stop after it, e.g. on preemption), `on_end(records)` (in reverse order: the checkpoint saver has
+step, and before each batch of an evaluation where every process evaluates: stop after the step, e.g.
+on preemption), `on_end(records)` (in reverse order: the checkpoint saver has
 finished its last save before the console reports the run done) and `on_abort()` (instead of `on_end`
 when the run or an `on_end` raised: let go of files and the display, report nothing); the loop itself
 prints and writes nothing.
@@ -412,7 +413,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                     record["eval_loss"] = eval_loss
             publish(record)
             last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
-            if evaluating and evaluator.interrupted and not stopping:  # a signal came during it: stop here
+            # a signal came during it: stop here (the last step ends as it would have, its save the final one)
+            if evaluating and evaluator.interrupted and not stopping and i < cfg.steps:
                 stopping = final = True
                 saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
         before = time.perf_counter()

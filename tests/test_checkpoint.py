@@ -115,15 +115,19 @@ def test_signal_saves_the_current_step_and_resume_is_exact(reference, tmp_path, 
     assert first + second == ref_losses  # bitwise: no sample skipped or repeated, same optimizer state
 
 
-def test_a_signal_during_an_evaluation_ends_it_and_saves_that_step(tmp_path):
+@pytest.mark.parametrize("at, stopped_at", [(3, 2), (7, None)])
+def test_a_signal_during_an_evaluation_ends_it_and_saves_that_step(tmp_path, at, stopped_at):
     """A SIGTERM that came during an evaluation waited for all of it, and then one more step: with
     eval.batches=1e20 it was ignored for good, and a scheduler's grace period runs out on a long one.
-    It is asked between eval batches: the evaluation is dropped and the step it followed saved."""
+    It is asked between eval batches: the evaluation is dropped and the step it followed saved. After
+    the last step the run ends as it would have (a resume would find nothing to do)."""
     cfg = tiny_config("2x4", steps=6, eval__every=2, eval__batches=200)
     stopper = StopOnSignal()
-    _, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(3), stopper], every=0)
-    request_close(ckpts)  # SignalAt(3) signals after step 2, before its evaluation
-    assert run.stopped_at == 2 and ckpts.steps() == [2] and stopper.received == "SIGTERM"
+    losses, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(at), stopper], every=0)
+    request_close(ckpts)  # SignalAt(at) signals after step at - 1, before its evaluation
+    step = stopped_at or cfg.steps
+    assert run.stopped_at == stopped_at and ckpts.steps() == [step] and stopper.received == "SIGTERM"
+    assert len(losses) == step
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose

@@ -27,7 +27,7 @@ from shard.config import PipelineConfig
 from shard.errors import ShardError, first_line
 from shard.rules import Layout
 from shard.state import StateSpec
-from shard.step import BATCH_KEYS, batch_sharding, make_step_parts, schedule_inputs
+from shard.step import BATCH_KEYS, batch_sharding, make_step_parts, schedule_inputs, with_schedule
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -88,7 +88,6 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = {k: batch_sharding(layout) for k in BATCH_KEYS}
-    args = schedule_inputs(spec, layout)
 
     if layout.mesh.size == 1:
         def fused(state, batch, args):
@@ -96,13 +95,15 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
 
         jitted = jax.jit(fused, in_shardings=(spec.shardings, data, replicated),
                          out_shardings=(spec.shardings, replicated), donate_argnums=0)
-        return lambda state, batch: jitted(state, batch, args)
+        return with_schedule(jitted, spec, layout)
 
     local = jax.jit(lambda state, batch: grad_sums(state["params"], batch),
                     in_shardings=(spec.shardings, data), out_shardings=replicated)
     cross = jax.jit(across)
     update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated, replicated, replicated),
                      out_shardings=(spec.shardings, replicated), donate_argnums=0)
+
+    args = schedule_inputs(spec, layout)
 
     def step(state, batch):
         sums = local(state, batch)

@@ -198,11 +198,11 @@ def is_positive_number(value) -> bool:
 # Every numeric key with a range: dotted key -> (test, what it must be).
 _POSITIVE, _NON_NEGATIVE = (is_positive_number, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
 _COUNT = (lambda v: v > 0, "positive")  # integers: no inf to exclude
-_SIZE = (lambda v: 0 < v < 2**31, "positive and below 2**31")  # an array dimension (XLA indexes with int32)
-_STEPS = (lambda v: 0 < v < 2**31, "positive and below 2**31")  # the step counter and the schedule are int32
+# an array dimension (XLA indexes with int32), or the steps (the step counter and the schedule are int32)
+_SIZE = (lambda v: 0 < v < 2**31, "positive and below 2**31")
 _SECONDS = (lambda v: 0 < v <= 1e6, "positive and at most 1e6 (seconds: 11.6 days)")  # the runtime's clocks overflow
 _RANGES = {
-    "steps": _STEPS, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
+    "steps": _SIZE, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
     "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,

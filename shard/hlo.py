@@ -386,7 +386,8 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             kind = _base_kind(ins.opcode)
             if kind is None:
                 continue
-            groups = _groups(ins, n_devices)
+            pairs = permute_pairs(ins.attrs) if kind == "collective-permute" else None
+            groups = pairs or _groups(ins, n_devices)
             axes = group_axes(groups, axis_names, axis_sizes)
             n = (2 if axes else 1) if kind == "collective-permute" else max(len(g) for g in groups)
             sizes = array_bytes(ins.shape)
@@ -407,7 +408,6 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                 continue
             total = sum(sizes)
             w = wire_bytes(kind, total, n)
-            pairs = permute_pairs(ins.attrs) if kind == "collective-permute" else None
             if pairs:  # one sender a pair
                 w *= min(len(pairs), n_devices) / n_devices
             out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))

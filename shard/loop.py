@@ -340,10 +340,18 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
     skipped = 0
+    def asked_to_stop() -> bool:
+        # Every observer (a list, not a short-circuit): with several processes each one's should_stop()
+        # takes part in a collective that all processes must reach.
+        return any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419
+
+    def saves(step: int, final: bool) -> bool:
+        return any([getattr(o, "saves_at", lambda s, f: False)(step, final) for o in observers])  # noqa: C419
+
     # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
     eval_stop = None
     if evaluator is not None and len(evaluator.group.ranks) == distributed.context().size:
-        eval_stop = lambda: any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419, E731
+        eval_stop = asked_to_stop
 
     def make_record(step: int, values: dict, synced: int | None = None) -> dict:
         """One step's record: its metrics, and speed and memory over the steps since the last record
@@ -382,15 +390,13 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         pending.append((i, metrics))
         if len(pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
             jax.block_until_ready(pending[-MAX_STEPS_AHEAD - 1][1])
-        # Ask every observer (a list, not a short-circuit): with several processes each one's
-        # should_stop() takes part in a collective that all processes must reach.
-        stopping = any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419
+        stopping = asked_to_stop()
         final = stopping or i == cfg.steps
         for o in observers:
             getattr(o, "on_step", lambda s, out: None)(i, (state, metrics))
         evaluating = evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
         logging = i % cfg.log_every == 0 or final or evaluating  # an evaluation is logged when it runs
-        saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
+        saving = saves(i, final)
         if logging or saving:
             steps = jax.device_get(pending)
             pending = []
@@ -416,7 +422,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             # a signal came during it: stop here (the last step ends as it would have, its save the final one)
             if evaluating and evaluator.interrupted and not stopping and i < cfg.steps:
                 stopping = final = True
-                saving = any([getattr(o, "saves_at", lambda s, f: False)(i, final) for o in observers])  # noqa: C419
+                saving = saves(i, final)
         before = time.perf_counter()
         for o in observers:
             getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)

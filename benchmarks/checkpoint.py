@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4, help="save every K steps in the overhead run")
     a = ap.parse_args()
 
-    from shard.devices import request_host_devices
+    from shard.startup.devices import request_host_devices
 
     request_host_devices(a.devices)
     import dataclasses
@@ -42,9 +42,9 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from shard import config as config_mod
-    from shard.checkpoint import Checkpoints, SaveCheckpoints
-    from shard.loop import prepare, train
+    from shard.config import train as config_mod
+    from shard.run.checkpoint import Checkpoints, SaveCheckpoints
+    from shard.train.loop import prepare, train
 
     sets = ["model.name=small", "model.d_model=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12",
             "model.head_dim=64", "model.mlp_dim=3072", "data.batch=8", "data.seq_len=128", "data.path=synthetic",

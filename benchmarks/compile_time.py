@@ -15,19 +15,19 @@ import subprocess
 import sys
 import tempfile
 
-from shard.devices import with_host_devices
+from shard.startup.devices import with_host_devices
 
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
-from shard import xla_flags
+from shard.startup import xla_flags
 xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does (GPU only)
 import jax
-from shard import config
-from shard.analysis import compile_step
-from shard.loop import make_layout
-from shard.mesh import parse_mesh
-from shard.state import compile_init, state_spec
+from shard.config import train as config
+from shard.measure.analysis import compile_step
+from shard.train.loop import make_layout
+from shard.sharding.mesh import parse_mesh
+from shard.train.state import compile_init, state_spec
 model, mesh, seq, batch, attention, steps = sys.argv[1:3] + [int(a) for a in sys.argv[3:5]] + sys.argv[5:7]
 cfg = config.resolve(config.parse_sets([f"model.name={model}", f"mesh.spec={mesh}", f"data.seq_len={seq}",
                                         f"data.batch={batch}", "data.path=synthetic", f"model.attention={attention}",

@@ -23,8 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from shard import config
-from shard.loop import prepare
+from shard.config import train as config
+from shard.train.loop import prepare
 from shard.parallel import pipeline
 
 # (label, mesh, extra --set keys, model override)

@@ -20,10 +20,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shard import config
-from shard.loop import prepare, train
-from shard.rules import activation_layout
-from shard.step import batch_sharding
+from shard.config import train as config
+from shard.train.loop import prepare, train
+from shard.sharding.rules import activation_layout
+from shard.train.step import batch_sharding
 
 
 def hand_written(run, cfg):

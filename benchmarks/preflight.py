@@ -8,7 +8,7 @@ here costs seconds, not the device lease. Each check runs in a fresh process.
    sitecustomize.py that restores the old name (importing jax at every start, so JAX_PLATFORMS set
    inside a script comes too late: the GPU benchmarks don't), and the import is tried again.
 2. XLA_FLAGS with shard's GPU preset and deterministic flags. XLA aborts at start-up on a flag it doesn't
-   know; shard leaves such a flag out (shard.xla_flags.known_flags): they are named, and JAX must
+   know; shard leaves such a flag out (shard.startup.xla_flags.known_flags): they are named, and JAX must
    start with the rest.
 Exit status 1 when a check still fails.
 """
@@ -58,9 +58,9 @@ def check_flax(site: Path) -> bool:
 
 
 def check_flags() -> bool:
-    """shard leaves out a preset flag this XLA does not know (shard.xla_flags.apply): named here, and
+    """shard leaves out a preset flag this XLA does not know (shard.startup.xla_flags.apply): named here, and
     JAX must start with the rest."""
-    from shard import xla_flags  # SITE's copy: it is first on sys.path
+    from shard.startup import xla_flags  # SITE's copy: it is first on sys.path
 
     kept, unknown = xla_flags.known_flags(xla_flags.added_flags("", gpu=True, gpu_preset=True, deterministic=True))
     if unknown:

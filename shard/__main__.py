@@ -1,3 +1,3 @@
-from shard.entry import main
+from shard.cli.entry import main
 
 main()

@@ -19,8 +19,8 @@ EXPERT_BATCH = "expert_batch"  # B once tokens are dispatched to experts: the ba
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, RES_LENGTH, EXPERT,
                 EXPERT_BATCH)
 
-# The layouts the models constrain with the activation rules (models/llama.py, the cast embedding tables
-# included; models/moe.py): a rule table must give each a valid PartitionSpec (no mesh axis twice),
+# The layouts the models constrain with the activation rules (shard/models/llama.py, the cast embedding tables
+# included; shard/models/moe.py): a rule table must give each a valid PartitionSpec (no mesh axis twice),
 # which is checked before anything is traced.
 ACTIVATION_LAYOUTS = (
     (BATCH, LENGTH), (BATCH, LENGTH, EMBED), (BATCH, RES_LENGTH, EMBED), (BATCH, LENGTH, HEADS, HEAD_DIM),

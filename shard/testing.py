@@ -4,9 +4,9 @@ import contextlib
 import os
 import socket
 
-from shard import config as config_mod
-from shard.config import TrainConfig
-from shard.devices import HOST_COUNT_FLAG
+from shard.config import train as config_mod
+from shard.config.train import TrainConfig
+from shard.startup.devices import HOST_COUNT_FLAG
 
 # Compiling dominates the test suite on CPU: LLVM at -O0 halves it, and XLA:CPU's older loop emitters in
 # place of its MLIR fusion emitters cut what is left to a third (the tiny model's step at -O0: 2.7-3.0 s
@@ -77,21 +77,21 @@ def devices_for(mesh: str):
     """The first devices a mesh needs (so a 1x1 mesh runs inside an 8-device test process)."""
     import jax
 
-    from shard.mesh import devices_needed, parse_mesh
+    from shard.sharding.mesh import devices_needed, parse_mesh
 
     return jax.devices()[: devices_needed(parse_mesh(mesh), len(jax.devices()))]
 
 
 def fake_mesh(mesh: str = "2x4"):
     """A jax Mesh from a shard mesh spec over the simulated devices."""
-    from shard.mesh import build_mesh, parse_mesh
+    from shard.sharding.mesh import build_mesh, parse_mesh
 
     return build_mesh(parse_mesh(mesh), devices_for(mesh))
 
 
 def train_losses(cfg: TrainConfig) -> list[float]:
     """Per-step losses of a short run (cfg.log_every should be 1)."""
-    from shard.loop import train
+    from shard.train.loop import train
 
     return [r["loss"] for r in train(cfg, devices=devices_for(cfg.mesh.spec))]
 
@@ -116,11 +116,11 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
     from flax import nnx
 
     from shard import models
-    from shard.loop import check_batch, make_layout
-    from shard.mesh import parse_mesh
-    from shard.rules import activation_layout
-    from shard.state import state_spec
-    from shard.step import batch_sharding, make_loss_fn
+    from shard.train.loop import check_batch, make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.sharding.rules import activation_layout
+    from shard.train.state import state_spec
+    from shard.train.step import batch_sharding, make_loss_fn
 
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
     check_batch(cfg, layout)

@@ -19,16 +19,16 @@ import orbax.checkpoint as ocp
 import pytest
 from typer.testing import CliRunner
 
-from shard import config as config_mod
-from shard.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
-from shard.cli import app
+from shard.config import train as config_mod
+from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
+from shard.cli.app import app
 from shard.errors import ShardError
-from shard.loop import make_layout, prepare, train
-from shard.mesh import parse_mesh
-from shard.metrics import read_jsonl
+from shard.train.loop import make_layout, prepare, train
+from shard.sharding.mesh import parse_mesh
+from shard.observe.metrics import read_jsonl
 from shard.paths import RunDirLock
-from shard.preemption import StopOnSignal, remember_interrupts
-from shard.state import state_spec
+from shard.cluster.preemption import StopOnSignal, remember_interrupts
+from shard.train.state import state_spec
 from shard.testing import devices_for, free_ports, subprocess_env, tiny_config
 from shard.testing import finish as finish_all
 
@@ -216,8 +216,8 @@ def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_on
 
 
 def test_a_resume_that_changes_the_ranking_says_what_becomes_of_the_earlier_saves():
-    from shard import config
-    from shard.resume import resume_changes
+    from shard.config import train as config
+    from shard.run.resume import resume_changes
 
     def notes(was: dict, now: dict) -> list[str]:
         base = {"model": {"name": "tiny"}, "checkpoint": was}
@@ -345,7 +345,7 @@ def test_a_checkpoint_that_reads_back_other_than_saved_is_set_aside(reference, t
     """A stored chunk damaged in a way that still decompresses was loaded in silence (a flipped bit gave a
     dead model, or a NaN two steps after every resume). Each save keeps a checksum per leaf; here the
     saved one is changed, as a flipped bit in the data would change what is read."""
-    from shard.rules import path_str
+    from shard.sharding.rules import path_str
 
     ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
     meta = ckpts.path(12) / "meta" / "metadata"
@@ -381,7 +381,7 @@ def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding_and_the_host_ag
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shard.checkpoint import host_fingerprint, state_fingerprint
+    from shard.run.checkpoint import host_fingerprint, state_fingerprint
 
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     flipped = x.copy()
@@ -411,7 +411,7 @@ def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_pat
 
 
 def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
-    from shard.checkpoint import find_checkpoint
+    from shard.run.checkpoint import find_checkpoint
 
     ckpts, _, _ = _copy_checkpoints(reference, tmp_path)
     shutil.rmtree(ckpts.path(12) / "state")
@@ -426,7 +426,7 @@ def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
 def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):
     from types import SimpleNamespace
 
-    from shard.checkpoint import _drop_closed_loop_callbacks
+    from shard.run.checkpoint import _drop_closed_loop_callbacks
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(str(args.exc_value)))
@@ -489,7 +489,7 @@ def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):
 def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypatch):
     import errno
 
-    import shard.checkpoint as checkpoint_mod
+    import shard.run.checkpoint as checkpoint_mod
 
     class DiskFills:  # what orbax does on a full disk: a temporary folder, then the error
         def __enter__(self):
@@ -741,7 +741,7 @@ def test_two_processes_resume_stop_together_and_one_process_continues_their_chec
 def test_a_checkpoint_folder_that_is_not_writable_is_named_before_training(reference, tmp_path, monkeypatch):
     """On a read-only mount the run trained up to its first save, then failed there; reading stays open
     to generate and export (without orbax's read-only warnings)."""
-    import shard.checkpoint as checkpoint_mod
+    import shard.run.checkpoint as checkpoint_mod
 
     _, _, _, ckpts = reference
     monkeypatch.setattr(checkpoint_mod.os, "access", lambda path, mode: mode != os.W_OK)

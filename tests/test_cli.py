@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shard import config
-from shard.cli import app
+from shard.config import train as config
+from shard.cli.app import app
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
 
@@ -103,14 +103,14 @@ def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_
 
 
 def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path, monkeypatch):
-    import shard.loop
+    import shard.train.loop
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2321381353960 bytes.")
 
     run = tmp_path / "r"
     with monkeypatch.context() as m:
-        m.setattr(shard.loop, "train", out_of_memory)
+        m.setattr(shard.train.loop, "train", out_of_memory)
         failed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert failed.exit_code == 2, failed.output
     assert "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating" in failed.output
@@ -119,7 +119,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path
     own.mkdir()
     (own / "config.toml").write_text("steps = 3\n")
     with monkeypatch.context() as m:
-        m.setattr(shard.loop, "train", out_of_memory)
+        m.setattr(shard.train.loop, "train", out_of_memory)
         for where in (fresh, own):
             again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(where), "--compile-cache", "none",
                            "--resume", "--allow-fresh")
@@ -195,7 +195,8 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
     """`train` notes the cluster it will join, so that an error before joining still reaches the other
     processes; a later command in the same interpreter (a notebook, these tests) must not inherit it,
     or its first user error would try to join that cluster."""
-    from shard import cli, distributed
+    from shard.cli import app as cli
+    from shard.cluster import distributed
 
     def bug(*args, **kwargs):
         raise RuntimeError("a bug, after the cluster was noted")
@@ -207,7 +208,7 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
 
 
 def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_command():
-    from shard.cli import user_error
+    from shard.cli.app import user_error
 
     full = ValueError('RESOURCE_EXHAUSTED: Error writing "params.embed/0.0" in OCDBT database at local file '
                       '"/r/checkpoints/2.orbax-checkpoint-tmp/": Failed to write 841986 bytes to file 5: No space '
@@ -235,7 +236,7 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
 def test_orbax_noise_are_dropped_from_the_log():
     import logging
 
-    from shard.checkpoint import _orbax_noise
+    from shard.run.checkpoint import _orbax_noise
 
     def record(path, exc_info):
         return logging.LogRecord("absl", logging.ERROR, path, 1, "save failed", None, exc_info)
@@ -263,7 +264,7 @@ def test_orbax_noise_are_dropped_from_the_log():
 
 
 def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():
-    from shard.checkpoint import _first_line
+    from shard.run.checkpoint import _first_line
 
     try:
         try:
@@ -277,7 +278,7 @@ def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():
 
 def test_usage_errors_of_click_itself_are_one_line_too():
     """Older typer raises click's own UsageError: recognised by name, like typer's bundled copy."""
-    from shard.cli import _usage_error
+    from shard.cli.app import _usage_error
 
     class UsageError(Exception):
         exit_code = 2
@@ -359,7 +360,7 @@ def test_a_run_dir_holding_other_files_is_refused(tmp_path):
 def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):
     """What a start that died natively (no cleanup) leaves: its config and empty files. The cluster keys
     it was started with don't make it another config."""
-    from shard import config as config_mod
+    from shard.config import train as config_mod
 
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none",
                    "--set", "cluster.failure_timeout=30")
@@ -415,8 +416,8 @@ def test_a_run_dir_that_cant_be_written_is_named_before_devices_start(tmp_path):
 def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():
     """Flags went through JSON text into TOML: `--run-dir runs/😀` became a quoted, escaped string. A mesh
     given as a TOML path made the default run dir several nested folders."""
-    from shard.cli import _overrides
-    from shard.run_dir import mesh_label
+    from shard.cli.app import _overrides
+    from shard.run.run_dir import mesh_label
 
     assert _overrides({}, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
     assert mesh_label("/tmp/my meshes/wide.toml") == "wide"
@@ -428,7 +429,7 @@ def test_a_model_flag_over_a_config_file_that_amends_another_model_is_refused():
     dimensions (its [model] lists every key, and they amended small)."""
     import dataclasses
 
-    from shard.cli import _overrides
+    from shard.cli.app import _overrides
     from shard.errors import ShardError
 
     run_config = {"model": dataclasses.asdict(config.resolve({"model": {"name": "tiny"}}).model)}
@@ -458,8 +459,8 @@ def test_the_continue_hint_names_the_launcher():
     """After a stop signal a multi-process job was told to continue with a one-process command."""
     from pathlib import Path
 
-    from shard.run_dir import continue_command
-    from shard.cluster import ClusterSpec
+    from shard.run.run_dir import continue_command
+    from shard.cluster.launch import ClusterSpec
 
     run = Path("runs/a")
     assert continue_command(run, None) == "shard train --run-dir runs/a --resume"
@@ -475,7 +476,7 @@ def test_the_continue_hint_names_the_launcher():
 def test_a_failed_start_removes_what_it_wrote_and_keeps_what_was_there(tmp_path, found):
     """A --resume --allow-fresh base (config.toml and the Hugging Face side files beside it) stays, and so
     does a user's own tb/ in a folder given as a new run dir: a failed first start removed that whole."""
-    from shard.run_dir import forget_unstarted_run
+    from shard.run.run_dir import forget_unstarted_run
 
     for name in ("config.toml", "metrics.jsonl"):
         (tmp_path / name).write_text("")
@@ -530,7 +531,7 @@ def test_the_stop_handlers_still_take_signals_while_the_final_save_is_awaited(tm
     there killed the process and lost the save."""
     import signal
 
-    from shard.checkpoint import SaveCheckpoints
+    from shard.run.checkpoint import SaveCheckpoints
 
     seen = []
     wait = SaveCheckpoints.on_end
@@ -587,7 +588,7 @@ def test_the_embedded_corpus_resumed_on_the_current_folder_is_a_data_change(tmp_
     (data.path "") is not the current folder, though Path("").absolute() is."""
     import dataclasses
 
-    from shard.resume import resume_changes
+    from shard.run.resume import resume_changes
 
     monkeypatch.chdir(tmp_path)
     cfg = config.resolve({"model": {"name": "tiny"}})
@@ -637,7 +638,7 @@ def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_
 def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
     """The second SIGINT raises KeyboardInterrupt out of the loop (tests/test_step.py): the process
     ended with exit 130 and no word on the save it skipped."""
-    from shard.preemption import StopOnSignal
+    from shard.cluster.preemption import StopOnSignal
 
     def second_ctrl_c(self):
         if self.calls == 2:

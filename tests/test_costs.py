@@ -10,13 +10,14 @@ import sys
 import jax
 import pytest
 from flax import nnx
-from shard.models.configs import PRESETS
+from shard.config.model import PRESETS
 
-from shard import costs, models
-from shard.analysis import StepAnalysis, analyze, compile_step
-from shard.loop import make_layout
-from shard.mesh import parse_mesh
-from shard.rules import logical_axes_of, path_str
+from shard.measure import costs
+from shard import models
+from shard.measure.analysis import StepAnalysis, analyze, compile_step
+from shard.train.loop import make_layout
+from shard.sharding.mesh import parse_mesh
+from shard.sharding.rules import logical_axes_of, path_str
 from shard.testing import AS_USERS_COMPILE, devices_for, tiny_config
 
 # name -> (model, mesh, --set style overrides); batch 16 x 32 unless overridden.
@@ -113,7 +114,7 @@ def test_the_stored_lookup_needs_its_split_innermost_in_the_batch():
     fsdp group's rows are one block of the batch: batch over (data, fsdp) yes, over (fsdp, expert) no
     (XLA replicated the rows instead, "involuntary full rematerialization"), so that lookup reads the
     gathered table."""
-    from shard.mesh import load_preset
+    from shard.sharding.mesh import load_preset
 
     base = load_preset("default")
     tokens, vocab = 16 * 32, 4096  # fewer ids than rows either way
@@ -139,8 +140,8 @@ def compile_uncached(mesh: str, sets: str, compiler_options: str = "None") -> st
     """Compile the tiny config on `mesh` with `sets` (tiny_config's keyword arguments, as source) in a
     process without the persistent cache, and return its stderr: a cache hit compiles nothing, so XLA
     neither dumps nor warns."""
-    code = ("from shard.testing import tiny_config; from shard.loop import make_layout; "
-            "from shard.mesh import parse_mesh; from shard.analysis import compile_step; "
+    code = ("from shard.testing import tiny_config; from shard.train.loop import make_layout; "
+            "from shard.sharding.mesh import parse_mesh; from shard.measure.analysis import compile_step; "
             f"cfg = tiny_config({mesh!r}, {sets}); "
             f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})), compiler_options={compiler_options})")
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
@@ -154,7 +155,7 @@ def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
     """Untying adds the head's table (gathered, its gradient slice reduce-scattered, then all-reduced over
     data): one 1/fsdp slice more over data. The lookup's table is read as stored, so only its own slice
     is all-reduced; the formula counted the whole table (the compiled step: 64 KiB, small, data=2,fsdp=4)."""
-    from shard.models.configs import PRESETS
+    from shard.config.model import PRESETS
 
     shape, work = costs.LayoutShape.of(data=2, fsdp=4), costs.Workload(8, 16, act_bytes=4)
     tied = PRESETS["small"]
@@ -221,7 +222,7 @@ def test_axes_without_formulas_claim_no_minimum():
     """Pipeline axes, the model axis under Megatron-SP or a mixture of experts, and a sequence split over
     two axes have no formula: no efficiency is claimed for them (a minimum of 0 read as efficiency 0.000 on the
     context axis, before it had one)."""
-    from shard.mesh import load_preset
+    from shard.sharding.mesh import load_preset
 
     assert costs.unmodelled_axes(costs.LayoutShape.of(data=2, fsdp=2, model=2)) == {}
     assert costs.unmodelled_axes(costs.LayoutShape.of(stage=2, data=4)) == {"stage": "pipeline parallel"}
@@ -335,7 +336,7 @@ def test_the_compiled_step_follows_the_pipeline_config(analysed):
 def test_each_remat_policy_keeps_less_than_the_one_before():
     """none > dots (every matmul output kept) > dots_no_batch (not attention's batched ones) > full, in the
     compiled step's temporaries: a policy that did nothing, or two swapped, passed every other test."""
-    from shard.analysis import compile_step, memory_of
+    from shard.measure.analysis import compile_step, memory_of
 
     temporaries = []
     for remat in ("none", "dots", "dots_no_batch", "full"):

@@ -5,10 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shard.config import EvalConfig
-from shard.data import (BatchStream, ByteTokenizer, SyntheticSource, WindowSource, embedded_corpus_files,
-                        eval_samples, load_tokens, repetition_note, sample_dataset, split_window,
-                        training_samples, unused_files_note)
+from shard.config.train import EvalConfig
+from shard.data.batches import (BatchStream, SyntheticSource, WindowSource, eval_samples, repetition_note,
+                                   sample_dataset, split_window, training_samples)
+from shard.data.tokenizers import ByteTokenizer
+from shard.data.sources import embedded_corpus_files, load_tokens, unused_files_note
 from shard.errors import ShardError
 from shard.testing import fake_mesh, tiny_config
 
@@ -132,7 +133,7 @@ def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_p
 def test_a_folder_of_token_shards_is_read_in_place_as_one_stream(tmp_path):
     """A folder of .bin shards was concatenated into memory (a copy of the corpus per process, and a
     second one for evaluation); it is read through the memory maps, window for window as one file."""
-    from shard.data import TokenParts
+    from shard.data.sources import TokenParts
 
     stream = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint16)
     (tmp_path / "shards").mkdir()

@@ -8,7 +8,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shard import hlo
+from shard.measure import hlo
 from shard.testing import fake_mesh
 
 AXES, SIZES = ("data", "model"), (2, 4)  # device id = 4 * data + model

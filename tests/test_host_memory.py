@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from shard import host_memory
-from shard.host_memory import TUNABLE, tunables_with_huge_pages
+from shard.startup import host_memory
+from shard.startup.host_memory import TUNABLE, tunables_with_huge_pages
 
 
 def test_the_tunable_is_added_only_where_it_helps():
@@ -27,7 +27,7 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
     assert host_memory.thp_mode(str(tmp_path / "missing")) == ""
 
 
-REPORT = ("from shard.host_memory import reexec_with_huge_pages as r; r(); import os, sys; "
+REPORT = ("from shard.startup.host_memory import reexec_with_huge_pages as r; r(); import os, sys; "
           "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), *sys.argv[1:])")
 
 
@@ -52,11 +52,11 @@ def test_the_process_restarts_itself_once_with_the_tunable():
 def test_the_command_restarts_before_the_cli_imports():
     """The entry point restarts with huge pages before typer and rich are imported: restarting after
     them imported them twice (0.14 s of every launch)."""
-    code = "import sys; import shard.entry; print(sorted(m for m in ('typer', 'rich', 'jax') if m in sys.modules))"
+    code = "import sys; import shard.cli.entry; print(sorted(m for m in ('typer', 'rich', 'jax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     import tomllib
     from pathlib import Path
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["shard"] == "shard.entry:main"
+    assert scripts["shard"] == "shard.cli.entry:main"

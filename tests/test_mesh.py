@@ -3,7 +3,7 @@
 import pytest
 
 from shard.errors import ShardError
-from shard.mesh import build_mesh, parse_mesh, preset_names, resolve_shape
+from shard.sharding.mesh import build_mesh, parse_mesh, preset_names, resolve_shape
 
 
 @pytest.mark.parametrize("spec, axes, shape", [
@@ -95,7 +95,7 @@ def test_a_mesh_file_shape_of_booleans_is_refused(tmp_path):
 
 
 def test_a_mesh_file_without_a_shape_fills_its_first_axis(tmp_path):
-    from shard.mesh import load_preset
+    from shard.sharding.mesh import load_preset
 
     f = tmp_path / "m.toml"
     f.write_text('axes = ["data", "model"]\n')
@@ -105,8 +105,8 @@ def test_a_mesh_file_without_a_shape_fills_its_first_axis(tmp_path):
 def test_a_mesh_file_is_read_as_a_file_whatever_its_folder_is_called(tmp_path):
     """Saved absolute, a mesh file's path may hold '=' or ':' (a folder `lr=3e-4`): it was read as
     axes (`size of axis '/tmp/lr' must be an integer`) or as a preset and a shape."""
-    from shard.mesh import split_mesh_file
-    from shard.run_dir import mesh_label
+    from shard.sharding.mesh import split_mesh_file
+    from shard.run.run_dir import mesh_label
 
     folder = tmp_path / "lr=3e-4" / "t10:00"
     folder.mkdir(parents=True)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.models.configs import PRESETS, attention_backend, cudnn_attention_problem
+from shard.config.model import PRESETS, attention_backend, cudnn_attention_problem
 from shard.models.llama import causal_attention
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shard.loop import train
-from shard.metrics import read_jsonl
+from shard.train.loop import train
+from shard.observe.metrics import read_jsonl
 from shard.testing import devices_for, finish, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
 
 BIN = Path(sys.executable).parent
@@ -223,8 +223,8 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
     evaluated = "--eval-every" in extra
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[1 if evaluated else 0], rtol=1e-5)
     # MFU over the job's devices (it divided by one process's), and no memory figure where none is known
-    from shard.costs import mfu_flops_per_token
-    from shard.models.configs import PRESETS
+    from shard.measure.costs import mfu_flops_per_token
+    from shard.config.model import PRESETS
 
     devices = 2 * per_process
     for rec in read_jsonl(tmp_path / "r" / "metrics.jsonl"):
@@ -257,7 +257,7 @@ def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
 
 PROCESS_SETS = textwrap.dedent("""
     import json, os
-    from shard import cluster, distributed
+    from shard.cluster import launch as cluster, distributed
     from shard.errors import ShardError
 
     ctx = distributed.start(cluster.spec(os.environ), "xla", failure_timeout=30)
@@ -320,7 +320,7 @@ def test_process_sets(tmp_path):
 @pytest.mark.parametrize("lost", [1, 0], ids=["worker", "coordinator"])
 def test_a_lost_process_stops_the_other(tmp_path, lost):
     """Either process may die: process 0 hosts the coordination service, which outlives it in a helper
-    process (shard.coordinator), so its loss reads like any other."""
+    process (shard.cluster.coordinator), so its loss reads like any other."""
     long_run = ["--model", "tiny", "--steps", "100000", "--batch", "8", "--seq", "32", "--log-every", "1",
                 "--mesh", "2x1", "--run-dir", "r", "--failure-timeout", "5"]
     procs = explicit(2, long_run, tmp_path, free_ports()[0])
@@ -380,7 +380,7 @@ def test_a_ctrl_c_to_the_whole_job_saves_and_stops_cleanly(tmp_path):
 
 
 OOM_AT_STEP_3 = """
-from shard import data
+from shard.data import batches as data
 _next = data.BatchStream.next
 def _next_or_oom(self):
     if self.position >= 16:  # the third global batch of 8
@@ -451,7 +451,7 @@ def test_an_error_before_joining_reaches_the_others(tmp_path, failing):
 def test_a_process_0_that_gives_up_joining_stops_its_service(tmp_path):
     """Process 0 started alone: one line when the join timeout ends, and its coordination service (the
     helper) stops with it, so the port is free for the corrected command at once."""
-    from shard.coordinator import _check_port_free
+    from shard.cluster.coordinator import _check_port_free
 
     port = free_ports()[0]
     [(rc, _, err)] = finish([subprocess.Popen(
@@ -470,7 +470,7 @@ def test_an_error_before_joining_under_mpiexec_stops_the_job(tmp_path):
     script = tmp_path / "rank1_misses_its_data.py"
     script.write_text(textwrap.dedent("""
         import os, sys
-        from shard.cli import main
+        from shard.cli.app import main
         if os.environ.get("PMI_RANK") == "1":
             sys.argv += ["--data", "not-on-this-host.txt"]
         main()
@@ -485,8 +485,8 @@ def test_an_error_before_joining_under_mpiexec_stops_the_job(tmp_path):
 def test_a_process_reads_only_its_block_of_each_global_batch():
     """With the MPI bridge, process p of P builds rows [p*B/P, (p+1)*B/P) of every global batch, and only
     those samples are read."""
-    from shard.data import BatchStream, sample_dataset
-    from shard.step import batch_sharding
+    from shard.data.batches import BatchStream, sample_dataset
+    from shard.train.step import batch_sharding
     from shard.testing import fake_mesh
 
     class Counting:
@@ -497,7 +497,7 @@ def test_a_process_reads_only_its_block_of_each_global_batch():
             self.read.extend(range(start, stop))
             return self.ds.rows(start, stop)
 
-    from shard.rules import Layout
+    from shard.sharding.rules import Layout
 
     layout = Layout(fake_mesh("2x4"), rules={"batch": ("data",), "length": ()})
     ds = sample_dataset("synthetic", 256, 16, seed=0)
@@ -514,8 +514,8 @@ def test_eval_rows_are_checked_against_the_local_mesh_before_anything_runs():
     """3 processes with 4 devices each, eval.processes=2, batch 12: training's 4 rows split over data=4,
     but each evaluator's 6 did not, and that failed at the first evaluation, after training steps."""
     from shard.errors import ShardError
-    from shard.evaluate import eval_rows
-    from shard.rules import Layout
+    from shard.train.evaluate import eval_rows
+    from shard.sharding.rules import Layout
     from shard.testing import fake_mesh
 
     layout = Layout(fake_mesh("4x1"), rules={"batch": ("data",), "length": ()})
@@ -530,7 +530,7 @@ def test_eval_rows_are_checked_against_the_local_mesh_before_anything_runs():
 def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     import jax
 
-    from shard.bridge import buckets
+    from shard.train.bridge import buckets
 
     f32 = lambda n: jax.ShapeDtypeStruct((n,), np.float32)  # noqa: E731
     leaves = [f32(10), f32(10), f32(30), jax.ShapeDtypeStruct((4,), np.int32), f32(100), f32(1)]
@@ -547,11 +547,11 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
 
     import jax
 
-    from shard import bridge
-    from shard.loop import make_layout
-    from shard.mesh import parse_mesh
-    from shard.state import init_state, state_spec
-    from shard.step import make_train_step
+    from shard.train import bridge
+    from shard.train.loop import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.train.state import init_state, state_spec
+    from shard.train.step import make_train_step
     from shard.testing import random_batch
 
     cfg = tiny_config("1x1", model__name="moe-tiny")
@@ -569,7 +569,7 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
 def test_a_coordinator_port_in_use_is_refused():
     """gRPC would share a port with a service already there (say a failed run's, still serving its
     last processes): this job's processes could meet that one instead of their own."""
-    from shard.coordinator import _check_port_free
+    from shard.cluster.coordinator import _check_port_free
     from shard.errors import ShardError
 
     with socket.socket() as s:
@@ -589,7 +589,7 @@ def test_a_process_stops_even_when_its_stderr_is_gone(monkeypatch):
     import io
     import threading
 
-    from shard import distributed
+    from shard.cluster import distributed
 
     class Exited(BaseException):
         pass
@@ -620,7 +620,7 @@ def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
     """A reason left without its exit code (an older shard in the job): named, and exit code 3."""
     from jax._src import distributed as jax_distributed
 
-    from shard import distributed
+    from shard.cluster import distributed
 
     class Client:
         def key_value_try_get(self, key):
@@ -642,7 +642,7 @@ def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
 
 
 def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
-    from shard.distributed import _wait_for_coordinator
+    from shard.cluster.distributed import _wait_for_coordinator
     from shard.errors import ShardError
 
     with socket.socket() as s:  # a port nobody listens on
@@ -656,7 +656,7 @@ def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
         _wait_for_coordinator(f"127.0.0.1:{s.getsockname()[1]}", timeout=1.0)
     # process 0 serves on every interface, but checks that the name the others dial resolves (it waited
     # out the join timeout)
-    from shard.distributed import _check_resolves
+    from shard.cluster.distributed import _check_resolves
 
     with pytest.raises(ShardError, match="--coordinator nohost.invalid:1234: unknown host"):
         _check_resolves("nohost.invalid:1234")
@@ -667,7 +667,7 @@ def test_processes_with_unequal_device_counts_are_named():
     """Hosts with different accelerator counts (on CPU: what --num-processes mismatches led to)."""
     from types import SimpleNamespace
 
-    from shard.cli import _check_devices_per_process
+    from shard.cli.app import _check_devices_per_process
     from shard.errors import ShardError
 
     devices = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1)]

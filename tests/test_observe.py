@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from shard.cli import app
+from shard.cli.app import app
 from shard.errors import DivergenceError
-from shard.loop import prepare, train
-from shard.metrics import JsonlWriter, TensorBoardWriter
-from shard.profiling import Profiler
+from shard.train.loop import prepare, train
+from shard.observe.metrics import JsonlWriter, TensorBoardWriter
+from shard.measure.profiling import Profiler
 from shard.testing import devices_for, tiny_config
 
 
@@ -54,7 +54,7 @@ def test_a_checkpoints_blocking_time_is_not_step_time(monkeypatch):
     save takes 100 s of it."""
     import types
 
-    from shard import loop
+    from shard.train import loop
 
     clock = [0.0]
 
@@ -179,7 +179,7 @@ def test_a_resumed_run_is_read_as_it_trained():
     """Steps 1-4 on one mesh, a resume from step 2's checkpoint on another (its clock restarts at 0, and
     steps 3-4 come again), then a resume that repeats nothing: the last record of each step counts,
     time runs on, and speed and memory are the latest start's."""
-    from shard.report import as_trained, summary_row
+    from shard.observe.report import as_trained, summary_row
 
     rec = lambda step, t, tps, mem: {"step": step, "loss": 4.0 - step / 10, "time_s": t, "tokens_per_s": tps,  # noqa: E731
                                      "mem_peak_bytes": mem, "mfu": tps / 1000}
@@ -210,7 +210,7 @@ def test_a_resumed_run_is_read_as_it_trained():
 
 
 def test_a_torn_metrics_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):
-    from shard.metrics import JsonlWriter, read_records
+    from shard.observe.metrics import JsonlWriter, read_records
 
     run = tmp_path / "a"
     _fake_run(run, "fsdp", [3.0, 2.5])
@@ -314,8 +314,8 @@ def test_bad_profile_window():
 
 
 def test_mfu_flops_match_a_hand_count():
-    from shard.costs import mfu_flops_per_token
-    from shard.models.configs import PRESETS
+    from shard.measure.costs import mfu_flops_per_token
+    from shard.config.model import PRESETS
 
     # tiny: D=64, L=2, N=K=8 heads of H=8, F=128, V=256, tied. Matmul parameters per layer: attention
     # 64*8*(8+8+8+8) = 16384, MLP 3*64*128 = 24576; two layers 81920, plus the tied table 256*64 = 16384.
@@ -325,7 +325,7 @@ def test_mfu_flops_match_a_hand_count():
 
 
 def test_records_carry_mfu_against_the_users_peak():
-    from shard.costs import mfu_flops_per_token
+    from shard.measure.costs import mfu_flops_per_token
 
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]
@@ -350,9 +350,9 @@ def test_device_kinds_find_their_hardware():
 
 
 def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
-    from shard import config
+    from shard.config import train as config
     from shard.hardware import find_hardware, load_hardware
-    from shard.plan import startup_warnings
+    from shard.measure.plan import startup_warnings
 
     h100 = find_hardware("h100", load_hardware())
     # llama-1b, FSDP over 8 GPUs with 1 sequence of 256 tokens per GPU: gathers dwarf the compute
@@ -364,8 +364,8 @@ def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
 
 
 def test_nan_between_saves_leaves_the_last_good_checkpoint_newest(tmp_path):
-    from shard.checkpoint import Checkpoints, SaveCheckpoints
-    from shard.config import CheckpointConfig
+    from shard.run.checkpoint import Checkpoints, SaveCheckpoints
+    from shard.config.train import CheckpointConfig
 
     cfg = tiny_config("8x1", steps=8, log_every=4)
     run = prepare(cfg, devices_for("8x1"))
@@ -386,7 +386,7 @@ def test_nan_between_saves_leaves_the_last_good_checkpoint_newest(tmp_path):
 
 def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tmp_path):
     """metrics.jsonl is strict JSON (a NaN token breaks strict parsers), and report takes the null."""
-    from shard.metrics import JsonlWriter
+    from shard.observe.metrics import JsonlWriter
 
     run = tmp_path / "a"
     _fake_run(run, "dp", [3.0])
@@ -404,7 +404,7 @@ def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tm
 def test_writers_hold_nothing_open_until_the_run_starts(tmp_path):
     """A writer built for a run that never started (an earlier observer's on_start raised) left a file
     open, and tensorboardX's writer failed to close at interpreter exit on Python 3.12."""
-    from shard.metrics import JsonlWriter
+    from shard.observe.metrics import JsonlWriter
 
     writers = [JsonlWriter(tmp_path / "metrics.jsonl"), TensorBoardWriter(tmp_path / "tb")]
     for w in writers:
@@ -414,7 +414,7 @@ def test_writers_hold_nothing_open_until_the_run_starts(tmp_path):
 
 def test_a_record_with_a_field_of_the_wrong_type_is_skipped_like_a_torn_line(tmp_path):
     """report computed with whatever a record held: a string time or loss was a traceback."""
-    from shard.metrics import read_records
+    from shard.observe.metrics import read_records
 
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 1, "loss": 1.0, "time_s": "x"}', '{"step": [1], "loss": 1.0}', '{"step": 2, "loss": "abc"}',
@@ -439,7 +439,7 @@ def test_the_event_writer_imports_neither_torch_nor_boto3():
     import subprocess
     import sys
 
-    code = ("import sys; from shard.metrics import _summary_writer_class; _summary_writer_class(); "
+    code = ("import sys; from shard.observe.metrics import _summary_writer_class; _summary_writer_class(); "
             "print(sorted(m for m in ('torch', 'boto3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -452,7 +452,7 @@ def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_traceba
     import errno
     from types import SimpleNamespace
 
-    from shard.cli import user_error
+    from shard.cli.app import user_error
 
     class FullDisk:
         def write(self, text):

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shard import costs
+from shard.measure import costs
 from shard.errors import ShardError
-from shard.loop import check_batch, make_layout
-from shard.mesh import parse_mesh
+from shard.train.loop import check_batch, make_layout
+from shard.sharding.mesh import parse_mesh
 from shard.models import moe
-from shard.models.configs import PRESETS
+from shard.config.model import PRESETS
 from shard.parallel import pipeline
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config

@@ -10,11 +10,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shard.errors import ShardError
-from shard.inspection import summary
-from shard.loop import make_layout
-from shard.mesh import parse_mesh
-from shard.rules import Layout, logical_axes_of, param_shardings, path_str
-from shard.state import init_state, state_spec
+from shard.measure.inspection import summary
+from shard.train.loop import make_layout
+from shard.sharding.mesh import parse_mesh
+from shard.sharding.rules import Layout, logical_axes_of, param_shardings, path_str
+from shard.train.state import init_state, state_spec
 from shard.testing import devices_for, fake_mesh, tiny_config
 
 
@@ -174,7 +174,7 @@ def test_optimizer_leaves_take_a_parameters_sharding_only_with_its_shape():
     it took the parameter's 2-D sharding, which can't apply to it."""
     from jax.sharding import NamedSharding
 
-    from shard.rules import like_params
+    from shard.sharding.rules import like_params
 
     mesh = fake_mesh("2x4")
     sds = jax.ShapeDtypeStruct

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shard.cluster import ClusterSpec, detect, spec
+from shard.cluster.launch import ClusterSpec, detect, spec
 from shard.errors import ShardError
-from shard.metrics import read_jsonl
+from shard.observe.metrics import read_jsonl
 from shard.testing import free_ports, tiny_config, train_losses, xla_flags_for_tests
 
 SLURM_BINARIES = ("srun", "slurmctld", "slurmd", "munged", "sinfo")
@@ -113,7 +113,7 @@ def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):
     to leave its reason, and task 0 names it (it used to wait out the join timeout and abort natively)."""
     env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(free_ports()[0]))
     script = tmp_path / "task1_misses_its_data.py"
-    script.write_text("import os, sys\nfrom shard.cli import main\n"
+    script.write_text("import os, sys\nfrom shard.cli.app import main\n"
                       "if os.environ['SLURM_PROCID'] == '1':\n    sys.argv += ['--data', 'not-on-this-host.txt']\nmain()\n")
     args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--mesh", "2x1", "--run-dir", "r",
             "--set", "cluster.join_timeout=120"]

@@ -10,13 +10,13 @@ import numpy as np
 import optax
 import pytest
 
-from shard.config import GuardConfig, OptimizerConfig
+from shard.config.train import GuardConfig, OptimizerConfig
 from shard.errors import ShardError
-from shard.generate import Sampling, sample
-from shard.loop import check_batch, first_divergence, make_layout, prepare
-from shard.mesh import parse_mesh
-from shard.state import init_state, make_optimizer, state_spec
-from shard.step import batch_sharding, make_train_step, token_nll
+from shard.train.generate import Sampling, sample
+from shard.train.loop import check_batch, first_divergence, make_layout, prepare
+from shard.sharding.mesh import parse_mesh
+from shard.train.state import init_state, make_optimizer, state_spec
+from shard.train.step import batch_sharding, make_train_step, token_nll
 from shard.testing import devices_for, loss_and_grads, random_batch, tiny_config
 
 
@@ -161,7 +161,7 @@ def test_top_k_samples_only_the_k_largest():
 
 
 def test_evaluation_reads_the_same_held_out_batches_every_time():
-    from shard.evaluate import Evaluator
+    from shard.train.evaluate import Evaluator
 
     cfg = tiny_config("8x1", eval__every=1, eval__batches=2)
     run = prepare(cfg, devices_for("8x1"))
@@ -176,7 +176,7 @@ def test_a_second_ctrl_c_interrupts_at_once_and_the_handlers_come_back():
     import os
     import signal
 
-    from shard.preemption import StopOnSignal
+    from shard.cluster.preemption import StopOnSignal
 
     before = signal.getsignal(signal.SIGINT)
     stopper = StopOnSignal()

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 
-from shard import config
-from shard.loop import train
-from shard.metrics import read_jsonl
+from shard.config import train as config
+from shard.train.loop import train
+from shard.observe.metrics import read_jsonl
 
 
 def test_default_run_loss_falls_over_20_steps(tmp_path):
@@ -42,7 +42,7 @@ def test_the_loop_compiles_nothing_after_prepare():
     """The train step is compiled once, ahead of time; steps, logging and the data path add no compiles."""
     import jax
 
-    from shard.loop import prepare
+    from shard.train.loop import prepare
     from shard.testing import devices_for, tiny_config
 
     compiles = []

@@ -13,10 +13,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from shard import config, hf, models
-from shard.cli import app
+from shard.config import train as config
+from shard.run import hf
+from shard import models
+from shard.cli.app import app
 from shard.errors import ShardError
-from shard.models.configs import PRESETS
+from shard.config.model import PRESETS
 
 
 def invoke(*args):
@@ -137,7 +139,7 @@ def test_bad_weights_input(args, message):
 
 def test_a_checkpoint_saved_without_a_config_says_so(imported, tmp_path):
     """Saved from Python with config_toml="": the default model was built and its shapes refused."""
-    from shard.checkpoint import Checkpoints, read_params
+    from shard.run.checkpoint import Checkpoints, read_params
 
     params, _, _ = read_params(imported)
     ckpts = Checkpoints(tmp_path / "ck")
@@ -166,7 +168,7 @@ def test_bad_generate_input(imported, args, message):
 
 def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):
     """The prompt is printed first, without a newline; the out-of-memory error was appended to it."""
-    from shard.generate import Generator
+    from shard.train.generate import Generator
 
     def out_of_memory(self, prompt, *args, on_token=None, **kwargs):
         on_token(ord("!"))
@@ -180,7 +182,7 @@ def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):
 
 def test_a_prompts_file_has_one_prompt_per_newline(tmp_path):
     """str.splitlines also split at form feeds (common in Python source) and other separators."""
-    from shard.cli import _prompt_texts
+    from shard.cli.app import _prompt_texts
 
     f = tmp_path / "p.txt"
     f.write_bytes(b"def f():\x0cpass\r\nx = 1\n")
@@ -265,7 +267,7 @@ def test_a_write_that_fails_leaves_nothing_behind_and_the_files_are_readable(imp
 
     import safetensors.numpy
 
-    from shard.checkpoint import Checkpoints
+    from shard.run.checkpoint import Checkpoints
 
     r = invoke("export-hf", imported, "--out", tmp_path / "a" / "hf")
     assert r.exit_code == 0, r.output

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from shard import xla_flags
+from shard.startup import xla_flags
 
 
 def test_preset_only_on_gpu_and_user_flags_win():

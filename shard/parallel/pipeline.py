@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.models import llama
-from shard.models.configs import ModelConfig
-from shard.rules import mesh_axes_of
+from shard.config.model import ModelConfig
+from shard.sharding.rules import mesh_axes_of
 
 IDLE, FWD, BWD = 0, 1, 2
 BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss

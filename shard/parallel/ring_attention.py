@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from shard.axes import LENGTH
-from shard.rules import active_layout
+from shard.sharding.rules import active_layout
 
 _NEG = -1e30  # finite "minus infinity": a fully masked block must not produce inf - inf
 

@@ -17,7 +17,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shard.compile_cache import use_compile_cache
+from shard.startup.compile_cache import use_compile_cache
 
 
 @custom_partitioning

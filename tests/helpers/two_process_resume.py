@@ -22,10 +22,10 @@ import jax  # noqa: E402
 
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
-from shard import config as config_mod  # noqa: E402
-from shard.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
-from shard.loop import prepare, train  # noqa: E402
-from shard.preemption import StopOnSignal  # noqa: E402
+from shard.config import train as config_mod  # noqa: E402
+from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
+from shard.train.loop import prepare, train  # noqa: E402
+from shard.cluster.preemption import StopOnSignal  # noqa: E402
 from shard.testing import tiny_config  # noqa: E402
 
 cfg = tiny_config("2x4", steps=steps, checkpoint__every=2, checkpoint__keep=10)

@@ -1,0 +1,1 @@
+"""The run's configuration as frozen dataclasses (no JAX): the training config, the model config and presets."""

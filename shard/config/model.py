@@ -1,0 +1,200 @@
+"""Model hyperparameters and the named size presets. Pure data: importing this never imports JAX."""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
+                            manual: bool = False) -> str:
+    """Why cuDNN's flash attention (jax.nn.dot_product_attention(implementation="cudnn")) can't run
+    attention with these inputs, in a few words; "" when it can.
+
+    `platform` is "cuda" for NVIDIA GPUs. cuDNN takes 16-bit inputs and head dims that are multiples of 8
+    up to 128 (256 on Hopper; the lower bound keeps the answer independent of the GPU), and its sharding
+    rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
+    partly manual shard_map (pipeline stages) its custom partitioning is not used.
+    """
+    if platform != "cuda":
+        return f"it needs an NVIDIA GPU (this run is on {platform})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"it needs bfloat16 or float16 compute (this run computes in {dtype})"
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs a head dim that is a multiple of 8 up to 128 (got {head_dim})"
+    if not same_split:
+        return "it needs heads and kv_heads split over the same mesh axes"
+    if manual:
+        return "it does not run inside pipeline stages"
+    return ""
+
+
+def attention_backend(setting: str, problem: str) -> str:
+    """The attention implementation a `model.attention` setting runs as, given cuDNN's `problem` with the
+    inputs (cudnn_attention_problem): "auto" is "cudnn" when there is none, "xla" otherwise."""
+    if setting == "auto":
+        return "xla" if problem else "cudnn"
+    return setting
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers."""
+
+    name: str = "small"
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 768
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    # Llama 3's RoPE scaling (Llama 3.1 and 3.2): the low frequencies divided by rope_scaling, the high
+    # ones kept, those between blended; 0: plain RoPE.
+    rope_scaling: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    norm_eps: float = 1e-5
+    # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
+    compute_dtype: str = "auto"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
+    attention: str = "auto"
+    # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k routing
+    capacity_factor: float = 1.25  # expert slots per group = ceil(k * tokens * factor / n_experts)
+    aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer) added to the objective
+
+    def validate(self) -> list[str]:
+        """Problems with these hyperparameters, as one-line messages (empty when fine)."""
+        problems = []
+        for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+            if not 0 < getattr(self, f) < 2**31:  # an array dimension: XLA indexes with int32
+                problems.append(f"model.{f} must be positive and below 2**31, got {getattr(self, f)}")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
+                           ("compute_dtype", COMPUTE_DTYPES)):
+            if getattr(self, f) not in allowed:
+                problems.append(f"model.{f} must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if not 0 <= self.n_experts < 2**31:  # an array dimension too
+            problems.append(f"model.n_experts must be 0 (dense) or more and below 2**31, got {self.n_experts}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            problems.append(f"model.experts_per_token must be in 1..{self.n_experts}, got {self.experts_per_token}")
+        if self.n_experts and not 0 < self.capacity_factor < math.inf:
+            problems.append(f"model.capacity_factor must be a positive number, got {self.capacity_factor}")
+        for f in ("rope_theta", "norm_eps"):
+            if not 0 < getattr(self, f) < math.inf:
+                problems.append(f"model.{f} must be a positive number, got {getattr(self, f)}")
+        if not 0 <= self.rope_scaling < math.inf:
+            problems.append(f"model.rope_scaling must be 0 (off) or a positive factor, got {self.rope_scaling}")
+        if self.rope_scaling and not (0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf
+                                      and self.rope_original_context > 0):
+            problems.append("model.rope_scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a "
+                            f"positive rope_original_context, got {self.rope_low_freq_factor}, "
+                            f"{self.rope_high_freq_factor}, {self.rope_original_context}")
+        if not 0 <= self.aux_loss_weight < math.inf:
+            problems.append(f"model.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+        return problems
+
+    def rope_frequencies(self):
+        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when
+        rope_scaling is set."""
+        import numpy as np
+
+        # in float64, rounded to float32 once at the end
+        inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        if not self.rope_scaling:
+            return inv.astype(np.float32)
+        factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                      self.rope_original_context)
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > context / low, inv / factor, inv)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelen >= context / high) & (wavelen <= context / low)
+        return np.where(between, blended, scaled).astype(np.float32)
+
+    def compute_dtype_on(self, platform: str) -> str:
+        """The compute dtype's name on `platform` ("cpu", "gpu", "cuda", ...): "auto" resolves to float32
+        on CPU, bfloat16 elsewhere."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        return "float32" if platform == "cpu" else "bfloat16"
+
+    def expert_capacity(self, tokens_per_group: int) -> int:
+        """Slots each expert has per routing group (a sequence); tokens routed beyond it are dropped."""
+        return max(1, math.ceil(self.experts_per_token * tokens_per_group * self.capacity_factor / self.n_experts))
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+        """(path, shape, logical axes) of every parameter of shard/models/llama.py (a test checks they agree)."""
+        D, L, N, K, H, F, V = (self.d_model, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim,
+                               self.mlp_dim, self.vocab_size)
+        rows = [("embed", (V, D), (VOCAB, EMBED))]
+        layer = {
+            "attn_norm": ((D,), (EMBED,)),
+            "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
+            "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+            "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
+            "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
+            "mlp_norm": ((D,), (EMBED,)),
+            "w_gate": ((D, F), (EMBED, MLP)),
+            "w_up": ((D, F), (EMBED, MLP)),
+            "w_down": ((F, D), (MLP, EMBED)),
+        }
+        if self.n_experts:  # shard/models/moe.py: a router and E stacked SwiGLU experts per layer
+            E = self.n_experts
+            layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
+                      "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
+        rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
+        rows.append(("final_norm", (D,), (EMBED,)))
+        if not self.tie_embeddings:
+            rows.append(("unembed", (D, V), (EMBED, VOCAB)))
+        return rows
+
+    def num_params(self) -> int:
+        """Parameter count from the hyperparameters alone."""
+        return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests: every dimension divides 8, so any 8-device layout applies.
+    "tiny": ModelConfig(name="tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8, mlp_dim=128),
+    # The default run: a byte-level model that learns visibly in a few minutes on a laptop CPU.
+    "small": ModelConfig(name="small"),
+    # Mixture of experts for tests and benchmarks: tiny with 8 top-2 experts in every layer.
+    "moe-tiny": ModelConfig(name="moe-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8,
+                            mlp_dim=64, n_experts=8, experts_per_token=2),
+    # Llama 3.2 1B shape.
+    "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+                            n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),
+    # Llama 2 7B and 13B shapes.
+    "llama-7b": ModelConfig(name="llama-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                            n_kv_heads=32, head_dim=128, mlp_dim=11008, tie_embeddings=False),
+    "llama-13b": ModelConfig(name="llama-13b", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40,
+                             n_kv_heads=40, head_dim=128, mlp_dim=13824, tie_embeddings=False),
+    # The reference workload of ARCHITECTURE.md: 24 layers, ~13.1B parameters (8 nodes x 4 A100).
+    "llama-13b-24l": ModelConfig(name="llama-13b-24l", vocab_size=32000, d_model=6144, n_layers=24,
+                                 n_heads=48, n_kv_heads=48, head_dim=128, mlp_dim=20480,
+                                 tie_embeddings=False),
+}
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(ModelConfig))

@@ -1,0 +1,436 @@
+"""Run configuration: frozen dataclasses, one per concern, filled from defaults < TOML file < flags < --set.
+
+Unknown keys and ill-typed values are errors, reported once, before JAX starts.
+"""
+
+import dataclasses
+import math
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+
+import tomli_w
+
+from shard import tomlfiles
+from shard.errors import ShardError
+from shard.sharding.mesh import parse_rules
+from shard.config.model import PRESETS, ModelConfig, field_names
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    spec: str = "dp"  # 8x4 | data=2,fsdp=2,model=2 | preset name (shard/meshes/) | preset:4x2 | file.toml
+    simulate_devices: int = 0  # CPU only: devices to simulate; 0 = as many as the mesh needs (8 to fill)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay to min_lr_ratio * lr, and global-norm clipping."""
+
+    lr: float = 2e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # "" = the embedded corpus; "synthetic"; a text file or folder; .npy/.bin tokens
+    batch: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    microbatches: int = 1  # gradient accumulation steps per optimizer step
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism, active when the mesh has a `stage` axis: the batch is cut into
+    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b)."""
+
+    microbatches: int = 4
+    schedule: str = "1f1b"
+
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """What a diverging run does: `stop` names the first bad step and exits non-zero; `skip` drops the
+    update of a step whose loss or gradient norm is not finite or above max_grad_norm."""
+
+    action: str = "stop"  # stop | skip
+    spike_factor: float = 0.0  # stop: grad_norm above this x the median of earlier steps is a spike (0: off)
+    max_grad_norm: float = float("inf")  # skip: updates with a larger gradient norm are dropped
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    # Peak bf16 TFLOP/s per device for MFU; 0: from the hardware table by device kind (GPUs; on CPU
+    # MFU is then omitted, since simulated devices share the host's cores).
+    peak_tflops: float = 0.0
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """Compiler settings, applied before JAX starts."""
+
+    gpu_flags: bool = True  # shard's GPU flag preset (shard/startup/xla_flags.py); flags already in XLA_FLAGS win
+    deterministic: bool = False  # bitwise-reproducible GPU runs (slower)
+    compile_cache: str = "auto"  # persistent compilation cache dir; "auto": <run dir parent>/.compile_cache; "none": off
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save and what to keep (docs/checkpoints.md). The CLI always saves the last step and on
+    preemption; `every` adds periodic saves."""
+
+    # save every N steps (a kill -9 or a lost host costs at most N steps); 0 = only the last step and on
+    # SIGTERM/SIGINT
+    every: int = 1000
+    keep: int = 3  # keep the newest K complete checkpoints
+    # also keep the `keep_best` best checkpoints by this metric: "loss" or "grad_norm" (the step's), or
+    # "eval_loss" (the held-out loss: saves must fall on evaluations)
+    best_metric: str = ""
+    best_mode: str = "min"  # min | max
+    keep_best: int = 1
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Several processes: how they cross hosts, and how long a lost one may stay silent."""
+
+    cross_host: str = "xla"  # xla: one global mesh (jax.distributed) | mpi: local meshes + the MPI bridge
+    failure_timeout: float = 60.0  # seconds before a silent process counts as lost and the others stop
+    join_timeout: float = 300.0  # seconds the processes wait for each other (and the coordinator) at start
+    bucket_mb: float = 64.0  # MPI bridge: gradients cross hosts in buckets of at most this size
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out loss every `every` steps (0: never) over `batches` global batches, computed by a process
+    set of the first `processes` processes (0: all; fewer needs --cross-host mpi).
+
+    The held-out windows come from `path` when given (a file or folder, like data.path); otherwise they
+    are the last `holdout` share of data.path's windows, which training then never reads (synthetic
+    data: fresh random tokens, seed + 1)."""
+
+    every: int = 0
+    batches: int = 2
+    processes: int = 0
+    path: str = ""
+    holdout: float = 0.05
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
+    rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Parameter path regex -> logical axes, for parameters the model does not annotate.
+    param_regex: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    steps: int = 100
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = ""
+    # Weights a fresh start begins from (a shard checkpoint or a Hugging Face folder); a resume that finds
+    # a checkpoint of its own reads that instead.
+    init_from: str = ""
+
+    def validate(self) -> None:
+        problems = list(self.model.validate()) + _out_of_range(self)
+        if self.data.microbatches > 0 and self.data.batch % self.data.microbatches:
+            problems.append(
+                f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"
+            )
+        if self.pipeline.schedule not in PIPELINE_SCHEDULES:
+            problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                            f"got {self.pipeline.schedule!r}")
+        if self.guard.action not in ("stop", "skip"):
+            problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
+        if self.checkpoint.best_mode not in ("min", "max"):
+            problems.append(f"checkpoint.best_mode must be min or max, got {self.checkpoint.best_mode!r}")
+        if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
+            problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
+                            f"got {self.checkpoint.best_metric!r}")
+        if self.checkpoint.best_metric == "eval_loss":
+            problems.extend(_eval_ranking_problems(self.checkpoint, self.eval))
+        if self.cluster.cross_host not in CROSS_HOST_MODES:
+            problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
+                            f"got {self.cluster.cross_host!r}")
+        if problems:
+            raise ShardError(problems[0])
+
+
+def _eval_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConfig) -> list[str]:
+    """Ranking checkpoints by the held-out loss needs one at every save (the last step evaluates too)."""
+    if not evaluation.every:
+        return ["checkpoint.best_metric eval_loss needs evaluations: set eval.every (--eval-every)"]
+    if checkpoint.every % evaluation.every:
+        return [f"checkpoint.best_metric eval_loss needs a held-out loss at every save, but checkpoint.every "
+                f"({checkpoint.every}) is not a multiple of eval.every ({evaluation.every}); use a multiple of "
+                f"{evaluation.every}"]
+    return []
+
+
+def is_positive_number(value) -> bool:
+    """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+
+
+# Every numeric key with a range: dotted key -> (test, what it must be).
+_POSITIVE, _NON_NEGATIVE = (is_positive_number, "a finite positive number"), (lambda v: 0 <= v < math.inf, ">= 0")
+_COUNT = (lambda v: v > 0, "positive")  # integers: no inf to exclude
+# an array dimension (XLA indexes with int32), or the steps (the step counter and the schedule are int32)
+_SIZE = (lambda v: 0 < v < 2**31, "positive and below 2**31")
+_SECONDS = (lambda v: 0 < v <= 1e6, "positive and at most 1e6 (seconds: 11.6 days)")  # the runtime's clocks overflow
+_RANGES = {
+    "steps": _SIZE, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
+    "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
+    "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
+    "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
+    "eval.holdout": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive): the share of data.path held out"),
+    "mesh.simulate_devices": (lambda v: v >= 0, "positive (0: what the mesh needs)"),
+    "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"), "optimizer.eps": _POSITIVE,
+    "optimizer.grad_clip": (lambda v: v > 0, "positive (inf: no clipping)"), "optimizer.lr": _POSITIVE,
+    "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
+    "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
+    "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
+}
+
+
+def _out_of_range(cfg: "TrainConfig") -> list[str]:
+    problems = []
+    for key, (ok, want) in _RANGES.items():
+        value = cfg
+        for name in key.split("."):
+            value = getattr(value, name)
+        if not ok(value):
+            problems.append(f"{key} must be {want}, got {value}")
+    return problems
+
+
+METRIC_NAMES = ("loss", "grad_norm", "eval_loss")  # metrics a checkpoint can be ranked by
+_DICT_SECTIONS = {"rules", "param_rules", "param_regex"}
+
+
+def parse_value(text: str):
+    """A --set value: TOML syntax when it parses (3e-4, true, [1, 2], "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: list[str]) -> dict:
+    """`["optimizer.lr=3e-4", "model.d_model=128"]` -> nested overrides. A key that holds text takes the
+    value as typed (`eval.path=2024-01-01` is a folder, not a TOML date), or a quoted TOML string."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ShardError(f"--set expects key=value, got {item!r}")
+        parsed = parse_value(value.strip())
+        if _field_type(key.strip()) is str and not isinstance(parsed, str):
+            parsed = value.strip()
+        _put(out, key.strip(), parsed)
+    return out
+
+
+def _field_type(dotted: str):
+    """The type of the config field a dotted key names (None for no such field, or a rule table's)."""
+    cls, *parents = (TrainConfig, *dotted.split(".")[:-1])
+    for part in parents:
+        f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if f is None or not dataclasses.is_dataclass(f.type):
+            return None
+        cls = f.type
+    return next((f.type for f in dataclasses.fields(cls) if f.name == dotted.split(".")[-1]), None)
+
+
+def nested(flat: dict[str, object]) -> dict:
+    """`{"data.batch": 8}` -> `{"data": {"batch": 8}}`: values as they are, not parsed."""
+    out: dict = {}
+    for key, value in flat.items():
+        _put(out, key, value)
+    return out
+
+
+def _put(tree: dict, dotted: str, value) -> None:
+    head, _, rest = dotted.partition(".")
+    if head in _DICT_SECTIONS and rest:  # rule tables: the rest of the key may contain dots (regexes)
+        if len(rest) > 1 and rest[0] == rest[-1] and rest[0] in "\"'":  # a TOML-quoted key
+            rest = rest[1:-1]
+        tree.setdefault(head, {})[rest] = value
+        return
+    if not rest:
+        tree[head] = value
+        return
+    node = tree.setdefault(head, {})
+    if not isinstance(node, dict):
+        raise ShardError(f"config key {head!r} is a value, not a section, so {dotted!r} is not a key")
+    _put(node, rest, value)
+
+
+def merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_file(path: str) -> dict:
+    doc = tomlfiles.read(path, f"config file {path}")
+    sections = {f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)}
+    for key in sections & set(doc):
+        if not isinstance(doc[key], dict):
+            raise ShardError(f"config file {path}: {key} must be a [{key}] table, got {type(doc[key]).__name__}")
+    try:
+        check_types(doc)
+    except ShardError as e:
+        raise ShardError(f"config file {path}: {e}") from None
+    return doc
+
+
+def check_types(overrides: dict) -> None:
+    """Each key a config file sets is a known key of the right type, checked on the file alone: a flag
+    that later overrides the same key must not hide a wrong value in the file. Rules between keys wait
+    for the whole config (resolve), since flags may complete it."""
+    _build(ModelConfig, _model_section(overrides), "model.")
+    _build(TrainConfig, {k: v for k, v in overrides.items() if k != "model"}, "")
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):
+                raise ShardError(f"config key {key} expects a number, got nan")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    elif origin in (types.UnionType, typing.Union):
+        return value
+    name = getattr(tp, "__name__", str(tp))
+    raise ShardError(f"config key {key} expects {name}, got {value!r}")
+
+
+def _regex(text: str, key: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise ShardError(f"config key {key}: {text!r} is not a regular expression ({e})") from None
+    return text
+
+
+def _build(cls, overrides: dict, prefix: str, base=None):
+    base = base if base is not None else cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    changes = {}
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ShardError(f"unknown config key {dotted!r} (known{' in ' + prefix[:-1] if prefix else ''}: {known})")
+        tp = fields[key].type
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ShardError(f"config key {dotted} is a section; set its fields, e.g. {dotted}.x=...")
+            changes[key] = _build(tp, value, dotted + ".", getattr(base, key))
+        elif key in ("rules", "param_rules"):
+            changes[key] = parse_rules(value, dotted)
+        elif key == "param_regex":
+            if not isinstance(value, dict):
+                raise ShardError(f"config key {dotted} must be a table of regex = [logical axes]")
+            changes[key] = {_regex(rx, f"{dotted}.{rx}"): _coerce(ax, tuple[str, ...], f"{dotted}.{rx}")
+                            for rx, ax in value.items()}
+        else:
+            changes[key] = _coerce(value, tp, dotted)
+    return dataclasses.replace(base, **changes)
+
+
+def _model_section(overrides: dict) -> dict:
+    model = overrides.get("model", {})
+    if not isinstance(model, dict):
+        raise ShardError("config key 'model' is a section; use --model NAME or model.name=NAME")
+    return model
+
+
+def resolve(overrides: dict) -> TrainConfig:
+    """The validated config from user overrides; `model.name` picks the preset the other model keys amend."""
+    model_over = dict(_model_section(overrides))
+    name = _coerce(model_over.get("name", TrainConfig().model.name), str, "model.name")
+    complete = set(model_over) >= set(field_names())
+    if name not in PRESETS and not complete:  # a complete description (an imported model) needs no preset
+        raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)})")
+    model = _build(ModelConfig, model_over, "model.", PRESETS.get(name, ModelConfig()))
+    rest = {k: v for k, v in overrides.items() if k != "model"}
+    cfg = dataclasses.replace(_build(TrainConfig, rest, ""), model=model)
+    cfg.validate()
+    return cfg
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config, written so that `--config` reads it back to the same thing."""
+    return tomli_w.dumps(_plain(dataclasses.asdict(cfg)))
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def differences(a: TrainConfig, b: TrainConfig, ignore: tuple[str, ...] = ()) -> list[tuple[str, object, object]]:
+    """The dotted keys where two configs differ, with both values, in field order (model first);
+    keys in `ignore` and below are skipped."""
+    out: list[tuple[str, object, object]] = []
+
+    def walk(x, y, prefix: str) -> None:
+        for k in [*x, *(k for k in y if k not in x)]:  # field order: model first
+            key = f"{prefix}{k}"
+            if key in ignore:
+                continue
+            xv, yv = x.get(k), y.get(k)
+            if isinstance(xv, dict) and isinstance(yv, dict):
+                walk(xv, yv, key + ".")
+            elif xv != yv:
+                out.append((key, xv, yv))
+
+    walk(_plain(dataclasses.asdict(a)), _plain(dataclasses.asdict(b)), "")
+    return out

@@ -1,0 +1,1 @@
+"""Tokens for training and evaluation: tokenizers, sources, windows and the global batch."""

@@ -1,0 +1,214 @@
+"""Where tokens come from: the embedded corpus (the Python standard library's own top-level modules,
+present on every machine with Python), a text file or folder (byte-level tokens), pre-tokenized
+`.npy`/`.bin` arrays (`.bin` is raw uint16, nanoGPT's format), or `synthetic` random tokens."""
+
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from shard.data.tokenizers import BYTE_VOCAB
+from shard.errors import ShardError
+
+EMBEDDED = ""
+SYNTHETIC = "synthetic"
+_TOKEN_SUFFIXES = (".npy", ".bin")
+
+
+def embedded_corpus_files() -> list[Path]:
+    """The standard library's top-level modules: ~4.7 MB of real text on Python 3.11."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _read_text_files(files: list[Path]) -> np.ndarray:
+    texts = []
+    for f in files:
+        text = f.read_bytes()
+        if b"\0" in text[:65536]:  # text has no NUL bytes; images, archives and executables do
+            raise ShardError(f"data file {f} looks binary (it holds NUL bytes); give text files, or tokens as "
+                             ".npy/.bin")
+        texts.append(text)
+    return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
+
+
+def _read_token_file(path: Path) -> np.ndarray:
+    try:
+        if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                magic = f.read(6)
+            if magic[:2] == b"PK":  # numpy.savez's zip archive
+                raise ShardError(f"token file {path} is an archive of arrays, not one .npy array")
+            if magic != b"\x93NUMPY":  # numpy would try it as a pickle, and say so
+                raise ShardError(f"token file {path} is not an .npy array (no NUMPY header): write it with "
+                                 "numpy.save, or name raw uint16 tokens .bin")
+            tokens = np.load(path, mmap_mode="r")
+        elif path.stat().st_size == 0:  # an empty shard: numpy can't map it
+            tokens = np.zeros(0, np.uint16)
+        else:
+            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    except (ValueError, OSError) as e:
+        raise ShardError(f"cannot read token file {path}: {e}") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ShardError(f"token file {path}: expected a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+    return tokens
+
+
+def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
+    """A data folder's token files (.npy/.bin) and its other files, sorted; not those under hidden
+    folders (.git/, .cache/) or __pycache__/. Linked folders are followed (each real folder once); a
+    link to nothing is an error, not a file left out in silence.
+    Token files win: the others are read only when there are none."""
+    files, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")  # the same on every host
+        visible = [Path(root, n) for n in names if not n.startswith(".")]
+        if broken := next((f for f in visible if f.is_symlink() and not f.exists()), None):  # data gone missing
+            raise ShardError(f"data folder {folder}: {broken} links to {os.readlink(broken)}, which does not exist")
+        files += [f for f in visible if f.is_file()]
+    files.sort()
+    return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
+
+
+def source_files(path: str) -> tuple[list[Path], bool]:
+    """The files `load_tokens` reads for `path`, and whether they hold tokens (.npy/.bin) rather than
+    text; ShardError for a path that names none."""
+    if path == EMBEDDED:
+        return embedded_corpus_files(), False
+    p = Path(path)
+    if not p.exists():
+        raise ShardError(f"data path {path} does not exist")
+    if p.is_dir():
+        token_files, text_files = folder_sources(p)
+        return (token_files, True) if token_files else (text_files, False)
+    if not p.is_file():
+        raise ShardError(f"data path {path} is not a regular file or folder")
+    return [p], p.suffix in _TOKEN_SUFFIXES
+
+
+def source_signature(path: str) -> str:
+    """What the data at `path` is, cheaply: each file's name, size and a CRC of its first and last
+    4 KiB. Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
+    another host."""
+    if path == SYNTHETIC:
+        return SYNTHETIC
+    files, _ = source_files(path)
+    root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
+    lines = []
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as handle:
+            crc = zlib.crc32(handle.read(1 << 12))
+            if size > 1 << 12:
+                handle.seek(max(1 << 12, size - (1 << 12)))
+                crc = zlib.crc32(handle.read(), crc)
+        lines.append(f"{f.relative_to(root) if root else f.name} {size} {crc:08x}")
+    return "\n".join(lines)
+
+
+def unused_files_note(path: str) -> str | None:
+    """A line naming the files a folder of token files leaves unread, or None."""
+    p = Path(path)
+    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir():
+        return None
+    tokens, others = folder_sources(p)
+    if not tokens or not others:
+        return None
+    return (f"data folder {p} holds {len(tokens)} token file(s) (.npy/.bin), so its {len(others)} other file(s) "
+            f"are not read (e.g. {others[0].relative_to(p)})")
+
+
+def load_tokens(path: str, vocab_size: int) -> np.ndarray:
+    """One long 1-D token stream from the source named by `path`. The last one read is kept while its
+    files are unchanged (`_identity`): training and its held-out tail read one copy."""
+    label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
+    files, token_files = source_files(path)
+    key = (path, vocab_size, tuple((str(f), *_identity(f.stat())) for f in files))
+    if key not in _LAST_READ:
+        _LAST_READ.clear()
+        _LAST_READ[key] = _read_tokens(files, token_files, label, vocab_size)
+    return _LAST_READ[key]
+
+
+_LAST_READ: dict = {}
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """A file as it is now: another file, or this one rewritten (even to its old size and time), differs."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _read_tokens(files: list[Path], token_files: bool, label: str, vocab_size: int):
+    if not files:
+        tokens = np.zeros(0, np.uint8)
+    elif token_files:
+        tokens = _read_token_file(files[0]) if len(files) == 1 else TokenParts([_read_token_file(f) for f in files])
+    else:
+        tokens = _read_text_files(files)
+    if tokens.size < 2:
+        raise ShardError(f"data path {label} is empty" if tokens.size == 0 else
+                         f"data path {label} holds 1 token: training needs at least 2 (an input and its target)")
+    if not token_files and vocab_size < BYTE_VOCAB:
+        raise ShardError(f"text is tokenized as bytes (256 ids) but model.vocab_size is {vocab_size}")
+    top, bottom = int(tokens.max()), int(tokens.min())
+    if top >= vocab_size or bottom < 0:
+        raise ShardError(f"data {label} holds token id {top if top >= vocab_size else bottom}, outside "
+                         f"0..{vocab_size - 1} (model.vocab_size {vocab_size})")
+    return tokens
+
+
+class TokenParts:
+    """Token files (memory-mapped) read as one stream without copying them into memory: a folder of
+    .bin/.npy shards, the usual form of a large corpus, costs page cache, not private memory per
+    process. Supports what the windows need: `size`, `dtype`, a contiguous slice, `ranges` (rows of
+    consecutive tokens), `min()`/`max()`."""
+
+    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
+        self.parts = parts
+        self.bounds = np.cumsum([0, *(p.size for p in parts)])  # where each part starts in the stream
+        self.start = start
+        self.stop = int(self.bounds[-1]) if stop is None else stop
+        self.size = self.stop - self.start
+        self.dtype = np.result_type(*(p.dtype for p in parts))
+
+    def __getitem__(self, key: slice) -> "TokenParts":
+        first, last, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("TokenParts slices with step 1 only")
+        return TokenParts(self.parts, self.start + first, self.start + max(first, last))
+
+    def ranges(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows of `length` consecutive tokens from each start (past the end: the last token repeated),
+        copied slice by slice: a window spans one shard or a few, so this costs a copy, not a gather."""
+        out = np.empty((len(starts), length), self.dtype)
+        for row, first in enumerate(np.asarray(starts, np.int64) + self.start):
+            end, filled = min(first + length, self.stop), 0
+            k = int(np.searchsorted(self.bounds, first, side="right")) - 1
+            while first < end:
+                take = min(end, int(self.bounds[k + 1])) - first
+                out[row, filled:filled + take] = self.parts[k][first - self.bounds[k]:first - self.bounds[k] + take]
+                filled, first, k = filled + take, first + take, k + 1
+            out[row, filled:] = out[row, filled - 1] if filled else 0
+        return out
+
+    def _pieces(self):
+        for k, p in enumerate(self.parts):
+            lo, hi = max(self.start - self.bounds[k], 0), min(self.stop - self.bounds[k], p.size)
+            if lo < hi:
+                yield p[lo:hi]
+
+    def max(self):
+        return max(piece.max() for piece in self._pieces())
+
+    def min(self):
+        return min(piece.min() for piece in self._pieces())
+
+    def __array__(self, dtype=None, copy=None):
+        joined = np.concatenate(list(self._pieces())) if self.size else np.zeros(0, self.dtype)
+        return joined.astype(dtype) if dtype is not None else joined

@@ -1,0 +1,1 @@
+"""Measuring and planning layouts: the cost model, the HLO reader, compiled-step analysis, the planner, benchmarks, inspection and profiling."""

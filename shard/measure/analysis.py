@@ -1,0 +1,110 @@
+"""What a layout costs, read from the compiled train step: collectives per mesh axis, memory per device,
+FLOPs, and communication efficiency against the analytic minimum (shard.measure.costs).
+
+Everything comes from the AOT-compiled step over abstract shapes (`jax.eval_shape`), so nothing is
+allocated: a 13B model is analysed on a laptop's simulated devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shard.measure import costs, hlo
+from shard.axes import LENGTH
+from shard.config.train import TrainConfig
+from shard.sharding.rules import Layout
+
+
+@dataclass(frozen=True)
+class StepAnalysis:
+    """The compiled step's costs, per device per step."""
+
+    collectives: list[hlo.Collective]
+    memory: dict[str, int]  # arguments, outputs, temporaries, aliased, total (bytes)
+    flops: float  # from XLA's cost analysis, which counts a loop's body once (one of the scanned layers)
+    model_flops: float  # analytic 6N + attention, per device
+    bytes_by_axes: dict[str, float]  # logical collective bytes on the wire per mesh axis (multi-axis split)
+    compiled_bytes_by_axes: dict[str, float]  # as compiled (CPU: reduce-scatter as all-reduce, ...)
+    minimum_bytes_by_axes: dict[str, float]  # analytic minimum for this layout (shard.measure.costs)
+    platform: str
+    unmodelled_axes: dict[str, str] = field(default_factory=dict)  # axis -> parallelism, no minimum
+
+    @property
+    def efficiency(self) -> dict[str, float]:
+        """Analytic minimum / logical bytes moved, per mesh axis (1.0 where nothing moves); not for the
+        axes whose traffic the cost model leaves out."""
+        out = {}
+        for axis in sorted((set(self.bytes_by_axes) | set(self.minimum_bytes_by_axes)) - set(self.unmodelled_axes)):
+            moved = self.bytes_by_axes.get(axis, 0.0)
+            need = self.minimum_bytes_by_axes.get(axis, 0.0)
+            out[axis] = round(need / moved, 4) if moved else (1.0 if not need else float("inf"))
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "platform": self.platform,
+            "memory_per_device_bytes": self.memory["total"],
+            "memory": self.memory,
+            "collectives": hlo.summarize(self.collectives),
+            "bytes_per_axis": {k: int(v) for k, v in self.bytes_by_axes.items()},
+            "compiled_bytes_per_axis": {k: int(v) for k, v in self.compiled_bytes_by_axes.items()},
+            "minimum_bytes_per_axis": {k: int(v) for k, v in self.minimum_bytes_by_axes.items()
+                                       if k not in self.unmodelled_axes},
+            "communication_efficiency": self.efficiency,
+            "unmodelled_axes": self.unmodelled_axes,
+            "efficiency_basis": "logical collectives (CPU all-reduce+slice counted as reduce-scatter, "
+                                "add of two all-reduces as one), ring algorithm bytes on the wire",
+            "flops_per_device": self.flops,
+            "model_flops_per_device": self.model_flops,
+        }
+
+
+def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
+    """The train step for this config and layout (and state `spec`, built here when not given), lowered
+    from abstract shapes only."""
+    from shard.train.state import state_spec
+    from shard.train.step import abstract_batch, abstract_schedule_inputs, jit_train_step
+
+    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
+    return jitted.lower(spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len),
+                        abstract_schedule_inputs(spec, layout))
+
+
+def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):
+    """The AOT-compiled train step (`lower_step`'s); `compiler_options` override XLA_FLAGS for this compile."""
+    return lower_step(cfg, layout, spec).compile(compiler_options)
+
+
+def memory_of(compiled) -> dict[str, int]:
+    """Per-device bytes from XLA's memory analysis. On CPU `peak_memory_in_bytes` leaves out the
+    temporaries, so the total is arguments + temporaries + outputs - aliased (donated state)."""
+    m = compiled.memory_analysis()
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+    return out
+
+
+def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
+    """Compile (unless given) and analyse the train step of `cfg` on `layout`."""
+    compiled = compiled if compiled is not None else compile_step(cfg, layout)
+    names = tuple(layout.mesh.axis_names)
+    sizes = tuple(layout.mesh.shape[a] for a in names)
+    items = hlo.collectives(compiled.as_text(), names, sizes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    shape = costs.LayoutShape.from_layout(layout)
+    work = costs.Workload.from_config(cfg, layout.mesh.devices.flat[0].platform)
+    return StepAnalysis(
+        collectives=items,
+        memory=memory_of(compiled),
+        flops=float(cost.get("flops", 0.0)),
+        model_flops=costs.model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len,
+                                      shape.degree(LENGTH)) / layout.mesh.size,
+        bytes_by_axes=hlo.bytes_by_axes(items, axis_sizes=dict(zip(names, sizes))),
+        compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
+        minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
+        platform=layout.mesh.devices.flat[0].platform,
+        unmodelled_axes=costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
+    )

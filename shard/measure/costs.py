@@ -1,0 +1,518 @@
+"""The analytic cost model of a layout: parameter bytes per device, bytes per step on each mesh axis,
+activation memory, FLOPs. Pure functions of the model's hyperparameters, the mesh axis sizes and the
+rule tables; docs/formulas.md derives each formula. `shard.measure.analysis` checks them against the compiled
+step, `shard.measure.plan` uses them to rank layouts.
+
+Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP), context (ring attention over one
+mesh axis) and expert (a mixture of experts' all-to-all), and their products, but for a mixture of
+experts with tensor or context parallelism. Pipeline and Megatron-sequence parallelism have no
+formulas yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for
+those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
+                        MODEL, RES_LENGTH, STAGE, VOCAB)
+from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def wire_bytes(kind: str, size: float, n: int) -> float:
+    """Bytes one device sends for one collective on a ring of n devices (an all-reduce is a
+    reduce-scatter and an all-gather). `size` is the all-reduce buffer, the all-gather output, the
+    reduce-scatter input, the all-to-all buffer, the permute buffer. Over `size`: the bus factor."""
+    if n < 2:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * size
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * size
+    return float(size)  # collective-permute
+
+
+def axis_share(sizes: dict[str, int], axis: str) -> float:
+    """The fraction of a collective over several mesh axes at once (`sizes`) that one axis carries:
+    in proportion to (n - 1), 1 for a single axis."""
+    if len(sizes) == 1:
+        return 1.0
+    return (sizes[axis] - 1) / sum(n - 1 for n in sizes.values())
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """Mesh axis sizes and the rules that place logical axes on them: all a cost formula needs."""
+
+    sizes: dict[str, int]  # mesh axis -> size
+    rules: dict[str, tuple[str, ...]]  # activations (and parameters)
+    param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)  # parameters only, on top
+
+    @classmethod
+    def from_layout(cls, layout) -> LayoutShape:
+        return cls(dict(layout.axis_sizes), dict(layout.rules), dict(layout.param_rules))
+
+    @classmethod
+    def of(cls, **sizes: int) -> LayoutShape:
+        """Default rules (meshes/default.toml) on a mesh with these axis sizes."""
+        from shard.sharding.mesh import load_preset
+
+        base = load_preset("default")
+        return cls(dict(sizes), dict(base.rules), dict(base.param_rules))
+
+    def table(self, param: bool) -> dict[str, tuple[str, ...]]:
+        return axes_table(self.sizes, self.rules, self.param_rules if param else {})
+
+    def ways(self, logical_axes: tuple[str, ...], *, param: bool) -> dict[str, int]:
+        """Mesh axes (with sizes) that split a tensor with these logical axes; a mesh axis splits one dim."""
+        table, used = self.table(param), {}
+        for name in logical_axes:
+            for a in table.get(name, ()):
+                used.setdefault(a, self.sizes[a])
+        return used
+
+    def degree(self, logical: str, *, param: bool = False) -> int:
+        return math.prod(self.sizes[a] for a in self.table(param).get(logical, ()))
+
+    def token_ways(self) -> int:
+        """Devices a step's tokens are split over: the batch ways times the sequence (context) ways."""
+        return self.degree(BATCH) * self.degree(LENGTH)
+
+    def divisibility_problems(self, cfg: ModelConfig, global_batch: int, microbatches: int = 1,
+                              seq_len: int | None = None) -> list[str]:
+        """Why this layout cannot hold the model (each sharded dimension must split evenly)."""
+        params: dict[tuple[str, int, int], list[str]] = {}  # (logical, size, ways) -> the parameters
+        table = self.table(True)
+        for name, shape, axes in cfg.param_shapes():
+            used: set[str] = set()
+            for n, logical in zip(shape, axes):
+                ways = math.prod(self.sizes[a] for a in table.get(logical, ()) if a not in used)
+                used |= set(table.get(logical, ()))
+                if n % ways:
+                    params.setdefault((logical, n, ways), []).append(name)
+        problems = [f"{names[0]} dimension {logical}={n} does not split {ways} ways" if len(names) == 1 else
+                    f"dimension {logical}={n} does not split {ways} ways ({len(names)} parameters)"
+                    for (logical, n, ways), names in params.items()]
+        b = self.degree(BATCH) * microbatches
+        if global_batch % b:
+            problems.append(f"global batch {global_batch} does not split over {b} data-parallel devices")
+        if seq_len is not None and seq_len % (c := self.degree(LENGTH)):
+            problems.append(f"sequence length {seq_len} does not split over {c} context-parallel devices")
+        return problems
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step processes, and in which dtypes."""
+
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    param_bytes: int = 4  # parameter (and gradient, optimizer moment) dtype
+    act_bytes: int = 2  # compute dtype of activations
+    microbatches: int = 1
+    remat: str = "none"
+    # XLA's attention materialises the probabilities (N x T per token); cuDNN's flash attention keeps
+    # only their normaliser.
+    attention_probs: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, platform: str = "gpu") -> Workload:
+        m = cfg.model
+        compute = m.compute_dtype_on(platform)
+        return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
+                   cfg.data.microbatches, m.remat, attention_probs=keeps_attention_probs(m, platform, compute))
+
+
+def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str) -> bool:
+    """Whether the model's attention on `platform` ("gpu" taken as NVIDIA) materialises its probabilities:
+    every implementation does but cuDNN's flash attention (models.configs.attention_backend)."""
+    problem = cudnn_attention_problem(platform="cuda" if platform == "gpu" else platform, dtype=compute_dtype,
+                                      head_dim=cfg.head_dim)
+    return attention_backend(cfg.attention, problem) != "cudnn"
+
+
+def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compute: bool = False) -> float:
+    """Parameter bytes one device holds (compute=False) or computes with (compute=True: FSDP gathered)."""
+    total = 0.0
+    for _, dims, axes in cfg.param_shapes():
+        total += math.prod(dims) * dtype_bytes / math.prod(shape.ways(axes, param=not compute).values())
+    return total
+
+
+def axes_table(sizes: dict[str, int], rules, param_rules=None) -> dict[str, tuple[str, ...]]:
+    """Logical axis -> the mesh axes of size > 1 it is split over (parameters: `param_rules` on top)."""
+    merged = dict(rules) | dict(param_rules or {})
+    return {k: tuple(a for a in v if sizes.get(a, 1) > 1) for k, v in merged.items()}
+
+
+def stored_lookup_axes(vocab_size: int, tokens: float, sizes: dict[str, int], rules,
+                       param_rules) -> dict[str, int]:
+    """Mesh axes (with sizes) over which the token lookup reads the embedding table as stored
+    (shard/models/llama.py): those that split the stored table's embed dim but not the activations' (FSDP),
+    when the ids the devices of that split look up together, `tokens` over the batch ways that remain,
+    are fewer than each device's rows of the table, and when those of the split that split the batch
+    are its innermost axes. {} when the lookup reads a gathered table.
+
+    The looked-up rows go from the split to the batch layout by an all-to-all within each group of the
+    split only if each group's rows are its own block of the batch; with the split outside another batch
+    axis (fsdp=2,expert=4: batch over fsdp then expert) they are not, and XLA replicated the rows and
+    their gradient ("involuntary full rematerialization", twice a step).
+    Takes the mesh and rules apart (not a LayoutShape), as the model asks on any mesh."""
+    acts, params = axes_table(sizes, rules), axes_table(sizes, rules, param_rules)
+    split = {a: sizes[a] for a in params.get(EMBED, ()) if a not in acts.get(EMBED, ())}
+    batch = acts.get(BATCH, ())
+    in_batch = tuple(a for a in batch if a in split)
+    if not split or batch[len(batch) - len(in_batch):] != in_batch:
+        return {}
+    kept = math.prod(sizes[a] for a in batch if a not in split)
+    rows = vocab_size / math.prod(sizes[a] for a in params.get(VOCAB, ()))
+    return split if tokens / kept < rows else {}
+
+
+def _stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
+    tokens = _lookup_tokens(work)
+    return stored_lookup_axes(cfg.vocab_size, tokens, shape.sizes, shape.rules, shape.param_rules)
+
+
+def _lookup_tokens(work: Workload) -> float:
+    """Token ids one lookup sees: a microbatch's."""
+    return work.global_batch * work.seq_len / work.microbatches
+
+
+MODELLED_AXES = (DATA, FSDP, MODEL, CONTEXT, EXPERT_AXIS)
+_PARALLELISM = {STAGE: "pipeline parallel"}
+
+
+def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
+    """Mesh axes (of size > 1) whose traffic `comm_bytes` leaves out, each with the parallelism that
+    moves it: an axis other than data, fsdp, model, context and expert; the axes that split the residual
+    stream's length but not the sequence (Megatron-SP turns their all-reduces into reduce-scatters and
+    all-gathers, and gathers again in the backward pass); the sequence split over more than one mesh
+    axis (a ring over two axes); of a mixture of experts (`moe`), the axes that split its experts' MLP
+    or its routing groups (tensor and context parallel), and every axis when the experts are split
+    over several mesh axes or over one that does not also split the batch; and under pipeline
+    parallelism every axis but data. No minimum, so no efficiency, is claimed for them."""
+    out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
+    length = shape.table(False).get(LENGTH, ())
+    for a in shape.table(False).get(RES_LENGTH, ()):
+        if shape.sizes[a] > 1 and a not in length:
+            out.setdefault(a, "sequence parallel")
+    for a in length if len(length) > 1 else ():
+        out.setdefault(a, "context parallel")
+    if moe:
+        experts, batch = shape.table(False).get(EXPERT, ()), shape.table(False).get(BATCH, ())
+        for a in shape.table(False).get(MLP, ()) + length:
+            out.setdefault(a, "expert parallel")
+        if len(experts) > 1 or (experts and experts[0] not in batch):
+            for a, n in shape.sizes.items():
+                if n > 1:
+                    out.setdefault(a, "expert parallel")
+    if shape.sizes.get(STAGE, 1) > 1:  # a stage holds n_layers / S layers and runs M microbatches; the
+        for a, n in shape.sizes.items():  # formulas count neither (data's one psum ends the schedule)
+            if n > 1 and a != DATA:
+                out.setdefault(a, "pipeline parallel")
+    return out
+
+
+def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
+    """Bytes one device sends per optimizer step on each mesh axis (ring algorithms), the minimum for
+    this layout:
+
+    - batch axes (data, fsdp): the gradient of each parameter is reduced over the batch axes that do
+      not shard it (all-reduce) and reduce-scattered over those that do (FSDP);
+    - axes that shard parameters but not their compute (fsdp): each weight is all-gathered for the
+      forward pass, and a layer's weights again for the backward pass when remat recomputes it;
+    - model: Megatron's all-reduces of (batch, length, embed) activations: two per layer forward
+      (attention and MLP outputs), two backward (their input gradients), and the attention output's
+      again under full remat; the vocab-parallel embedding lookup and logits add one each, plus three
+      (batch, length) float32 reductions for the softmax;
+    - context (the sequence split over one mesh axis of n): the gradients all-reduced as over a batch
+      axis, and ring attention's key and value blocks passed n - 1 times per layer in each forward pass
+      (remat runs it again) and their gradients n - 1 times back;
+    - a lookup from the stored table (`stored_lookup_axes`): the ids gathered and the looked-up rows and
+      their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
+      its gradient reduced over that split.
+    """
+    out: dict[str, float] = {}
+
+    def add(axis: str, b: float) -> None:
+        if b:
+            out[axis] = out.get(axis, 0.0) + b
+
+    batch_axes = list(shape.table(False).get(BATCH, ()))
+    length_axes = shape.table(False).get(LENGTH, ())
+    grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
+    forward_passes = 1 if work.remat == "none" else 2
+    lookup = _stored_lookup(cfg, shape, work)
+    for name, dims, axes in cfg.param_shapes():
+        # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
+        # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
+        full = math.prod(dims) * (work.param_bytes if name.endswith("norm") else work.act_bytes)
+        stored = shape.ways(axes, param=True)
+        computed = shape.ways(axes, param=False)
+        compute_bytes = full / math.prod(computed.values())
+        gather = {a: n for a, n in stored.items() if a not in computed}
+        local = {}
+        if name == "embed" and lookup and not cfg.tie_embeddings:
+            # read as stored: not gathered, and its gradient is complete in each device's slice
+            local = {a: n for a, n in gather.items() if a in lookup}
+            gather = {a: n for a, n in gather.items() if a not in lookup}
+        g = math.prod(gather.values())
+        # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
+        passes = forward_passes if name.startswith("layers/") else 1
+        for a, n in gather.items():
+            add(a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
+        # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
+        # (not over one that splits the parameter as computed: experts over expert), as one logical
+        # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
+        # compiled step's are read (shard.measure.hlo)
+        reduce = {a: shape.sizes[a] for a in grad_axes if a not in gather and a not in local and a not in computed}
+        both = gather | reduce
+        b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
+            "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
+        for a in both:
+            add(a, b * axis_share(both, a))
+    # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
+    # between the split and the batch layout; `tokens`: the ids each device looks up in a step
+    kept = math.prod(shape.sizes[b] for b in grad_axes if b not in lookup)
+    tokens = work.global_batch * work.seq_len / kept
+    for a, n in lookup.items():
+        add(a, wire_bytes("all-gather", tokens * 4, n)
+            + 2 * wire_bytes("all-gather", tokens * cfg.d_model / n * work.act_bytes, n))
+    m = shape.degree(HEADS)
+    if m > 1:
+        model_axis = shape.table(False)[HEADS][0]
+        tokens = work.global_batch * work.seq_len / shape.token_ways()
+        act = tokens * cfg.d_model * work.act_bytes
+        # Full remat recomputes the attention output's all-reduce (the MLP's input needs it), not the
+        # MLP output's (that is the layer's output, kept); the dots policies keep both outputs.
+        per_layer = 4 + (work.remat == "full")
+        n_ar = cfg.n_layers * per_layer
+        if shape.degree(VOCAB) > 1:
+            n_ar += 2
+            add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
+        add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
+    experts = shape.table(False).get(EXPERT, ())
+    if cfg.n_experts and len(experts) == 1:
+        # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
+        # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
+        n = shape.sizes[experts[0]]
+        rows = work.global_batch / shape.degree(BATCH)
+        buffer = cfg.n_experts * rows * cfg.expert_capacity(work.seq_len) * cfg.d_model * work.act_bytes
+        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n))
+    if len(length_axes) == 1:
+        n = shape.sizes[length_axes[0]]
+        kv_block = (work.global_batch * work.seq_len / shape.token_ways() * cfg.n_kv_heads / shape.degree(KV_HEADS)
+                    * cfg.head_dim * work.act_bytes)
+        add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
+    return out
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (norms and a lookup-only table do not); of a
+    mixture of experts, the router and the k experts a token is routed to."""
+    n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
+    if cfg.n_experts:
+        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+    return n
+
+
+def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token that a mixture of experts computes beyond its k experts: every expert
+    slot of the capacity, filled or not (E x C slots per group of T tokens, about k x capacity_factor
+    per token), and the dispatch and combine einsums, which cost 2 x (E x C) x D per token each, so grow
+    with the group's length. Forward and backward: 3x, but 2x for dispatch, whose 0/1 routing tensor
+    takes no gradient."""
+    if not cfg.n_experts:
+        return 0.0
+    slots = ffn_slots(cfg, seq_len)
+    d, f = cfg.d_model, cfg.mlp_dim
+    experts = 3 * 3 * d * f * 2 * (slots - cfg.experts_per_token)
+    dispatch_and_combine = (2 + 3) * 2 * slots * seq_len * d
+    return cfg.n_layers * (experts + dispatch_and_combine)
+
+
+def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
+                flash: bool = False) -> float:
+    """Training FLOPs for `tokens` tokens as XLA computes them: 6N per token (N: parameters in matmuls)
+    plus attention's QK^T and PV, forward and backward (`attention_flops`), plus a mixture of experts'
+    empty slots and token dispatch. `context`: the ways the sequence is split (ring attention);
+    `flash`: attention runs as a fused flash kernel (cuDNN on GPUs), which skips masked blocks."""
+    return (tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len))
+            + attention_flops(cfg, tokens, seq_len, context, flash))
+
+
+def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
+                    flash: bool = False) -> float:
+    """Training FLOPs of attention's QK^T and PV for `tokens` tokens, forward and backward: 12 L K N H
+    per token, K the keys each query is scored against (`scored_keys`)."""
+    return (tokens * 12 * cfg.n_layers * scored_keys(cfg, seq_len, context, flash)
+            * cfg.n_heads * cfg.head_dim)
+
+
+def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
+    """Does ring attention run load-balanced (the zig-zag order, shard.parallel.ring_attention)? Where
+    the sequence is split (`context` > 1) into 2 x context chunks, for a dense model (a mixture of
+    experts keeps the tokens' order: which overflow an expert depends on it)."""
+    return context > 1 and seq_len % (2 * context) == 0 and not cfg.n_experts
+
+
+def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1, flash: bool = False) -> float:
+    """Keys each query's scores are computed for, on average: the whole sequence (XLA's attention and
+    ring attention in sequence order compute the masked half too), (2c + 1) / 4c of it for the
+    load-balanced ring over c devices (three quarters of its own block, half of each other block), or
+    half of it for a causal flash kernel on one device (`flash`: it skips the blocks wholly masked)."""
+    if balanced_ring(cfg, seq_len, context):
+        return seq_len * (2 * context + 1) / (4 * context)
+    if flash and context == 1:
+        return seq_len / 2
+    return seq_len
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
+    experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per
+    token (QK^T and PV, forward and backward, over the lower triangle only). Recomputation by remat,
+    and a mixture of experts' capacity slack and dispatch, are not counted: MFU measures useful work."""
+    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+
+
+# Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
+# the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
+# assignment (arguments + temporaries + outputs - aliased) over a grid of tiny and small models on
+# DP, FSDP, TP and products at short sequences (tests/test_costs.py keeps those within 10%; from
+# sequence 32 to 256 the total runs 7% low to 20% high, docs/formulas.md). q/k/v are
+# absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
+# fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
+ACT_PER_D = 9.0  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)
+ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
+ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
+LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
+OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
+ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
+REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
+# A mixture of experts' layer in place of the MLP, fitted the same way on moe-tiny variants (data,
+# expert and data x expert; sequence 32-128, 4-16 experts, top 1-2, remat none and full: 7% low to
+# 7% high). Per expert slot, S = E x C / T of them per token:
+ACT_PER_SLOT_D = 5.5  # the dispatched token and the expert's output, D wide
+ACT_PER_SLOT_F = 10.0  # the expert's gate, up and hidden, F wide
+ACT_PER_ROUTE = 2.5  # routing's dispatch and combine tensors and their one-hots, E x C per token
+
+
+def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Bytes of activations one device keeps between forward and backward (all microbatches' worth
+    at once only for the one being processed)."""
+    m, n = shape.degree(HEADS), shape.degree(LENGTH)
+    tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
+    D, F = cfg.d_model, cfg.mlp_dim / shape.degree(MLP)
+    probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
+    keys = scored_keys(cfg, work.seq_len, n) if probs else 1
+    if cfg.n_experts:
+        slots = ffn_slots(cfg, work.seq_len)
+        ffn = slots * (ACT_PER_SLOT_D * D + ACT_PER_SLOT_F * F) + ACT_PER_ROUTE * slots * work.seq_len
+    else:
+        ffn = ACT_PER_F * F
+    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
+    # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
+    ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
+    if work.remat == "none":
+        layers = cfg.n_layers * (per_layer + ring)
+    else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
+        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
+    logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
+    return tokens * (layers + logits)
+
+
+def ffn_slots(cfg: ModelConfig, seq_len: int) -> float:
+    """Feed-forward rows computed per token: 1 for a dense MLP; for a mixture of experts every expert's
+    capacity, filled or not, E x C per routing group (a sequence) of T tokens."""
+    return cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len if cfg.n_experts else 1.0
+
+
+def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Elements per token one layer keeps for the backward pass beyond its input under the remat policy:
+    "full" nothing; "dots_no_batch" the projections' outputs (q/k/v, attention output, gate/up, down);
+    "dots" also attention's two batched matmuls (scores and the weighted values) where XLA's attention
+    runs (cuDNN's is not a matmul to JAX)."""
+    m = shape.degree(HEADS)
+    projections = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m + 2 * cfg.d_model \
+        + 2 * cfg.mlp_dim / shape.degree(MLP) * ffn_slots(cfg, work.seq_len)
+    if work.remat == "dots_no_batch":
+        return projections
+    if work.remat == "dots":
+        n = shape.degree(LENGTH)
+        probs = work.attention_probs or n > 1
+        return projections + (cfg.n_heads * (scored_keys(cfg, work.seq_len, n) + cfg.head_dim) / m if probs else 0.0)
+    return 0.0
+
+
+def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
+    """Compute-layout bytes of one layer's weights (what FSDP gathers at a time)."""
+    return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a, param=False).values())
+               for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
+
+
+def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
+    """Per-device memory of a train step (AdamW): what XLA's memory analysis calls arguments +
+    temporaries + outputs - aliased, in parts."""
+    pb = work.param_bytes
+    params = param_bytes(cfg, shape, pb)
+    gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in cfg.param_shapes())
+    layer = _one_layer(cfg, shape, work.act_bytes)
+    tokens = work.global_batch * work.seq_len / shape.token_ways()
+    out = {
+        "params": params,
+        "optimizer": 2 * params,  # AdamW's two moments, sharded like the parameters
+        # gradients as stored, plus (FSDP) one layer's gradient in the compute layout before its
+        # reduce-scatter: the layers are scanned, so one is in flight at a time
+        "grads": params + (layer * pb / work.act_bytes if gathers else 0.0),
+        "optimizer_temporaries": OPT_TEMP_COPIES * params,
+        # FSDP keeps every gathered weight from the forward pass for the backward, unless remat
+        # regathers them layer by layer
+        "gathered": (0.0 if not gathers else param_bytes(cfg, shape, work.act_bytes, compute=True)
+                     - _stored_table_saving(cfg, shape, work) if work.remat == "none" else layer),
+        "activations": activation_bytes(cfg, shape, work),
+        "batch": 3 * tokens * 4,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Compute-layout bytes of the input table that an untied model's stored-table lookup never gathers."""
+    lookup = _stored_lookup(cfg, shape, work)
+    if not lookup or cfg.tie_embeddings:
+        return 0.0
+    ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
+    table = cfg.vocab_size * cfg.d_model * work.act_bytes / ways
+    return table * (1 - 1 / math.prod(lookup.values()))
+
+
+def probs_hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """The share of `hbm_bytes` that is attention's materialised probabilities (where no flash kernel
+    fuses them away: XLA's attention, and ring attention tick by tick). Their softmax runs between
+    attention's two matmuls and waits on them, so a roofline cannot hide this traffic behind compute."""
+    n = shape.degree(LENGTH)
+    if not (work.attention_probs or n > 1):
+        return 0.0
+    tokens = work.global_batch * work.seq_len / shape.token_ways()
+    keys = scored_keys(cfg, work.seq_len, n)
+    return 2 * tokens * cfg.n_layers * ACT_PER_PROBS * cfg.n_heads * keys / shape.degree(HEADS) * work.act_bytes
+
+
+def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict[str, float]) -> float:
+    """HBM traffic of one step, roughly: weights read per pass, the optimizer's read-modify-write of
+    parameters, gradients and moments, and activations written once and read once. Remat keeps fewer
+    activations but moves no fewer (the recomputed forward writes them again), so the activations are
+    counted as without remat: counting those remat keeps made remat look faster where HBM bounds."""
+    passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
+    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
+    optimizer = memory["params"] * 7  # read p, g, m, v; write p, m, v
+    moved = activation_bytes(cfg, shape, dataclasses.replace(work, remat="none"))
+    return weights + optimizer + 2 * moved * work.microbatches

@@ -1,0 +1,68 @@
+"""The sharding table of every parameter, and per-device bytes, computed from shapes alone."""
+
+import math
+
+import numpy as np
+
+from shard.sharding.rules import Layout, path_str
+from shard.train.state import StateSpec
+
+
+def bytes_per_device(sds, sharding) -> int:
+    """Bytes one device holds of this array (shards are even: the rules checked divisibility)."""
+    return math.prod(sharding.shard_shape(tuple(sds.shape))) * np.dtype(sds.dtype).itemsize
+
+
+def _leaves_with_paths(tree):
+    import jax
+
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def param_table(spec: StateSpec, layout: Layout) -> list[dict]:
+    """One row per parameter: name, shape, dtype, logical axes, PartitionSpec, bytes in all and per device."""
+    shardings = {path_str(p): s for p, s in _leaves_with_paths(spec.shardings["params"])}
+    logical = {path_str(p): a for p, a in _leaves_with_paths_tuples(spec.logical)}
+    rows = []
+    for path, sds in _leaves_with_paths(spec.abstract["params"]):
+        name = path_str(path)
+        sharding = shardings[name]
+        rows.append({
+            "name": name,
+            "shape": list(sds.shape),
+            "dtype": str(np.dtype(sds.dtype)),
+            "logical_axes": list(logical[name]),
+            "partition_spec": _spec_text(sharding.spec, len(sds.shape)),
+            "bytes": math.prod(sds.shape) * np.dtype(sds.dtype).itemsize,
+            "bytes_per_device": bytes_per_device(sds, sharding),
+        })
+    return rows
+
+
+def _leaves_with_paths_tuples(tree):
+    import jax
+
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+
+
+def _spec_text(spec, ndim: int) -> list:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [e if e is None or isinstance(e, str) else list(e) for e in entries]
+
+
+def summary(spec: StateSpec, layout: Layout) -> dict:
+    """The whole document `shard inspect --json` prints."""
+    rows = param_table(spec, layout)
+    opt_bytes = sum(
+        bytes_per_device(a, s)
+        for (_, a), (_, s) in zip(_leaves_with_paths(spec.abstract["opt_state"]),
+                                  _leaves_with_paths(spec.shardings["opt_state"]))
+    )
+    return {
+        "mesh": dict(layout.mesh.shape),
+        "devices": int(layout.mesh.size),
+        "param_count": sum(math.prod(r["shape"]) for r in rows),
+        "params": rows,
+        "params_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
+        "opt_state_bytes_per_device": opt_bytes,
+    }

@@ -1,0 +1,193 @@
+"""`shard plan`: enumerate the layouts of a model on a cluster, predict their memory, communication,
+step time and MFU with the analytic model (shard.measure.costs), and rank them.
+
+Pure Python: no JAX, nothing compiled. The predictions are checked against compiled steps by
+tests/test_plan.py on simulated devices.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+
+from shard.measure import costs
+from shard.axes import CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
+from shard.errors import ShardError
+from shard.hardware import Hardware
+from shard.sharding.mesh import hosts_per_axis
+from shard.config.model import ModelConfig
+
+GIB = 1024**3
+USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
+MEMORY_MODEL_LOW = 0.09  # the memory model runs up to 8.7% low (docs/formulas.md): closer to the limit is "tight"
+REMAT_CHOICES = ("none", "full")
+def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> list[str]:
+    """Warnings for layouts known to be communication-bound, with the numbers: an axis whose traffic
+    takes longer than the step's compute (per-device token batch below the break-even), or tensor
+    parallelism that leaves too thin a slice of the MLP per device."""
+    out = []
+    if costs.unmodelled_axes(costs.LayoutShape.of(**sizes), moe=bool(cfg.model.n_experts)):  # as predict() plans
+        return out  # the cost model has no formulas for pipeline or expert axes, or Megatron-SP, yet
+    c = predict(cfg.model, sizes, cfg.model.remat, hw, hosts, cfg.data.batch, cfg.data.seq_len)
+    tokens_per_device = cfg.data.batch * cfg.data.seq_len / math.prod(sizes.values())
+    for axis, t in sorted(c.comm_s.items()):
+        if axis != MODEL and t > c.compute_s > 0:
+            where = "across hosts" if c.crosses_nodes.get(axis) else "in a node"
+            out.append(
+                f"communication-bound on {axis}: {c.comm_bytes[axis] / 1e6:,.1f} MB per device per step "
+                f"({t * 1e3:.2f} ms {where} on {hw.name}) vs {c.compute_s * 1e3:.2f} ms of compute; "
+                f"{tokens_per_device:,.0f} tokens per device is below the break-even of about "
+                f"{tokens_per_device * t / c.compute_s:,.0f}: raise the batch or shrink the {axis} axis")
+    tp = sizes.get(MODEL, 1)
+    if tp > 1 and cfg.model.mlp_dim // tp < MIN_MLP_SLICE:
+        out.append(f"tensor parallel over {tp} devices leaves {cfg.model.mlp_dim // tp} MLP columns per device "
+                   f"(under {MIN_MLP_SLICE}): matmuls too thin to hide its all-reduces; use fewer model ways")
+    return out
+
+
+MIN_MLP_SLICE = 256
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout's predicted costs per device per step."""
+
+    sizes: dict[str, int]
+    remat: str
+    memory: dict[str, float]  # bytes: params, grads, optimizer, gathered, activations, total
+    comm_bytes: dict[str, float]  # per mesh axis
+    comm_s: dict[str, float]  # per mesh axis
+    crosses_nodes: dict[str, bool]
+    compute_s: float
+    hbm_s: float
+    step_s: float  # compute/HBM roofline, data-parallel traffic overlapped, tensor parallel exposed
+    step_s_serial: float  # nothing overlapped
+    mfu: float
+    tokens_per_s: float
+    problems: tuple[str, ...] = field(default=())  # why it does not fit
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def mesh_spec(self) -> str:
+        used = {a: n for a, n in self.sizes.items() if n > 1} or {DATA: 1}
+        return ",".join(f"{a}={n}" for a, n in used.items())
+
+    def command(self, model: str, batch: int, seq: int, sets: tuple[str, ...] = ()) -> str:
+        """The `shard train` command for this layout; `sets`: the plan's own `--set key=value` items
+        (model changes), passed on so the command trains the model that was planned."""
+        cmd = f"shard train --model {model} --mesh {self.mesh_spec()} --batch {batch} --seq {seq}"
+        cmd += "".join(f" --set {shlex.quote(item)}" for item in sets)
+        return cmd + (f" --set model.remat={self.remat}" if self.remat != "none" else "")
+
+    def to_dict(self) -> dict:
+        return {
+            "mesh": self.mesh_spec(), "sizes": self.sizes, "remat": self.remat, "fits": self.fits,
+            "problems": list(self.problems), "memory_per_device_bytes": int(self.memory["total"]),
+            "memory": {k: int(v) for k, v in self.memory.items()},
+            "comm_bytes_per_axis": {k: int(v) for k, v in self.comm_bytes.items()},
+            "comm_s_per_axis": {k: round(v, 6) for k, v in self.comm_s.items()},
+            "crosses_nodes": self.crosses_nodes, "compute_s": round(self.compute_s, 6),
+            "hbm_s": round(self.hbm_s, 6), "step_s": round(self.step_s, 6),
+            "step_s_no_overlap": round(self.step_s_serial, 6), "mfu": round(self.mfu, 4),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
+
+
+def node_split(sizes: dict[str, int], nodes: int) -> dict[str, int]:
+    """How many nodes each mesh axis spans, `sizes` given outermost first: nodes fill the outermost axes
+    first (mesh.hosts_per_axis, as build_mesh does)."""
+    spans = hosts_per_axis(tuple(sizes.values()), nodes)
+    if spans is None:
+        raise ShardError(f"mesh {sizes} cannot be split over {nodes} nodes")
+    return dict(zip(sizes, spans))
+
+
+def layouts(devices: int, per_node: int, seq_len: int | None = None, experts: int = 0) -> list[dict[str, int]]:
+    """Every data x fsdp x context x model factorisation of `devices` with tensor parallel inside a node
+    and a context axis that splits `seq_len` (none when it is not given), outermost axis first. For a
+    mixture of `experts`, every data x fsdp x expert one with the expert axis splitting the experts
+    (and the batch, as in meshes/ep.toml): tensor and context parallel have no formula for its layers."""
+    if experts:
+        return [{DATA: devices // expert // fsdp, FSDP: fsdp, EXPERT_AXIS: expert}
+                for expert in _divisors(devices) if experts % expert == 0
+                for fsdp in _divisors(devices // expert)]
+    out = []
+    for model in _divisors(devices):
+        if per_node % model:
+            continue
+        for fsdp in _divisors(devices // model):
+            for context in _divisors(devices // model // fsdp) if seq_len else (1,):
+                if seq_len and seq_len % context:
+                    continue
+                sizes = {DATA: devices // model // fsdp // context, FSDP: fsdp, CONTEXT: context, MODEL: model}
+                out.append(sizes if seq_len else {a: n for a, n in sizes.items() if a != CONTEXT})
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
+             global_batch: int, seq_len: int) -> Candidate:
+    """Predicted costs of one layout on this hardware."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, remat=remat)
+    shape = costs.LayoutShape.of(**sizes)
+    platform = "cpu" if hw.name == "cpu" else "gpu"
+    compute = cfg.compute_dtype_on(platform)
+    work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
+                          act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
+                          attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
+    problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
+    memory = costs.memory_bytes(cfg, shape, work)
+    if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
+        problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
+    comm = costs.comm_bytes(cfg, shape, work)
+    comm = {a: comm[a] for a in sorted(comm, key=lambda a: list(sizes).index(a) if a in sizes else len(sizes))}
+    spans = node_split(sizes, nodes)
+    crosses = {a: spans[a] > 1 for a in sizes if sizes[a] > 1}
+    comm_s = {a: b / ((hw.inter_node_gbps if crosses.get(a) else hw.intra_node_gbps) * 1e9)
+              for a, b in comm.items()}
+    devices = math.prod(sizes.values())
+    tokens = global_batch * seq_len
+    flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
+    hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
+    compute_s = hw_flops / devices / (hw.achieved_tflops * 1e12)
+    hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
+    probs_s = costs.probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
+    local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
+    # tensor parallel's all-reduces and the experts' all-to-alls sit between the matmuls that need them
+    exposed = comm_s.get(MODEL, 0.0) + comm_s.get(EXPERT_AXIS, 0.0)
+    overlappable = sum(v for a, v in comm_s.items() if a not in (MODEL, EXPERT_AXIS))
+    step = max(local + exposed, overlappable)
+    serial = local + sum(comm_s.values())
+    mfu = costs.mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
+    return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
+                     tokens / step, tuple(problems))
+
+
+def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
+         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES) -> list[Candidate]:
+    """All layouts (each with every remat policy in `remats`), the fitting ones first, fastest first.
+    Step times within 2% count as a tie, broken by room to spare (a layout predicted within the memory
+    model's 9% error of the limit may not fit: it goes after the others), then by the time with nothing
+    overlapped (less exposed traffic), then by memory."""
+    for flag, value in (("--devices", devices), ("--nodes", nodes), ("--batch", global_batch), ("--seq", seq_len)):
+        if value <= 0:
+            raise ShardError(f"{flag} must be positive, got {value}")
+    if devices % nodes:
+        raise ShardError(f"{devices} devices cannot form {nodes} equal nodes; give --devices a multiple of --nodes")
+    per_node = devices // nodes
+    if per_node > hw.devices_per_node:
+        raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
+    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
+           for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
+    fastest = min((c.step_s for c in out), default=1.0)
+    tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB
+    return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),
+                                      c.memory["total"] > tight, c.step_s_serial, c.memory["total"]))

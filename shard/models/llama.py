@@ -1,0 +1,399 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
+attention.
+
+The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
+not grow with depth. Every parameter names its logical axes; key activations are pinned with
+`constrain`. Mesh axes never appear here. The forward pass is pure functions of the parameter dict, so
+pipeline parallelism (shard/parallel/pipeline.py) runs the same embedding, layer block and head on its
+own schedule, and generation runs them with a KV cache.
+
+Dimension letters (see shard.axes): B batch, T length, D embed, N heads, K kv_heads, G = N/K query
+heads per kv head, H head_dim, F mlp, V vocab, L layers.
+"""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.measure import costs
+from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
+from shard.models import moe
+from shard.errors import ShardError
+from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
+from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
+from shard.sharding.rules import active_layout, constrain, mesh_axes_of
+
+# Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
+# scanned block every weight is pinned to these axes under the activation rules: the layout it is
+# computed in. For FSDP that is where the weight is gathered (once per use), instead of leaving XLA free
+# to move activations to the sharded weight. Weights are cast to the compute dtype first, so FSDP
+# gathers (and reduce-scatters gradients) in bf16 on accelerators.
+LAYER_AXES = {
+    "attn_norm": (EMBED,),
+    "wq": (EMBED, HEADS, HEAD_DIM),
+    "wk": (EMBED, KV_HEADS, HEAD_DIM),
+    "wv": (EMBED, KV_HEADS, HEAD_DIM),
+    "wo": (HEADS, HEAD_DIM, EMBED),
+    "mlp_norm": (EMBED,),
+    "w_gate": (EMBED, MLP),
+    "w_up": (EMBED, MLP),
+    "w_down": (MLP, EMBED),
+}
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def compute_dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.compute_dtype_on(jax.default_backend()))
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
+    """A parameter with its logical axes; std=None means ones (norm scales)."""
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape)).astype(dtype)
+    return nnx.Param(value, out_sharding=axes)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, L, N, K, H, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                               cfg.mlp_dim, cfg.vocab_size)
+        dt = jnp.dtype(cfg.param_dtype)
+        out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
+        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
+        std = {"attn_norm": None, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
+               "wo": (N * H) ** -0.5 * out_std, "mlp_norm": None, "w_gate": D**-0.5, "w_up": D**-0.5,
+               "w_down": F**-0.5 * out_std}
+        shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
+                  "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+        names = [n for n in LAYER_AXES if not (cfg.n_experts and n in ("w_gate", "w_up", "w_down"))]
+        layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
+        if cfg.n_experts:
+            layers |= moe.expert_params(rngs, cfg, out_std, _param)
+        self.layers = nnx.Dict(layers)
+        self.final_norm = _param(rngs, (D,), (EMBED,), None, dt)
+        if not cfg.tie_embeddings:
+            self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
+
+    def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0):
+        """Next-token logits (float32) for a batch of token ids.
+
+        With a KV cache (`init_cache`), the tokens sit at positions start.. and attend to everything
+        cached before them; returns (logits, updated cache). This is the prefill and decode path of
+        `shard generate`; training calls it without a cache.
+        """
+        params = nnx.to_pure_dict(nnx.state(self))
+        if cache is None:
+            return forward(self.cfg, params, tokens_bt)[0]
+        table = tied_table(self.cfg, params, tokens_bt)
+        x_btd = embed_tokens(self.cfg, params, tokens_bt, table)
+        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start)
+        return head_logits(self.cfg, params, x_btd, table), cache
+
+
+def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Logits and the summed auxiliary loss. `zigzag`: the tokens are in ring attention's load-balanced
+    order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits."""
+    table = tied_table(cfg, params, tokens_bt)
+    x_btd = embed_tokens(cfg, params, tokens_bt, table)
+    x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag)
+    return head_logits(cfg, params, x_btd, table), aux
+
+
+def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:
+    """A stored weight in the compute dtype and layout, cast where it is stored and then gathered
+    (FSDP), so the all-gather, and the reduce-scatter of its gradient, move compute-dtype bytes. Cast
+    and constrained to the compute layout alone, sharding propagation moved the cast after the gather,
+    which then moved float32 (tiny, fsdp=8, bfloat16: every all-gather float32)."""
+    if w.dtype == dtype:
+        return constrain(w, logical_axes)
+    return constrain(constrain(w.astype(dtype), logical_axes, param=True), logical_axes)
+
+
+def _table(cfg: ModelConfig, params: dict) -> jax.Array:
+    """The embedding table in its compute layout and dtype (FSDP: gathered in the compute dtype)."""
+    return compute_weight(params["embed"], (VOCAB, EMBED), compute_dtype(cfg))
+
+
+def tied_table(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Array | None:
+    """With tied embeddings and a lookup that reads the compute-layout table, `_table` made once for the
+    lookup and the logits to share (made by each, it was cast twice and gathered twice); None otherwise
+    (made before the layers for the logits alone, it would be held through them)."""
+    if not cfg.tie_embeddings or _stored_lookup_split(cfg, tokens_bt):
+        return None
+    return _table(cfg, params)
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: jax.Array | None = None) -> jax.Array:
+    """The token lookup. Under FSDP, when the tokens are fewer than the table's rows (a large vocab),
+    it reads the table as stored instead of a gathered copy: each device holds a slice of the embed
+    dim of every row, looks up the tokens of all the devices it shares that split with (the ids are
+    small) in its slice, and the gradient scatters into that slice locally, with no full-table
+    gradient to all-reduce (2 x 33 MB per device on the CPU reference config). Otherwise (a small
+    vocab, data or vocab parallel) it reads the compute-layout table of `_table` (`table`, when given)."""
+    split = _stored_lookup_split(cfg, tokens_bt)
+    if split:
+        table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
+        x_btd = _as_looked_up(jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0), split)
+    else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
+        table = table if table is not None else _table(cfg, params)
+        x_btd = constrain(jnp.take(table, tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
+    return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
+
+
+def _as_looked_up(x_btd: jax.Array, split: tuple[str, ...]) -> jax.Array:
+    """The stored table's lookup pinned to the layout it makes its rows in: the batch over its axes but
+    `split`, the embed dim over `split`. Left to propagation, the batch layout that follows was pulled
+    onto the lookup, whose gradient's scatter XLA then could not partition from it (data=2,fsdp=4,
+    batch 8: "involuntary full rematerialization", twice a step); pinned, the rows go between the two
+    layouts by all-to-all."""
+    layout = active_layout()
+    batch = tuple(a for a in mesh_axes_of(layout.spec((BATCH,))[0]) if a not in split)
+    spec = PartitionSpec(batch or None, layout.spec((LENGTH,))[0], split if len(split) > 1 else split[0])
+    return jax.lax.with_sharding_constraint(x_btd, NamedSharding(layout.mesh, spec))
+
+
+def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, ...]:
+    """Mesh axes that split the stored table's embed dim but not the activations' (FSDP), if looking up
+    in the stored table pays: the ids each device then looks up are fewer than its rows of the table.
+    The planner decides the same way (`shard.measure.costs.stored_lookup_axes`)."""
+    layout = active_layout()
+    if layout is None:
+        return ()
+    return tuple(costs.stored_lookup_axes(cfg.vocab_size, tokens_bt.size, layout.axis_sizes, layout.rules,
+                                          layout.param_rules))
+
+
+def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
+               zigzag: bool = False):
+    """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
+    returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
+    the updated cache as well. `zigzag`: as in `forward`."""
+    dtype = compute_dtype(cfg)
+    T = x_btd.shape[1]
+    positions_t = zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T)
+    cos_th, sin_th = rope_tables(jnp.asarray(positions_t), cfg)
+
+    def block(x_btd, xs):
+        p, kv = xs
+        # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
+        # the router (its softmax is float32) keep their dtype
+        axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
+        p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
+             for k, v in p.items()}
+        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag)
+        x_btd = x_btd + attn_btd
+        if cfg.n_experts:
+            # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
+            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype,
+                                         dropless=cache is not None)
+        else:
+            ffn_btd, aux = mlp_block(x_btd, p, cfg, dtype), jnp.zeros((), jnp.float32)
+        return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (aux, kv)
+
+    if cfg.remat != "none":
+        block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
+    x_btd, (aux_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache))
+    return (x_btd, jnp.sum(aux_l)) if cache is None else (x_btd, jnp.sum(aux_l), new_cache)
+
+
+def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None) -> jax.Array:
+    """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast). Tied:
+    through `_table` (`table`, when given)."""
+    dtype = compute_dtype(cfg)
+    x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        logits_btv = _logits_einsum("btd,vd->btv", x_btd, table if table is not None else _table(cfg, params))
+    else:
+        w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
+        logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
+    return constrain(logits_btv, (BATCH, LENGTH, VOCAB))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _logits_einsum(subscripts: str, x, w):
+    """The output head's matmul, written in float32; its two backward matmuls run in the inputs' dtype.
+    Plain autodiff would feed them the float32 logits' gradient: float32 (TF32 on GPUs, half bf16's
+    rate) matmuls of 4 x embed x vocab FLOPs per token, 13% of a 1B model's at vocab 128k, reading a
+    float32 (B, T, V) tensor twice. The gradient is rounded to the compute dtype as bf16 logits' would
+    be; the forward's loss keeps its float32 logits. With float32 inputs this is plain autodiff."""
+    return jnp.einsum(subscripts, x, w, preferred_element_type=jnp.float32)
+
+
+def _logits_einsum_fwd(subscripts: str, x, w):
+    return _logits_einsum(subscripts, x, w), (x, w)
+
+
+def _logits_einsum_bwd(subscripts: str, saved, g):
+    x, w = saved
+    _, pullback = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), x, w)
+    return pullback(g.astype(jnp.result_type(x, w)))
+
+
+_logits_einsum.defvjp(_logits_einsum_fwd, _logits_einsum_bwd)
+
+
+CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty KV cache: k and v of shape (L, B, max_len, K, H) in the compute dtype."""
+    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, compute_dtype(cfg)), "v": jnp.zeros(shape, compute_dtype(cfg))}
+
+
+def rms_norm(x, scale, eps: float):
+    """In float32. Below float32 (bf16 compute) it is recomputed in the backward pass: otherwise its
+    float32 copies of x were saved whatever the remat policy, two per norm under remat none. In float32
+    there are no copies to spare, and on XLA:CPU the recomputation cost 20% of the tiny model's step."""
+    if x.dtype == jnp.float32:
+        return _rms_norm(x, scale, eps)
+    return _rms_norm_recomputed(x, scale, eps)
+
+
+def _rms_norm(x, scale, eps: float):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+_rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2,), prevent_cse=False)
+
+
+def rope_tables(positions_t: jax.Array, cfg: ModelConfig):
+    """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints."""
+    inv_freq = jnp.asarray(cfg.rope_frequencies())
+    angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
+    return jnp.cos(angles_th), jnp.sin(angles_th)
+
+
+def apply_rope(x_btnh, cos_th, sin_th):
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_btnh.astype(jnp.float32) * cos_th[:, None, :] + rotated * sin_th[:, None, :]
+    return out.astype(x_btnh.dtype)
+
+
+def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False):
+    """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
+    keys and values are written at `start` and the queries attend to the whole cache, masked by position.
+    `zigzag`: as in `forward`."""
+    # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
+    # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
+    h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
+    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype)
+    q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
+    k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    if kv is None:
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag)
+    else:
+        kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
+              "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
+        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start)
+    o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
+    return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
+
+
+def _qkv(h_btd, p, dtype):
+    """q, k and v of the normalised residual.
+
+    Where heads and kv heads are split alike, they come out of one einsum over a weight grouped by kv
+    head, (D, K, G + 2, H): with heads split for tensor parallel, the backward pass then all-reduces
+    one input gradient, not three. The grouping is local to each device and leaves the parameters as
+    they are. Where kv heads are split otherwise (replicated by `rules.kv_heads=none` while heads are
+    split), grouping would move weights between devices (collective permutes, which deadlock inside
+    the 1F1B pipeline's per-stage branches), so three einsums run instead.
+    """
+    D, N, H = p["wq"].shape
+    K = p["wk"].shape[1]
+    if not _heads_split_alike():
+        return (jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype)),
+                jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype)),
+                jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype)))
+    w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
+    qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
+    B, T = qkv_btkgh.shape[:2]
+    return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
+
+
+def _heads_split_alike() -> bool:
+    """Are heads and kv heads split over the same mesh axes, as weights and as activations?"""
+    layout = active_layout()
+    return layout is None or all(layout.mesh_axes(HEADS, param=param) == layout.mesh_axes(KV_HEADS, param=param)
+                                 for param in (False, True))
+
+
+def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False):
+    """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
+    "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
+    (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
+    them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead,
+    load-balanced where the sequence comes in its zig-zag order (`zigzag`)."""
+    if axes := context_axes():
+        if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
+            raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
+                             f"{'x'.join(axes)}) uses ring attention; use auto")
+        return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag)
+    if impl in ("auto", "cudnn"):
+        problem = _cudnn_problem(q_btnh)
+        if impl == "cudnn" and problem:
+            raise ShardError(f"model.attention=cudnn can't run here: {problem}; use auto or xla")
+        impl = attention_backend(impl, problem)
+    if impl in ("cudnn", "xla"):
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation=impl)
+    return cached_attention(q_btnh, k_bskh, v_bskh, 0)
+
+
+def _cudnn_problem(q_btnh) -> str:
+    """cudnn_attention_problem for this trace: the backend JAX runs on, the inputs' dtype and head dim,
+    and the active layout's split of queries against keys."""
+    backend = jax.extend.backend.get_backend()
+    platform = "cuda" if backend.platform == "gpu" and "cuda" in backend.platform_version.lower() else backend.platform
+    layout = active_layout()
+    same_split = layout is None or (
+        layout.spec((BATCH, LENGTH, HEADS, HEAD_DIM)) == layout.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM)))
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    return cudnn_attention_problem(platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
+                                   head_dim=q_btnh.shape[-1], same_split=same_split, manual=manual)
+
+
+def cached_attention(q_btnh, k_bskh, v_bskh, start):
+    """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal."""
+    B, T, N, H = q_btnh.shape
+    K = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
+    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * H**-0.5
+    causal_ts = (start + jnp.arange(T))[:, None] >= jnp.arange(k_bskh.shape[1])[None, :]
+    scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
+    o_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return o_btkgh.reshape(B, T, N, H)
+
+
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def _swiglu(gate, up):
+    """silu(gate) * up, recomputed in the backward pass from gate and up: autodiff saved four more
+    (B, T, mlp) tensors (the sigmoid, the silu, ...) under remat none."""
+    return jax.nn.silu(gate) * up
+
+
+def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
+    h_btd = constrain(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))  # as in attention
+    # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
+    w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
+    gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))
+    hidden_btf = constrain(_swiglu(gate_up_btsf[:, :, 0], gate_up_btsf[:, :, 1]), (BATCH, LENGTH, MLP))
+    return jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype))

@@ -1,0 +1,1 @@
+"""What a run shows: the console, progress lines, metrics files and reports."""

@@ -1,0 +1,109 @@
+"""`shard train`'s terminal output: the start-up summary, a progress bar (one plain line per logged step
+when the output is a file: a batch job's log), and the closing line."""
+
+from pathlib import Path
+
+from rich.markup import escape
+
+from shard.observe.console import console, err_console, human_bytes, param_count
+from shard.errors import ShardError
+
+
+class ConsoleProgress:
+    """Startup summary, a progress bar with loss and tokens/s, and a closing line. Where the output is not
+    a terminal, a bar is drawn only once it ends; each logged step gets a line there instead."""
+
+    def __init__(self, cfg, run_dir: Path):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.cfg, self.run_dir, self.run = cfg, run_dir, None
+        self.progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeRemainingColumn(), console=console,
+        ) if console.is_terminal else None
+        if self.progress:
+            self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
+
+    def on_start(self, run) -> None:
+        self.run, self.run_start = run, run.at_step
+        if self.progress:
+            self.progress.update(self.task, completed=run.at_step)
+        cfg = self.cfg
+        mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
+        kind = run.mesh.devices.flat[0].platform
+        from shard.cluster import distributed
+
+        ctx = distributed.context()
+        where = f"{run.mesh.size} {kind} device(s)"
+        if ctx.mode == distributed.XLA:
+            where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
+        elif ctx.mode == distributed.MPI:
+            where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
+        peak = run.compiled_memory.get("total")
+        compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
+        console.print(
+            f"mesh {mesh} on {where}"
+            + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
+            + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
+            + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
+               f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
+            + (f" · ~{human_bytes(peak)} per device (compiled estimate)" if peak else "")
+            + f" · step compiled {compiled}", soft_wrap=True)
+        if run.peak_flops is None:
+            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
+                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
+        if run.hardware is not None:
+            from shard.measure.plan import startup_warnings
+
+            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
+            try:
+                warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
+            except ShardError:  # a layout the cost model cannot describe gets no advice, not an error
+                warnings = []
+            for w in warnings:
+                console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
+        from shard.data.batches import repetition_note
+
+        if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
+            console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)
+        if self.progress:
+            self.progress.start()
+
+    def on_step(self, step: int, outputs=None) -> None:
+        if self.progress:
+            self.progress.update(self.task, completed=step)
+
+    def on_log(self, r: dict) -> None:
+        evaluated = f" · eval loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
+        if self.progress:
+            self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
+            if evaluated:  # above the bar
+                self.progress.console.print(f"step {r['step']}{evaluated}", soft_wrap=True)
+        else:
+            console.print(f"step {r['step']}/{self.cfg.steps} · loss {r['loss']:.4f}{evaluated} · "
+                          f"{r['tokens_per_s']:,.0f} tokens/s", soft_wrap=True)
+
+    def on_abort(self) -> None:  # the error that follows gets a clean line
+        if self.progress:
+            self.progress.stop()
+
+    def on_end(self, records: list[dict]) -> None:
+        self.on_abort()
+        if not records:
+            return
+        last = records[-1]
+        losses = f"{last['loss']:.3f}" if len(records) == 1 else f"{records[0]['loss']:.3f} -> {last['loss']:.3f}"
+        ran = last["step"] - self.run_start
+        steps = f"{ran} step" + ("s" if ran != 1 else "")
+        if self.run_start:
+            span = f"{self.run_start + 1}-{last['step']}" if ran > 1 else str(last["step"])
+            steps += f" ({span}, resumed)"
+        evaluated = [r["eval_loss"] for r in records if "eval_loss" in r]
+        ended = "stopped early" if self.run is not None and self.run.stopped_at is not None else "done"
+        console.print(f"{ended}: {steps}, loss {losses}" + (f", eval loss {evaluated[-1]:.3f}" if evaluated else "")
+                      + f", {last['tokens_per_s']:,.0f} tokens/s; run dir {self.run_dir}", soft_wrap=True)
+        if last.get("skipped_steps"):
+            every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
+            err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
+                              f"{ran} steps run{every}[/yellow]", soft_wrap=True)

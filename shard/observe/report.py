@@ -1,0 +1,114 @@
+"""`shard report RUN_DIR ...`: loss and throughput plots of several runs overlaid, and a summary table."""
+
+import statistics
+import tomllib
+from pathlib import Path
+
+from shard.errors import ShardError
+from shard.sharding.mesh import rename_mesh_file
+from shard.observe.metrics import read_records
+
+RECORD_FIELDS = {"step", "loss", "time_s", "tokens_per_s"}  # what the table and plots read
+
+
+def load_run(run_dir: str) -> dict:
+    path = Path(run_dir)
+    metrics, config = path / "metrics.jsonl", path / "config.toml"
+    if not metrics.is_file():
+        raise ShardError(f"{run_dir} is not a run directory: no metrics.jsonl")
+    records, skipped = read_records(metrics)
+    complete = [r for r in records if set(r) >= RECORD_FIELDS]
+    skipped += len(records) - len(complete)
+    if not complete:
+        raise ShardError(f"{run_dir}: metrics.jsonl holds no complete record"
+                         + (f" ({skipped} unreadable line(s))" if skipped else ""))
+    config_problem = None if config.is_file() else "no config.toml"
+    try:
+        cfg = tomllib.loads(config.read_text()) if config.is_file() else {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        cfg, config_problem = {}, f"config.toml is not valid TOML ({e})"
+    if not isinstance(cfg.get("model", {}), dict) or not isinstance(cfg.get("mesh", {}), dict):
+        cfg, config_problem = {}, "config.toml's [model] or [mesh] is not a table"
+    model = cfg.get("model", {}).get("name", "?")
+    # a mesh file is saved absolute: its name says enough
+    mesh = rename_mesh_file(str(cfg.get("mesh", {}).get("spec", "?")), lambda path: path.name)
+    trained, latest_start = as_trained(complete)
+    return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
+            "records": trained, "latest_start": latest_start, "skipped_lines": skipped,
+            "config_problem": config_problem}  # the model and layout are then shown as "?"
+
+
+def as_trained(records: list[dict]) -> tuple[list[dict], int]:
+    """The records of a run as it trained, and the first step of its latest start.
+
+    Each start (a resume, perhaps on another mesh) appends to metrics.jsonl with its clock at 0 and
+    repeats the steps after the checkpoint it resumed from: the last record of a step is the one that
+    counts, and the steps an earlier start logged past it are dropped (that start was abandoned), so a
+    resumed run read while it trains shows no records of the start it replaced. `time_s` is made to run
+    on across starts. A start is known by its records' `start_step`; in files written before that
+    field, by its clock or steps going back."""
+    by_step: dict[int, dict] = {}
+    offset, last = 0.0, None
+    latest = records[0]["step"]
+    for r in records:
+        if last is not None and (r.get("start_step") != last.get("start_step") or r["time_s"] < last["time_s"]
+                                 or r["step"] <= last["step"]):  # a new start
+            offset, latest = by_step[last["step"]]["time_s"], r["step"]
+            cut = r.get("start_step", r["step"] - 1)  # the checkpoint it resumed from
+            by_step = {s: rec for s, rec in by_step.items() if s <= cut}
+        by_step[r["step"]] = {**r, "time_s": r["time_s"] + offset}
+        last = r
+    return [by_step[s] for s in sorted(by_step)], latest
+
+
+def summary_row(run: dict) -> dict:
+    """The table's row: loss at the end; speed, MFU and memory of the latest start (the layout shown)."""
+    recs = run["records"]
+    latest = [r for r in recs if r["step"] >= run["latest_start"]]
+    steady = latest[1:] or latest  # the first interval warms up
+    tps = [r["tokens_per_s"] for r in steady]
+    mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    peaks = [r["mem_peak_bytes"] for r in latest if "mem_peak_bytes" in r]
+    return {
+        "run": run["dir"], "model": run["model"], "layout": run["layout"], "steps": recs[-1]["step"],
+        "final_loss": recs[-1]["loss"], "median_tokens_per_s": statistics.median(tps),
+        "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
+        "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
+        "config_problem": run.get("config_problem"),
+    }
+
+
+def plot(runs: list[dict], out: Path) -> list[Path]:
+    """loss vs step, loss vs time, tokens/s vs step: one PNG each, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"--out {out} is a file; give a folder for the plots")
+    out.mkdir(parents=True, exist_ok=True)
+    charts = [("loss_vs_step.png", "step", "loss"), ("loss_vs_time.png", "time_s", "loss"),
+              ("throughput_vs_step.png", "step", "tokens_per_s")]
+    paths = []
+    for name, x, y in charts:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for run in runs:
+            recs = run["records"]
+            ax.plot([r[x] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
+        ax.set_xlabel({"time_s": "time (s)"}.get(x, x))
+        ax.set_ylabel({"tokens_per_s": "tokens/s"}.get(y, y))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def report(run_dirs: list[str], out: Path | None) -> dict:
+    """The table's rows, and the plots written to `out` (None: none written)."""
+    runs = [load_run(d) for d in run_dirs]
+    pngs = plot(runs, out) if out is not None else []
+    return {"runs": [summary_row(r) for r in runs], "plots": [str(p) for p in pngs]}

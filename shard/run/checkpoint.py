@@ -1,0 +1,570 @@
+"""Checkpoints of the train state with orbax: asynchronous, sharded, atomic, restorable onto any mesh.
+
+Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
+written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
+`RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
+resolved config, a checksum per array (state_fingerprint) and the tokens trained on. orbax writes a step into
+`<step>.orbax-checkpoint-tmp` and renames it once every process has finished, so a directory named by
+a bare step number is complete and anything else is a save that never finished. Restore reads each
+array straight into the shardings of the mesh at hand.
+"""
+
+import contextlib
+import errno
+import functools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+from orbax.checkpoint import checkpoint_managers as policies
+
+from shard.cluster import distributed
+from shard.config.train import CheckpointConfig
+from shard.errors import ShardError, first_line, out_of_memory
+from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
+from shard.sharding.rules import path_str
+from shard.train.state import StateSpec
+
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
+CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
+STATE, META = "state", "meta"
+# orbax splits the writing of a replicated array between its replicas, slicing each shard with a small
+# jitted program that compiles once per shape and device: 56 compiles (3 s) at the first save of even the
+# tiny model on 8 CPU devices. Worth it only for big arrays, so smaller ones are written by one replica.
+MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES = 16 << 20
+
+
+@functools.cache
+def _configure_orbax() -> None:
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    handler = ocp.type_handlers.ArrayHandler(  # orbax's default, but for the threshold
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
+    _drop_closed_loop_callbacks()
+    for name in ("absl", "asyncio"):
+        if _orbax_noise not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_orbax_noise)
+    with _absl_quiet():  # not the "overriding jax.Array" warning
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    """orbax's absl warnings, which say what shard chose, left out for the block."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"  # in the path of orbax's own files
+
+
+def _orbax_noise(record: logging.LogRecord) -> bool:
+    """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
+    disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
+    where the CLI reports it in one line. Also asyncio's "Task exception was never retrieved" for an
+    orbax write task that failed beside the one reported (logged when the task is collected, after the
+    error line). And orbax's notes on reading a damaged checkpoint (_ORBAX_READ_NOTES)."""
+    if record.name == "asyncio":
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and _ORBAX_SOURCE in message)
+    if _ORBAX_SOURCE not in record.pathname:
+        return True
+    return not (record.exc_info or record.getMessage().startswith(_ORBAX_READ_NOTES))
+
+
+# What orbax logs on reading a damaged checkpoint (or a folder that is none), before the error that shard
+# reports in one line with the path and what is wrong: dropped, so that line is all that is printed.
+_ORBAX_READ_NOTES = ('Item "', "Metadata file does not exist", "Failed to read Metadata file",
+                     "Failed to json parse Metadata file")
+
+
+def _drop_closed_loop_callbacks() -> None:
+    """When one read of a restore fails, orbax closes its asyncio loop while tensorstore's other reads
+    are still in flight; each then reports "Event loop is closed", or its own read error from a
+    coroutine that is never awaited, as an unraisable exception: a traceback apiece (with the whole
+    TensorStore spec) after the one-line notice. Those, and only those, are dropped."""
+    previous = sys.unraisablehook
+
+    def hook(args) -> None:
+        closed_loop = args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
+        code = getattr(getattr(args, "object", None), "cr_code", None)  # a coroutine's
+        orbax_read = code is not None and _ORBAX_SOURCE in code.co_filename
+        if not (closed_loop or orbax_read):
+            previous(args)
+
+    sys.unraisablehook = hook
+
+
+def state_fingerprint(state) -> dict[str, list]:
+    """`{leaf path: [checksum, dtype]}` of a (sharded) state, computed where the arrays are: a leaf's
+    checksum is the sum of its bit patterns weighted by odd multipliers of their position, modulo 2**32.
+    Any one flipped bit changes it, and it does not depend on the sharding (integer sums are exact in
+    any order). Saved with each checkpoint and compared on restore, for the leaves read back in the dtype
+    they were saved in: a stored chunk damaged in a way that still decompresses is caught instead of
+    trained on."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    first = leaves[0][1].sharding if leaves and isinstance(leaves[0][1], jax.Array) else None
+    replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
+    sums = np.asarray(_fingerprints(replicated)(state).addressable_data(0))
+    return {path_str(p): [int(c), str(x.dtype)] for (p, x), c in zip(leaves, sums, strict=True)}
+
+
+def first_mismatch(saved: dict, read: dict) -> str | None:
+    """The first leaf path whose checksum differs between two fingerprints, among the leaves both hold
+    in the same dtype (a resume may cast, say to another model.param_dtype); None when all agree."""
+    return next((path for path, (checksum, dtype) in read.items()
+                 if path in saved and saved[path][1] == dtype and saved[path][0] != checksum), None)
+
+
+def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
+    """One leaf's checksum (`state_fingerprint`) on the host (numpy), in blocks of `block` elements."""
+    x = np.ascontiguousarray(x)
+    flat = (x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"u{min(x.dtype.itemsize, 4)}")).reshape(-1)
+    odd = np.arange(min(block, flat.size), dtype=np.uint32) * np.uint32(2) + np.uint32(1)  # 2 * index + 1
+    total = 0
+    for start in range(0, flat.size, block):
+        part = flat[start:start + block].astype(np.uint32)
+        weights = odd[:part.size] + np.uint32(2 * start % (1 << 32))  # wraps as the device's uint32 does
+        total = (total + int(np.sum(part * weights, dtype=np.uint32))) % (1 << 32)
+    return total
+
+
+@functools.cache
+def _fingerprints(out_sharding):
+    import jax.numpy as jnp
+
+    def one(x):
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        else:
+            unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+            bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: a last dim of 2
+        index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+        for d in reversed(range(bits.ndim)):
+            index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % (1 << 32))
+            stride *= bits.shape[d]
+        return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+
+    return jax.jit(lambda state: jnp.stack([one(x) for x in jax.tree.leaves(state)]), out_shardings=out_sharding)
+
+
+@dataclass
+class Restored:
+    """A train state read back into the current mesh's shardings, and where its data stream stood."""
+
+    step: int
+    state: dict
+    position: int  # next global sample index of the data stream
+    seed: int
+    config_toml: str
+    path: Path
+    tokens_seen: int | None = None  # tokens trained on up to `step`; None: a checkpoint from before it was saved
+    # the step since which the held-out data (eval.path, or data.path's held-out tail) has been kept
+    # from training; None: nothing held out, or a checkpoint from before it was saved
+    held_out_since: int | None = None
+
+
+def _first_line(e: BaseException) -> str:
+    """`Type: first line`, to 200 characters. orbax wraps a failed array read in a generic Exception
+    ("... See full TensorStore details: <bound method ..."): the error it wraps is named instead."""
+    first = first_line(e)
+    if " See full TensorStore details" in first and e.__cause__ is not None:
+        return _first_line(e.__cause__)
+    return (f"{type(e).__name__}: {first}" if str(e).strip() else first)[:200]
+
+
+# Reads that fail for the machine's sake, not the checkpoint's: every other checkpoint would fail the same
+# way, so falling back would set good ones aside in turn. By errno, also as tensorstore's os_error_code.
+_MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def _causes(e: BaseException | None):
+    """`e` and the errors it was raised from, outermost first."""
+    while e is not None:
+        yield e
+        e = e.__cause__
+
+
+def _machine_error(e: BaseException) -> bool:
+    """Out of device or host memory, no permission, too many open files: somewhere in the cause chain."""
+    def errnos(c: BaseException) -> set[int]:  # an OSError's, or tensorstore's os_error_code in the text
+        if isinstance(c, OSError):
+            return {c.errno}
+        return {int(n) for n in re.findall(r"os_error_code=\D?(\d+)", str(c))}
+
+    return any(out_of_memory(c) or errnos(c) & _MACHINE_ERRNOS for c in _causes(e))
+
+
+_MACHINE, _BAD = "machine: ", "bad: "
+
+
+def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> list[str]:
+    """Every process's outcome of reading checkpoint `step`: "" (read), "machine: why" (the machine's
+    fault, _machine_error), "bad: why" (the checkpoint's), or "peer" (this process read its part, but
+    another did not). A process whose orbax read (`in_read`) failed first meets the barrier that orbax
+    holds the others in at the end of a restore (a device collective in orbax 0.12), so that they stop
+    waiting (with a barrier-name mismatch: their "peer")."""
+    if error is None:
+        outcome = ""
+    elif _peer_failed(error):
+        outcome = "peer"
+    else:
+        outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
+        if in_read and distributed.context().mode == distributed.XLA:
+            with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
+                distributed.sync(f"checkpoint_read_failed_{step}")
+    outcomes = distributed.gather_text(outcome)
+    if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
+        return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
+    return outcomes
+
+
+def _peer_failed(e: BaseException | None) -> bool:
+    """The error a process gets in a cross-process barrier that another process met from elsewhere."""
+    return any("sync_global_devices name mismatch" in str(c) for c in _causes(e))
+
+
+class Checkpoints:
+    """One run's checkpoint directory: async saves, retention (newest K, optionally best by a metric),
+    and restore of the newest readable complete checkpoint into any mesh."""
+
+    def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
+                 notice: Callable[[str], None] | None = None, read_only: bool = False):
+        self.directory = globless(Path(directory).absolute())
+        if not read_only and self.directory.is_dir() and not os.access(self.directory, os.W_OK):
+            # before any step runs: a save would fail only after the steps since the last checkpoint
+            raise ShardError(f"checkpoint folder {self.directory} is not writable (a read-only mount, or no "
+                             "permission); its checkpoints can still be read with shard generate or export")
+        self.cfg = cfg = cfg or CheckpointConfig()
+        self.notice = notice or (lambda message: None)
+        keep: list = [policies.LatestN(n=cfg.keep)]
+        ranking = {}
+        if cfg.best_metric:
+            metric, worst = cfg.best_metric, math.inf if cfg.best_mode == "min" else -math.inf
+
+            def value(metrics: dict) -> float:
+                """A save's value; one without (a stop between evaluations, or one ranked by another metric
+                before a resume changed it) ranks last, so it is kept only while among the newest."""
+                return metrics.get(metric, worst)
+
+            # orbax writes a save's metrics to disk only with a best_fn; without them a restart forgot
+            # which checkpoint was best. The preservation policy below still decides what is kept.
+            ranking = {"best_fn": value, "best_mode": cfg.best_mode}
+            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. Checkpoints
+            # with no metrics on disk at all (written before shard recorded them) are kept.
+            keep.append(policies.BestN(get_metric_fn=value, reverse=cfg.best_mode == "min", n=cfg.keep_best))
+        _configure_orbax()
+        handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        with _absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
+                # No directory until the first save: a start that fails before it leaves no trace.
+                create=False, read_only=read_only, **ranking,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- what is on disk --------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def incomplete(self) -> list[Path]:
+        """Step directories a save began and never committed (killed, power loss)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(p for p in self.directory.iterdir() if TMP_MARK in p.name)
+
+    def clean_incomplete(self) -> None:
+        """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
+        for p in self.incomplete():
+            self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
+            if distributed.is_main_process():
+                shutil.rmtree(p, ignore_errors=True)
+        self._sync("clean_incomplete")
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict, *, position: int, seed: int, config_toml: str,
+             metrics: dict | None = None, tokens_seen: int | None = None, held_out_since: int | None = None) -> None:
+        """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
+        so the caller may donate them to the next step."""
+        if not distributed.writes_shared_files():
+            return  # the MPI bridge: process 0 writes the replica every process holds
+        meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml,
+                "fingerprint": state_fingerprint(state)}
+        if tokens_seen is not None:
+            meta["tokens_seen"] = int(tokens_seen)
+        if held_out_since is not None:
+            meta["held_out_since"] = int(held_out_since)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        self._manager.save(step, args=args, metrics=metrics, force=True)
+
+    def wait(self) -> None:
+        """Block until every started save is committed (renamed into place)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def stored_tree(self, step: int) -> dict:
+        """The saved state's tree of orbax ArrayMetadata (shape, dtype, sharding), read from the files."""
+        stored = self._manager.item_metadata(step)[STATE]
+        tree = getattr(stored, "tree", stored)
+        if not isinstance(tree, dict) or "params" not in tree:  # orbax reads a missing _METADATA as None
+            raise ValueError(f"its {STATE}/ holds no description of its arrays (is {STATE}/_METADATA missing?)")
+        return tree
+
+    def restore(self, step: int, spec: StateSpec) -> Restored:
+        """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
+        return self._checked(step, self._read(step, spec))
+
+    def _read(self, step: int, spec: StateSpec) -> dict:
+        """orbax's restore of the state and meta items, which ends in a barrier of every process."""
+        stored = self.stored_tree(step)
+        spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model")
+        spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
+                                     META: ocp.args.JsonRestore()})
+        return self._manager.restore(step, args=args)
+
+    def _checked(self, step: int, out: dict) -> Restored:
+        """What was read, checked: a data position, and each array's checksum against the saved one."""
+        meta = out[META]
+        if int(meta["data_position"]) < 0:  # read as unreadable: restore_latest sets it aside
+            raise ValueError(f"meta has a negative data_position {meta['data_position']}")
+        saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
+        if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
+            raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
+        tokens, since = meta.get("tokens_seen"), meta.get("held_out_since")
+        return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
+                        config_toml=meta["config"], path=self.path(step),
+                        tokens_seen=None if tokens is None else int(tokens),
+                        held_out_since=None if since is None else int(since))
+
+    def restore_latest(self, spec: StateSpec) -> Restored:
+        """The newest complete checkpoint that reads back; unreadable ones are set aside (renamed to
+        corrupt-<step>, with a notice) and the previous one is tried."""
+        self.clean_incomplete()
+        steps = self.steps()
+        if not steps:
+            raise ShardError(f"no complete checkpoint in {self.directory}")
+        for i in range(len(steps) - 1, -1, -1):
+            step = steps[i]
+            error, reading = None, True
+            try:
+                out = self._read(step, spec)
+                reading = False  # past orbax's closing barrier: the checks fail alike on every process
+                restored = self._checked(step, out)
+            except ShardError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
+                error = e
+            outcomes = _read_outcomes(step, error, in_read=reading)
+            if not any(outcomes):
+                return restored
+            where = "" if len(outcomes) == 1 else " on process {rank}"
+            machine = [(r, o) for r, o in enumerate(outcomes) if o.startswith(_MACHINE)]
+            if machine:  # not this checkpoint's fault: it stays where it is
+                rank, outcome = machine[0]
+                raise ShardError(f"cannot read checkpoint {self.path(step)}{where.format(rank=rank)} "
+                                 f"({outcome.removeprefix(_MACHINE)}); it is left in place") from error
+            rank, outcome = next((r, o) for r, o in enumerate(outcomes) if o.startswith(_BAD))
+            fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
+            self.notice(f"checkpoint {self.path(step)} is unreadable{where.format(rank=rank)} "
+                        f"({outcome.removeprefix(_BAD)}); set aside as {CORRUPT_PREFIX}{step}, {fallback}")
+            self._set_aside(step)
+        raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
+                         f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
+
+    def _set_aside(self, step: int) -> None:
+        if distributed.is_main_process():
+            target = self.directory / f"{CORRUPT_PREFIX}{step}"
+            n = 1
+            while target.exists():
+                target, n = self.directory / f"{CORRUPT_PREFIX}{step}.{n}", n + 1
+            self.path(step).rename(target)
+        self._sync(f"set_aside_{step}")
+        self._manager.reload()
+
+    @staticmethod
+    def _sync(name: str) -> None:
+        distributed.sync(f"checkpoint_{name}")
+
+
+class SaveCheckpoints:
+    """Loop observer: saves every `cfg.every` steps, at the last step and when the loop stops early
+    (preemption), then waits for the saves to commit when the loop ends. A save is ranked by the
+    step's metric, or by the evaluation logged at that step (a stop between evaluations has none)."""
+
+    def __init__(self, checkpoints: Checkpoints, *, seed: int, config_toml: str):
+        self.checkpoints, self.seed, self.config_toml = checkpoints, seed, config_toml
+        self.every, self.best_metric = checkpoints.cfg.every, checkpoints.cfg.best_metric
+        self.last_saved: int | None = None
+        self.run = None  # the loop's Run, for the tokens seen at a step
+        self.evaluated: tuple[int, float] | None = None  # (step, eval loss) of the last evaluation logged
+
+    def on_start(self, run) -> None:
+        self.run = run
+
+    def on_log(self, record: dict) -> None:
+        if "eval_loss" in record:
+            self.evaluated = record["step"], record["eval_loss"]
+
+    def saves_at(self, step: int, final: bool) -> bool:
+        """The loop checks every step up to a save for divergence first, so only good states are saved."""
+        return bool(final or (self.every and step % self.every == 0))
+
+    def on_state(self, step: int, state: dict, position: int, metrics: dict, final: bool) -> None:
+        if not self.saves_at(step, final):
+            return
+        ranked = None
+        if self.best_metric == "eval_loss":  # {} (ranked last) between evaluations: None would be kept forever
+            ranked = {"eval_loss": self.evaluated[1]} if self.evaluated and self.evaluated[0] == step else {}
+        elif self.best_metric:
+            ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
+        tokens = self.run.tokens_seen(step) if self.run is not None else None
+        since = self.run.held_out_since if self.run is not None else None
+        self.checkpoints.save(step, state, position=position, seed=self.seed, config_toml=self.config_toml,
+                              metrics=ranked, tokens_seen=tokens, held_out_since=since)
+        self.last_saved = step
+
+    def on_end(self, records: list[dict]) -> None:
+        self.checkpoints.wait()
+
+
+def step_dirs(checkpoints: Path) -> list[int]:
+    """The steps whose folders stand in `checkpoints`, oldest first: a save that orbax finished (an
+    unfinished one is named <step>.orbax-checkpoint-tmp...), read from the disk without JAX."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted(int(c.name) for c in checkpoints.iterdir() if c.name.isdigit() and c.is_dir())
+
+
+def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
+    """The config (TOML text) the newest checkpoint in `checkpoints` was saved with, and its step; None
+    when no step holds a readable one. Each save keeps a copy in its meta item, read here as plain
+    JSON: orbax's reader would start JAX, before `train` has set the device count."""
+    for step in reversed(step_dirs(checkpoints)):
+        text = saved_config(checkpoints / str(step))
+        if text is not None:
+            return text, step
+    return None
+
+
+def saved_config(step_dir: Path) -> str | None:
+    """The config (TOML text) one checkpoint step was saved with, from its meta item read as plain JSON;
+    None when it holds no readable one."""
+    meta = saved_meta(step_dir)
+    return meta["config"] if isinstance(meta.get("config"), str) else None
+
+
+def saved_meta(step_dir: Path) -> dict:
+    """A checkpoint step's meta item, read as plain JSON (orbax's reader would start JAX); {} when it
+    is missing or unreadable."""
+    try:
+        meta = json.loads((step_dir / META / "metadata").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def find_checkpoint(path: Path | str) -> tuple[Path, int]:
+    """(checkpoints dir, step) from a run dir, a checkpoints dir or one step's dir; the newest step."""
+    p = Path(path).absolute()
+    if not p.exists():
+        raise ShardError(f"checkpoint path {path} does not exist")
+    if not p.is_dir():
+        raise ShardError(f"checkpoint path {path} is a file; give a run dir, its checkpoints/ dir or a step's dir")
+    if (p / CHECKPOINTS_DIR).is_dir():
+        p = p / CHECKPOINTS_DIR
+    if (p / STATE).is_dir() and p.name.isdigit():
+        return p.parent, int(p.name)
+    steps = step_dirs(p)
+    complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
+    if not complete:
+        if (p / "_CHECKPOINT_METADATA").is_file() and not steps:
+            raise ShardError(f"{path} is a plain orbax checkpoint (what shard export writes), not a training "
+                             "checkpoint; give a run dir, its checkpoints/ dir or a step's dir")
+        raise ShardError(f"no complete checkpoint in {path}")
+    if complete[-1] != steps[-1]:  # never an older model in silence
+        raise ShardError(f"the newest checkpoint {p / str(steps[-1])} is damaged (no {STATE}/); pass an older "
+                         f"step's dir to use it, e.g. {p / str(complete[-1])}")
+    return p, complete[-1]
+
+
+def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
+    """(params as numpy arrays, the resolved config TOML it was saved with, step) of a checkpoint (run
+    dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
+    directory, step = find_checkpoint(checkpoint)
+    state_dir = directory / str(step) / STATE
+    meta = saved_meta(directory / str(step))
+    config = meta.get("config")
+    if not isinstance(config, str):
+        raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")
+    checkpoints = Checkpoints(directory, read_only=True)
+    try:
+        stored = checkpoints.stored_tree(step)
+    except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
+        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    finally:
+        checkpoints.close()
+    item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), stored["params"])}
+    restore_args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored["params"])}
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(
+            state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
+        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+    saved = meta.get("fingerprint")
+    if isinstance(saved, dict):  # checkpoints written before fingerprints have none
+        read = {f"params/{path_str(p)}": [host_fingerprint(x), str(x.dtype)]
+                for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}
+        if bad := first_mismatch(saved, read):
+            raise ShardError(f"checkpoint {directory / str(step)} is damaged: {bad} reads back other than it was "
+                             "saved (checksum mismatch); give an older step's dir")
+    return restored["params"], config, step
+
+
+def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:
+    """Write the params of a checkpoint (run dir, checkpoints dir or step dir) as a plain orbax
+    checkpoint at `out`, read on the host (numpy) so no device needs to hold the model."""
+    out = globless(Path(out).absolute())
+    check_fresh_out(out)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)  # a file in the way, no permission: here, not in orbax's thread
+    out.rmdir()  # orbax makes it, from a temporary folder
+    try:
+        params, _, step = read_params(checkpoint)
+        with ocp.StandardCheckpointer() as saver:
+            saver.save(out, params)
+            saver.wait_until_finished()
+    except BaseException:  # a bad checkpoint, a full disk: nothing of the export left behind
+        for partial in out.parent.glob(f"{out.name}{TMP_MARK}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        remove_made_folders(made[1:])  # the folders made for it
+        raise
+    return out, step

@@ -1,0 +1,339 @@
+"""Hugging Face Llama-family folders (config.json + *.safetensors) to shard's parameters and back.
+
+Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
+heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
+layout, so no permutation of q/k is needed.
+"""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from shard.config.train import is_positive_number
+from shard.errors import ShardError, first_line
+from shard.paths import current_umask
+from shard.config.model import ModelConfig
+
+SUPPORTED_TYPES = ("llama",)
+_FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model folder: one with a config.json."""
+    return (Path(path) / "config.json").is_file()
+
+
+def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_TYPES:
+        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
+    if not isinstance(rope, dict):
+        raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
+    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
+    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
+    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
+        scaling = legacy or rope
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
+                         "Llama 3's (llama3) are")
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
+    # transformers reads rope_scaling before rope_parameters
+    given = legacy or rope
+    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
+    scaling = {}
+    if llama3 is not None:
+        keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
+        missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
+        if missing:
+            raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
+                             f"{llama3.get(missing[0])!r}")
+        scaling = {k: float(llama3[v]) for k, v in keys.items()}
+        if not scaling["rope_original_context"].is_integer():
+            raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
+                             f"{llama3['original_max_position_embeddings']!r}")
+        scaling["rope_original_context"] = int(scaling["rope_original_context"])
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ShardError(f"{flag}=true is not supported: shard's Llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if hf.get(k) is None]
+    if missing:
+        raise ShardError(f"config.json lacks {missing[0]!r}")
+    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
+             "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+             "intermediate_size": hf["intermediate_size"], "head_dim": hf.get("head_dim")}
+    for key, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6}
+    for key, value in numbers.items():
+        if not is_positive_number(value):
+            raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
+    heads = sizes["num_attention_heads"]
+    cfg = ModelConfig(
+        name=name, vocab_size=sizes["vocab_size"], d_model=sizes["hidden_size"],
+        n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=sizes["num_key_value_heads"],
+        head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
+    )
+    problems = cfg.validate()
+    if problems:
+        raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json of a dense Llama; a mixture of experts has no such form and is refused."""
+    if cfg.n_experts:
+        raise ShardError(f"model {cfg.name} is a mixture of experts ({cfg.n_experts} experts); export-hf writes "
+                         "dense Llama folders only (shard export writes any model's params)")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
+    } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
+
+
+def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
+    if not cfg.rope_scaling:
+        return {"rope_type": "default"}
+    return {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context}
+
+
+def _layer_map(cfg: ModelConfig):
+    """shard layer param -> (HF name template, to_shard(hf_matrix), to_hf(shard_array))."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    return {
+        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
+        "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w),
+        "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
+               lambda w: w.reshape(D, N * H).T),
+        "wk": ("model.layers.{}.self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H),
+               lambda w: w.reshape(D, K * H).T),
+        "wv": ("model.layers.{}.self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H),
+               lambda w: w.reshape(D, K * H).T),
+        "wo": ("model.layers.{}.self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D),
+               lambda w: w.reshape(N * H, D).T),
+        "w_gate": ("model.layers.{}.mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
+        "w_up": ("model.layers.{}.mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
+        "w_down": ("model.layers.{}.mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+    }
+
+
+def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
+                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for key, (tmpl, _, _) in _layer_map(cfg).items():
+        for i in range(cfg.n_layers):
+            shapes[tmpl.format(i)] = per_layer[key]
+    return shapes
+
+
+def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """shard's parameter tree from HF tensors; a missing tensor or a wrong shape is a ShardError."""
+    expected = _expected_hf_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ShardError(f"the checkpoint lacks tensor {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise ShardError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+        if tensors[name].dtype.kind != "f" and tensors[name].dtype != ml_dtypes.bfloat16:
+            raise ShardError(f"tensor {name} is {tensors[name].dtype}; shard imports float weights only "
+                             "(quantized checkpoints are not supported)")
+        if not np.all(np.isfinite(tensors[name])):
+            raise ShardError(f"tensor {name} holds NaN or infinite values")
+    # A tied model may still carry lm_head, and older exports carry RoPE's inverse frequencies (recomputed).
+    extra = sorted(n for n in set(tensors) - set(expected)
+                   if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ShardError(f"the checkpoint holds tensor {extra[0]}, which the config does not describe "
+                         f"({len(extra)} such); check num_hidden_layers and the model type")
+
+    def get(name):
+        return np.asarray(tensors[name], dtype=dtype)
+
+    layers = {key: np.stack([to_shard(get(tmpl.format(i))) for i in range(cfg.n_layers)])
+              for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
+    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": layers}
+    if not cfg.tie_embeddings:
+        params["unembed"] = get("lm_head.weight").T
+    return params
+
+
+def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+           "model.norm.weight": np.asarray(params["final_norm"])}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(params["unembed"]).T
+    for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
+        stacked = np.asarray(params["layers"][key])
+        for i in range(cfg.n_layers):
+            out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
+    return out
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict]:
+    """config.json and every tensor of the folder's safetensors files (sharded index or not)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise ShardError(f"{path} is not a Hugging Face model folder: no config.json")
+    hf_config = read_json(root / "config.json")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ShardError(f"{index} has no weight_map table")
+        files = sorted(set(map(str, weight_map.values())))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise ShardError(f"{path} holds no .safetensors files")
+    tensors: dict = {}
+    for f in files:
+        if not (root / f).is_file():
+            raise ShardError(f"{path}: the index names {f}, which is missing")
+        try:
+            tensors.update(load_file(str(root / f)))
+        except SafetensorError as e:
+            raise ShardError(f"{root / f} is not a readable safetensors file ({e}); is it truncated?") from None
+    return hf_config, tensors
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a one-line ShardError."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardError(f"{path} must hold a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+def _save_safetensors(tensors: dict, path: Path) -> None:
+    """safetensors' writer, with its errors (a full disk) as one line, and the file as readable as any
+    other this process writes (the writer makes it owner-only)."""
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
+        raise ShardError(f"cannot write {path}: {first_line(e)}") from None
+    path.chmod(0o666 & ~current_umask())
+
+
+# A Hugging Face folder's files that shard's model doesn't hold (token ids, context length, generation
+# defaults, the tokenizer): import-hf and train --init-from keep them in the run dir's SIDE_DIR, and
+# export-hf writes them back, so a model fine-tuned here stops at its end-of-sequence token there.
+SIDE_DIR = "hf"
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "vocab.json", "merges.txt",
+              "added_tokens.json")
+# Keys of the original config.json that would contradict what export-hf writes (float32 weights, no
+# quantization, transformers' own Llama code).
+# the model's own RoPE is in config_to_hf's keys: an original's llama3 rope_scaling would override them
+_NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map", "rope_scaling")
+
+
+def side_files_of(source: str | Path) -> Path | None:
+    """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
+    of a shard checkpoint's run dir; None when there is none."""
+    from shard.run.checkpoint import find_checkpoint
+    if is_hf_dir(source):
+        return Path(source)
+    side = find_checkpoint(source)[0].parent / SIDE_DIR
+    return side if side.is_dir() else None
+
+
+def context_note(source: str | Path, seq_len: int) -> str | None:
+    """A notice when `seq_len` is beyond the positions the weights at `source` were made for (the
+    max_position_embeddings of their config.json: a Hugging Face folder's, or the one a shard checkpoint
+    imported from one keeps); None otherwise, or when nothing says."""
+    try:
+        side = side_files_of(source)
+        limit = read_json(side / "config.json").get("max_position_embeddings") if side else None
+    except (ShardError, OSError):
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or seq_len <= limit:
+        return None
+    return (f"data.seq_len {seq_len} is beyond the {limit} positions {source} was made for "
+            "(max_position_embeddings in its config.json): the positions past it are new to the model; a longer "
+            "context usually comes with a larger model.rope_theta or model.rope_scaling")
+
+
+def keep_side_files(source: str | Path, run_dir: Path) -> None:
+    """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
+    side = side_files_of(source)
+    if side is not None and any((side / name).is_file() for name in SIDE_FILES):
+        (run_dir / SIDE_DIR).mkdir(exist_ok=True)
+        _copy_side_files(side, run_dir / SIDE_DIR, SIDE_FILES)
+
+
+def _copy_side_files(side: Path, dest: Path, names: tuple[str, ...]) -> None:
+    """Those of `names` that `side` holds, copied into `dest`."""
+    for name in names:
+        if (side / name).is_file():
+            shutil.copyfile(side / name, dest / name)
+
+
+def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None) -> list[Path]:
+    """config.json + safetensors files (with an index when more than one) that transformers loads; with
+    `side` (a folder of SIDE_FILES), the original config's keys that shard's doesn't set and its context
+    length, and the tokenizer and generation files."""
+    hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
+    if side is not None and (side / "config.json").is_file():
+        original = read_json(side / "config.json")
+        hf_config = {k: v for k, v in original.items() if k not in hf_config and k not in _NOT_CARRIED} | hf_config
+        if "max_position_embeddings" in original:
+            hf_config["max_position_embeddings"] = original["max_position_embeddings"]
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf_config, indent=1))
+    if side is not None:  # config.json is the one just written
+        _copy_side_files(side, root, tuple(n for n in SIDE_FILES if n != "config.json"))
+    # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        if current and size + t.nbytes > _FILE_LIMIT:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += t.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        _save_safetensors(shards[0], root / "model.safetensors")
+        return [root / "model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        _save_safetensors(shard, root / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(math.prod(t.shape) * 4 for t in tensors.values())
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return [root / n for n in names]

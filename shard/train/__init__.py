@@ -1,0 +1,1 @@
+"""Training: the sharded state, the compiled step, the loop and its observers, evaluation and generation."""

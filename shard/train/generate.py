@@ -1,0 +1,115 @@
+"""Sampling from a model on a mesh: prefill the prompt into a KV cache, then decode one token at a time.
+
+The cache and the parameters are sharded by the same rules as training (batch replicated: one prompt
+at a time), so a model too big for one device generates with tensor parallelism.
+"""
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.errors import ShardError
+from shard.config.model import ModelConfig
+from shard.models.llama import CACHE_AXES, init_cache
+from shard.sharding.rules import Layout, activation_layout
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    def validate(self) -> None:
+        if not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ShardError("sampling needs temperature >= 0, top-k >= 0 and 0 < top-p <= 1")
+
+
+def sample(logits_bv: jax.Array, key, s: Sampling) -> jax.Array:
+    """One token per row: greedy at temperature 0, else softmax(logits / T) cut to top-k and top-p."""
+    if s.temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1)
+    # shifted to a maximum of 0 first (softmax doesn't change): a tiny T then sends the others to -inf
+    # rather than every logit to +inf, where the first index, not the largest, would win
+    logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits_bv, min(s.top_k, logits_bv.shape[-1]))[0][..., -1:]
+        logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)
+    if s.top_p < 1:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[..., ::-1]
+        cum_bv = jnp.cumsum(jax.nn.softmax(sorted_bv, axis=-1), axis=-1)
+        # the smallest logit still inside the nucleus (the top token always stays)
+        cutoff = jnp.take_along_axis(sorted_bv, jnp.sum(cum_bv < s.top_p, axis=-1, keepdims=True), axis=-1)
+        logits_bv = jnp.where(logits_bv < cutoff, -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1)
+
+
+def _token_ids(prompt) -> list[int]:
+    """One prompt's token ids as Python ints; a batch of prompts, or anything else, is a one-line error."""
+    try:
+        ids = np.asarray(prompt)
+    except ValueError:  # ragged: several prompts of different lengths
+        ids = None
+    if ids is None or ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        raise ShardError("a prompt is one sequence of token ids; generate one prompt at a time")
+    return [int(t) for t in ids]
+
+
+class Generator:
+    """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come."""
+
+    def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int):
+        self.cfg, self.max_len = model_cfg, max_len
+        # One prompt at a time, one token per decode step: the batch and the sequence are replicated (a
+        # context-parallel split of a cache of any length would have to divide it); the other rules
+        # (tensor parallel) apply.
+        self.layout = Layout(layout.mesh, dict(layout.rules) | {"batch": (), "length": (), "res_length": ()},
+                             layout.param_rules, layout.regex_rules)
+        self.params = params
+        self.cache_sharding = self.layout.sharding(CACHE_AXES, what="KV cache")
+        replicated = NamedSharding(layout.mesh, PartitionSpec())
+
+        def forward(params, tokens, cache, start):
+            with activation_layout(self.layout):
+                logits, cache = nnx.merge(graphdef, params)(tokens, cache, start)
+            return logits[:, -1], cache
+
+        cache_shardings = {"k": self.cache_sharding, "v": self.cache_sharding}
+        self._forward = jax.jit(forward, out_shardings=(replicated, cache_shardings), donate_argnums=2)
+        self._sample = jax.jit(sample, static_argnums=2)
+
+    def stream(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:
+        """`prompt`: one sequence of token ids (a list, or a 1-D array such as ByteTokenizer.encode's)."""
+        prompt = _token_ids(prompt)
+        if not prompt:
+            raise ShardError("the prompt is empty")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ShardError(f"prompt ({len(prompt)}) + new tokens ({max_new_tokens}) exceed {self.max_len}")
+        if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
+            raise ShardError(f"prompt token ids must lie in 0..{self.cfg.vocab_size - 1}")
+        sampling.validate()
+        cache = jax.device_put(init_cache(self.cfg, 1, self.max_len), self.cache_sharding)
+        key = jax.random.key(seed)
+        logits, cache = self._forward(self.params, jnp.asarray([prompt], jnp.int32), cache, 0)
+        pos = len(prompt)
+        for i in range(max_new_tokens):
+            token = self._sample(logits, jax.random.fold_in(key, i), sampling)
+            yield int(token[0])
+            if i + 1 < max_new_tokens:
+                logits, cache = self._forward(self.params, token[:, None].astype(jnp.int32), cache, pos)
+                pos += 1
+
+    def generate(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
+        out = []
+        for t in self.stream(prompt, max_new_tokens, sampling, seed):
+            out.append(t)
+            if on_token:
+                on_token(t)
+        return out

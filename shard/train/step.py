@@ -1,0 +1,244 @@
+"""One jitted SPMD train step: next-token loss, gradients (optionally accumulated over microbatches),
+the optax update. State is donated; input and output shardings are explicit. The learning-rate
+schedule's numbers are arguments of the step (`StateSpec.schedule_args`), so its program does not
+change with --steps or lr."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.measure import costs
+from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
+from shard.config.train import GuardConfig, PipelineConfig
+from shard.models import llama
+from shard.parallel import pipeline
+from shard.parallel.ring_attention import zigzag_positions
+from shard.sharding.rules import Layout, activation_layout
+from shard.train.state import StateSpec
+
+BATCH_KEYS = ("inputs", "targets", "mask")
+
+
+def batch_sharding(layout: Layout) -> NamedSharding:
+    return layout.sharding((BATCH, LENGTH), what="batch")
+
+
+def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
+    """Summed next-token cross-entropy over unmasked positions, and their count (float32).
+
+    The target logit is picked by a gather: XLA's partitioner keeps it local on a vocab-sharded
+    logits tensor (each device picks what it holds; the same collectives as a one-hot product), and it
+    keeps no (B, T, V) one-hot: 31 MiB less per device for vocab 32000 at 8 x 256 tokens (fsdp=8).
+    """
+    logits_btv = logits_btv.astype(jnp.float32)
+    logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz_bt - target_bt) * mask_bt), jnp.sum(mask_bt)
+
+
+def context_order(batch: dict, layout: Layout, cfg) -> tuple[dict, bool]:
+    """The batch in ring attention's load-balanced order (`zigzag_positions`) where the layout splits
+    the sequence (context parallel), and whether it is. The loss sums over tokens, so their order leaves
+    it as it is (`costs.balanced_ring` says where)."""
+    seq_len, ways = batch["inputs"].shape[1], layout.degree(LENGTH)
+    if not costs.balanced_ring(cfg, seq_len, ways):
+        return batch, False
+    positions = zigzag_positions(seq_len, ways)
+    return {k: v[:, positions] for k, v in batch.items()}, True
+
+
+def _microbatches(x: jax.Array, m: int, layout: Layout, logical=(BATCH, LENGTH)) -> jax.Array:
+    """(B, ...) -> (m, B/m, ...) taking every m-th row, so each device's rows split evenly across
+    microbatches and no rows move between devices."""
+    x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+    spec = layout.spec(logical, what="microbatch")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(None, *spec)))
+
+
+def _whole_batch(x: jax.Array, layout: Layout, logical) -> jax.Array:
+    """The inverse of `_microbatches`: (m, B/m, ...) -> (B, ...) in the batch's original row order."""
+    x = x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, layout.spec(logical, what="batch")))
+
+
+def pipeline_stages(layout: Layout) -> int:
+    """Pipeline stages of this layout: the size of its `stage` mesh axis (1: not pipelined)."""
+    return layout.axis_sizes.get(STAGE, 1)
+
+
+def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = None):
+    """`(params, batch) -> (objective, (nll, count, aux))`: the summed next-token loss plus the weighted
+    MoE auxiliary loss; through the pipeline schedule when the mesh has stages."""
+    cfg = spec.model
+    aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
+
+    def plain(params, mb):
+        mb, zigzag = context_order(mb, layout, cfg)
+        logits, aux = llama.forward(cfg, params, mb["inputs"], zigzag)
+        nll, count = token_nll(logits, mb["targets"], mb["mask"])
+        return nll + aux_w * aux * count, (nll, count, aux)
+
+    if pipeline_stages(layout) == 1:
+        return plain
+    pipe = pipe or PipelineConfig()
+    M = pipe.microbatches
+    head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
+    replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
+
+    def head_loss(head, y_btd, aux_m):
+        return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
+
+    def piped(params, mb):
+        x_btd = llama.embed_tokens(cfg, params, mb["inputs"])
+        x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
+        head = {k: params[k] for k in head_keys}
+        if pipe.schedule == "gpipe":
+            y_mbtd = pipeline.gpipe_layers(cfg, layout.mesh, params["layers"], x_mbtd, replicas)
+            # the microbatches back into the batch's own rows (no rows move between devices), so the
+            # head runs once: under vmap its custom gradient gave a weight gradient per microbatch, and
+            # XLA all-reduced all of them over data (2.1x the minimum)
+            y_btd = _whole_batch(y_mbtd, layout, (BATCH, RES_LENGTH, EMBED))
+            nll, count = head_loss(head, y_btd, {k: mb[k] for k in ("targets", "mask")})
+        else:
+            aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
+            nll, count = pipeline.one_f_one_b(cfg, layout.mesh, M, head_loss, replicas)(
+                params["layers"], head, x_mbtd, aux)
+        return nll, (nll, count, jnp.zeros((), jnp.float32))
+
+    return piped
+
+
+def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                    pipe: PipelineConfig | None = None):
+    """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
+    summed next-token loss, token count and MoE auxiliary loss over the batch this program sees (not yet
+    normalised), and `apply(state, grads, nll, count, aux, args)` normalises by the count, updates with
+    the optimizer of the schedule's numbers `args` and reports metrics. The MPI bridge sums the first
+    half's outputs across processes before the second.
+
+    With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
+    guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
+    """
+    skip_bad = guard is not None and guard.action == "skip"
+    grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
+
+    def grad_sums(params, batch):
+        with activation_layout(layout):
+            if microbatches == 1:
+                (_, (nll, count, aux)), grads = grad_fn(params, batch)
+            else:
+                mbs = {k: _microbatches(batch[k], microbatches, layout) for k in BATCH_KEYS}
+
+                def accumulate(carry, mb):
+                    g_acc, nll_acc, n_acc, aux_acc = carry
+                    (_, (nll, n, aux)), g = grad_fn(params, mb)
+                    return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n, aux_acc + aux), None
+
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+                zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
+                scalar = jnp.zeros((), jnp.float32)
+                (grads, nll, count, aux), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, scalar), mbs)
+                aux = aux / microbatches
+        return grads, nll, count, aux
+
+    def apply(state, grads, nll, count, aux, args):
+        tx, schedule = spec.optimizer(args)
+        params = state["params"]
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        loss, grad_norm = nll / count, optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
+                   "tokens": count}
+        if spec.model is not None and spec.model.n_experts:
+            metrics["aux_loss"] = aux / spec.model.n_layers  # per layer; 1 when experts are balanced
+        if skip_bad:
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
+            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
+        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
+
+    return grad_sums, apply
+
+
+def schedule_count(opt_state, step: jax.Array) -> jax.Array:
+    """The count the learning-rate schedule reads (optax's ScaleByScheduleState): the updates applied so
+    far, which is the train step less any update `guard.action=skip` dropped (a dropped update keeps the
+    whole optimizer state, its schedule included). An optimizer of one's own with no such state, or
+    several, reports the schedule at the train step."""
+    counts = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+              if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"]
+    return counts[0] if len(counts) == 1 else step
+
+
+def make_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                    pipe: PipelineConfig | None = None):
+    """The step `(state, batch) -> (state, metrics)`, jitted once per batch shape; `state` is donated.
+    A plain function around the jitted program: for `.lower` or `.trace`, take `jit_train_step` and pass
+    `schedule_inputs(spec, layout)` (or `abstract_schedule_inputs`) as its third argument."""
+    return with_schedule(jit_train_step(spec, layout, microbatches, guard, pipe), spec, layout)
+
+
+def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
+                   pipe: PipelineConfig | None = None):
+    """make_train_step's program: the jitted `(state, batch, args) -> (state, metrics)`, `args` the
+    schedule's numbers (`schedule_inputs` places them); `state` is donated."""
+    grad_sums, apply = make_step_parts(spec, layout, microbatches, guard, pipe)
+
+    def step(state, batch, args):
+        return apply(state, *grad_sums(state["params"], batch), args)
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    data = batch_sharding(layout)
+    return jax.jit(
+        step,
+        in_shardings=(spec.shardings, dict.fromkeys(BATCH_KEYS, data), replicated),
+        out_shardings=(spec.shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def schedule_inputs(spec: StateSpec, layout: Layout) -> dict:
+    """The schedule's numbers as arrays replicated over the mesh, placed once (every process holds the
+    same numbers, so each fills its own devices)."""
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return {k: jax.make_array_from_callback((), replicated, lambda _, v=v: np.asarray(v))
+            for k, v in spec.schedule_args.items()}
+
+
+def abstract_schedule_inputs(spec: StateSpec, layout: Layout) -> dict:
+    """schedule_inputs' shapes, for lowering."""
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return {k: jax.ShapeDtypeStruct((), np.asarray(v).dtype, sharding=replicated)
+            for k, v in spec.schedule_args.items()}
+
+
+def with_schedule(step, spec: StateSpec, layout: Layout):
+    """`step(state, batch, args)` as `(state, batch) -> (state, metrics)`, with this spec's schedule."""
+    args = schedule_inputs(spec, layout)
+    return lambda state, batch: step(state, batch, args)
+
+
+def make_eval_step(spec: StateSpec, layout: Layout):
+    """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
+    def evaluate(params, batch):
+        with activation_layout(layout):
+            batch, zigzag = context_order(batch, layout, spec.model)
+            logits = llama.forward(spec.model, params, batch["inputs"], zigzag)[0]
+            return token_nll(logits, batch["targets"], batch["mask"])
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    data = batch_sharding(layout)
+    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], dict.fromkeys(BATCH_KEYS, data)),
+                   out_shardings=replicated)
+
+
+def abstract_batch(layout: Layout, batch: int, seq_len: int) -> dict:
+    data = batch_sharding(layout)
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
+    return {k: jax.ShapeDtypeStruct((batch, seq_len), dtypes[k], sharding=data) for k in BATCH_KEYS}

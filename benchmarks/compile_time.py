@@ -24,8 +24,8 @@ from shard.startup import xla_flags
 xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does (GPU only)
 import jax
 from shard.config import train as config
-from shard.measure.analysis import compile_step
-from shard.train.loop import make_layout
+from shard.train.compiled import compile_step
+from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.train.state import compile_init, state_spec
 model, mesh, seq, batch, attention, steps = sys.argv[1:3] + [int(a) for a in sys.argv[3:5]] + sys.argv[5:7]

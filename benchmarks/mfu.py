@@ -31,7 +31,8 @@ from shard.config import train as config
 from shard.measure import costs
 from shard.startup import xla_flags
 from shard.startup.compile_cache import use_compile_cache
-from shard.train.loop import make_layout, prepare, train
+from shard.sharding.layout import make_layout
+from shard.train.loop import prepare, train
 from shard.sharding.mesh import parse_mesh
 
 SKIP_ABOVE = 2.0  # x the device's memory, by the planner's estimate (an upper bound on GPUs, see above)
@@ -73,7 +74,7 @@ def measure(cfg, stated_gib: float = 0.0) -> dict | str:
     compiled memory, or why the batch does not fit in memory. A batch the planner puts above SKIP_ABOVE
     x the device's memory is not compiled; a compiled step that needs more than the device has free is
     not run (`prepare` then reads it from the compile cache)."""
-    from shard.measure.analysis import compile_step, memory_of
+    from shard.train.compiled import compile_step, memory_of
 
     capacity, free = memory_bytes(stated_gib)
     try:

@@ -116,7 +116,8 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
     from flax import nnx
 
     from shard import models
-    from shard.train.loop import check_batch, make_layout
+    from shard.train.step import check_batch
+    from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.sharding.rules import activation_layout
     from shard.train.state import state_spec

@@ -23,14 +23,16 @@ from shard.config import train as config_mod
 from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
 from shard.cli.app import app
 from shard.errors import ShardError
-from shard.train.loop import make_layout, prepare, train
+from shard.sharding.layout import make_layout
+from shard.train.loop import prepare, train
 from shard.sharding.mesh import parse_mesh
 from shard.observe.metrics import read_jsonl
 from shard.paths import RunDirLock
-from shard.cluster.preemption import StopOnSignal, remember_interrupts
+from shard.train.preemption import StopOnSignal, remember_interrupts
 from shard.train.state import state_spec
 from shard.testing import devices_for, free_ports, subprocess_env, tiny_config
 from shard.testing import finish as finish_all
+from shard.train.observer import Observer
 
 STEPS = 12
 EVERY = 2
@@ -77,7 +79,7 @@ def reference(tmp_path_factory):
     ckpts.close()
 
 
-class SignalAt:
+class SignalAt(Observer):
     """Sends a signal to this process while step `at` runs, as a scheduler's preemption would."""
 
     def __init__(self, at: int, sig=signal.SIGTERM):

@@ -638,7 +638,7 @@ def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_
 def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
     """The second SIGINT raises KeyboardInterrupt out of the loop (tests/test_step.py): the process
     ended with exit 130 and no word on the save it skipped."""
-    from shard.cluster.preemption import StopOnSignal
+    from shard.train.preemption import StopOnSignal
 
     def second_ctrl_c(self):
         if self.calls == 2:

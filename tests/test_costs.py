@@ -10,13 +10,15 @@ import sys
 import jax
 import pytest
 from flax import nnx
-from shard.config.model import PRESETS
+from shard.config.model import PRESETS, mfu_flops_per_token
 
 from shard.measure import costs
 from shard import models
-from shard.measure.analysis import StepAnalysis, analyze, compile_step
-from shard.train.loop import make_layout
+from shard.measure.analysis import StepAnalysis, analyze
+from shard.train.compiled import compile_step
+from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
+from shard.sharding.decisions import stored_lookup_axes
 from shard.sharding.rules import logical_axes_of, path_str
 from shard.testing import AS_USERS_COMPILE, devices_for, tiny_config
 
@@ -118,9 +120,9 @@ def test_the_stored_lookup_needs_its_split_innermost_in_the_batch():
 
     base = load_preset("default")
     tokens, vocab = 16 * 32, 4096  # fewer ids than rows either way
-    assert costs.stored_lookup_axes(vocab, tokens, {"data": 2, "fsdp": 4}, base.rules, base.param_rules) == {"fsdp": 4}
-    assert costs.stored_lookup_axes(vocab, tokens, {"fsdp": 2, "expert": 4}, base.rules, base.param_rules) == {}
-    assert costs.stored_lookup_axes(vocab, tokens, {"fsdp": 8}, base.rules, base.param_rules) == {"fsdp": 8}
+    assert stored_lookup_axes(vocab, tokens, {"data": 2, "fsdp": 4}, base.rules, base.param_rules) == {"fsdp": 4}
+    assert stored_lookup_axes(vocab, tokens, {"fsdp": 2, "expert": 4}, base.rules, base.param_rules) == {}
+    assert stored_lookup_axes(vocab, tokens, {"fsdp": 8}, base.rules, base.param_rules) == {"fsdp": 8}
 
 
 @pytest.mark.parametrize("model, mesh, batch", [
@@ -203,7 +205,7 @@ def test_mfu_counts_the_routed_experts_only():
     dense = dataclasses.replace(moe, n_experts=0)
     router = moe.n_layers * moe.d_model * moe.n_experts
     routed = moe.n_layers * 3 * moe.d_model * moe.mlp_dim * (moe.experts_per_token - 1)  # k experts, not 1
-    assert costs.mfu_flops_per_token(moe, 32) == costs.mfu_flops_per_token(dense, 32) + 6 * (router + routed)
+    assert mfu_flops_per_token(moe, 32) == mfu_flops_per_token(dense, 32) + 6 * (router + routed)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -336,7 +338,7 @@ def test_the_compiled_step_follows_the_pipeline_config(analysed):
 def test_each_remat_policy_keeps_less_than_the_one_before():
     """none > dots (every matmul output kept) > dots_no_batch (not attention's batched ones) > full, in the
     compiled step's temporaries: a policy that did nothing, or two swapped, passed every other test."""
-    from shard.measure.analysis import compile_step, memory_of
+    from shard.train.compiled import compile_step, memory_of
 
     temporaries = []
     for remat in ("none", "dots", "dots_no_batch", "full"):

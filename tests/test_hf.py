@@ -18,7 +18,7 @@ from shard.run import hf  # noqa: E402
 from shard import models  # noqa: E402
 from shard.errors import ShardError  # noqa: E402
 from shard.train.generate import Generator, Sampling  # noqa: E402
-from shard.train.loop import make_layout  # noqa: E402
+from shard.sharding.layout import make_layout  # noqa: E402
 from shard.sharding.mesh import parse_mesh  # noqa: E402
 from shard.train.state import state_spec  # noqa: E402
 from shard.testing import devices_for, tiny_config  # noqa: E402

@@ -223,7 +223,7 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
     evaluated = "--eval-every" in extra
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[1 if evaluated else 0], rtol=1e-5)
     # MFU over the job's devices (it divided by one process's), and no memory figure where none is known
-    from shard.measure.costs import mfu_flops_per_token
+    from shard.config.model import mfu_flops_per_token
     from shard.config.model import PRESETS
 
     devices = 2 * per_process
@@ -548,7 +548,7 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
     import jax
 
     from shard.train import bridge
-    from shard.train.loop import make_layout
+    from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.train.state import init_state, state_spec
     from shard.train.step import make_train_step

@@ -15,6 +15,7 @@ from shard.train.loop import prepare, train
 from shard.observe.metrics import JsonlWriter, TensorBoardWriter
 from shard.measure.profiling import Profiler
 from shard.testing import devices_for, tiny_config
+from shard.train.observer import Observer
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
@@ -62,7 +63,7 @@ def test_a_checkpoints_blocking_time_is_not_step_time(monkeypatch):
         clock[0] += 1e-3
         return clock[0]
 
-    class SlowSaver:
+    class SlowSaver(Observer):
         def saves_at(self, step, final):
             return step == 2
 
@@ -112,7 +113,7 @@ def test_a_run_resumed_past_the_profile_windows_start_traces_nothing(tmp_path):
     assert profiler.summary is None and not list(tmp_path.iterdir())
 
 
-class _Recorder:
+class _Recorder(Observer):
     def __init__(self, name, events, fail_at_end=False, fail_at_start=False):
         self.name, self.events, self.fail_at_end, self.fail_at_start = name, events, fail_at_end, fail_at_start
 
@@ -314,7 +315,7 @@ def test_bad_profile_window():
 
 
 def test_mfu_flops_match_a_hand_count():
-    from shard.measure.costs import mfu_flops_per_token
+    from shard.config.model import mfu_flops_per_token
     from shard.config.model import PRESETS
 
     # tiny: D=64, L=2, N=K=8 heads of H=8, F=128, V=256, tied. Matmul parameters per layer: attention
@@ -325,7 +326,7 @@ def test_mfu_flops_match_a_hand_count():
 
 
 def test_records_carry_mfu_against_the_users_peak():
-    from shard.measure.costs import mfu_flops_per_token
+    from shard.config.model import mfu_flops_per_token
 
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]

@@ -39,14 +39,13 @@ def test_reference_plan_is_stable():
 
 def test_plan_reports_mfu_as_train_does():
     # one MFU definition: useful work (causal attention at half) over the predicted step, never remat's
-    from shard.measure import costs
-    from shard.config.model import PRESETS
+    from shard.config.model import PRESETS, mfu_flops_per_token
     from shard.measure.plan import predict
 
     cfg, hw = PRESETS["llama-13b-24l"], find_hardware("a100-40gb", load_hardware())
     for remat in ("none", "full"):
         c = predict(cfg, {"data": 2, "fsdp": 8, "model": 2}, remat, hw, 8, 64, 2048)
-        useful = costs.mfu_flops_per_token(cfg, 2048) * 64 * 2048 / 32
+        useful = mfu_flops_per_token(cfg, 2048) * 64 * 2048 / 32
         assert c.mfu == pytest.approx(useful / (c.step_s * hw.bf16_tflops * 1e12))
 
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from shard.errors import ShardError
 from shard.measure.inspection import summary
-from shard.train.loop import make_layout
+from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import Layout, logical_axes_of, param_shardings, path_str
 from shard.train.state import init_state, state_spec

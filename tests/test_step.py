@@ -13,7 +13,9 @@ import pytest
 from shard.config.train import GuardConfig, OptimizerConfig
 from shard.errors import ShardError
 from shard.train.generate import Sampling, sample
-from shard.train.loop import check_batch, first_divergence, make_layout, prepare
+from shard.train.step import check_batch
+from shard.train.loop import first_divergence, prepare
+from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.train.state import init_state, make_optimizer, state_spec
 from shard.train.step import batch_sharding, make_train_step, token_nll
@@ -176,7 +178,7 @@ def test_a_second_ctrl_c_interrupts_at_once_and_the_handlers_come_back():
     import os
     import signal
 
-    from shard.cluster.preemption import StopOnSignal
+    from shard.train.preemption import StopOnSignal
 
     before = signal.getsignal(signal.SIGINT)
     stopper = StopOnSignal()

@@ -312,7 +312,7 @@ def train(
 
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (distributed.leave_on_error), even before it joins them.
-    from shard.cluster.preemption import remember_interrupts
+    from shard.train.preemption import remember_interrupts
 
     _at_command_end.append(remember_interrupts())  # a Ctrl-C that Python drops still stops the run
     cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
@@ -379,7 +379,7 @@ def train(
     from shard.train.loop import prepare
     from shard.train.loop import train as train_loop
     from shard.observe.metrics import JsonlWriter, TensorBoardWriter
-    from shard.cluster.preemption import StopOnSignal
+    from shard.train.preemption import StopOnSignal
 
     def notice(message: str) -> None:
         if distributed.context().is_main:
@@ -519,7 +519,7 @@ def inspect(
     mesh_spec = parse_mesh(cfg.mesh.spec)
     devices = start_devices(cfg, mesh_spec)
     from shard.measure.inspection import summary
-    from shard.train.loop import make_layout
+    from shard.sharding.layout import make_layout
     from shard.train.state import state_spec
 
     layout = make_layout(cfg, mesh_spec, devices)
@@ -527,7 +527,7 @@ def inspect(
     doc["model"] = cfg.model.name
     if compiled:
         from shard.measure.analysis import analyze
-        from shard.train.loop import check_batch
+        from shard.train.step import check_batch
 
         check_batch(cfg, layout)
         doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
@@ -799,7 +799,7 @@ def generate(
     from shard.run import weights
     from shard.data.tokenizers import ByteTokenizer
     from shard.train.generate import Generator, Sampling
-    from shard.train.loop import make_layout
+    from shard.sharding.layout import make_layout
     from shard.train.state import state_spec
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -868,7 +868,8 @@ def evaluate(
     batches = batches or saved.eval.batches
     tcfg, mesh_spec, devices = _host_jax(mesh, simulate_devices, set_)
     from shard.data.batches import BatchStream, eval_samples
-    from shard.train.loop import check_batch, make_layout
+    from shard.train.step import check_batch
+    from shard.sharding.layout import make_layout
     from shard.train.state import state_spec
     from shard.train.step import batch_sharding, make_eval_step
 
@@ -947,7 +948,7 @@ def import_hf(
     tcfg, mesh_spec, devices = _host_jax("1x1")
     from shard.run import hf, weights
     from shard.run.checkpoint import Checkpoints
-    from shard.train.loop import make_layout
+    from shard.sharding.layout import make_layout
     from shard.train.state import state_spec
 
     model_cfg, params = weights.load(hf_dir)

@@ -198,3 +198,25 @@ PRESETS: dict[str, ModelConfig] = {
 
 def field_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+# --- the FLOPs MFU counts -----------------------------------------------------------------------------
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (norms and a lookup-only table do not); of a
+    mixture of experts, the router and the k experts a token is routed to."""
+    n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
+    if not cfg.tie_embeddings:
+        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
+    if cfg.n_experts:
+        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+    return n
+
+
+def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
+    experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per
+    token (QK^T and PV, forward and backward, over the lower triangle only). Recomputation by remat,
+    and a mixture of experts' capacity slack and dispatch, are not counted: MFU measures useful work."""
+    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

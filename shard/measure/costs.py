@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
-from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
+from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem, matmul_params
+from shard.sharding.decisions import axes_table, balanced_ring, stored_lookup_axes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -141,36 +142,6 @@ def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compu
     for _, dims, axes in cfg.param_shapes():
         total += math.prod(dims) * dtype_bytes / math.prod(shape.ways(axes, param=not compute).values())
     return total
-
-
-def axes_table(sizes: dict[str, int], rules, param_rules=None) -> dict[str, tuple[str, ...]]:
-    """Logical axis -> the mesh axes of size > 1 it is split over (parameters: `param_rules` on top)."""
-    merged = dict(rules) | dict(param_rules or {})
-    return {k: tuple(a for a in v if sizes.get(a, 1) > 1) for k, v in merged.items()}
-
-
-def stored_lookup_axes(vocab_size: int, tokens: float, sizes: dict[str, int], rules,
-                       param_rules) -> dict[str, int]:
-    """Mesh axes (with sizes) over which the token lookup reads the embedding table as stored
-    (shard/models/llama.py): those that split the stored table's embed dim but not the activations' (FSDP),
-    when the ids the devices of that split look up together, `tokens` over the batch ways that remain,
-    are fewer than each device's rows of the table, and when those of the split that split the batch
-    are its innermost axes. {} when the lookup reads a gathered table.
-
-    The looked-up rows go from the split to the batch layout by an all-to-all within each group of the
-    split only if each group's rows are its own block of the batch; with the split outside another batch
-    axis (fsdp=2,expert=4: batch over fsdp then expert) they are not, and XLA replicated the rows and
-    their gradient ("involuntary full rematerialization", twice a step).
-    Takes the mesh and rules apart (not a LayoutShape), as the model asks on any mesh."""
-    acts, params = axes_table(sizes, rules), axes_table(sizes, rules, param_rules)
-    split = {a: sizes[a] for a in params.get(EMBED, ()) if a not in acts.get(EMBED, ())}
-    batch = acts.get(BATCH, ())
-    in_batch = tuple(a for a in batch if a in split)
-    if not split or batch[len(batch) - len(in_batch):] != in_batch:
-        return {}
-    kept = math.prod(sizes[a] for a in batch if a not in split)
-    rows = vocab_size / math.prod(sizes[a] for a in params.get(VOCAB, ()))
-    return split if tokens / kept < rows else {}
 
 
 def _stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
@@ -312,17 +283,6 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     return out
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (norms and a lookup-only table do not); of a
-    mixture of experts, the router and the k experts a token is routed to."""
-    n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
-    if not cfg.tie_embeddings:
-        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
-    if cfg.n_experts:
-        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
-    return n
-
-
 def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token that a mixture of experts computes beyond its k experts: every expert
     slot of the capacity, filled or not (E x C slots per group of T tokens, about k x capacity_factor
@@ -356,13 +316,6 @@ def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int 
             * cfg.n_heads * cfg.head_dim)
 
 
-def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
-    """Does ring attention run load-balanced (the zig-zag order, shard.parallel.ring_attention)? Where
-    the sequence is split (`context` > 1) into 2 x context chunks, for a dense model (a mixture of
-    experts keeps the tokens' order: which overflow an expert depends on it)."""
-    return context > 1 and seq_len % (2 * context) == 0 and not cfg.n_experts
-
-
 def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1, flash: bool = False) -> float:
     """Keys each query's scores are computed for, on average: the whole sequence (XLA's attention and
     ring attention in sequence order compute the masked half too), (2c + 1) / 4c of it for the
@@ -373,14 +326,6 @@ def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1, flash: bool = 
     if flash and context == 1:
         return seq_len / 2
     return seq_len
-
-
-def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
-    experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per
-    token (QK^T and PV, forward and backward, over the lower triangle only). Recomputation by remat,
-    and a mixture of experts' capacity slack and dispatch, are not counted: MFU measures useful work."""
-    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by

@@ -16,7 +16,7 @@ from shard.axes import CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
-from shard.config.model import ModelConfig
+from shard.config.model import ModelConfig, mfu_flops_per_token
 
 GIB = 1024**3
 USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
@@ -166,7 +166,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     overlappable = sum(v for a, v in comm_s.items() if a not in (MODEL, EXPERT_AXIS))
     step = max(local + exposed, overlappable)
     serial = local + sum(comm_s.values())
-    mfu = costs.mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
+    mfu = mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
     return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
                      tokens / step, tuple(problems))
 

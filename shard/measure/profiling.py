@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from shard.errors import ShardError
+from shard.train.observer import Observer
 
 # HLO op names (XLA:CPU and the GPU op line) and NCCL kernel names (GPU streams) -> collective kind.
 _KINDS = (("all-reduce", r"^all-reduce|allreduce"), ("all-gather", r"^all-gather|allgather"),
@@ -32,7 +33,7 @@ def parse_window(text: str, steps: int) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-class Profiler:
+class Profiler(Observer):
     """Observer that traces steps [first, last] into `out_dir` and writes profile_summary.json."""
 
     def __init__(self, first: int, last: int, out_dir: Path):

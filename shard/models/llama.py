@@ -17,15 +17,15 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.measure import costs
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
 from shard.models import moe
 from shard.errors import ShardError
 from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
 from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
-from shard.sharding.rules import active_layout, constrain, mesh_axes_of
+from shard.sharding.decisions import (heads_split_alike, pin_looked_up, queries_split_like_keys,
+                                     stored_lookup_split)
+from shard.sharding.rules import active_layout, constrain
 
 # Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
 # scanned block every weight is pinned to these axes under the activation rules: the layout it is
@@ -130,7 +130,7 @@ def tied_table(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Arra
     """With tied embeddings and a lookup that reads the compute-layout table, `_table` made once for the
     lookup and the logits to share (made by each, it was cast twice and gathered twice); None otherwise
     (made before the layers for the logits alone, it would be held through them)."""
-    if not cfg.tie_embeddings or _stored_lookup_split(cfg, tokens_bt):
+    if not cfg.tie_embeddings or stored_lookup_split(cfg.vocab_size, tokens_bt.size):
         return None
     return _table(cfg, params)
 
@@ -142,37 +142,14 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
     small) in its slice, and the gradient scatters into that slice locally, with no full-table
     gradient to all-reduce (2 x 33 MB per device on the CPU reference config). Otherwise (a small
     vocab, data or vocab parallel) it reads the compute-layout table of `_table` (`table`, when given)."""
-    split = _stored_lookup_split(cfg, tokens_bt)
+    split = stored_lookup_split(cfg.vocab_size, tokens_bt.size)
     if split:
         table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
-        x_btd = _as_looked_up(jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0), split)
+        x_btd = pin_looked_up(jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0), split)
     else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
         table = table if table is not None else _table(cfg, params)
         x_btd = constrain(jnp.take(table, tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
     return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
-
-
-def _as_looked_up(x_btd: jax.Array, split: tuple[str, ...]) -> jax.Array:
-    """The stored table's lookup pinned to the layout it makes its rows in: the batch over its axes but
-    `split`, the embed dim over `split`. Left to propagation, the batch layout that follows was pulled
-    onto the lookup, whose gradient's scatter XLA then could not partition from it (data=2,fsdp=4,
-    batch 8: "involuntary full rematerialization", twice a step); pinned, the rows go between the two
-    layouts by all-to-all."""
-    layout = active_layout()
-    batch = tuple(a for a in mesh_axes_of(layout.spec((BATCH,))[0]) if a not in split)
-    spec = PartitionSpec(batch or None, layout.spec((LENGTH,))[0], split if len(split) > 1 else split[0])
-    return jax.lax.with_sharding_constraint(x_btd, NamedSharding(layout.mesh, spec))
-
-
-def _stored_lookup_split(cfg: ModelConfig, tokens_bt: jax.Array) -> tuple[str, ...]:
-    """Mesh axes that split the stored table's embed dim but not the activations' (FSDP), if looking up
-    in the stored table pays: the ids each device then looks up are fewer than its rows of the table.
-    The planner decides the same way (`shard.measure.costs.stored_lookup_axes`)."""
-    layout = active_layout()
-    if layout is None:
-        return ()
-    return tuple(costs.stored_lookup_axes(cfg.vocab_size, tokens_bt.size, layout.axis_sizes, layout.rules,
-                                          layout.param_rules))
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
@@ -319,7 +296,7 @@ def _qkv(h_btd, p, dtype):
     """
     D, N, H = p["wq"].shape
     K = p["wk"].shape[1]
-    if not _heads_split_alike():
+    if not heads_split_alike():
         return (jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype)),
                 jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype)),
                 jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype)))
@@ -327,13 +304,6 @@ def _qkv(h_btd, p, dtype):
     qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
     B, T = qkv_btkgh.shape[:2]
     return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
-
-
-def _heads_split_alike() -> bool:
-    """Are heads and kv heads split over the same mesh axes, as weights and as activations?"""
-    layout = active_layout()
-    return layout is None or all(layout.mesh_axes(HEADS, param=param) == layout.mesh_axes(KV_HEADS, param=param)
-                                 for param in (False, True))
 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False):
@@ -362,9 +332,7 @@ def _cudnn_problem(q_btnh) -> str:
     and the active layout's split of queries against keys."""
     backend = jax.extend.backend.get_backend()
     platform = "cuda" if backend.platform == "gpu" and "cuda" in backend.platform_version.lower() else backend.platform
-    layout = active_layout()
-    same_split = layout is None or (
-        layout.spec((BATCH, LENGTH, HEADS, HEAD_DIM)) == layout.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM)))
+    same_split = queries_split_like_keys()
     manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
     return cudnn_attention_problem(platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
                                    head_dim=q_btnh.shape[-1], same_split=same_split, manual=manual)

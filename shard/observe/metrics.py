@@ -7,8 +7,10 @@ import math
 import time
 from pathlib import Path
 
+from shard.train.observer import Observer
 
-class JsonlWriter:
+
+class JsonlWriter(Observer):
     """Appends each logged record as one line; flushed per line so a crash loses nothing logged."""
 
     def __init__(self, path: Path):
@@ -37,7 +39,7 @@ class JsonlWriter:
             self._f.close()
 
 
-class TensorBoardWriter:
+class TensorBoardWriter(Observer):
     """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
 
     def __init__(self, logdir: Path):

@@ -7,9 +7,10 @@ from rich.markup import escape
 
 from shard.observe.console import console, err_console, human_bytes, param_count
 from shard.errors import ShardError
+from shard.train.observer import Observer
 
 
-class ConsoleProgress:
+class ConsoleProgress(Observer):
     """Startup summary, a progress bar with loss and tokens/s, and a closing line. Where the output is not
     a terminal, a bar is drawn only once it ends; each logged step gets a line there instead."""
 

@@ -1,8 +1,8 @@
 """Pipeline parallelism over the `stage` mesh axis: the stacked layers split into S stages, the batch
 into M microbatches, on a GPipe or 1F1B schedule.
 
-Both schedules run the model's own pieces (models.llama: embed_tokens, run_layers, head_logits) inside
-one `jax.shard_map` that is manual over `stage` and the pure data-parallel axes (`replicas`: mesh axes
+Both schedules run the model's own pieces, passed in by the train step (the layer block as `stage_fn`,
+the head and loss as `head_loss`), inside one `jax.shard_map` that is manual over `stage` and the pure data-parallel axes (`replicas`: mesh axes
 that split the batch and hold whole copies of the parameters). FSDP and tensor parallelism keep working
 on the other mesh axes by their rules.
 
@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
-from shard.models import llama
 from shard.config.model import ModelConfig
 from shard.sharding.rules import mesh_axes_of
 
@@ -161,13 +160,6 @@ def _slots(sch: Schedule) -> int:
 # --- the two schedules ----------------------------------------------------------------------------------
 
 
-def _stage_fn(cfg: ModelConfig):
-    def stage(layers, x_btd):
-        return llama.run_layers(cfg, layers, x_btd)[0]
-
-    return stage
-
-
 def _chain(S: int, step: int) -> list[tuple[int, int]]:
     """ppermute pairs passing each stage's buffer to the next stage (`step` +1) or the one before (-1),
     and not round from the last to the first: what stage 0 received forwards (the last stage backwards)
@@ -216,11 +208,10 @@ def _rows(replicas: tuple[str, ...]) -> P:
     return P(None, replicas or None)
 
 
-def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
-                 replicas: tuple[str, ...] = ()) -> jax.Array:
-    """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `replicas`: the
-    manual data-parallel axes (see `replica_axes`)."""
-    stage_fn = _stage_fn(cfg)
+def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tuple[str, ...] = ()) -> jax.Array:
+    """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `stage_fn(layers,
+    x_btd) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual data-parallel
+    axes (see `replica_axes`)."""
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
 
     def body(layers, x_mbtd):
@@ -250,9 +241,10 @@ def gpipe_layers(cfg: ModelConfig, mesh, layers: dict, x_mbtd: jax.Array,
                          axis_names={STAGE, *replicas})(layers, x_mbtd)
 
 
-def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
+def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
     """`f(layers, head, x_mbtd, aux) -> (nll, count)` on a 1F1B schedule, differentiable by custom_vjp.
 
+    `stage_fn(layers, x_btd) -> y_btd` applies one stage's slice of the stacked layers.
     `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
     (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
     `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
@@ -261,7 +253,6 @@ def one_f_one_b(cfg: ModelConfig, mesh, M: int, head_loss, replicas: tuple[str, 
     S = mesh.shape[STAGE]
     sch = schedule("1f1b", S, M)
     K = _slots(sch)
-    stage_fn = _stage_fn(cfg)
     # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
     op = sch.op.copy()
     op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])

@@ -35,6 +35,7 @@ from shard.errors import ShardError, first_line, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
 from shard.sharding.rules import path_str
 from shard.train.state import StateSpec
+from shard.train.observer import Observer
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
@@ -415,7 +416,7 @@ class Checkpoints:
         distributed.sync(f"checkpoint_{name}")
 
 
-class SaveCheckpoints:
+class SaveCheckpoints(Observer):
     """Loop observer: saves every `cfg.every` steps, at the last step and when the loop stops early
     (preemption), then waits for the saves to commit when the loop ends. A save is ranked by the
     step's metric, or by the evaluation logged at that step (a stop between evaluations has none)."""

@@ -1,15 +1,6 @@
 """From a resolved config to a trained state: mesh, layout, sharded init, data, compiled step, loop.
 
-Observers (console, metrics.jsonl, TensorBoard, profiler, checkpoints, signals) may define
-`on_start(run)`, `on_step(step, (state, metrics))` (device values, not yet synced), `on_log(record)`,
-`saves_at(step, final)` (whether on_state will save: the divergence guard then checks every step up to
-it first, so a diverged state is never saved), `on_state(step, state, data_position, metrics, final)`
-(after each step, before the state is donated to the next one), `should_stop()` (asked after each
-step, and before each batch of an evaluation where every process evaluates: stop after the step, e.g.
-on preemption), `on_end(records)` (in reverse order: the checkpoint saver has
-finished its last save before the console reports the run done) and `on_abort()` (instead of `on_end`
-when the run or an `on_end` raised: let go of files and the display, report nothing); the loop itself
-prints and writes nothing.
+The loop reports to its observers (`shard.train.observer.Observer`); it prints and writes nothing itself.
 """
 
 import concurrent.futures
@@ -24,15 +15,17 @@ from dataclasses import dataclass, field
 import jax
 
 from shard.cluster import distributed
-from shard.measure.analysis import compile_step, memory_of
+from shard.train.compiled import compile_step, memory_of
+from shard.config.model import mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
-from shard.measure.costs import mfu_flops_per_token
 from shard.data.batches import BatchStream, eval_samples, training_samples
 from shard.errors import DivergenceError, ShardError
-from shard.sharding.mesh import MeshSpec, build_mesh, parse_mesh, split_over_processes
+from shard.sharding.layout import make_layout
+from shard.sharding.mesh import parse_mesh, split_over_processes
 from shard.sharding.rules import Layout
+from shard.train.observer import Observer
 from shard.train.state import StateSpec, compile_init, init_state, state_spec
-from shard.train.step import batch_sharding, pipeline_stages, with_schedule
+from shard.train.step import batch_sharding, check_batch, pipeline_stages, with_schedule
 
 # Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
@@ -89,46 +82,6 @@ class Run:
         m = self.cfg.pipeline.microbatches
         return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
                 "bubble": bubble_fraction(stages, m)}
-
-
-def make_layout(cfg: TrainConfig, mesh_spec: MeshSpec, devices=None) -> Layout:
-    """The mesh for these devices, with the preset's rules amended by the config's."""
-    mesh = build_mesh(mesh_spec, devices)
-    layout = Layout(
-        mesh=mesh,
-        rules=mesh_spec.rules | cfg.rules,
-        param_rules=mesh_spec.param_rules | cfg.param_rules,
-        regex_rules=tuple(cfg.param_regex.items()),
-    )
-    layout.check_activations(moe=bool(cfg.model.n_experts))
-    return layout
-
-
-def check_batch(cfg: TrainConfig, layout: Layout) -> None:
-    """The (micro)batch must split evenly over the data-parallel devices."""
-    dp = layout.degree("batch")
-    m = cfg.data.microbatches
-    if cfg.data.batch % (dp * m):
-        axes = f" ({layout.describe_axes('batch')})" if dp > 1 else ""
-        per = f" in each of {m} microbatches" if m > 1 else ""
-        raise ShardError(f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices{axes}{per}; "
-                         f"use a batch that is a multiple of {dp * m}")
-    for logical in ("length", "res_length"):
-        ways = layout.degree(logical)
-        if cfg.data.seq_len % ways:
-            raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
-                             f"({layout.describe_axes(logical)}, the mesh axes of {logical!r}); use a multiple "
-                             f"of {ways}")
-    stages = pipeline_stages(layout)
-    if stages > 1:
-        from shard.parallel import pipeline
-
-        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
-                       layout.degree("length"))
-    experts = layout.degree("expert", param=True)
-    if cfg.model.n_experts % experts if cfg.model.n_experts else False:
-        raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "
-                         "use a multiple of it for model.n_experts")
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
@@ -306,12 +259,15 @@ def first_divergence(steps: list[tuple[int, dict]], history: list[float], guard:
 def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = None) -> list[dict]:
     """Run from run.start_step to cfg.steps (or until an observer asks to stop); returns the logged
     records (also sent to the observers)."""
+    for o in observers:
+        if not isinstance(o, Observer):
+            raise TypeError(f"{type(o).__name__} is not a shard.train.observer.Observer: subclass it")
     run = run or prepare(cfg, devices)
     evaluator = None
     waiting = []  # started and not yet ended, in the order they end: last started first
     try:
         for o in observers:
-            getattr(o, "on_start", lambda r: None)(run)
+            o.on_start(run)
             waiting.append(o)
         if cfg.eval.every:
             from shard.train.evaluate import Evaluator
@@ -319,14 +275,14 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             evaluator = Evaluator(cfg, run)
         records = _run_steps(cfg, run, observers, evaluator)
         while waiting:
-            getattr(waiting[-1], "on_end", lambda r: None)(records)
+            waiting[-1].on_end(records)
             waiting.pop()
     finally:
         if evaluator:
             evaluator.close()
         for o in reversed(waiting):  # an error: the run did not end as planned
             with contextlib.suppress(Exception):  # the error under way is the one to report
-                getattr(o, "on_abort", lambda: None)()
+                o.on_abort()
     return records
 
 
@@ -344,10 +300,10 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     def asked_to_stop() -> bool:
         # Every observer (a list, not a short-circuit): with several processes each one's should_stop()
         # takes part in a collective that all processes must reach.
-        return any([getattr(o, "should_stop", lambda: False)() for o in observers])  # noqa: C419
+        return any([o.should_stop() for o in observers])  # noqa: C419
 
     def saves(step: int, final: bool) -> bool:
-        return any([getattr(o, "saves_at", lambda s, f: False)(step, final) for o in observers])  # noqa: C419
+        return any([o.saves_at(step, final) for o in observers])  # noqa: C419
 
     # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
     eval_stop = None
@@ -382,7 +338,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     def publish(record: dict) -> None:
         records.append(record)
         for o in observers:
-            getattr(o, "on_log", lambda r: None)(record)
+            o.on_log(record)
 
     for i in range(first + 1, cfg.steps + 1):
         batch = run.stream.next()
@@ -394,7 +350,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         stopping = asked_to_stop()
         final = stopping or i == cfg.steps
         for o in observers:
-            getattr(o, "on_step", lambda s, out: None)(i, (state, metrics))
+            o.on_step(i, (state, metrics))
         evaluating = evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
         logging = i % cfg.log_every == 0 or final or evaluating  # an evaluation is logged when it runs
         saving = saves(i, final)
@@ -426,7 +382,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 saving = saves(i, final)
         before = time.perf_counter()
         for o in observers:
-            getattr(o, "on_state", lambda *a: None)(i, state, run.stream.position, metrics, final)
+            o.on_state(i, state, run.stream.position, metrics, final)
         if saving:  # nor is a checkpoint's blocking part (the device waits: its steps were synced above)
             saving_s += time.perf_counter() - before
         if stopping:

@@ -9,9 +9,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.measure import costs
+from shard.sharding.decisions import balanced_ring
 from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
-from shard.config.train import GuardConfig, PipelineConfig
+from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
+from shard.errors import ShardError
 from shard.models import llama
 from shard.parallel import pipeline
 from shard.parallel.ring_attention import zigzag_positions
@@ -41,9 +42,9 @@ def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
 def context_order(batch: dict, layout: Layout, cfg) -> tuple[dict, bool]:
     """The batch in ring attention's load-balanced order (`zigzag_positions`) where the layout splits
     the sequence (context parallel), and whether it is. The loss sums over tokens, so their order leaves
-    it as it is (`costs.balanced_ring` says where)."""
+    it as it is (`balanced_ring` says where)."""
     seq_len, ways = batch["inputs"].shape[1], layout.degree(LENGTH)
-    if not costs.balanced_ring(cfg, seq_len, ways):
+    if not balanced_ring(cfg, seq_len, ways):
         return batch, False
     positions = zigzag_positions(seq_len, ways)
     return {k: v[:, positions] for k, v in batch.items()}, True
@@ -87,6 +88,9 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
+    def stage_fn(layers, x_btd):
+        return llama.run_layers(cfg, layers, x_btd)[0]
+
     def head_loss(head, y_btd, aux_m):
         return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
 
@@ -95,7 +99,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
         x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
         head = {k: params[k] for k in head_keys}
         if pipe.schedule == "gpipe":
-            y_mbtd = pipeline.gpipe_layers(cfg, layout.mesh, params["layers"], x_mbtd, replicas)
+            y_mbtd = pipeline.gpipe_layers(stage_fn, layout.mesh, params["layers"], x_mbtd, replicas)
             # the microbatches back into the batch's own rows (no rows move between devices), so the
             # head runs once: under vmap its custom gradient gave a weight gradient per microbatch, and
             # XLA all-reduced all of them over data (2.1x the minimum)
@@ -103,7 +107,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
             nll, count = head_loss(head, y_btd, {k: mb[k] for k in ("targets", "mask")})
         else:
             aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
-            nll, count = pipeline.one_f_one_b(cfg, layout.mesh, M, head_loss, replicas)(
+            nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
                 params["layers"], head, x_mbtd, aux)
         return nll, (nll, count, jnp.zeros((), jnp.float32))
 
@@ -242,3 +246,28 @@ def abstract_batch(layout: Layout, batch: int, seq_len: int) -> dict:
     data = batch_sharding(layout)
     dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
     return {k: jax.ShapeDtypeStruct((batch, seq_len), dtypes[k], sharding=data) for k in BATCH_KEYS}
+
+
+def check_batch(cfg: TrainConfig, layout: Layout) -> None:
+    """The (micro)batch must split evenly over the data-parallel devices."""
+    dp = layout.degree("batch")
+    m = cfg.data.microbatches
+    if cfg.data.batch % (dp * m):
+        axes = f" ({layout.describe_axes('batch')})" if dp > 1 else ""
+        per = f" in each of {m} microbatches" if m > 1 else ""
+        raise ShardError(f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices{axes}{per}; "
+                         f"use a batch that is a multiple of {dp * m}")
+    for logical in ("length", "res_length"):
+        ways = layout.degree(logical)
+        if cfg.data.seq_len % ways:
+            raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
+                             f"({layout.describe_axes(logical)}, the mesh axes of {logical!r}); use a multiple "
+                             f"of {ways}")
+    stages = pipeline_stages(layout)
+    if stages > 1:
+        pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
+                       layout.degree("length"))
+    experts = layout.degree("expert", param=True)
+    if cfg.model.n_experts % experts if cfg.model.n_experts else False:
+        raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "
+                         "use a multiple of it for model.n_experts")

@@ -25,8 +25,9 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 from shard.config import train as config_mod  # noqa: E402
 from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
 from shard.train.loop import prepare, train  # noqa: E402
-from shard.cluster.preemption import StopOnSignal  # noqa: E402
+from shard.train.preemption import StopOnSignal  # noqa: E402
 from shard.testing import tiny_config  # noqa: E402
+from shard.train.observer import Observer  # noqa: E402
 
 cfg = tiny_config("2x4", steps=steps, checkpoint__every=2, checkpoint__keep=10)
 checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, cfg.checkpoint, notice=print)
@@ -35,7 +36,7 @@ assert jax.process_count() == 2 and len(run.mesh.devices.flat) == 8
 saver = SaveCheckpoints(checkpoints, seed=cfg.seed, config_toml=config_mod.to_toml(cfg))
 
 
-class SignalAt:
+class SignalAt(Observer):
     def on_step(self, step: int, outputs=None) -> None:
         if process_id == 1 and step == signal_at - 1:  # the loop is on to step `signal_at`
             os.kill(os.getpid(), signal.SIGTERM)

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 
 from shard.cluster import distributed
+from shard.train.observer import Observer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -33,7 +34,7 @@ def remember_interrupts() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGINT, previous)
 
 
-class StopOnSignal:
+class StopOnSignal(Observer):
     """Observer: `should_stop()` turns true after SIGTERM/SIGINT (on any process); handlers are
     installed for the loop's duration only."""
 

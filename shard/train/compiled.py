@@ -1,0 +1,33 @@
+"""The train step compiled ahead of time from abstract shapes (nothing is allocated), and what XLA's memory
+analysis says it needs per device. The loop runs this compiled step; `shard inspect --compiled` and the
+planner's checks read it."""
+
+from shard.config.train import TrainConfig
+from shard.sharding.rules import Layout
+
+
+def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
+    """The train step for this config and layout (and state `spec`, built here when not given), lowered
+    from abstract shapes only."""
+    from shard.train.state import state_spec
+    from shard.train.step import abstract_batch, abstract_schedule_inputs, jit_train_step
+
+    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
+    return jitted.lower(spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len),
+                        abstract_schedule_inputs(spec, layout))
+
+
+def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):
+    """The AOT-compiled train step (`lower_step`'s); `compiler_options` override XLA_FLAGS for this compile."""
+    return lower_step(cfg, layout, spec).compile(compiler_options)
+
+
+def memory_of(compiled) -> dict[str, int]:
+    """Per-device bytes from XLA's memory analysis. On CPU `peak_memory_in_bytes` leaves out the
+    temporaries, so the total is arguments + temporaries + outputs - aliased (donated state)."""
+    m = compiled.memory_analysis()
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+    out["total"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+    return out

@@ -477,3 +477,17 @@ def test_a_full_disk_under_the_writers_names_the_file_and_leaves_no_exit_traceba
     tb.on_abort()  # the error under way is the one reported: closing quietly fails
     assert unregistered == [theirs] and theirs.__qualname__.startswith("FileWriter.")
     real_close()
+
+
+def test_a_misspelt_hook_fails_when_its_class_is_made_and_train_takes_observers_only():
+    with pytest.raises(TypeError, match="on_stpe is not an Observer hook"):
+        class Misspelt(Observer):
+            def on_stpe(self, step, outputs=None):
+                pass
+
+    class NotAnObserver:
+        def on_step(self, step, outputs=None):
+            pass
+
+    with pytest.raises(TypeError, match="NotAnObserver is not a shard.train.observer.Observer"):
+        train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=[NotAnObserver()])

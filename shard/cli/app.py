@@ -230,6 +230,10 @@ def _fail(e: Exception):
     raise typer.Exit(2)
 
 
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
+
+
 def _init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) -> str:
     """The weights a start is told to begin from, as the config will hold them: --set over --init-from
     over the --config file."""
@@ -326,7 +330,7 @@ def train(
     from_file = _config_file(config)
     if resume and run_dir is None:  # the run dir named in the config file given
         run_dir = from_file.get("run_dir") or None
-    base = resume_base(run_dir, allow_fresh, quiet=not main) if resume else None
+    base = resume_base(run_dir, allow_fresh, notice=_warn if main else None) if resume else None
     resumed = bool(base)  # the run dir holds a run's config
     weights = _init_from_given(init_from, from_file, set_)
     if weights and not resumed:  # a new run, or the first start of a --resume --allow-fresh one

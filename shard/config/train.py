@@ -15,7 +15,7 @@ import tomli_w
 
 from shard import tomlfiles
 from shard.errors import ShardError
-from shard.sharding.mesh import parse_rules
+from shard.config.rules import parse_rules
 from shard.config.model import PRESETS, ModelConfig, field_names
 
 

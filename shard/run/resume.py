@@ -6,11 +6,8 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.markup import escape
-
 from shard.config import train as config_mod
 from shard import tomlfiles
-from shard.observe.console import err_console
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.run_dir import config_on_record
@@ -156,9 +153,11 @@ def check_hf_model_is_preset(source: str, hf_model: dict, name: str) -> None:
                              f"there, {preset[key]!r} in {name}); leave out --model to use its own")
 
 
-def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = False) -> dict:
+def resume_base(run_dir: str | None, allow_fresh: bool = False,
+                notice: Callable[[str], None] | None = None) -> dict:
     """The config a resumed run starts from: the one saved in its run dir (flags still override it).
-    With --allow-fresh a run dir that doesn't exist yet is a first start."""
+    With --allow-fresh a run dir that doesn't exist yet is a first start. `notice` hears that the
+    checkpoint's copy stands in for a lost config.toml."""
     if not run_dir:
         raise ShardError("--resume needs --run-dir: the run to continue")
     saved = Path(run_dir) / "config.toml"
@@ -178,9 +177,8 @@ def resume_base(run_dir: str | None, allow_fresh: bool = False, quiet: bool = Fa
 
     if found := config_saved_with(Path(run_dir) / CHECKPOINTS_DIR):  # config.toml lost: the checkpoint's copy
         text, step = found
-        if not quiet:
-            what = "is empty" if saved.is_file() else "is missing"
-            err_console.print(f"[yellow]{escape(str(saved))} {what}: using the config saved with "
-                              f"checkpoint {step}[/yellow]", soft_wrap=True)
+        if notice:
+            notice(f"{saved} {'is empty' if saved.is_file() else 'is missing'}: using the config saved with "
+                   f"checkpoint {step}")
         return tomlfiles.parse(text, f"--resume: the config saved with checkpoint {step}")
     return {}

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from shard.axes import DATA, FSDP, LOGICAL_AXES, MESH_AXES, MODEL
+from shard.axes import DATA, FSDP, MODEL
 from shard import tomlfiles
+from shard.config.rules import check_axes, parse_rules
 from shard.errors import ShardError
 
 # Axis names for a bare shape such as `8x4`, by its number of dimensions.
@@ -43,38 +44,6 @@ def preset_names() -> list[str]:
 
 def _presets_dir():
     return resources.files("shard.meshes")
-
-
-def _axes_list(value, where: str) -> tuple[str, ...]:
-    """A rule's target: a mesh axis name, a list of them, or empty/none for replicated."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip() and v.strip().lower() != "none"]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ShardError(f"{where}: expected a mesh axis name or a list of them, got {value!r}")
-    _check_axes(tuple(value), where)
-    return tuple(value)
-
-
-def parse_rules(table: dict, where: str) -> dict[str, tuple[str, ...]]:
-    """Validate a `{logical axis: mesh axes}` table from TOML or `--set`."""
-    if not isinstance(table, dict):
-        raise ShardError(f"{where}: expected a table of logical axis = mesh axes")
-    out = {}
-    for logical, target in table.items():
-        if logical not in LOGICAL_AXES:
-            raise ShardError(f"{where}: unknown logical axis {logical!r} (known: {', '.join(LOGICAL_AXES)})")
-        out[logical] = _axes_list(target, f"{where}.{logical}")
-    return out
-
-
-def _check_axes(axes: tuple[str, ...], where: str) -> None:
-    for a in axes:
-        if a not in MESH_AXES:
-            raise ShardError(f"{where}: unknown mesh axis {a!r} (known: {', '.join(MESH_AXES)})")
-    if len(set(axes)) != len(axes):
-        raise ShardError(f"{where}: mesh axis named twice in {', '.join(axes)}")
 
 
 def _check_shape(shape, n_axes: int, where: str) -> tuple[int, ...]:
@@ -111,7 +80,7 @@ def load_preset(name_or_path: str) -> MeshSpec:
     axes = tuple(axes)
     if not axes:
         raise ShardError(f"mesh preset {label}: needs `axes`")
-    _check_axes(axes, f"mesh preset {label}")
+    check_axes(axes, f"mesh preset {label}")
     shape = _check_shape(doc.get("shape", [FILL] + [1] * (len(axes) - 1)), len(axes), f"mesh preset {label}")
     rules = parse_rules(base["rules"], "default rules") | parse_rules(doc.get("rules", {}), f"{label} rules")
     param_rules = parse_rules(base["param_rules"], "default param_rules") | parse_rules(
@@ -163,7 +132,7 @@ def parse_mesh(spec: str) -> MeshSpec:
             except ValueError:
                 raise ShardError(f"mesh {spec}: size of axis {name!r} must be an integer, got {size!r}") from None
             axes.append(name)
-        _check_axes(tuple(axes), f"mesh {spec}")
+        check_axes(tuple(axes), f"mesh {spec}")
         shape = _check_shape(shape, len(axes), f"mesh {spec}")
         return MeshSpec(tuple(axes), shape, default.rules, default.param_rules, spec)
     name, shape_text = mesh_file or spec.partition(":")[::2]

@@ -195,13 +195,13 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
     """`train` notes the cluster it will join, so that an error before joining still reaches the other
     processes; a later command in the same interpreter (a notebook, these tests) must not inherit it,
     or its first user error would try to join that cluster."""
-    from shard.cli import app as cli
     from shard.cluster import distributed
+    from shard.run import start
 
     def bug(*args, **kwargs):
         raise RuntimeError("a bug, after the cluster was noted")
 
-    monkeypatch.setattr(cli.config_mod, "resolve", bug)
+    monkeypatch.setattr(start.config_mod, "resolve", bug)
     result = invoke("train", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1")
     assert isinstance(result.exception, RuntimeError)
     assert distributed._expected is None
@@ -416,7 +416,7 @@ def test_a_run_dir_that_cant_be_written_is_named_before_devices_start(tmp_path):
 def test_flag_values_reach_the_config_as_given_and_a_mesh_file_names_one_folder():
     """Flags went through JSON text into TOML: `--run-dir runs/😀` became a quoted, escaped string. A mesh
     given as a TOML path made the default run dir several nested folders."""
-    from shard.cli.app import _overrides
+    from shard.cli.options import overrides as _overrides
     from shard.run.run_dir import mesh_label
 
     assert _overrides({}, None, run_dir="runs/😀", batch=8) == {"run_dir": "runs/😀", "data": {"batch": 8}}
@@ -429,7 +429,7 @@ def test_a_model_flag_over_a_config_file_that_amends_another_model_is_refused():
     dimensions (its [model] lists every key, and they amended small)."""
     import dataclasses
 
-    from shard.cli.app import _overrides
+    from shard.cli.options import overrides as _overrides
     from shard.errors import ShardError
 
     run_config = {"model": dataclasses.asdict(config.resolve({"model": {"name": "tiny"}}).model)}

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard.measure import costs
-from shard.axes import CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
+from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
@@ -66,6 +66,8 @@ class Candidate:
     mfu: float
     tokens_per_s: float
     problems: tuple[str, ...] = field(default=())  # why it does not fit
+    # the data-parallel devices the global batch does not split over (one of the problems); None: it splits
+    unsplit_batch_ways: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -144,6 +146,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
     problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
+    batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = costs.memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
         problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
@@ -168,7 +171,8 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     serial = local + sum(comm_s.values())
     mfu = mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
     return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
-                     tokens / step, tuple(problems))
+                     tokens / step, tuple(problems),
+                     unsplit_batch_ways=batch_ways if global_batch % batch_ways else None)
 
 
 def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,

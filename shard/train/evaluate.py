@@ -8,6 +8,8 @@ evaluate). With one global mesh (--cross-host xla) the set is every process.
 """
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,6 +17,7 @@ from shard.cluster import distributed
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples
 from shard.errors import ShardError
+from shard.train.state import StateSpec, state_spec
 from shard.train.step import batch_sharding, make_eval_step
 
 
@@ -127,3 +130,29 @@ def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str
         return saved, (f"{tail}, held out from training only since step {since}: a resume changed what is held "
                        "out, so the steps before it may have read these windows")
     return saved, f"{tail}, held out from training"
+
+
+def evaluate_checkpoint(cfg: TrainConfig, layout, params: dict, place: Callable[[dict, StateSpec], dict],
+                        batches: int, source: str, notice: Callable[[str], None] = lambda message: None) -> dict:
+    """`shard eval`'s figures: the loss and perplexity of `params` (a checkpoint's, on the host) over
+    `batches` global batches of cfg's held-out samples (cfg.data.batch x cfg.data.seq_len), scored on
+    `layout`; `source` describes that data. Data too short for them scores fewer batches, each window
+    once, and `notice` says so. `place` puts host params into a spec's shardings
+    (shard.run.weights.place)."""
+    batch, seq = cfg.data.batch, cfg.data.seq_len
+    samples = eval_samples(cfg)
+    if samples.windows is not None and samples.windows < batch:
+        raise ShardError(f"the data holds {samples.windows} window(s) of {seq + 1} tokens, fewer than one batch of "
+                         f"{batch}: give a smaller --batch (a multiple of the mesh's {layout.degree('batch')} "
+                         "data-parallel devices) or a shorter --seq")
+    if samples.windows is not None and samples.windows < batches * batch:  # none scored twice
+        batches = samples.windows // batch
+        notice(f"the data holds {samples.windows} window(s) of {seq + 1} tokens: scoring {batches} batch(es) of "
+               f"{batch}")
+    # only the params are read: the optimizer, whatever the run's, is the default one
+    spec = state_spec(cfg.model, TrainConfig().optimizer, 1, layout)
+    stream = BatchStream(samples, batch, seq, batch_sharding(layout))
+    nll, tokens = summed_loss(make_eval_step(spec, layout), place(params, spec), stream, batches)
+    loss = float(nll / max(tokens, 1.0))
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens),
+            "batches": batches, "batch": batch, "seq_len": seq, "data": source}

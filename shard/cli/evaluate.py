@@ -1,0 +1,59 @@
+"""`shard eval`: a checkpoint's held-out loss and perplexity (shard.train.evaluate.evaluate_checkpoint)."""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from shard.cli.options import CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, host_jax, warn
+from shard.errors import ShardError
+from shard.observe.console import console
+
+
+def evaluate(
+    checkpoint: WeightsArg = None,
+    checkpoint_opt: CheckpointOpt = None,
+    data: Annotated[str | None, typer.Option(help="text file or folder to score (default: the run's held-out data)")] = None,
+    batches: Annotated[int | None, typer.Option(help="global batches (default: the run's eval.batches)")] = None,
+    batch: Annotated[int | None, typer.Option(help="global batch (default: the run's data.batch)")] = None,
+    seq: Annotated[int | None, typer.Option(help="sequence length (default: the run's data.seq_len)")] = None,
+    mesh: Annotated[str, typer.Option(help="mesh to evaluate on")] = "1x1",
+    json_out: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
+    simulate_devices: SimOpt = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a sharding rule: --set rules.vocab=none")] = None,
+):
+    """Held-out loss and perplexity of a checkpoint: the run's held-out data (as its evaluations saw
+    it) or --data."""
+    checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
+    check_rules_only(set_, "eval")
+    for name, value in (("--batches", batches), ("--batch", batch), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise ShardError(f"{name} must be positive, got {value}")
+    from shard.run import weights
+    from shard.train.evaluate import held_out_source
+
+    if not Path(checkpoint).exists():
+        raise ShardError(f"weights path {checkpoint} does not exist")
+    saved, source = held_out_source(weights.saved_run_config(checkpoint), data, checkpoint,
+                                    weights.held_out_since(checkpoint))
+    batch, seq = batch or saved.data.batch, seq or saved.data.seq_len
+    batches = batches or saved.eval.batches
+    tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
+    from shard.train.evaluate import evaluate_checkpoint
+    from shard.train.step import check_batch
+    from shard.sharding.layout import make_layout
+
+    model_cfg, params = weights.load(checkpoint)
+    cfg = dataclasses.replace(saved, model=model_cfg, data=dataclasses.replace(saved.data, batch=batch, seq_len=seq))
+    layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)
+    check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=1)), layout)  # and --seq
+    figures = evaluate_checkpoint(cfg, layout, params, weights.place, batches, source, notice=warn)
+    if json_out:
+        print(json.dumps(figures))
+    else:
+        console.print(f"eval loss {figures['eval_loss']:.4f} (perplexity {figures['perplexity']:,.2f}) over "
+                      f"{figures['batches']} batch(es) of {batch} x {seq} ({figures['tokens']:,} tokens) of "
+                      f"{escape(source)}", soft_wrap=True)

@@ -1,0 +1,120 @@
+"""`shard generate`: sample from a checkpoint's model on a mesh, streaming the tokens."""
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from shard.cli.options import CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, host_jax
+from shard.errors import ShardError
+from shard.observe.console import err_console
+
+
+def generate(
+    checkpoint: WeightsArg = None,
+    checkpoint_opt: CheckpointOpt = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text (byte-level models)")] = None,
+    prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
+    prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="one prompt per line")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0: off")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="1: off")] = 1.0,
+    seed: int = 0,
+    mesh: Annotated[str, typer.Option(help="mesh to generate on (tensor parallel: 1x4, ...)")] = "1x1",
+    ids: Annotated[bool, typer.Option("--ids", help="print generated token ids instead of text")] = False,
+    simulate_devices: SimOpt = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="a sharding rule: --set rules.kv_heads=none")] = None,
+):
+    """Sample from a model with a KV cache on a mesh, streaming tokens as they come."""
+    checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
+    check_rules_only(set_, "generate")
+    given = [x for x in (prompt, prompt_ids, prompts_file) if x is not None]
+    if len(given) != 1:
+        raise ShardError("give exactly one of --prompt, --prompt-ids or --prompts-file")
+    if not 0 <= max_new_tokens < 2**31:
+        raise ShardError(f"--max-new-tokens must be 0 or more and below 2**31, got {max_new_tokens}")
+    if not 0 <= seed < 2**32:  # as train's
+        raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
+    texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
+    tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
+    from shard.data.tokenizers import ByteTokenizer
+    from shard.run import weights
+    from shard.train.generate import Generator, Sampling
+    from shard.sharding.layout import make_layout
+    from shard.train.state import state_spec
+
+    sampling = Sampling(temperature, top_k, top_p)
+    sampling.validate()  # before the weights are read
+
+    model_cfg, params = weights.load(checkpoint)
+    byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
+    if not byte_level and not (ids and prompt_ids is not None):
+        raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
+                         "tokenizer for it: use --prompt-ids and --ids")
+    if prompt_ids is not None:
+        prompts = [_parse_ids(prompt_ids, model_cfg.vocab_size)]
+    else:
+        prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
+    tcfg = dataclasses.replace(tcfg, model=model_cfg)
+    layout = make_layout(tcfg, mesh_spec, devices)
+    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
+                    max_len=max(len(p) for p in prompts) + max_new_tokens)
+    for n, p in enumerate(prompts):
+        _stream(gen, p, max_new_tokens, sampling, seed + n, ids)
+
+
+def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, ids: bool) -> None:
+    """One prompt's continuation printed token by token: ids, or the prompt and the text as it decodes."""
+    import codecs
+
+    from shard.data.tokenizers import ByteTokenizer
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if ids:
+        emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
+    else:
+        print(ByteTokenizer().decode(prompt), end="", flush=True)
+        emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731
+    try:
+        gen.generate(prompt, max_new_tokens, sampling, seed=seed, on_token=emit)
+    except BaseException:  # out of memory, Ctrl-C: the error line starts on a line of its own
+        print(flush=True)
+        raise
+    print("" if ids else decoder.decode(b"", final=True), flush=True)  # an unfinished character: U+FFFD
+
+
+def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
+    """The prompts to sample from: --prompt, or each line of --prompts-file (which must hold one)."""
+    if prompt is not None:
+        return [prompt]
+    if not prompts_file.is_file():
+        raise ShardError(f"prompts file {prompts_file} not found" if not prompts_file.exists()
+                         else f"prompts file {prompts_file} is not a file")
+    try:
+        text = prompts_file.read_text()
+        # lines end at a newline only (str.splitlines also splits at a form feed, which is text here)
+        lines = [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
+    except UnicodeDecodeError:
+        raise ShardError(f"prompts file {prompts_file} is not UTF-8 text") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ShardError(f"prompts file {prompts_file} holds no prompt (one per line)")
+    if len(prompts) < len(lines):
+        err_console.print(f"[dim]skipping {len(lines) - len(prompts)} blank line(s) of {escape(str(prompts_file))}[/dim]")
+    return prompts
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids: comma-separated token ids, each in the model's vocabulary."""
+    parts = [t.strip() for t in text.strip().removesuffix(",").split(",")]
+    if not all(p.lstrip("-").isdigit() for p in parts):
+        raise ShardError(f"--prompt-ids expects comma-separated integers like 5,17,99, got {text!r}")
+    ids = [int(p) for p in parts]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ShardError(f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary 0..{vocab_size - 1}")
+    return ids

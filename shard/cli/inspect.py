@@ -1,0 +1,94 @@
+"""`shard inspect`: every parameter's layout from shapes alone, and with --compiled what the compiled
+step moves and holds."""
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from shard.cli.options import ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices
+from shard.config import train as config_mod
+from shard.observe.console import console, human_bytes
+from shard.sharding.mesh import parse_mesh
+
+
+def inspect(
+    mesh: MeshOpt = None,
+    model: ModelOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
+    compiled: Annotated[bool, typer.Option("--compiled", help="also compile the train step (from shapes) and "
+                                           "report its collectives, communication efficiency and memory")] = False,
+    batch: Annotated[int | None, typer.Option(help="global batch, in sequences (with --compiled)")] = None,
+    seq: Annotated[int | None, typer.Option(help="sequence length (with --compiled)")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    simulate_devices: SimOpt = None,
+):
+    """Every parameter's shape, logical axes, PartitionSpec and bytes per device, from shapes alone."""
+    cfg = config_mod.resolve(overrides(config_file(config), set_, mesh=mesh, model=model, batch=batch, seq=seq,
+                                       simulate_devices=simulate_devices))
+    mesh_spec = parse_mesh(cfg.mesh.spec)
+    devices = start_devices(cfg, mesh_spec)
+    from shard.measure.inspection import summary
+    from shard.sharding.layout import make_layout
+    from shard.train.state import state_spec
+
+    layout = make_layout(cfg, mesh_spec, devices)
+    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
+    doc["model"] = cfg.model.name
+    if compiled:
+        from shard.measure.analysis import analyze
+        from shard.train.step import check_batch
+
+        check_batch(cfg, layout)
+        doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
+        doc.update(analyze(cfg, layout).to_dict())
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    _print_params(doc, cfg.model.name)
+    if compiled:
+        _print_compiled(doc)
+
+
+def _print_params(doc: dict, model: str) -> None:
+    table = Table(title=f"{model} on mesh " + ",".join(f"{k}={v}" for k, v in doc["mesh"].items()))
+    for col in ("parameter", "shape", "logical axes", "PartitionSpec", "per device"):
+        table.add_column(col, justify="right" if col == "per device" else "left")
+    for r in doc["params"]:
+        spec = "(" + ", ".join("None" if e is None else e if isinstance(e, str) else "(" + ", ".join(e) + ")"
+                               for e in r["partition_spec"]) + ")"
+        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
+                      human_bytes(r["bytes_per_device"]))
+    console.print(table)
+    console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "
+                  f"{human_bytes(doc['params_bytes_per_device'])}, optimizer state "
+                  f"{human_bytes(doc['opt_state_bytes_per_device'])}")
+
+
+def _print_compiled(doc: dict) -> None:
+    table = Table(title=f"collectives per step (batch {doc['batch']}x{doc['seq_len']}, {doc['platform']})")
+    for col in ("kind", "mesh axes", "compiled as", "count", "bytes/device", "as compiled"):
+        table.add_column(col, justify="right" if col in ("count", "bytes/device", "as compiled") else "left")
+    bounded = {a for r in doc["collectives"] if r["upper_bound"] for a in r["axes"]}  # counted as if every branch ran
+    for r in doc["collectives"]:
+        table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], f"{'<=' if r['upper_bound'] else ''}{r['count']}",
+                      human_bytes(r["bytes_per_device"]), human_bytes(r["compiled_bytes_per_device"]))
+    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
+    if bounded:
+        console.print("<=: in a conditional's branches (the 1F1B schedule's switch), counted as if every branch ran "
+                      "on every call: an upper bound", soft_wrap=True)
+    moved = lambda axis: ("at most " if axis in bounded else "") + human_bytes(doc["bytes_per_axis"].get(axis, 0))  # noqa: E731
+    for axis, eff in doc["communication_efficiency"].items():
+        console.print(f"axis {axis}: moved {moved(axis)}, analytic minimum "
+                      f"{human_bytes(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}"
+                      + (" (a lower bound)" if axis in bounded else ""))
+    for axis, parallelism in doc["unmodelled_axes"].items():
+        console.print(f"axis {axis}: moved {moved(axis)}, no analytic minimum ({parallelism} has no formula yet)")
+    m = doc["memory"]
+    console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
+                  f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "
+                  f"model FLOPs/device {doc['model_flops_per_device']:.3g} (XLA's cost analysis: "
+                  f"{doc['flops_per_device']:.3g}, counting each loop body once, so one scanned layer)")

@@ -1,0 +1,53 @@
+"""`shard report`: runs compared, as plots and a table."""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from shard.observe.console import console, err_console, human_bytes
+from shard.paths import check_outside_checkpoints
+
+
+def report(
+    run_dirs: Annotated[list[str], typer.Argument(help="run directories to compare")],
+    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go (default: report/; with --json, "
+                                                       "only when given)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
+):
+    """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
+    from shard.observe.report import report as make_report
+
+    if out is not None:
+        check_outside_checkpoints(out)
+    doc = make_report(run_dirs, out if out is not None or as_json else Path("report"))  # --json: stdout only
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    _print_table(doc)
+    for r in doc["runs"]:
+        if r["skipped_lines"]:
+            err_console.print(f"[yellow]{escape(r['run'])}: skipped {r['skipped_lines']} line(s) of metrics.jsonl that "
+                              "are not complete records (a run killed mid-write?)[/yellow]", soft_wrap=True)
+        if r["config_problem"]:
+            err_console.print(f"[yellow]{escape(r['run'])}: {escape(r['config_problem'])}, so its model and layout "
+                              "are shown as ?[/yellow]", soft_wrap=True)
+    console.print("plots: " + ", ".join(doc["plots"]), soft_wrap=True)
+
+
+def _print_table(doc: dict) -> None:
+    table = Table(title="runs")
+    for col in ("run", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device"):
+        table.add_column(col, overflow="fold")  # run paths whole, never "/tmp/ru…"
+    for r in doc["runs"]:
+        mem = human_bytes(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
+            if r["peak_memory_bytes"] is not None else "-"
+        loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
+                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
+    # at least 120 columns, as plan's table: in 80 a column's heading shrank to "e"; paths are not markup
+    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 120)).print(table)

@@ -1,0 +1,247 @@
+"""How a training run starts: the config it resolves (flags over a resumed run's saved config or the
+model of the weights it starts from), the devices it starts, and the run dir it claims and locks.
+
+Nothing here prints: what is worth saying goes to a `notice` (or `warn`, `note`) callable, so the
+command line decides how it looks and the functions can be tested without it. No JAX at import: the
+device count must be settled before JAX starts.
+"""
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from shard.config import train as config_mod
+from shard.errors import ShardError
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, globless, write_text_atomic
+from shard.run.resume import check_hf_model_is_preset, init_from_base, resume_base, resume_changes
+from shard.run.run_dir import choose_run_dir, forget_unstarted_run, holds_run, start_files
+from shard.sharding.mesh import MeshSpec, devices_needed, rename_mesh_file, split_mesh_file
+from shard.startup.compile_cache import use_compile_cache
+
+DEFAULT_FILL_DEVICES = 8
+MAX_SIMULATED_DEVICES = 4096  # 13 s for XLA's CPU platform to start; 100,000 would take hours
+
+Notice = Callable[[str], None]
+
+
+def _unsaid(message: str) -> None:
+    """The default notice of a caller that shows none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StartConfig:
+    """A run's config as resolved for this start, and what it was built on."""
+
+    cfg: config_mod.TrainConfig
+    base: dict | None  # a resumed run's saved config, or {"model": ...} of the weights it starts from
+    resumed: bool  # --resume found the run's config (not a first start)
+    weights: str  # the init_from the start was given ("" for none), as given
+    changes: tuple[str, ...]  # what a resume changes: said once a checkpoint is read (process 0 only)
+
+
+def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: list[str] | None, *,
+                  run_dir: str | None, init_from: str | None, resume: bool, allow_fresh: bool,
+                  cluster=None, notice: Notice = _unsaid) -> StartConfig:
+    """The config a `shard train` start runs with. `layers(base)` stacks the config file, the flags and
+    --set over `base` (a resumed run's saved config, or the model of the --init-from weights);
+    `from_file` and `sets` say where a --resume's run dir and the init_from come from. Notes the
+    cluster's settings for the errors before it is joined (shard.cluster.distributed.expect)."""
+    from shard.cluster import distributed
+    from shard.run.hf import context_note
+
+    main = cluster is None or cluster.process_id == 0
+    if resume and run_dir is None:  # the run dir named in the config file given
+        run_dir = from_file.get("run_dir") or None
+    base = resume_base(run_dir, allow_fresh, notice=notice if main else None) if resume else None
+    resumed = bool(base)  # the run dir holds a run's config
+    weights = init_from_given(init_from, from_file, sets)
+    if weights and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
+        base = init_from_base(weights)
+    cfg = config_mod.resolve(layers(base))
+    _check_saved_model(cfg, base, resumed, weights, run_dir)
+    distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    if cluster is None and cfg.cluster.cross_host == distributed.MPI:
+        notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
+               "process")
+    cfg = absolute_paths(cfg)
+    changes = resume_changes(base, cfg) if resumed and main else []
+    if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):
+        notice(note)
+    return StartConfig(cfg, base, resumed, weights, tuple(changes))
+
+
+def init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) -> str:
+    """The weights a start is told to begin from, as the config will hold them: --set over --init-from
+    over the --config file."""
+    from_sets = config_mod.parse_sets(sets or []).get("init_from")
+    if isinstance(from_sets, dict):
+        raise ShardError(f"config key 'init_from' is a value, not a section, so 'init_from.{next(iter(from_sets))}' "
+                         "is not a key")
+    if from_sets is not None:
+        return str(from_sets)
+    if flag is not None:
+        return flag
+    return str(from_file.get("init_from", ""))
+
+
+def _check_saved_model(cfg: config_mod.TrainConfig, base: dict | None, resumed: bool, weights: str,
+                       run_dir: str | None) -> None:
+    """The model named must be the one the saved config or the weights hold: their weights load into
+    no other."""
+    from shard.run.hf import is_hf_dir
+
+    saved_name = (base or {}).get("model", {}).get("name")
+    if not saved_name or cfg.model.name == saved_name:
+        return
+    if weights and not resumed and is_hf_dir(weights):  # a folder's model is named after the folder
+        check_hf_model_is_preset(weights, base["model"], cfg.model.name)  # no error: the preset's name it is
+        return
+    source = f"--resume continues the {saved_name} run in {run_dir}" if resumed else \
+        f"init_from {weights} holds a {saved_name} model"
+    raise ShardError(f"{source}; model {cfg.model.name} can't be loaded from it (leave out --model)")
+
+
+def absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+    """The config with data.path and eval.path (once checked to exist), a mesh file and init_from made
+    absolute: the saved config then names the same files wherever a resume starts from (a relative one
+    read another folder's, or none). init_from is read only when the run has no checkpoint yet, so it is
+    not checked here."""
+    from shard.data.sources import EMBEDDED, SYNTHETIC
+
+    def absolute(path: str, key: str) -> str:
+        if path in ("", EMBEDDED, SYNTHETIC):
+            return path
+        if not Path(path).exists():
+            raise ShardError(f"{key} {path} does not exist")
+        return str(Path(path).absolute())
+
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"))
+    # unused without eval.every, so not required to exist; but a later --eval-every must find the same files
+    unused_and_missing = not cfg.eval.every and not Path(cfg.eval.path or ".").exists()
+    evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
+                                                                         path=absolute(cfg.eval.path, "eval.path"))
+    init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
+    mesh_file, _ = split_mesh_file(cfg.mesh.spec) or ("", "")
+    if mesh_file and Path(mesh_file).is_file():
+        spec = rename_mesh_file(cfg.mesh.spec, lambda path: str(path.absolute()))
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, spec=spec))
+    return dataclasses.replace(cfg, data=data, eval=evaluation, init_from=init_from)
+
+
+def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None,
+                  cluster=None, *, warn: Notice = _unsaid, note: Notice = _unsaid):
+    """Settle XLA flags and the CPU device count (per process), join the cluster if there is one, start
+    JAX, and return the devices the mesh will use (every process's with --cross-host xla, this one's
+    with mpi). Process 0 `warn`s of XLA flags this jaxlib doesn't know and `note`s the CPU devices it
+    simulates unasked."""
+    from shard.cluster import distributed
+    from shard.startup import xla_flags
+    from shard.startup.devices import jax_started, request_host_devices
+
+    unknown = []
+    if not jax_started():
+        unknown = xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
+    n_proc = cluster.num_processes if cluster else 1
+    wanted = _devices_per_process(cfg, mesh_spec, n_proc)
+    asked = request_host_devices(wanted)
+    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    import jax
+
+    from shard.startup.imports import import_flax
+
+    import_flax()  # before the model code imports it
+
+    if compile_cache is not None:
+        use_compile_cache(compile_cache)
+    devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
+    if unknown and ctx.is_main:  # said once, not by every process
+        warn(f"warning: this XLA does not know {', '.join(unknown)} (renamed or retired in this jaxlib): left out "
+             "of shard's XLA flags")
+    if asked and devices[0].platform == "cpu" and wanted > 1 and ctx.is_main and not cfg.mesh.simulate_devices:
+        each = f" in each of {n_proc} processes" if n_proc > 1 else ""
+        note(f"simulating {wanted} CPU devices{each} (XLA host platform); set --simulate-devices to change")
+    return devices
+
+
+def _devices_per_process(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, n_proc: int) -> int:
+    """The CPU devices each process asks for: --simulate-devices, else what the mesh needs (8 to fill)."""
+    needed = devices_needed(mesh_spec, DEFAULT_FILL_DEVICES * n_proc)
+    if not cfg.mesh.simulate_devices and needed % n_proc:
+        raise ShardError(f"mesh {mesh_spec.describe()} needs {needed} devices, which do not split evenly "
+                         f"over {n_proc} processes")
+    wanted = cfg.mesh.simulate_devices or needed // n_proc
+    if wanted > MAX_SIMULATED_DEVICES:
+        what = f"--simulate-devices {wanted} asks for" if cfg.mesh.simulate_devices else \
+            f"mesh {mesh_spec.describe()} needs {wanted} devices in one process,"
+        raise ShardError(f"{what} more than the "
+                         f"{MAX_SIMULATED_DEVICES} CPU devices shard simulates (XLA's start-up time grows "
+                         "with the square); use `shard plan` for bigger clusters")
+    return wanted
+
+
+def check_devices_per_process(devices) -> None:
+    """Every process of one global mesh holds as many devices (each process sees them all, so each
+    says the same): unequal, the mesh can't be laid out (orbax fails deep in a reshape)."""
+    counts = collections.Counter(d.process_index for d in devices)
+    if len(set(counts.values())) > 1:
+        held = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise ShardError(f"the processes hold different numbers of devices ({held}); start every process with "
+                         "the same --num-processes and --simulate-devices, on hosts with as many accelerators")
+
+
+def run_dir_for(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool, main: bool) -> Path:
+    """Where the run writes. Process 0 chooses (a default name has a time stamp) and tells the others
+    once JAX runs; until then they only need its parent, for the compile cache."""
+    path = choose_run_dir(cfg, mesh_spec, resume) if main else Path(cfg.run_dir or "runs/pending")
+    globless(path.absolute() / CHECKPOINTS_DIR)  # before anything is written, the compile cache included
+    return path
+
+
+class RunDirClaim:
+    """Process 0's hold on a run dir, so that one `shard train` writes it at a time: a run dir that
+    exists is locked from the start (`hold`), a new one once made (`claim`), until `release`. What a
+    first start writes (`write_start`) is forgotten again if it fails before its first step is logged
+    or saved (`forget_unstarted`), and what was there before it is kept. The other processes hold
+    nothing and write nothing here."""
+
+    def __init__(self, path: Path, main: bool):
+        self.path, self.main = path, main
+        self.lock = RunDirLock(path)
+        self.existed = path.is_dir()
+        self.found: set[str] = set()  # of the files a start writes, those that were there before it
+
+    def hold(self) -> None:
+        if self.main and self.existed:
+            self.lock.acquire()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def claim(self) -> None:
+        """Make the run dir and lock it, unless another shard train started a run in it while this one
+        prepared."""
+        if not self.main:
+            return
+        self.found = {name for name in start_files() if (self.path / name).exists()}  # never removed
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        if not self.existed and holds_run(self.path):  # another train made it (and may have ended) meanwhile
+            raise ShardError(f"run dir {self.path} was started by another shard train while this one "
+                             "prepared; run the command again (with --resume to continue that run)")
+
+    def write_start(self, config_toml: str, init_from: str = "", first_start: bool = True) -> None:
+        """Write the run's config.toml; on a first start from `init_from`, also the files export-hf
+        writes back beside the weights (tokenizer, token ids), unless the run dir holds them already."""
+        if not self.main:
+            return
+        from shard.run import hf
+
+        if init_from and first_start and not {"config.toml", hf.SIDE_DIR} & self.found:
+            hf.keep_side_files(init_from, self.path)
+        write_text_atomic(self.path / "config.toml", config_toml)
+
+    def forget_unstarted(self) -> None:
+        """After a first start failed, remove what it wrote (shard.run.run_dir.forget_unstarted_run)."""
+        if self.main:
+            forget_unstarted_run(self.path, self.found)

@@ -667,13 +667,13 @@ def test_processes_with_unequal_device_counts_are_named():
     """Hosts with different accelerator counts (on CPU: what --num-processes mismatches led to)."""
     from types import SimpleNamespace
 
-    from shard.cli.app import _check_devices_per_process
+    from shard.run.start import check_devices_per_process
     from shard.errors import ShardError
 
     devices = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1)]
     with pytest.raises(ShardError, match=r"different numbers of devices \(process 0: 4, process 1: 2\)"):
-        _check_devices_per_process(devices)
-    _check_devices_per_process(devices[:4] + devices[4:] * 2)
+        check_devices_per_process(devices)
+    check_devices_per_process(devices[:4] + devices[4:] * 2)
 
 
 def test_eval_data_on_one_process_only_is_a_config_difference(tmp_path):

@@ -182,7 +182,7 @@ def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):
 
 def test_a_prompts_file_has_one_prompt_per_newline(tmp_path):
     """str.splitlines also split at form feeds (common in Python source) and other separators."""
-    from shard.cli.app import _prompt_texts
+    from shard.cli.generate import _prompt_texts
 
     f = tmp_path / "p.txt"
     f.write_bytes(b"def f():\x0cpass\r\nx = 1\n")

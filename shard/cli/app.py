@@ -12,7 +12,6 @@ from rich.markup import escape
 from shard.cli.bench import bench_app
 from shard.cli.evaluate import evaluate
 from shard.cli.export import export
-from shard.cli.generate import _prompt_texts  # noqa: F401 - importable from here too (tests do)
 from shard.cli.generate import generate
 from shard.cli.hf import export_hf, import_hf
 from shard.cli.inspect import inspect
@@ -21,7 +20,6 @@ from shard.cli.report import report
 from shard.cli.train import train
 from shard.errors import ShardError, first_line, out_of_memory
 from shard.observe.console import err_console
-from shard.run.start import check_devices_per_process as _check_devices_per_process  # noqa: F401 - as above
 
 # What to change when a command runs out of device memory.
 _OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",

@@ -381,7 +381,7 @@ def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding_and_the_host_ag
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shard.run.checkpoint import host_fingerprint, state_fingerprint
+    from shard.run.checksums import host_fingerprint, state_fingerprint
 
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     flipped = x.copy()
@@ -426,7 +426,7 @@ def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
 def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):
     from types import SimpleNamespace
 
-    from shard.run.checkpoint import _drop_closed_loop_callbacks
+    from shard.run.orbax_quiet import _drop_closed_loop_callbacks
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(str(args.exc_value)))
@@ -751,7 +751,7 @@ def test_a_checkpoint_folder_that_is_not_writable_is_named_before_training(refer
 
 
 def test_orbax_ends_a_restore_in_a_device_barrier():
-    """checkpoint._read_outcomes releases the processes waiting in orbax's closing barrier by meeting it
+    """read_failures.read_outcomes releases the processes waiting in orbax's closing barrier by meeting it
     with a device collective; that holds while orbax's coordination-service barrier is off (its flag's
     default; shard never parses absl flags). A newer orbax that turns it on must fail here, not hang."""
     from orbax.checkpoint._src.multihost import multihost

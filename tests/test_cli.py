@@ -236,7 +236,7 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
 def test_orbax_noise_are_dropped_from_the_log():
     import logging
 
-    from shard.run.checkpoint import _orbax_noise
+    from shard.run.orbax_quiet import _orbax_noise
 
     def record(path, exc_info):
         return logging.LogRecord("absl", logging.ERROR, path, 1, "save failed", None, exc_info)
@@ -264,7 +264,7 @@ def test_orbax_noise_are_dropped_from_the_log():
 
 
 def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():
-    from shard.run.checkpoint import _first_line
+    from shard.run.read_failures import error_line as _first_line
 
     try:
         try:

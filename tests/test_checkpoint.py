@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from typer.testing import CliRunner
 
-from shard.config import train as config_mod
+from shard.config import resolve as config_mod
 from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
 from shard.cli.app import app
 from shard.errors import ShardError
@@ -216,7 +216,7 @@ def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_on
 
 
 def test_a_resume_that_changes_the_ranking_says_what_becomes_of_the_earlier_saves():
-    from shard.config import train as config
+    from shard.config import resolve as config
     from shard.run.resume import resume_changes
 
     def notes(was: dict, now: dict) -> list[str]:

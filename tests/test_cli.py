@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shard.config import train as config
+from shard.config import resolve as config
 from shard.cli.app import app
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
@@ -360,7 +360,7 @@ def test_a_run_dir_holding_other_files_is_refused(tmp_path):
 def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):
     """What a start that died natively (no cleanup) leaves: its config and empty files. The cluster keys
     it was started with don't make it another config."""
-    from shard.config import train as config_mod
+    from shard.config import resolve as config_mod
 
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none",
                    "--set", "cluster.failure_timeout=30")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shard.config import train as c
+from shard.config import resolve as c
 from shard.errors import ShardError
 
 

@@ -250,7 +250,7 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
         return None
     if not restored.config_toml:  # weights from elsewhere (--init-from): the run starts here
         return 0
-    from shard.config import train as config
+    from shard.config import resolve as config
     from shard import tomlfiles
 
     try:

@@ -42,7 +42,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from shard.config import train as config_mod
+    from shard import config as config_mod
     from shard.run.checkpoint import Checkpoints, SaveCheckpoints
     from shard.train.loop import prepare, train
 

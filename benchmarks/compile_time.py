@@ -23,7 +23,7 @@ t0 = time.perf_counter()
 from shard.startup import xla_flags
 xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does (GPU only)
 import jax
-from shard.config import train as config
+from shard import config as config
 from shard.train.compiled import compile_step
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh

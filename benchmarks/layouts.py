@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from shard.config import train as config
+from shard import config as config
 from shard.train.loop import prepare
 from shard.parallel import pipeline
 

@@ -27,7 +27,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from shard.config import train as config
+from shard import config as config
 from shard.measure import costs
 from shard.startup import xla_flags
 from shard.startup.compile_cache import use_compile_cache

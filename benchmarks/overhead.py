@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shard.config import train as config
+from shard import config as config
 from shard.train.loop import prepare, train
 from shard.sharding.rules import activation_layout
 from shard.train.step import batch_sharding

@@ -4,7 +4,7 @@ import contextlib
 import os
 import socket
 
-from shard.config import train as config_mod
+from shard.config.resolve import merge, parse_sets, resolve
 from shard.config.train import TrainConfig
 from shard.startup.devices import HOST_COUNT_FLAG
 
@@ -64,7 +64,7 @@ def tiny_config(mesh: str = "8x1", **sets) -> TrainConfig:
     overrides = {"model": {"name": "tiny"}, "mesh": {"spec": mesh}, "steps": 3, "log_every": 1,
                  "data": {"batch": 8, "seq_len": 32}}
     items = [f"{k.replace('__', '.')}={_toml(v)}" for k, v in sets.items()]
-    return config_mod.resolve(config_mod.merge(overrides, config_mod.parse_sets(items)))
+    return resolve(merge(overrides, parse_sets(items)))
 
 
 def _toml(v) -> str:

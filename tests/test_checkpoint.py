@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from typer.testing import CliRunner
 
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
 from shard.cli.app import app
 from shard.errors import ShardError
@@ -218,7 +218,7 @@ def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_on
 
 
 def test_a_resume_that_changes_the_ranking_says_what_becomes_of_the_earlier_saves():
-    from shard.config import train as config
+    from shard import config as config
     from shard.run.resume import resume_changes
 
     def notes(was: dict, now: dict) -> list[str]:
@@ -383,7 +383,7 @@ def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding_and_the_host_ag
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shard.run.checkpoint import host_fingerprint, state_fingerprint
+    from shard.run.checksums import host_fingerprint, state_fingerprint
 
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
     flipped = x.copy()
@@ -428,7 +428,7 @@ def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
 def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):
     from types import SimpleNamespace
 
-    from shard.run.checkpoint import _drop_closed_loop_callbacks
+    from shard.run.orbax_quiet import _drop_closed_loop_callbacks
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda args: seen.append(str(args.exc_value)))
@@ -753,7 +753,7 @@ def test_a_checkpoint_folder_that_is_not_writable_is_named_before_training(refer
 
 
 def test_orbax_ends_a_restore_in_a_device_barrier():
-    """checkpoint._read_outcomes releases the processes waiting in orbax's closing barrier by meeting it
+    """read_failures.read_outcomes releases the processes waiting in orbax's closing barrier by meeting it
     with a device collective; that holds while orbax's coordination-service barrier is off (its flag's
     default; shard never parses absl flags). A newer orbax that turns it on must fail here, not hang."""
     from orbax.checkpoint._src.multihost import multihost

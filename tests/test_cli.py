@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shard.config import train as config
+from shard import config as config
 from shard.cli.app import app
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
@@ -236,7 +236,7 @@ def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_comman
 def test_orbax_noise_are_dropped_from_the_log():
     import logging
 
-    from shard.run.checkpoint import _orbax_noise
+    from shard.run.orbax_quiet import _orbax_noise
 
     def record(path, exc_info):
         return logging.LogRecord("absl", logging.ERROR, path, 1, "save failed", None, exc_info)
@@ -264,7 +264,7 @@ def test_orbax_noise_are_dropped_from_the_log():
 
 
 def test_a_failed_array_read_is_named_by_the_error_orbax_wrapped():
-    from shard.run.checkpoint import _first_line
+    from shard.run.read_failures import error_line as _first_line
 
     try:
         try:
@@ -360,7 +360,7 @@ def test_a_run_dir_holding_other_files_is_refused(tmp_path):
 def test_a_run_whose_start_crashed_names_the_way_to_start_it_again(tmp_path):
     """What a start that died natively (no cleanup) leaves: its config and empty files. The cluster keys
     it was started with don't make it another config."""
-    from shard.config import train as config_mod
+    from shard import config as config_mod
 
     first = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(tmp_path / "r"), "--compile-cache", "none",
                    "--set", "cluster.failure_timeout=30")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shard.config import train as c
+from shard import config as c
 from shard.errors import ShardError
 
 

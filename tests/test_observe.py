@@ -351,7 +351,7 @@ def test_device_kinds_find_their_hardware():
 
 
 def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
-    from shard.config import train as config
+    from shard import config as config
     from shard.hardware import find_hardware, load_hardware
     from shard.measure.plan import startup_warnings
 

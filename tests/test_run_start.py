@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.paths import RunDirLock
 from shard.run.hf import config_to_hf

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from shard.config import train as config
+from shard import config as config
 from shard.train.loop import train
 from shard.observe.metrics import read_jsonl
 

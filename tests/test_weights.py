@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from shard.config import train as config
+from shard import config as config
 from shard.run import hf
 from shard import models
 from shard.cli.app import app

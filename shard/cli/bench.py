@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import MeshOpt, SimOpt, overrides, start_devices
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import console, err_console, human_bytes
 from shard.sharding.mesh import parse_mesh

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from shard.cli.options import CheckpointArg, CheckpointOpt, checkpoint_given, host_jax
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import console
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, written_whole

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.observe.console import console, human_bytes
 from shard.sharding.mesh import parse_mesh
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import err_console
 from shard.run import start

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import PlanSetOpt
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import console, param_count, short_bytes
 

@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from shard.cli.options import (ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices,
                                warn)
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.measure import profiling
 from shard.observe.console import console, err_console

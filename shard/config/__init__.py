@@ -1,1 +1,16 @@
-"""The run's configuration as frozen dataclasses (no JAX): the training config, the model config and presets."""
+"""The run's configuration, without JAX: the training config's frozen sections (train.py), how defaults,
+a TOML file, flags and `--set` become one (resolve.py), the model config and its presets (model.py), and
+rule tables (rules.py). `from shard import config` gives all of it:
+
+    cfg = config.resolve(config.parse_sets(["model.name=tiny", "mesh.spec=fsdp"]))
+"""
+
+from shard.config.model import PRESETS, ModelConfig, field_names, mfu_flops_per_token
+from shard.config.resolve import differences, load_file, merge, nested, parse_sets, parse_value, resolve, to_toml
+from shard.config.train import (CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, GuardConfig, MeshConfig,
+                                ObserveConfig, OptimizerConfig, PipelineConfig, TrainConfig, XlaConfig)
+
+__all__ = ["PRESETS", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "GuardConfig", "MeshConfig",
+           "ModelConfig", "ObserveConfig", "OptimizerConfig", "PipelineConfig", "TrainConfig", "XlaConfig",
+           "differences", "field_names", "load_file", "merge", "mfu_flops_per_token", "nested", "parse_sets",
+           "parse_value", "resolve", "to_toml"]

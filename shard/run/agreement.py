@@ -16,7 +16,8 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from shard.config import train as config_mod
+from shard.config.resolve import differences, resolve, to_toml
+from shard.config.train import TrainConfig
 from shard.cluster import distributed
 from shard.errors import ShardError
 from shard.sharding.mesh import rename_mesh_file
@@ -24,7 +25,7 @@ from shard.sharding.mesh import rename_mesh_file
 _FILES = "<files>"
 
 
-def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
+def _comparable(cfg: TrainConfig) -> TrainConfig:
     """The config as the processes of one job must agree on it. Process 0 alone picks the run dir's name,
     and each process's data paths are absolute from its own working directory: check_same_data compares
     what they hold, here only whether each names files, the embedded corpus, synthetic data or nothing."""
@@ -39,11 +40,11 @@ def _comparable(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
                                mesh=dataclasses.replace(cfg.mesh, spec=mesh))
 
 
-def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | None = None) -> None:
+def check_same_config(cfg: TrainConfig, start: dict[str, object] | None = None) -> None:
     """Every process resolved the same config as process 0 (from the flags, files and --set it got), and
     was given the same `start` flags, which the config does not hold (`--resume`, `--allow-fresh`): a
     process that resumed while another initialised waited in a collective for ever."""
-    mine = config_mod.to_toml(_comparable(cfg))
+    mine = to_toml(_comparable(cfg))
     flags = json.dumps(start or {})
     theirs, their_flags = json.loads(distributed.broadcast_text(json.dumps([mine, flags])))
     differs = (theirs, their_flags) != (mine, flags)
@@ -64,7 +65,7 @@ def _difference(cfg, start, mine: str, flags: str, theirs: str, their_flags: str
         flag = next(k for k in {**ours, **zeros} if ours.get(k) != zeros.get(k))
         return (f"process {rank} was started with {_flag_text(flag, ours.get(flag))}, process 0 with "
                 f"{_flag_text(flag, zeros.get(flag))}; start every process with the same command")
-    diff = config_mod.differences(config_mod.resolve(tomllib.loads(theirs)), _comparable(cfg), ignore=("run_dir",))
+    diff = differences(resolve(tomllib.loads(theirs)), _comparable(cfg), ignore=("run_dir",))
     what = f": {diff[0][0]} is {diff[0][1]!r} on process 0, {diff[0][2]!r} here" if diff else ""
     return (f"process {rank} was started with a different config from process 0's{what}; start every process "
             "with the same command")
@@ -76,7 +77,7 @@ def _flag_text(flag: str, value) -> str:
     return flag if value is True else f"{flag} {value}"
 
 
-def check_same_data(cfg: config_mod.TrainConfig) -> None:
+def check_same_data(cfg: TrainConfig) -> None:
     """Every process finds the same data at data.path (and eval.path) as process 0: the same files, by
     name, size and a CRC of each one's ends (shard.data.sources.source_signature)."""
     from shard.data.sources import source_signature

@@ -10,15 +10,10 @@ array straight into the shardings of the mesh at hand.
 """
 
 import contextlib
-import errno
-import functools
 import json
-import logging
 import math
 import os
-import re
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +21,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shard.cluster import distributed
 from shard.config.train import CheckpointConfig
-from shard.errors import ShardError, first_line, out_of_memory
+from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
+from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerprint
+from shard.run.orbax_quiet import absl_quiet, configure_orbax
+from shard.run.read_failures import BAD, MACHINE, error_line, read_outcomes
 from shard.sharding.rules import path_str
 from shard.train.state import StateSpec
 from shard.train.observer import Observer
@@ -40,131 +37,6 @@ from shard.train.observer import Observer
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
 STATE, META = "state", "meta"
-# orbax splits the writing of a replicated array between its replicas, slicing each shard with a small
-# jitted program that compiles once per shape and device: 56 compiles (3 s) at the first save of even the
-# tiny model on 8 CPU devices. Worth it only for big arrays, so smaller ones are written by one replica.
-MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES = 16 << 20
-
-
-@functools.cache
-def _configure_orbax() -> None:
-    from orbax.checkpoint._src.metadata import array_metadata_store
-
-    handler = ocp.type_handlers.ArrayHandler(  # orbax's default, but for the threshold
-        array_metadata_store=array_metadata_store.Store(),
-        min_slice_bytes_for_replica_parallel=MIN_BYTES_FOR_REPLICA_PARALLEL_WRITES)
-    _drop_closed_loop_callbacks()
-    for name in ("absl", "asyncio"):
-        if _orbax_noise not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_orbax_noise)
-    with _absl_quiet():  # not the "overriding jax.Array" warning
-        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-
-
-@contextlib.contextmanager
-def _absl_quiet():
-    """orbax's absl warnings, which say what shard chose, left out for the block."""
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl_logger.setLevel(level)
-
-
-_ORBAX_SOURCE = f"{os.sep}orbax{os.sep}"  # in the path of orbax's own files
-
-
-def _orbax_noise(record: logging.LogRecord) -> bool:
-    """False (dropped) for orbax's logged errors with a traceback: a failed background save (a full
-    disk) logs one per thread involved, and the same exception reaches the caller at the next wait,
-    where the CLI reports it in one line. Also asyncio's "Task exception was never retrieved" for an
-    orbax write task that failed beside the one reported (logged when the task is collected, after the
-    error line). And orbax's notes on reading a damaged checkpoint (_ORBAX_READ_NOTES)."""
-    if record.name == "asyncio":
-        message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and _ORBAX_SOURCE in message)
-    if _ORBAX_SOURCE not in record.pathname:
-        return True
-    return not (record.exc_info or record.getMessage().startswith(_ORBAX_READ_NOTES))
-
-
-# What orbax logs on reading a damaged checkpoint (or a folder that is none), before the error that shard
-# reports in one line with the path and what is wrong: dropped, so that line is all that is printed.
-_ORBAX_READ_NOTES = ('Item "', "Metadata file does not exist", "Failed to read Metadata file",
-                     "Failed to json parse Metadata file")
-
-
-def _drop_closed_loop_callbacks() -> None:
-    """When one read of a restore fails, orbax closes its asyncio loop while tensorstore's other reads
-    are still in flight; each then reports "Event loop is closed", or its own read error from a
-    coroutine that is never awaited, as an unraisable exception: a traceback apiece (with the whole
-    TensorStore spec) after the one-line notice. Those, and only those, are dropped."""
-    previous = sys.unraisablehook
-
-    def hook(args) -> None:
-        closed_loop = args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
-        code = getattr(getattr(args, "object", None), "cr_code", None)  # a coroutine's
-        orbax_read = code is not None and _ORBAX_SOURCE in code.co_filename
-        if not (closed_loop or orbax_read):
-            previous(args)
-
-    sys.unraisablehook = hook
-
-
-def state_fingerprint(state) -> dict[str, list]:
-    """`{leaf path: [checksum, dtype]}` of a (sharded) state, computed where the arrays are: a leaf's
-    checksum is the sum of its bit patterns weighted by odd multipliers of their position, modulo 2**32.
-    Any one flipped bit changes it, and it does not depend on the sharding (integer sums are exact in
-    any order). Saved with each checkpoint and compared on restore, for the leaves read back in the dtype
-    they were saved in: a stored chunk damaged in a way that still decompresses is caught instead of
-    trained on."""
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    first = leaves[0][1].sharding if leaves and isinstance(leaves[0][1], jax.Array) else None
-    replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
-    sums = np.asarray(_fingerprints(replicated)(state).addressable_data(0))
-    return {path_str(p): [int(c), str(x.dtype)] for (p, x), c in zip(leaves, sums, strict=True)}
-
-
-def first_mismatch(saved: dict, read: dict) -> str | None:
-    """The first leaf path whose checksum differs between two fingerprints, among the leaves both hold
-    in the same dtype (a resume may cast, say to another model.param_dtype); None when all agree."""
-    return next((path for path, (checksum, dtype) in read.items()
-                 if path in saved and saved[path][1] == dtype and saved[path][0] != checksum), None)
-
-
-def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
-    """One leaf's checksum (`state_fingerprint`) on the host (numpy), in blocks of `block` elements."""
-    x = np.ascontiguousarray(x)
-    flat = (x.astype(np.uint32) if x.dtype == np.bool_ else x.view(f"u{min(x.dtype.itemsize, 4)}")).reshape(-1)
-    odd = np.arange(min(block, flat.size), dtype=np.uint32) * np.uint32(2) + np.uint32(1)  # 2 * index + 1
-    total = 0
-    for start in range(0, flat.size, block):
-        part = flat[start:start + block].astype(np.uint32)
-        weights = odd[:part.size] + np.uint32(2 * start % (1 << 32))  # wraps as the device's uint32 does
-        total = (total + int(np.sum(part * weights, dtype=np.uint32))) % (1 << 32)
-    return total
-
-
-@functools.cache
-def _fingerprints(out_sharding):
-    import jax.numpy as jnp
-
-    def one(x):
-        x = jnp.asarray(x)
-        if x.dtype == jnp.bool_:
-            bits = x.astype(jnp.uint32)
-        else:
-            unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: a last dim of 2
-        index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
-        for d in reversed(range(bits.ndim)):
-            index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % (1 << 32))
-            stride *= bits.shape[d]
-        return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
-
-    return jax.jit(lambda state: jnp.stack([one(x) for x in jax.tree.leaves(state)]), out_shardings=out_sharding)
 
 
 @dataclass
@@ -181,66 +53,6 @@ class Restored:
     # the step since which the held-out data (eval.path, or data.path's held-out tail) has been kept
     # from training; None: nothing held out, or a checkpoint from before it was saved
     held_out_since: int | None = None
-
-
-def _first_line(e: BaseException) -> str:
-    """`Type: first line`, to 200 characters. orbax wraps a failed array read in a generic Exception
-    ("... See full TensorStore details: <bound method ..."): the error it wraps is named instead."""
-    first = first_line(e)
-    if " See full TensorStore details" in first and e.__cause__ is not None:
-        return _first_line(e.__cause__)
-    return (f"{type(e).__name__}: {first}" if str(e).strip() else first)[:200]
-
-
-# Reads that fail for the machine's sake, not the checkpoint's: every other checkpoint would fail the same
-# way, so falling back would set good ones aside in turn. By errno, also as tensorstore's os_error_code.
-_MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
-
-
-def _causes(e: BaseException | None):
-    """`e` and the errors it was raised from, outermost first."""
-    while e is not None:
-        yield e
-        e = e.__cause__
-
-
-def _machine_error(e: BaseException) -> bool:
-    """Out of device or host memory, no permission, too many open files: somewhere in the cause chain."""
-    def errnos(c: BaseException) -> set[int]:  # an OSError's, or tensorstore's os_error_code in the text
-        if isinstance(c, OSError):
-            return {c.errno}
-        return {int(n) for n in re.findall(r"os_error_code=\D?(\d+)", str(c))}
-
-    return any(out_of_memory(c) or errnos(c) & _MACHINE_ERRNOS for c in _causes(e))
-
-
-_MACHINE, _BAD = "machine: ", "bad: "
-
-
-def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> list[str]:
-    """Every process's outcome of reading checkpoint `step`: "" (read), "machine: why" (the machine's
-    fault, _machine_error), "bad: why" (the checkpoint's), or "peer" (this process read its part, but
-    another did not). A process whose orbax read (`in_read`) failed first meets the barrier that orbax
-    holds the others in at the end of a restore (a device collective in orbax 0.12), so that they stop
-    waiting (with a barrier-name mismatch: their "peer")."""
-    if error is None:
-        outcome = ""
-    elif _peer_failed(error):
-        outcome = "peer"
-    else:
-        outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
-        if in_read and distributed.context().mode == distributed.XLA:
-            with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
-                distributed.sync(f"checkpoint_read_failed_{step}")
-    outcomes = distributed.gather_text(outcome)
-    if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
-        return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
-    return outcomes
-
-
-def _peer_failed(e: BaseException | None) -> bool:
-    """The error a process gets in a cross-process barrier that another process met from elsewhere."""
-    return any("sync_global_devices name mismatch" in str(c) for c in _causes(e))
 
 
 class Checkpoints:
@@ -272,9 +84,9 @@ class Checkpoints:
             # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. Checkpoints
             # with no metrics on disk at all (written before shard recorded them) are kept.
             keep.append(policies.BestN(get_metric_fn=value, reverse=cfg.best_mode == "min", n=cfg.keep_best))
-        _configure_orbax()
+        configure_orbax()
         handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
-        with _absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
+        with absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
                 # No directory until the first save: a start that fails before it leaves no trace.
@@ -384,19 +196,19 @@ class Checkpoints:
                 raise
             except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
                 error = e
-            outcomes = _read_outcomes(step, error, in_read=reading)
+            outcomes = read_outcomes(step, error, in_read=reading)
             if not any(outcomes):
                 return restored
             where = "" if len(outcomes) == 1 else " on process {rank}"
-            machine = [(r, o) for r, o in enumerate(outcomes) if o.startswith(_MACHINE)]
+            machine = [(r, o) for r, o in enumerate(outcomes) if o.startswith(MACHINE)]
             if machine:  # not this checkpoint's fault: it stays where it is
                 rank, outcome = machine[0]
                 raise ShardError(f"cannot read checkpoint {self.path(step)}{where.format(rank=rank)} "
-                                 f"({outcome.removeprefix(_MACHINE)}); it is left in place") from error
-            rank, outcome = next((r, o) for r, o in enumerate(outcomes) if o.startswith(_BAD))
+                                 f"({outcome.removeprefix(MACHINE)}); it is left in place") from error
+            rank, outcome = next((r, o) for r, o in enumerate(outcomes) if o.startswith(BAD))
             fallback = f"falling back to step {steps[i - 1]}" if i else "no older checkpoint is left"
             self.notice(f"checkpoint {self.path(step)} is unreadable{where.format(rank=rank)} "
-                        f"({outcome.removeprefix(_BAD)}); set aside as {CORRUPT_PREFIX}{step}, {fallback}")
+                        f"({outcome.removeprefix(BAD)}); set aside as {CORRUPT_PREFIX}{step}, {fallback}")
             self._set_aside(step)
         raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
@@ -530,7 +342,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     try:
         stored = checkpoints.stored_tree(step)
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
-        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+        raise ShardError(f"cannot read checkpoint {state_dir}: {error_line(e)}") from None
     finally:
         checkpoints.close()
     item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), stored["params"])}
@@ -539,7 +351,7 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
         restored = ocp.PyTreeCheckpointer().restore(
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
-        raise ShardError(f"cannot read checkpoint {state_dir}: {_first_line(e)}") from None
+        raise ShardError(f"cannot read checkpoint {state_dir}: {error_line(e)}") from None
     saved = meta.get("fingerprint")
     if isinstance(saved, dict):  # checkpoints written before fingerprints have none
         read = {f"params/{path_str(p)}": [host_fingerprint(x), str(x.dtype)]

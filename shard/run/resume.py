@@ -6,7 +6,8 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from shard.config import train as config_mod
+from shard.config.resolve import differences, load_file, resolve
+from shard.config.train import TrainConfig
 from shard import tomlfiles
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR
@@ -39,22 +40,22 @@ INEXACT_CHANGES = (
 )
 
 
-def inexact_changes(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
+def inexact_changes(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
     """A notice for each kind of change in `INEXACT_CHANGES` that a resume makes to the saved config."""
-    differences = config_mod.differences(saved, cfg)
+    diffs = differences(saved, cfg)
     notes = []
     for keys, reason in INEXACT_CHANGES:
         shown = lambda v: '""' if v == "" else v  # noqa: E731 -- the embedded corpus's empty data.path
-        changed = [f"{k} {shown(a)} -> {shown(b)}" for k, a, b in differences if k in keys]
+        changed = [f"{k} {shown(a)} -> {shown(b)}" for k, a, b in diffs if k in keys]
         if changed:
             notes.append(reason.format(what=", ".join(changed)) + ", so this is not an exact resume")
     return notes
 
 
-def ranking_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -> list[str]:
+def ranking_change(saved: TrainConfig, cfg: TrainConfig) -> list[str]:
     """A notice when a resume changes how checkpoints are ranked: each save recorded only the metric it
     was ranked by (shard.run.checkpoint), so the earlier saves may lose their place among the best."""
-    changed = [f"{k} {a or '(none)'} -> {b or '(none)'}" for k, a, b in config_mod.differences(saved, cfg)
+    changed = [f"{k} {a or '(none)'} -> {b or '(none)'}" for k, a, b in differences(saved, cfg)
                if k in ("checkpoint.best_metric", "checkpoint.best_mode")]
     was, metric, keep = saved.checkpoint.best_metric, cfg.checkpoint.best_metric, cfg.checkpoint.keep
     if not changed or not (was or metric):
@@ -72,13 +73,13 @@ def ranking_change(saved: config_mod.TrainConfig, cfg: config_mod.TrainConfig) -
     return [f"the checkpoint ranking changes ({', '.join(changed)}): {fate}"]
 
 
-def resume_changes(base: dict, cfg: config_mod.TrainConfig) -> list[str]:
+def resume_changes(base: dict, cfg: TrainConfig) -> list[str]:
     """Notes on what a resume changes: what makes it inexact (the held-out share, the lr schedule, ...),
     and a new checkpoint ranking."""
     from shard.data.sources import EMBEDDED, SYNTHETIC
     from shard.data.batches import held_out_share
 
-    saved = config_mod.resolve(base)
+    saved = resolve(base)
     if saved.data.path not in (EMBEDDED, SYNTHETIC) and Path(saved.data.path).absolute() == Path(cfg.data.path):
         # a config saved before data paths were saved absolute: the same files, read from the same folder
         saved = dataclasses.replace(saved, data=dataclasses.replace(saved.data, path=cfg.data.path))
@@ -169,7 +170,7 @@ def resume_base(run_dir: str | None, allow_fresh: bool = False,
 
     if config_on_record(Path(run_dir)):  # an empty one would resume with every default
         try:
-            return config_mod.load_file(str(saved))
+            return load_file(str(saved))
         except ShardError as e:  # not read over: it may hold the user's edit; the way out is named
             found = config_saved_with(Path(run_dir) / CHECKPOINTS_DIR)
             raise ShardError(f"--resume: {e}" + (f"; fix it, or move it away to resume with the config saved "

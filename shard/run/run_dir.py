@@ -8,13 +8,14 @@ import shutil
 import time
 from pathlib import Path
 
-from shard.config import train as config_mod
+from shard.config.resolve import differences, load_file, resolve
+from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.sharding.mesh import MeshSpec, rename_mesh_file
 from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_outside_checkpoints, remove_made_folders
 
 
-def compile_cache_dir(cfg: config_mod.TrainConfig, run_dir: Path) -> Path | None:
+def compile_cache_dir(cfg: TrainConfig, run_dir: Path) -> Path | None:
     """`auto`: one cache beside the run dirs, so a restart or the next run does not recompile."""
     if cfg.xla.compile_cache in ("", "none"):
         return None
@@ -69,7 +70,7 @@ def forget_unstarted_run(path: Path, found: set[str]) -> None:
             target.unlink(missing_ok=True)
 
 
-def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
+def choose_run_dir(cfg: TrainConfig, mesh_spec: MeshSpec, resume: bool = False) -> Path:
     """Where this run writes; a run dir that holds another run is reused only with --resume."""
     if cfg.run_dir:
         path = Path(cfg.run_dir)
@@ -84,12 +85,12 @@ def choose_run_dir(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, resume: boo
         if not resume and holds_run(path):
             if config_on_record(path):
                 try:
-                    theirs = config_mod.resolve(config_mod.load_file(str(path / "config.toml")))
+                    theirs = resolve(load_file(str(path / "config.toml")))
                 except ShardError:
                     theirs = None
                 # how the processes meet, or where compiled programs are cached, is not the run's identity
                 ignore = ("run_dir", "cluster", "xla.compile_cache")
-                diff = config_mod.differences(theirs, cfg, ignore=ignore) if theirs else []
+                diff = differences(theirs, cfg, ignore=ignore) if theirs else []
                 if diff:
                     key, there, here = diff[0]
                     # its checkpoints load into another model only where the model is the same

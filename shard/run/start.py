@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from shard.config import train as config_mod
+from shard import config as config_mod
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR, RunDirLock, globless, write_text_atomic
 from shard.run.resume import check_hf_model_is_preset, init_from_base, resume_base, resume_changes

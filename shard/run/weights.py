@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from shard.config import train as config_mod
+from shard.config.resolve import resolve
 from shard import tomlfiles
 from shard.config.train import TrainConfig
 from shard.errors import ShardError
@@ -35,8 +35,8 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
     if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
-                         "config_toml=shard.config.train.to_toml(cfg) to Checkpoints.save)")
-    return config_mod.resolve({"model": saved["model"]}).model, params
+                         "config_toml=shard.config.resolve.to_toml(cfg) to Checkpoints.save)")
+    return resolve({"model": saved["model"]}).model, params
 
 
 def saved_run_config(path: str | Path) -> TrainConfig | None:
@@ -50,7 +50,7 @@ def saved_run_config(path: str | Path) -> TrainConfig | None:
     text = saved_config(directory / str(step))
     if text is None:
         raise ShardError(f"checkpoint {directory / str(step)} holds no readable config")
-    return config_mod.resolve(tomlfiles.parse(text, f"the config saved with checkpoint {directory / str(step)}"))
+    return resolve(tomlfiles.parse(text, f"the config saved with checkpoint {directory / str(step)}"))
 
 
 def held_out_since(path: str | Path) -> int | None:

@@ -203,7 +203,7 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
         return None
     if not restored.config_toml:  # weights from elsewhere (--init-from): the run starts here
         return 0
-    from shard.config import train as config
+    from shard import config as config
     from shard import tomlfiles
 
     try:

@@ -22,7 +22,7 @@ import jax  # noqa: E402
 
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
-from shard.config import train as config_mod  # noqa: E402
+from shard import config as config_mod  # noqa: E402
 from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
 from shard.train.loop import prepare, train  # noqa: E402
 from shard.train.preemption import StopOnSignal  # noqa: E402

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint import checkpoint_managers as policies
 
-from shard.cluster import distributed
+from shard.cluster import runtime
 from shard.config.train import CheckpointConfig
 from shard.errors import ShardError, first_line, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
@@ -228,10 +228,10 @@ def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> lis
         outcome = "peer"
     else:
         outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
-        if in_read and distributed.context().mode == distributed.XLA:
+        if in_read and runtime.context().mode == runtime.XLA:
             with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
-                distributed.sync(f"checkpoint_read_failed_{step}")
-    outcomes = distributed.gather_text(outcome)
+                runtime.sync(f"checkpoint_read_failed_{step}")
+    outcomes = runtime.gather_text(outcome)
     if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
         return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
     return outcomes
@@ -297,7 +297,7 @@ class Checkpoints:
         """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
         for p in self.incomplete():
             self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
-            if distributed.is_main_process():
+            if runtime.is_main_process():
                 shutil.rmtree(p, ignore_errors=True)
         self._sync("clean_incomplete")
 
@@ -310,7 +310,7 @@ class Checkpoints:
              metrics: dict | None = None, tokens_seen: int | None = None, held_out_since: int | None = None) -> None:
         """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
         so the caller may donate them to the next step."""
-        if not distributed.writes_shared_files():
+        if not runtime.writes_shared_files():
             return  # the MPI bridge: process 0 writes the replica every process holds
         meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml,
                 "fingerprint": state_fingerprint(state)}
@@ -401,7 +401,7 @@ class Checkpoints:
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 
     def _set_aside(self, step: int) -> None:
-        if distributed.is_main_process():
+        if runtime.is_main_process():
             target = self.directory / f"{CORRUPT_PREFIX}{step}"
             n = 1
             while target.exists():
@@ -412,7 +412,7 @@ class Checkpoints:
 
     @staticmethod
     def _sync(name: str) -> None:
-        distributed.sync(f"checkpoint_{name}")
+        runtime.sync(f"checkpoint_{name}")
 
 
 class SaveCheckpoints:

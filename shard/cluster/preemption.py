@@ -13,7 +13,7 @@ trained on. The loop then stops before its first step.
 import signal
 from collections.abc import Callable
 
-from shard.cluster import runtime
+from shard.cluster import exchange
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -57,7 +57,7 @@ class StopOnSignal:
             self._previous[s] = signal.signal(s, self._handle)
 
     def should_stop(self) -> bool:
-        anywhere = runtime.any_process(self.received is not None)
+        anywhere = exchange.any_process(self.received is not None)
         if anywhere and not self.stopped:
             self.stopped = True
             self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "

@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 
 from shard.config import train as config_mod
-from shard.cluster import runtime
+from shard.cluster import exchange, runtime
 from shard.errors import ShardError
 from shard.sharding.mesh import rename_mesh_file
 
@@ -45,12 +45,12 @@ def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | No
     process that resumed while another initialised waited in a collective for ever."""
     mine = config_mod.to_toml(_comparable(cfg))
     flags = json.dumps(start or {})
-    theirs, their_flags = json.loads(runtime.broadcast_text(json.dumps([mine, flags])))
+    theirs, their_flags = json.loads(exchange.broadcast_text(json.dumps([mine, flags])))
     differs = (theirs, their_flags) != (mine, flags)
     # the message is made before the processes agree that one differs: process 0 stops at once then, and
     # a process still resolving process 0's config to name the key was told "lost process 0" instead
     problem = _difference(cfg, start, mine, flags, theirs, their_flags) if differs else None
-    if not runtime.any_process_by_service(differs):
+    if not exchange.any_process_by_service(differs):
         return
     raise ShardError(problem or "another process of this job was started with a different config (or --resume, "
                      "--allow-fresh, --init-from); start every process with the same command")
@@ -92,10 +92,10 @@ def check_same_data(cfg: config_mod.TrainConfig) -> None:
         except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike
             mine = f"error: {e}"
         digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ
-        differs = runtime.broadcast_text(digest) != digest
-        if not runtime.any_process_by_service(differs or mine.startswith("error: ")):
+        differs = exchange.broadcast_text(digest) != digest
+        if not exchange.any_process_by_service(differs or mine.startswith("error: ")):
             continue
-        theirs = runtime.broadcast_text(mine)
+        theirs = exchange.broadcast_text(mine)
         if mine.startswith("error: "):
             raise ShardError(mine.removeprefix("error: "))
         if not differs:
@@ -133,13 +133,13 @@ def check_shared_run_dir(path: Path) -> None:
             made, marker = Path(name), f"{up}/{Path(name).name}"
         except OSError:  # not writable: making the run dir will say so
             pass
-    marker = runtime.broadcast_text(marker)
+    marker = exchange.broadcast_text(marker)
     missing = False
     if marker:
         above, name = marker.split("/", 1)
         missing = int(above) >= len(levels) or not (levels[int(above)] / name).exists()
     try:
-        lost = runtime.any_process_by_service(missing)
+        lost = exchange.any_process_by_service(missing)
     finally:
         if made is not None:
             made.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint import checkpoint_managers as policies
 
-from shard.cluster import runtime
+from shard.cluster import exchange, runtime
 from shard.config.train import CheckpointConfig
 from shard.errors import ShardError, first_line, out_of_memory
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
@@ -230,8 +230,8 @@ def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> lis
         outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
         if in_read and runtime.context().mode == runtime.XLA:
             with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
-                runtime.sync(f"checkpoint_read_failed_{step}")
-    outcomes = runtime.gather_text(outcome)
+                exchange.sync(f"checkpoint_read_failed_{step}")
+    outcomes = exchange.gather_text(outcome)
     if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
         return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
     return outcomes
@@ -412,7 +412,7 @@ class Checkpoints:
 
     @staticmethod
     def _sync(name: str) -> None:
-        runtime.sync(f"checkpoint_{name}")
+        exchange.sync(f"checkpoint_{name}")
 
 
 class SaveCheckpoints:

@@ -1,5 +1,5 @@
 """Held-out loss (eval.path, or data.path's held-out tail: shard.data.batches.eval_samples) on a process set:
-the trainer's own use of `shard.cluster.runtime.process_set`.
+the trainer's own use of `shard.cluster.process_sets.process_set`.
 
 The first `eval.processes` processes form the set "eval"; each member evaluates its block of every
 held-out batch on its own mesh and the set sums (loss, tokens) over its members only, while the other
@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from shard.cluster import runtime
+from shard.cluster import process_sets, runtime
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples
 from shard.errors import ShardError
@@ -52,7 +52,7 @@ class Evaluator:
         ctx = runtime.context()
         n = eval_processes(cfg, ctx)
         self.cfg = cfg
-        self.group = runtime.process_set(range(n), name="eval")
+        self.group = process_sets.process_set(range(n), name="eval")
         self.step = make_eval_step(run.spec, run.layout)
         dataset = run.eval_data if run.eval_data is not None else eval_samples(cfg)
         if ctx.mode == runtime.MPI:

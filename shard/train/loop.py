@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from shard.cluster import runtime
+from shard.cluster import exchange, process_sets, runtime
 from shard.measure.analysis import compile_step, memory_of
 from shard.config.train import GuardConfig, TrainConfig
 from shard.measure.costs import mfu_flops_per_token
@@ -165,7 +165,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         compiled = compile_step(cfg, layout, spec)
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
-    runtime.barrier("compiled")
+    exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
@@ -214,7 +214,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
-    step = make_bridge_step(spec, layout, runtime.world().comm, cfg.data.microbatches,
+    step = make_bridge_step(spec, layout, process_sets.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,

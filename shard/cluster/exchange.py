@@ -1,7 +1,16 @@
-"""Values between the processes of one job: a barrier, process 0's text on every process, every
-process's text on every process, and whether a flag is set on any of them. One process: each returns
-at once. Under jax.distributed they go through the coordination service (shard.cluster.runtime's
-client), under the MPI bridge through MPI.
+"""Values between the processes of one job, one function each: a barrier, process 0's text on every
+process, every process's text on every process, and whether a flag is set on any of them. One
+process: each returns at once; under the MPI bridge each is MPI's.
+
+Under jax.distributed two mechanisms cross the processes; a barrier or an any_process picks one:
+- the coordination service (the default): its barrier and key-value store. It needs no devices, so
+  it serves the start-up checks, made before the processes are known to hold as many devices, and a
+  process lost meanwhile is named (runtime.fail). It is there only where shard joined the job
+  (runtime.start); elsewhere a barrier through it returns at once and any_process takes the devices.
+- a device collective (`device_collective=True`): an XLA program over every device. It also works
+  under a jax.distributed that a caller started without shard, meets another device barrier (orbax
+  waits in one at the end of a restore), and leaves no keys behind in the service (a check made
+  every step).
 """
 
 from __future__ import annotations
@@ -12,23 +21,31 @@ from shard.cluster.mpi import mpi_world
 from shard.cluster.runtime import MPI, XLA, context, fail, service_client
 
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
+_BROADCAST_WAIT_MS = 3_600_000  # a lost process 0 is the watchdog's to report, within the failure timeout
 
 
-def barrier(name: str, timeout: float = STARTUP_TIMEOUT) -> None:
-    """Wait until every process gets here (a live but slow one up to `timeout`; a lost one is reported
-    by the watchdog within the failure timeout).
-
-    Before the first cross-process computations: gloo's rendezvous gives up after a fixed 30 s, and
-    one process can reach it that much later than another when compiling on a busy machine.
+def barrier(name: str, timeout: float = STARTUP_TIMEOUT, *, device_collective: bool = False) -> None:
+    """Wait until every process gets here. Through the service a live but slow process is waited for up
+    to `timeout` (gloo's rendezvous gives up after a fixed 30 s, and one process can reach the first
+    cross-process computation that much later than another when compiling on a busy machine); a lost
+    one is reported by the watchdog within the failure timeout. As a device collective: after process 0
+    changed shared files (checkpoints), and to meet orbax's barrier.
     """
     ctx = context()
-    if ctx.mode == XLA:
+    if ctx.mode == MPI:
+        mpi_world().Barrier()
+    elif device_collective:
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shard_{name}")
+    elif ctx.mode == XLA:
         try:
             service_client().wait_at_barrier(f"shard_{name}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
             fail(e)
-    elif ctx.mode == MPI:
-        mpi_world().Barrier()
 
 
 def _next_exchange(kind: str):
@@ -38,9 +55,6 @@ def _next_exchange(kind: str):
     key = f"shard/{kind}/{ctx.exchanges}"
     ctx.exchanges += 1
     return service_client(), key
-
-
-_BROADCAST_WAIT_MS = 3_600_000  # a lost process 0 is the watchdog's to report, within the failure timeout
 
 
 def broadcast_text(text: str) -> str:
@@ -63,22 +77,6 @@ def broadcast_text(text: str) -> str:
     return text
 
 
-def any_process_by_service(flag: bool) -> bool:
-    """`any_process` through the coordination service's key-value store, for the checks made before the
-    processes are known to agree (a device collective assumes as many devices on each)."""
-    ctx = context()
-    if ctx.mode != XLA or ctx.size < 2:
-        return any_process(flag)
-    client, key = _next_exchange("any")
-    try:
-        client.key_value_set(f"{key}/{ctx.rank}", "1" if flag else "0")
-        # every flag read before any answer: a barrier too (process 0 then removes its marker file)
-        flags = [client.blocking_key_value_get(f"{key}/{r}", _BROADCAST_WAIT_MS) for r in range(ctx.size)]
-        return "1" in flags
-    except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
-        fail(e)
-
-
 def gather_text(text: str) -> list[str]:
     """Every process's `text`, in rank order, on every process (one process: [text]); through the
     coordination service's key-value store, so a device collective left half-met can't mix it up."""
@@ -95,9 +93,12 @@ def gather_text(text: str) -> list[str]:
         fail(e)
 
 
-def any_process(flag: bool) -> bool:
-    """True on every process when `flag` is true on any of them (one process: `flag`)."""
+def any_process(flag: bool, *, device_collective: bool = False) -> bool:
+    """True on every process when `flag` is true on any of them (one process: `flag`). Through the
+    service every flag is read before any process answers, so it is a barrier too."""
     ctx = context()
+    if ctx.mode == XLA and ctx.size > 1 and not device_collective:
+        return _any_in_service(flag)
     if ctx.mode == MPI:
         from mpi4py import MPI as _MPI
 
@@ -111,15 +112,13 @@ def any_process(flag: bool) -> bool:
     return flag
 
 
-def sync(name: str) -> None:
-    """Every process waits here for the others (e.g. after process 0 changed shared files)."""
+def _any_in_service(flag: bool) -> bool:
     ctx = context()
-    if ctx.mode == MPI:
-        mpi_world().Barrier()
-        return
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(f"shard_{name}")
+    client, key = _next_exchange("any")
+    try:
+        client.key_value_set(f"{key}/{ctx.rank}", "1" if flag else "0")
+        # every flag read before any answer: a barrier too (process 0 then removes its marker file)
+        flags = [client.blocking_key_value_get(f"{key}/{r}", _BROADCAST_WAIT_MS) for r in range(ctx.size)]
+        return "1" in flags
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own error type
+        fail(e)

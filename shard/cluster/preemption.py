@@ -57,7 +57,7 @@ class StopOnSignal:
             self._previous[s] = signal.signal(s, self._handle)
 
     def should_stop(self) -> bool:
-        anywhere = exchange.any_process(self.received is not None)
+        anywhere = exchange.any_process(self.received is not None, device_collective=True)
         if anywhere and not self.stopped:
             self.stopped = True
             self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "

@@ -55,8 +55,10 @@ class Context:
 
     @property
     def is_main(self) -> bool:
-        """Process 0 prints and writes the run's files."""
-        return self.rank == 0
+        """Process 0: it prints, and it alone changes shared files (renames, deletions). In a single
+        process of shard's, JAX's process index decides too: a caller may have started jax.distributed
+        without shard (asking JAX starts its backends where nothing did yet)."""
+        return self.rank == 0 and (self.mode != "single" or _jax_process_index() == 0)
 
 
 _ctx = Context()
@@ -159,13 +161,6 @@ def fail(error: BaseException) -> None:
     if missing:
         _stop_on_lost(missing, first)
     _lost(f"a cross-process collective failed: {first}")
-
-
-def is_main_process() -> bool:
-    """Process 0 of the job, the one that changes shared files (renames, deletions)."""
-    import jax
-
-    return _ctx.is_main and jax.process_index() == 0
 
 
 def writes_shared_files() -> bool:
@@ -367,6 +362,14 @@ def jax_distributed_module():
     from jax._src import distributed
 
     return distributed
+
+
+def _jax_process_index() -> int:
+    if "jax" not in sys.modules:  # then nothing started jax.distributed in this process
+        return 0
+    import jax
+
+    return jax.process_index()
 
 
 def service_client():

@@ -50,7 +50,7 @@ def check_same_config(cfg: config_mod.TrainConfig, start: dict[str, object] | No
     # the message is made before the processes agree that one differs: process 0 stops at once then, and
     # a process still resolving process 0's config to name the key was told "lost process 0" instead
     problem = _difference(cfg, start, mine, flags, theirs, their_flags) if differs else None
-    if not exchange.any_process_by_service(differs):
+    if not exchange.any_process(differs):
         return
     raise ShardError(problem or "another process of this job was started with a different config (or --resume, "
                      "--allow-fresh, --init-from); start every process with the same command")
@@ -93,7 +93,7 @@ def check_same_data(cfg: config_mod.TrainConfig) -> None:
             mine = f"error: {e}"
         digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ
         differs = exchange.broadcast_text(digest) != digest
-        if not exchange.any_process_by_service(differs or mine.startswith("error: ")):
+        if not exchange.any_process(differs or mine.startswith("error: ")):
             continue
         theirs = exchange.broadcast_text(mine)
         if mine.startswith("error: "):
@@ -139,7 +139,7 @@ def check_shared_run_dir(path: Path) -> None:
         above, name = marker.split("/", 1)
         missing = int(above) >= len(levels) or not (levels[int(above)] / name).exists()
     try:
-        lost = exchange.any_process_by_service(missing)
+        lost = exchange.any_process(missing)
     finally:
         if made is not None:
             made.unlink(missing_ok=True)

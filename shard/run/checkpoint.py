@@ -230,7 +230,7 @@ def _read_outcomes(step: int, error: BaseException | None, in_read: bool) -> lis
         outcome = (_MACHINE if _machine_error(error) else _BAD) + _first_line(error)
         if in_read and runtime.context().mode == runtime.XLA:
             with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
-                exchange.sync(f"checkpoint_read_failed_{step}")
+                exchange.barrier(f"checkpoint_read_failed_{step}", device_collective=True)
     outcomes = exchange.gather_text(outcome)
     if any(outcomes) and not any(o.startswith((_MACHINE, _BAD)) for o in outcomes):  # no one says why
         return [_MACHINE + "a barrier between the processes failed" for _ in outcomes]
@@ -297,7 +297,7 @@ class Checkpoints:
         """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
         for p in self.incomplete():
             self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
-            if runtime.is_main_process():
+            if runtime.context().is_main:
                 shutil.rmtree(p, ignore_errors=True)
         self._sync("clean_incomplete")
 
@@ -401,7 +401,7 @@ class Checkpoints:
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 
     def _set_aside(self, step: int) -> None:
-        if runtime.is_main_process():
+        if runtime.context().is_main:
             target = self.directory / f"{CORRUPT_PREFIX}{step}"
             n = 1
             while target.exists():
@@ -412,7 +412,7 @@ class Checkpoints:
 
     @staticmethod
     def _sync(name: str) -> None:
-        exchange.sync(f"checkpoint_{name}")
+        exchange.barrier(f"checkpoint_{name}", device_collective=True)
 
 
 class SaveCheckpoints:

@@ -377,3 +377,12 @@ def service_client():
     store, the live processes)."""
     return jax_distributed_module().global_state.client
 
+
+def jax_started() -> bool:
+    """Whether JAX's backends have started: XLA reads its flags and the CPU device count then, and a
+    cluster must be joined before."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()

@@ -7,7 +7,7 @@ from shard.errors import ShardError
 
 
 def mpi_world():
-    """MPI's world communicator (MPI starts on first use, in the calling thread)."""
+    """MPI's world communicator (the first call imports mpi4py, which starts MPI in the calling thread)."""
     try:
         from mpi4py import MPI as _MPI
     except ImportError:

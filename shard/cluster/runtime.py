@@ -9,10 +9,10 @@ One process per host owns that host's devices. Two ways to cross hosts:
 - `mpi`: each process runs an SPMD program over its own devices only; gradients and metrics cross
   hosts through mpi4jax over an MPI communicator (see shard/train/bridge.py).
 
-The CLI calls `start()` before JAX's backends start (the launcher's view is shard.cluster.launch's);
-the rest of shard asks `context()` for the rank, the process count and the mode, as Horovod's
-`hvd.rank()` does. Values between the processes: shard.cluster.exchange; groups of them:
-shard.cluster.process_sets.
+The CLI calls `start()` before JAX's backends start (the launcher's view is shard.cluster.launch's,
+the connection itself shard.cluster.join's); the rest of shard asks `context()` for the rank, the
+process count and the mode, as Horovod's `hvd.rank()` does. Values between the processes:
+shard.cluster.exchange; groups of them: shard.cluster.process_sets.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Context:
     failure_timeout: float = 60.0
     _watchdog: _Watchdog | None = None
     sets: dict[str, ProcessSet] = field(default_factory=dict)  # by name (shard.cluster.process_sets)
-    exchanges: int = 0  # exchanges through the service so far (shard.cluster.exchange): their keys
+    exchanges: int = 0  # service exchanges made so far (shard.cluster.exchange): the next one's key
 
     @property
     def is_main(self) -> bool:

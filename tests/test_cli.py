@@ -195,7 +195,7 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
     """`train` notes the cluster it will join, so that an error before joining still reaches the other
     processes; a later command in the same interpreter (a notebook, these tests) must not inherit it,
     or its first user error would try to join that cluster."""
-    from shard.cluster import distributed
+    from shard.cluster import runtime
     from shard.run import start
 
     def bug(*args, **kwargs):
@@ -204,7 +204,7 @@ def test_a_cluster_is_not_expected_after_its_command(monkeypatch):
     monkeypatch.setattr(start.config_mod, "resolve", bug)
     result = invoke("train", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "1")
     assert isinstance(result.exception, RuntimeError)
-    assert distributed._expected is None
+    assert runtime._expected is None
 
 
 def test_a_full_disk_and_out_of_memory_are_told_apart_with_advice_for_the_command():

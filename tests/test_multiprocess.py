@@ -257,12 +257,12 @@ def test_mpi_bridge_refuses_a_model_axis_across_processes(tmp_path):
 
 PROCESS_SETS = textwrap.dedent("""
     import json, os
-    from shard.cluster import launch as cluster, distributed
+    from shard.cluster import launch as cluster, process_sets, runtime
     from shard.errors import ShardError
 
-    ctx = distributed.start(cluster.spec(os.environ), "xla", failure_timeout=30)
+    ctx = runtime.start(cluster.spec(os.environ), "xla", failure_timeout=30)
     out = {"rank": ctx.rank}
-    evens = distributed.process_set([0, 2], name="evens")
+    evens = process_sets.process_set([0, 2], name="evens")
     if evens.includes():
         out["mpi_sum"] = float(evens.allreduce(ctx.rank + 1.0))
         out["xla_sum"] = float(evens._xla_allreduce(__import__("numpy").float32(ctx.rank + 1.0)))
@@ -273,23 +273,23 @@ PROCESS_SETS = textwrap.dedent("""
             evens.allreduce(1.0)
         except ShardError as e:
             out["non_member"] = str(e)
-    pair = distributed.process_set([1, 2], name="pair")
+    pair = process_sets.process_set([1, 2], name="pair")
     pair.destroy()
     try:
         pair.allreduce(1.0)
     except ShardError as e:
         out["destroyed"] = str(e)
-    again = distributed.process_set([1, 2], name="pair")  # the name is free again
+    again = process_sets.process_set([1, 2], name="pair")  # the name is free again
     if again.includes():
         out["again"] = float(again.allreduce(10.0))
-    out["world"] = float(distributed.world().allreduce(1.0))
+    out["world"] = float(process_sets.world().allreduce(1.0))
     for ranks in ([0, 2 if ctx.rank == 2 else 1], [0, 0]):  # process 2 disagrees (MPI hung); a repeat
         try:
-            distributed.process_set(ranks, name="odd")
+            process_sets.process_set(ranks, name="odd")
         except ShardError as e:
             out.setdefault("refused", []).append(str(e))
     open(f"sets-{ctx.rank}.json", "w").write(json.dumps(out))
-    distributed.finish()
+    runtime.finish()
 """)
 
 
@@ -589,7 +589,7 @@ def test_a_process_stops_even_when_its_stderr_is_gone(monkeypatch):
     import io
     import threading
 
-    from shard.cluster import distributed
+    from shard.cluster import runtime
 
     class Exited(BaseException):
         pass
@@ -602,37 +602,35 @@ def test_a_process_stops_even_when_its_stderr_is_gone(monkeypatch):
             raise BrokenPipeError(32, "Broken pipe")
 
     left = []
-    monkeypatch.setattr(distributed, "_stopping", threading.Lock())
-    monkeypatch.setattr(distributed.os, "_exit", exit_)
-    monkeypatch.setattr(distributed.sys, "stderr", ClosedPipe())
-    monkeypatch.setattr(distributed, "_leave_service", lambda: left.append(True))
+    monkeypatch.setattr(runtime, "_stopping", threading.Lock())
+    monkeypatch.setattr(runtime.os, "_exit", exit_)
+    monkeypatch.setattr(runtime.sys, "stderr", ClosedPipe())
+    monkeypatch.setattr(runtime, "_leave_service", lambda: left.append(True))
     with pytest.raises(Exited) as exited:
-        distributed._lost("lost process 1 of 2", 3)
+        runtime._lost("lost process 1 of 2", 3)
     assert exited.value.args == (3,) and left == [True]
-    waited = threading.Thread(target=distributed.wait_if_stopping, daemon=True)
+    waited = threading.Thread(target=runtime.wait_if_stopping, daemon=True)
     waited.start()
     waited.join(5)
     assert waited.is_alive()  # another thread waits for the stopping one to exit the process
-    distributed.wait_if_stopping()  # the stopping thread itself goes on
+    runtime.wait_if_stopping()  # the stopping thread itself goes on
 
 
 def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
     """A reason left without its exit code (an older shard in the job): named, and exit code 3."""
-    from jax._src import distributed as jax_distributed
-
-    from shard.cluster import distributed
+    from shard.cluster import runtime
 
     class Client:
         def key_value_try_get(self, key):
             return {"shard/error/1": "out of memory (old format)", "shard/error/2": "2 no such file"}[key]
 
     stopped = []
-    monkeypatch.setattr(jax_distributed.global_state, "client", Client())
-    monkeypatch.setattr(distributed, "_ctx", distributed.Context(distributed.XLA, 0, 3))
-    monkeypatch.setattr(distributed, "_lost", lambda reason, code=3: stopped.append((reason, code)))
-    distributed._stop_on_lost([1], "no reason")
-    distributed._stop_on_lost([2], "no reason")
-    distributed._stop_on_lost([1, 2], "no reason")
+    monkeypatch.setattr(runtime.jax_distributed_module().global_state, "client", Client())
+    monkeypatch.setattr(runtime, "_ctx", runtime.Context(runtime.XLA, 0, 3))
+    monkeypatch.setattr(runtime, "_lost", lambda reason, code=3: stopped.append((reason, code)))
+    runtime._stop_on_lost([1], "no reason")
+    runtime._stop_on_lost([2], "no reason")
+    runtime._stop_on_lost([1, 2], "no reason")
     assert stopped == [
         ("lost process 1 of 3 (process 1 stopped on: out of memory (old format))", 3),
         ("lost process 2 of 3 (process 2 stopped on: no such file)", 2),
@@ -642,7 +640,7 @@ def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
 
 
 def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
-    from shard.cluster.distributed import _wait_for_coordinator
+    from shard.cluster.join import _wait_for_coordinator
     from shard.errors import ShardError
 
     with socket.socket() as s:  # a port nobody listens on
@@ -656,7 +654,7 @@ def test_an_unreachable_coordinator_is_one_line_not_a_native_abort():
         _wait_for_coordinator(f"127.0.0.1:{s.getsockname()[1]}", timeout=1.0)
     # process 0 serves on every interface, but checks that the name the others dial resolves (it waited
     # out the join timeout)
-    from shard.cluster.distributed import _check_resolves
+    from shard.cluster.join import _check_resolves
 
     with pytest.raises(ShardError, match="--coordinator nohost.invalid:1234: unknown host"):
         _check_resolves("nohost.invalid:1234")

@@ -75,16 +75,16 @@ class CommandGroup(typer.core.TyperGroup):
         try:
             return super().invoke(ctx)
         except Exception as e:
-            distributed = sys.modules.get("shard.cluster.distributed")
-            if distributed:
-                distributed.wait_if_stopping()  # another thread is reporting the cause and exits
+            runtime = sys.modules.get("shard.cluster.runtime")
+            if runtime:
+                runtime.wait_if_stopping()  # another thread is reporting the cause and exits
             error = user_error(e, ctx.invoked_subcommand) or _usage_error(e)
             if error is None:
                 raise
             _fail(error)
         finally:  # a cluster one command expected to join is not the next one's (in-process calls)
-            if distributed := sys.modules.get("shard.cluster.distributed"):
-                distributed.expect(None)
+            if runtime := sys.modules.get("shard.cluster.runtime"):
+                runtime.expect(None)
             while at_command_end:
                 at_command_end.pop()()
 
@@ -93,7 +93,7 @@ at_command_end: list = []  # what a command holds until it ends, however it ends
 
 
 def _fail(e: Exception):
-    from shard.cluster.distributed import leave_on_error
+    from shard.cluster.runtime import leave_on_error
 
     err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
     leave_on_error(str(e), 2)  # several processes: the others learn of it (or the job stops); exits there

@@ -58,16 +58,16 @@ def train(
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
     from shard.cli.app import at_command_end  # not at the top: app imports this module
-    from shard.cluster import distributed
+    from shard.cluster import runtime
     from shard.cluster import launch as cluster_mod
     from shard.train.preemption import remember_interrupts
 
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
-    # reaches the others (distributed.leave_on_error), even before it joins them.
+    # reaches the others (runtime.leave_on_error), even before it joins them.
     at_command_end.append(remember_interrupts())  # a Ctrl-C that Python drops still stops the run
     cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
     defaults = config_mod.ClusterConfig()  # until the config is read
-    distributed.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
+    runtime.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
                        defaults.join_timeout)
     if allow_fresh and not resume:
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
@@ -84,9 +84,9 @@ def train(
 
 def _notice(message: str) -> None:
     """What the run says on its way (a resume, a cut warmup, a signal): once, by the main process."""
-    from shard.cluster import distributed
+    from shard.cluster import runtime
 
-    if distributed.context().is_main:
+    if runtime.context().is_main:
         err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
 
 
@@ -104,7 +104,7 @@ class _Run:
 
     def train(self) -> None:
         from shard.cli.app import at_command_end, user_error
-        from shard.cluster import distributed
+        from shard.cluster import runtime
         from shard.run.checkpoint import Checkpoints
 
         path, devices = self._launch()
@@ -118,7 +118,7 @@ class _Run:
         try:
             run = self._prepare(devices, restore)
             if run is None:  # nothing to do
-                distributed.finish()
+                runtime.finish()
                 return
             self._loop(run, claim)
         except ShardError:
@@ -129,13 +129,13 @@ class _Run:
         except Exception as e:  # a lost peer surfaces as a runtime error in a collective
             if user_error(e) is not None:
                 raise  # this process's own error (out of memory, a full disk), not a lost peer's
-            distributed.fail(e)  # several processes: names the lost one and exits; one process: re-raises
+            runtime.fail(e)  # several processes: names the lost one and exits; one process: re-raises
         self._ended(run, path)
-        distributed.finish()
+        runtime.finish()
 
     def _launch(self) -> tuple[Path, list]:
         """The run dir and the devices, once every process agrees on the config, the data and the run dir."""
-        from shard.cluster import distributed
+        from shard.cluster import exchange
         from shard.data.sources import unused_files_note
         from shard.run.agreement import check_same_config, check_same_data, check_shared_run_dir
 
@@ -146,7 +146,7 @@ class _Run:
             warn(note)
         path = run_dir_for(cfg, mesh_spec, self.resume, self.main)
         devices = start_devices(cfg, mesh_spec, compile_cache_dir(cfg, path), self.cluster)
-        path = Path(distributed.broadcast_text(str(path)))
+        path = Path(exchange.broadcast_text(str(path)))
         check_same_config(cfg, {"--resume": self.resume, "--allow-fresh": self.allow_fresh})
         check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
         check_same_data(cfg)

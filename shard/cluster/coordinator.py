@@ -94,9 +94,9 @@ def service_in_helper():
     """While active, a `jax.distributed.initialize` on process 0 hosts its service in a helper process.
 
     Falls back to JAX's own in-process service where this jaxlib has no such entry point."""
-    from jax._src import distributed as jax_distributed
+    from shard.cluster.runtime import jax_distributed_module
 
-    lib = getattr(jax_distributed, "_jax", None)
+    lib = getattr(jax_distributed_module(), "_jax", None)
     original = getattr(lib, "get_distributed_runtime_service", None)
     if original is None:
         yield

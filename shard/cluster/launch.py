@@ -1,5 +1,5 @@
 """Which job this process belongs to, from its launcher's environment (mpiexec, srun) or explicit flags:
-pure functions of the environment, read before anything starts (shard.cluster.distributed joins the job)."""
+pure functions of the environment, read before anything starts (shard.cluster.runtime joins the job)."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass

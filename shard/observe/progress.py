@@ -33,13 +33,13 @@ class ConsoleProgress(Observer):
         cfg = self.cfg
         mesh = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         kind = run.mesh.devices.flat[0].platform
-        from shard.cluster import distributed
+        from shard.cluster import runtime
 
-        ctx = distributed.context()
+        ctx = runtime.context()
         where = f"{run.mesh.size} {kind} device(s)"
-        if ctx.mode == distributed.XLA:
+        if ctx.mode == runtime.XLA:
             where += f" in {ctx.size} processes ({run.mesh.size // ctx.size} per host)"
-        elif ctx.mode == distributed.MPI:
+        elif ctx.mode == runtime.MPI:
             where = f"{run.mesh.size} {kind} device(s) in each of {ctx.size} processes (MPI bridge)"
         peak = run.compiled_memory.get("total")
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
@@ -57,7 +57,7 @@ class ConsoleProgress(Observer):
         if run.hardware is not None:
             from shard.measure.plan import startup_warnings
 
-            hosts = ctx.size if ctx.mode == distributed.XLA else 1  # the MPI bridge's mesh is this host's
+            hosts = ctx.size if ctx.mode == runtime.XLA else 1  # the MPI bridge's mesh is this host's
             try:
                 warnings = startup_warnings(cfg, dict(run.mesh.shape), run.hardware, hosts)
             except ShardError:  # a layout the cost model cannot describe gets no advice, not an error

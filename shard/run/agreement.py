@@ -18,7 +18,7 @@ from pathlib import Path
 
 from shard.config.resolve import differences, resolve, to_toml
 from shard.config.train import TrainConfig
-from shard.cluster import distributed
+from shard.cluster import exchange, runtime
 from shard.errors import ShardError
 from shard.sharding.mesh import rename_mesh_file
 
@@ -46,12 +46,12 @@ def check_same_config(cfg: TrainConfig, start: dict[str, object] | None = None) 
     process that resumed while another initialised waited in a collective for ever."""
     mine = to_toml(_comparable(cfg))
     flags = json.dumps(start or {})
-    theirs, their_flags = json.loads(distributed.broadcast_text(json.dumps([mine, flags])))
+    theirs, their_flags = json.loads(exchange.broadcast_text(json.dumps([mine, flags])))
     differs = (theirs, their_flags) != (mine, flags)
     # the message is made before the processes agree that one differs: process 0 stops at once then, and
     # a process still resolving process 0's config to name the key was told "lost process 0" instead
     problem = _difference(cfg, start, mine, flags, theirs, their_flags) if differs else None
-    if not distributed.any_process_by_service(differs):
+    if not exchange.any_process(differs):
         return
     raise ShardError(problem or "another process of this job was started with a different config (or --resume, "
                      "--allow-fresh, --init-from); start every process with the same command")
@@ -59,7 +59,7 @@ def check_same_config(cfg: TrainConfig, start: dict[str, object] | None = None) 
 
 def _difference(cfg, start, mine: str, flags: str, theirs: str, their_flags: str) -> str:
     """What this process was started with that process 0 was not (its config `theirs`, flags `their_flags`)."""
-    rank = distributed.context().rank
+    rank = runtime.context().rank
     if theirs == mine:
         ours, zeros = (start or {}), json.loads(their_flags)
         flag = next(k for k in {**ours, **zeros} if ours.get(k) != zeros.get(k))
@@ -82,7 +82,7 @@ def check_same_data(cfg: TrainConfig) -> None:
     name, size and a CRC of each one's ends (shard.data.sources.source_signature)."""
     from shard.data.sources import source_signature
 
-    if distributed.context().size < 2:
+    if runtime.context().size < 2:
         return
     sources = [("data.path", cfg.data.path)]  # "" there: the embedded corpus; in eval.path: none
     if cfg.eval.every and cfg.eval.path:
@@ -93,10 +93,10 @@ def check_same_data(cfg: TrainConfig) -> None:
         except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike
             mine = f"error: {e}"
         digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ
-        differs = distributed.broadcast_text(digest) != digest
-        if not distributed.any_process_by_service(differs or mine.startswith("error: ")):
+        differs = exchange.broadcast_text(digest) != digest
+        if not exchange.any_process(differs or mine.startswith("error: ")):
             continue
-        theirs = distributed.broadcast_text(mine)
+        theirs = exchange.broadcast_text(mine)
         if mine.startswith("error: "):
             raise ShardError(mine.removeprefix("error: "))
         if not differs:
@@ -120,8 +120,8 @@ def check_shared_run_dir(path: Path) -> None:
     (process 0's string, read from each process's working directory) must be one folder that all of
     them see. Process 0 leaves a marker file in it (or its nearest existing parent) and the others
     look for it there."""
-    ctx = distributed.context()
-    if ctx.mode != distributed.XLA or ctx.size < 2:
+    ctx = runtime.context()
+    if ctx.mode != runtime.XLA or ctx.size < 2:
         return
     levels = (path.absolute(), *path.absolute().parents)  # the run dir, then the folders above it
     made: Path | None = None
@@ -134,13 +134,13 @@ def check_shared_run_dir(path: Path) -> None:
             made, marker = Path(name), f"{up}/{Path(name).name}"
         except OSError:  # not writable: making the run dir will say so
             pass
-    marker = distributed.broadcast_text(marker)
+    marker = exchange.broadcast_text(marker)
     missing = False
     if marker:
         above, name = marker.split("/", 1)
         missing = int(above) >= len(levels) or not (levels[int(above)] / name).exists()
     try:
-        lost = distributed.any_process_by_service(missing)
+        lost = exchange.any_process(missing)
     finally:
         if made is not None:
             made.unlink(missing_ok=True)

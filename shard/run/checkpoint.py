@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from shard.cluster import distributed
+from shard.cluster import exchange, runtime
 from shard.config.train import CheckpointConfig
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
@@ -110,7 +110,7 @@ class Checkpoints:
         """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
         for p in self.incomplete():
             self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
-            if distributed.is_main_process():
+            if runtime.context().is_main:
                 shutil.rmtree(p, ignore_errors=True)
         self._sync("clean_incomplete")
 
@@ -123,7 +123,7 @@ class Checkpoints:
              metrics: dict | None = None, tokens_seen: int | None = None, held_out_since: int | None = None) -> None:
         """Start an async save of `state` at `step`; returns once the arrays are copied off the devices,
         so the caller may donate them to the next step."""
-        if not distributed.writes_shared_files():
+        if not runtime.writes_shared_files():
             return  # the MPI bridge: process 0 writes the replica every process holds
         meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml,
                 "fingerprint": state_fingerprint(state)}
@@ -214,7 +214,7 @@ class Checkpoints:
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 
     def _set_aside(self, step: int) -> None:
-        if distributed.is_main_process():
+        if runtime.context().is_main:
             target = self.directory / f"{CORRUPT_PREFIX}{step}"
             n = 1
             while target.exists():
@@ -225,7 +225,7 @@ class Checkpoints:
 
     @staticmethod
     def _sync(name: str) -> None:
-        distributed.sync(f"checkpoint_{name}")
+        exchange.barrier(f"checkpoint_{name}", device_collective=True)
 
 
 class SaveCheckpoints(Observer):

@@ -5,7 +5,7 @@ import contextlib
 import errno
 import re
 
-from shard.cluster import distributed
+from shard.cluster import exchange, runtime
 from shard.errors import first_line, out_of_memory
 
 
@@ -55,10 +55,10 @@ def read_outcomes(step: int, error: BaseException | None, in_read: bool) -> list
         outcome = "peer"
     else:
         outcome = (MACHINE if _machine_error(error) else BAD) + error_line(error)
-        if in_read and distributed.context().mode == distributed.XLA:
+        if in_read and runtime.context().mode == runtime.XLA:
             with contextlib.suppress(Exception):  # met by the others' barrier: a name mismatch, expected
-                distributed.sync(f"checkpoint_read_failed_{step}")
-    outcomes = distributed.gather_text(outcome)
+                exchange.barrier(f"checkpoint_read_failed_{step}", device_collective=True)
+    outcomes = exchange.gather_text(outcome)
     if any(outcomes) and not any(o.startswith((MACHINE, BAD)) for o in outcomes):  # no one says why
         return [MACHINE + "a barrier between the processes failed" for _ in outcomes]
     return outcomes

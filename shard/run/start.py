@@ -46,8 +46,8 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     """The config a `shard train` start runs with. `layers(base)` stacks the config file, the flags and
     --set over `base` (a resumed run's saved config, or the model of the --init-from weights);
     `from_file` and `sets` say where a --resume's run dir and the init_from come from. Notes the
-    cluster's settings for the errors before it is joined (shard.cluster.distributed.expect)."""
-    from shard.cluster import distributed
+    cluster's settings for the errors before it is joined (shard.cluster.runtime.expect)."""
+    from shard.cluster import runtime
     from shard.run.hf import context_note
 
     main = cluster is None or cluster.process_id == 0
@@ -60,8 +60,8 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
         base = init_from_base(weights)
     cfg = config_mod.resolve(layers(base))
     _check_saved_model(cfg, base, resumed, weights, run_dir)
-    distributed.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
-    if cluster is None and cfg.cluster.cross_host == distributed.MPI:
+    runtime.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    if cluster is None and cfg.cluster.cross_host == runtime.MPI:
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
                "process")
     cfg = absolute_paths(cfg)
@@ -135,17 +135,17 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     JAX, and return the devices the mesh will use (every process's with --cross-host xla, this one's
     with mpi). Process 0 `warn`s of XLA flags this jaxlib doesn't know and `note`s the CPU devices it
     simulates unasked."""
-    from shard.cluster import distributed
+    from shard.cluster import runtime
     from shard.startup import xla_flags
-    from shard.startup.devices import jax_started, request_host_devices
+    from shard.startup.devices import request_host_devices
 
     unknown = []
-    if not jax_started():
+    if not runtime.jax_started():
         unknown = xla_flags.apply(gpu_preset=cfg.xla.gpu_flags, deterministic=cfg.xla.deterministic)
     n_proc = cluster.num_processes if cluster else 1
     wanted = _devices_per_process(cfg, mesh_spec, n_proc)
     asked = request_host_devices(wanted)
-    ctx = distributed.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    ctx = runtime.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     import jax
 
     from shard.startup.imports import import_flax
@@ -154,7 +154,7 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
 
     if compile_cache is not None:
         use_compile_cache(compile_cache)
-    devices = jax.devices() if ctx.mode != distributed.MPI else jax.local_devices()
+    devices = jax.devices() if ctx.mode != runtime.MPI else jax.local_devices()
     if unknown and ctx.is_main:  # said once, not by every process
         warn(f"warning: this XLA does not know {', '.join(unknown)} (renamed or retired in this jaxlib): left out "
              "of shard's XLA flags")

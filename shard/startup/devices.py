@@ -3,18 +3,11 @@ CLI must ask for it before anything initialises JAX."""
 
 import os
 import re
-import sys
+
+from shard.cluster import runtime
 
 HOST_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _FLAG_RE = re.compile(re.escape(HOST_COUNT_FLAG) + r"=\d+")
-
-
-def jax_started() -> bool:
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
 
 
 def with_host_devices(flags: str, n: int) -> str:
@@ -24,7 +17,7 @@ def with_host_devices(flags: str, n: int) -> str:
 
 def request_host_devices(n: int) -> bool:
     """Ask XLA's CPU platform for n devices; False when JAX has already started (too late to change)."""
-    if jax_started():
+    if runtime.jax_started():
         return False
     os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), n)
     return True

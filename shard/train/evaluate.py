@@ -1,5 +1,5 @@
 """Held-out loss (eval.path, or data.path's held-out tail: shard.data.batches.eval_samples) on a process set:
-the trainer's own use of `shard.cluster.distributed.process_set`.
+the trainer's own use of `shard.cluster.process_sets.process_set`.
 
 The first `eval.processes` processes form the set "eval"; each member evaluates its block of every
 held-out batch on its own mesh and the set sums (loss, tokens) over its members only, while the other
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shard.cluster import distributed
+from shard.cluster import process_sets, runtime
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples
 from shard.errors import ShardError
@@ -21,13 +21,13 @@ from shard.train.state import StateSpec, state_spec
 from shard.train.step import batch_sharding, make_eval_step
 
 
-def eval_processes(cfg: TrainConfig, ctx: distributed.Context) -> int:
+def eval_processes(cfg: TrainConfig, ctx: runtime.Context) -> int:
     """How many processes evaluate, or a ShardError when the job can't have that eval set (checked by
     `prepare` before anything compiles)."""
     n = cfg.eval.processes or ctx.size
     if n > ctx.size:
         raise ShardError(f"eval.processes is {n} but the job has {ctx.size} process(es)")
-    if n < ctx.size and ctx.mode != distributed.MPI:
+    if n < ctx.size and ctx.mode != runtime.MPI:
         raise ShardError("evaluation on fewer than all processes (eval.processes) needs --cross-host mpi: "
                          "with one global mesh every process holds part of the model")
     return n
@@ -52,13 +52,13 @@ class Evaluator:
 
     def __init__(self, cfg: TrainConfig, run):
         self.interrupted = False
-        ctx = distributed.context()
+        ctx = runtime.context()
         n = eval_processes(cfg, ctx)
         self.cfg = cfg
-        self.group = distributed.process_set(range(n), name="eval")
+        self.group = process_sets.process_set(range(n), name="eval")
         self.step = make_eval_step(run.spec, run.layout)
         dataset = run.eval_data if run.eval_data is not None else eval_samples(cfg)
-        if ctx.mode == distributed.MPI:
+        if ctx.mode == runtime.MPI:
             rows = eval_rows(cfg, n, run.layout)
             offset = self.group.rank * rows if self.group.includes() else 0
             self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout),
@@ -78,7 +78,7 @@ class Evaluator:
         if totals is None:
             self.interrupted = True
             return None
-        if distributed.context().mode == distributed.MPI:
+        if runtime.context().mode == runtime.MPI:
             totals = self.group.allreduce(totals)  # members only
         return float(totals[0] / max(totals[1], 1.0))
 

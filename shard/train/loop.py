@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from shard.cluster import distributed
+from shard.cluster import exchange, process_sets, runtime
 from shard.train.compiled import compile_step, memory_of
 from shard.config.model import mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
@@ -87,12 +87,12 @@ class Run:
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
     returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
-    ctx = distributed.context()
+    ctx = runtime.context()
     if cfg.eval.every:
         from shard.train.evaluate import eval_processes
 
         eval_processes(cfg, ctx)  # before anything compiles
-    if ctx.mode == distributed.MPI:
+    if ctx.mode == runtime.MPI:
         return _prepare_bridge(cfg, ctx, devices, restore)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
@@ -118,7 +118,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
         compiled = compile_step(cfg, layout, spec)
         compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
-    distributed.barrier("compiled")
+    exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
@@ -167,7 +167,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,
                          offset=ctx.rank * rows, rows=rows)
-    step = make_bridge_step(spec, layout, distributed.world().comm, cfg.data.microbatches,
+    step = make_bridge_step(spec, layout, process_sets.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
@@ -307,7 +307,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
 
     # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
     eval_stop = None
-    if evaluator is not None and len(evaluator.group.ranks) == distributed.context().size:
+    if evaluator is not None and len(evaluator.group.ranks) == runtime.context().size:
         eval_stop = asked_to_stop
 
     def make_record(step: int, values: dict, synced: int | None = None) -> dict:

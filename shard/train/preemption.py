@@ -13,7 +13,7 @@ trained on. The loop then stops before its first step.
 import signal
 from collections.abc import Callable
 
-from shard.cluster import distributed
+from shard.cluster import exchange
 from shard.train.observer import Observer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -58,7 +58,7 @@ class StopOnSignal(Observer):
             self._previous[s] = signal.signal(s, self._handle)
 
     def should_stop(self) -> bool:
-        anywhere = distributed.any_process(self.received is not None)
+        anywhere = exchange.any_process(self.received is not None, device_collective=True)
         if anywhere and not self.stopped:
             self.stopped = True
             self.notice(f"{self.received or 'a signal on another process'}: finishing this step, "

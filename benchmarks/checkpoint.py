@@ -42,14 +42,12 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from shard import config as config_mod
-    from shard.run.checkpoint import Checkpoints, SaveCheckpoints
-    from shard.train.loop import prepare, train
+    from shard import Checkpoints, SaveCheckpoints, config, prepare, train
 
     sets = ["model.name=small", "model.d_model=768", "model.n_layers=6", "model.n_heads=12", "model.n_kv_heads=12",
             "model.head_dim=64", "model.mlp_dim=3072", "data.batch=8", "data.seq_len=128", "data.path=synthetic",
             f"mesh.spec={a.mesh}", f"steps={a.steps}", "log_every=1", *a.sets]
-    cfg = config_mod.resolve(config_mod.parse_sets(sets))
+    cfg = config.resolve(config.parse_sets(sets))
     root = Path(tempfile.mkdtemp(prefix="shard-ckpt-bench-", dir=a.dir))
     try:
         run = prepare(cfg)

@@ -23,11 +23,8 @@ t0 = time.perf_counter()
 from shard.startup import xla_flags
 xla_flags.apply(gpu_preset=True, deterministic=False)  # as `shard train` does (GPU only)
 import jax
-from shard import config as config
-from shard.train.compiled import compile_step
-from shard.sharding.layout import make_layout
-from shard.sharding.mesh import parse_mesh
-from shard.train.state import compile_init, state_spec
+from shard import config, compile_step, make_layout, parse_mesh, state_spec
+from shard.training.state import compile_init
 model, mesh, seq, batch, attention, steps = sys.argv[1:3] + [int(a) for a in sys.argv[3:5]] + sys.argv[5:7]
 cfg = config.resolve(config.parse_sets([f"model.name={model}", f"mesh.spec={mesh}", f"data.seq_len={seq}",
                                         f"data.batch={batch}", "data.path=synthetic", f"model.attention={attention}",

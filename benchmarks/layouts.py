@@ -23,8 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from shard import config as config
-from shard.train.loop import prepare
+from shard import config, prepare
 from shard.parallel import pipeline
 
 # (label, mesh, extra --set keys, model override)

@@ -27,13 +27,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from shard import config as config
+from shard import config, make_layout, prepare, train, parse_mesh
 from shard.measure import costs
 from shard.startup import xla_flags
 from shard.startup.compile_cache import use_compile_cache
-from shard.sharding.layout import make_layout
-from shard.train.loop import prepare, train
-from shard.sharding.mesh import parse_mesh
 
 SKIP_ABOVE = 2.0  # x the device's memory, by the planner's estimate (an upper bound on GPUs, see above)
 NO_XLA_REMAT = "--xla_disable_hlo_passes=rematerialization"
@@ -74,7 +71,7 @@ def measure(cfg, stated_gib: float = 0.0) -> dict | str:
     compiled memory, or why the batch does not fit in memory. A batch the planner puts above SKIP_ABOVE
     x the device's memory is not compiled; a compiled step that needs more than the device has free is
     not run (`prepare` then reads it from the compile cache)."""
-    from shard.train.compiled import compile_step, memory_of
+    from shard import compile_step, memory_of
 
     capacity, free = memory_bytes(stated_gib)
     try:

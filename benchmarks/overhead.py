@@ -20,10 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from shard import config as config
-from shard.train.loop import prepare, train
-from shard.sharding.rules import activation_layout
-from shard.train.step import batch_sharding
+from shard import config, prepare, train, activation_layout, batch_sharding
 
 
 def hand_written(run, cfg):

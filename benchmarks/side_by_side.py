@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shard.observe.metrics import read_jsonl
+from shard import read_jsonl
 
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
 

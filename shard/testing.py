@@ -91,7 +91,7 @@ def fake_mesh(mesh: str = "2x4"):
 
 def train_losses(cfg: TrainConfig) -> list[float]:
     """Per-step losses of a short run (cfg.log_every should be 1)."""
-    from shard.train.loop import train
+    from shard.training.loop import train
 
     return [r["loss"] for r in train(cfg, devices=devices_for(cfg.mesh.spec))]
 
@@ -116,12 +116,12 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
     from flax import nnx
 
     from shard import models
-    from shard.train.step import check_batch
+    from shard.training.step import check_batch
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.sharding.rules import activation_layout
-    from shard.train.state import state_spec
-    from shard.train.step import batch_sharding, make_loss_fn
+    from shard.training.state import state_spec
+    from shard.training.step import batch_sharding, make_loss_fn
 
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
     check_batch(cfg, layout)

@@ -24,15 +24,15 @@ from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveChe
 from shard.cli.app import app
 from shard.errors import ShardError
 from shard.sharding.layout import make_layout
-from shard.train.loop import prepare, train
+from shard.training.loop import prepare, train
 from shard.sharding.mesh import parse_mesh
 from shard.observe.metrics import read_jsonl
 from shard.paths import RunDirLock
-from shard.train.preemption import StopOnSignal, remember_interrupts
-from shard.train.state import state_spec
+from shard.training.preemption import StopOnSignal, remember_interrupts
+from shard.training.state import state_spec
 from shard.testing import devices_for, free_ports, subprocess_env, tiny_config
 from shard.testing import finish as finish_all
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 STEPS = 12
 EVERY = 2
@@ -218,7 +218,7 @@ def test_a_resume_may_change_the_metric_and_keeps_checkpoints_written_without_on
 
 
 def test_a_resume_that_changes_the_ranking_says_what_becomes_of_the_earlier_saves():
-    from shard import config as config
+    from shard import config
     from shard.run.resume import resume_changes
 
     def notes(was: dict, now: dict) -> list[str]:

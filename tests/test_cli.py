@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shard import config as config
+from shard import config
 from shard.cli.app import app
 
 TINY = ["--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32"]
@@ -103,14 +103,14 @@ def test_a_failed_first_start_leaves_nothing_and_the_resume_keeps_its_model(tmp_
 
 
 def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path, monkeypatch):
-    import shard.train.loop
+    import shard.training.loop
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 2321381353960 bytes.")
 
     run = tmp_path / "r"
     with monkeypatch.context() as m:
-        m.setattr(shard.train.loop, "train", out_of_memory)
+        m.setattr(shard.training.loop, "train", out_of_memory)
         failed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert failed.exit_code == 2, failed.output
     assert "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating" in failed.output
@@ -119,7 +119,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path
     own.mkdir()
     (own / "config.toml").write_text("steps = 3\n")
     with monkeypatch.context() as m:
-        m.setattr(shard.train.loop, "train", out_of_memory)
+        m.setattr(shard.training.loop, "train", out_of_memory)
         for where in (fresh, own):
             again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(where), "--compile-cache", "none",
                            "--resume", "--allow-fresh")
@@ -638,7 +638,7 @@ def test_eval_scores_a_checkpoint_on_the_held_out_data_its_run_evaluated_on(tmp_
 def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
     """The second SIGINT raises KeyboardInterrupt out of the loop (tests/test_step.py): the process
     ended with exit 130 and no word on the save it skipped."""
-    from shard.train.preemption import StopOnSignal
+    from shard.training.preemption import StopOnSignal
 
     def second_ctrl_c(self):
         if self.calls == 2:

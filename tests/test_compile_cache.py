@@ -33,7 +33,7 @@ def test_a_new_process_reads_the_cached_program(tmp_path, user_setting, hits):
 def test_another_length_or_learning_rate_lowers_to_the_same_step():
     """The schedule's numbers are arguments of the step, not constants of its program, so a run with
     another --steps, lr or warm-up reads the program the first one cached."""
-    from shard.train.compiled import lower_step
+    from shard.training.compiled import lower_step
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.testing import devices_for, tiny_config

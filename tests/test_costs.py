@@ -15,7 +15,7 @@ from shard.config.model import PRESETS, mfu_flops_per_token
 from shard.measure import costs
 from shard import models
 from shard.measure.analysis import StepAnalysis, analyze
-from shard.train.compiled import compile_step
+from shard.training.compiled import compile_step
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.decisions import stored_lookup_axes
@@ -142,7 +142,7 @@ def compile_uncached(mesh: str, sets: str, compiler_options: str = "None") -> st
     """Compile the tiny config on `mesh` with `sets` (tiny_config's keyword arguments, as source) in a
     process without the persistent cache, and return its stderr: a cache hit compiles nothing, so XLA
     neither dumps nor warns."""
-    code = ("from shard.testing import tiny_config; from shard.train.loop import make_layout; "
+    code = ("from shard.testing import tiny_config; from shard.training.loop import make_layout; "
             "from shard.sharding.mesh import parse_mesh; from shard.measure.analysis import compile_step; "
             f"cfg = tiny_config({mesh!r}, {sets}); "
             f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})), compiler_options={compiler_options})")
@@ -338,7 +338,7 @@ def test_the_compiled_step_follows_the_pipeline_config(analysed):
 def test_each_remat_policy_keeps_less_than_the_one_before():
     """none > dots (every matmul output kept) > dots_no_batch (not attention's batched ones) > full, in the
     compiled step's temporaries: a policy that did nothing, or two swapped, passed every other test."""
-    from shard.train.compiled import compile_step, memory_of
+    from shard.training.compiled import compile_step, memory_of
 
     temporaries = []
     for remat in ("none", "dots", "dots_no_batch", "full"):

@@ -7,10 +7,10 @@ import pytest
 
 from shard import models
 from shard.errors import ShardError
-from shard.train.generate import Generator, Sampling, sample
+from shard.training.generate import Generator, Sampling, sample
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
-from shard.train.state import init_state, state_spec
+from shard.training.state import init_state, state_spec
 from shard.testing import devices_for, tiny_config
 
 PROMPT = [72, 101, 108, 108, 111, 32, 119]

@@ -17,10 +17,10 @@ from flax import nnx  # noqa: E402
 from shard.run import hf  # noqa: E402
 from shard import models  # noqa: E402
 from shard.errors import ShardError  # noqa: E402
-from shard.train.generate import Generator, Sampling  # noqa: E402
+from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.sharding.layout import make_layout  # noqa: E402
 from shard.sharding.mesh import parse_mesh  # noqa: E402
-from shard.train.state import state_spec  # noqa: E402
+from shard.training.state import state_spec  # noqa: E402
 from shard.testing import devices_for, tiny_config  # noqa: E402
 
 TOKENS = [[5, 17, 99, 200, 3, 42, 7, 128, 64, 1]]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shard.train.loop import train
+from shard.training.loop import train
 from shard.observe.metrics import read_jsonl
 from shard.testing import devices_for, finish, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
 
@@ -486,7 +486,7 @@ def test_a_process_reads_only_its_block_of_each_global_batch():
     """With the MPI bridge, process p of P builds rows [p*B/P, (p+1)*B/P) of every global batch, and only
     those samples are read."""
     from shard.data.batches import BatchStream, sample_dataset
-    from shard.train.step import batch_sharding
+    from shard.training.step import batch_sharding
     from shard.testing import fake_mesh
 
     class Counting:
@@ -514,7 +514,7 @@ def test_eval_rows_are_checked_against_the_local_mesh_before_anything_runs():
     """3 processes with 4 devices each, eval.processes=2, batch 12: training's 4 rows split over data=4,
     but each evaluator's 6 did not, and that failed at the first evaluation, after training steps."""
     from shard.errors import ShardError
-    from shard.train.evaluate import eval_rows
+    from shard.training.evaluate import eval_rows
     from shard.sharding.rules import Layout
     from shard.testing import fake_mesh
 
@@ -530,7 +530,7 @@ def test_eval_rows_are_checked_against_the_local_mesh_before_anything_runs():
 def test_bridge_buckets_gradients_instead_of_one_call_per_leaf():
     import jax
 
-    from shard.train.bridge import buckets
+    from shard.training.bridge import buckets
 
     f32 = lambda n: jax.ShapeDtypeStruct((n,), np.float32)  # noqa: E731
     leaves = [f32(10), f32(10), f32(30), jax.ShapeDtypeStruct((4,), np.int32), f32(100), f32(1)]
@@ -547,11 +547,11 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
 
     import jax
 
-    from shard.train import bridge
+    from shard.training import bridge
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
-    from shard.train.state import init_state, state_spec
-    from shard.train.step import make_train_step
+    from shard.training.state import init_state, state_spec
+    from shard.training.step import make_train_step
     from shard.testing import random_batch
 
     cfg = tiny_config("1x1", model__name="moe-tiny")

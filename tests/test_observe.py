@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 from shard.cli.app import app
 from shard.errors import DivergenceError
-from shard.train.loop import prepare, train
+from shard.training.loop import prepare, train
 from shard.observe.metrics import JsonlWriter, TensorBoardWriter
 from shard.measure.profiling import Profiler
 from shard.testing import devices_for, tiny_config
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
@@ -55,7 +55,7 @@ def test_a_checkpoints_blocking_time_is_not_step_time(monkeypatch):
     save takes 100 s of it."""
     import types
 
-    from shard.train import loop
+    from shard.training import loop
 
     clock = [0.0]
 
@@ -351,7 +351,7 @@ def test_device_kinds_find_their_hardware():
 
 
 def test_startup_warns_when_data_parallel_traffic_outweighs_compute():
-    from shard import config as config
+    from shard import config
     from shard.hardware import find_hardware, load_hardware
     from shard.measure.plan import startup_warnings
 
@@ -489,5 +489,5 @@ def test_a_misspelt_hook_fails_when_its_class_is_made_and_train_takes_observers_
         def on_step(self, step, outputs=None):
             pass
 
-    with pytest.raises(TypeError, match="NotAnObserver is not a shard.train.observer.Observer"):
+    with pytest.raises(TypeError, match="NotAnObserver is not a shard.training.observer.Observer"):
         train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=[NotAnObserver()])

@@ -11,7 +11,7 @@ import pytest
 
 from shard.measure import costs
 from shard.errors import ShardError
-from shard.train.step import check_batch
+from shard.training.step import check_batch
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe

@@ -14,7 +14,7 @@ from shard.measure.inspection import summary
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import Layout, logical_axes_of, param_shardings, path_str
-from shard.train.state import init_state, state_spec
+from shard.training.state import init_state, state_spec
 from shard.testing import devices_for, fake_mesh, tiny_config
 
 

@@ -12,13 +12,13 @@ import pytest
 
 from shard.config.train import GuardConfig, OptimizerConfig
 from shard.errors import ShardError
-from shard.train.generate import Sampling, sample
-from shard.train.step import check_batch
-from shard.train.loop import first_divergence, prepare
+from shard.training.generate import Sampling, sample
+from shard.training.step import check_batch
+from shard.training.loop import first_divergence, prepare
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
-from shard.train.state import init_state, make_optimizer, state_spec
-from shard.train.step import batch_sharding, make_train_step, token_nll
+from shard.training.state import init_state, make_optimizer, state_spec
+from shard.training.step import batch_sharding, make_train_step, token_nll
 from shard.testing import devices_for, loss_and_grads, random_batch, tiny_config
 
 
@@ -163,7 +163,7 @@ def test_top_k_samples_only_the_k_largest():
 
 
 def test_evaluation_reads_the_same_held_out_batches_every_time():
-    from shard.train.evaluate import Evaluator
+    from shard.training.evaluate import Evaluator
 
     cfg = tiny_config("8x1", eval__every=1, eval__batches=2)
     run = prepare(cfg, devices_for("8x1"))
@@ -178,7 +178,7 @@ def test_a_second_ctrl_c_interrupts_at_once_and_the_handlers_come_back():
     import os
     import signal
 
-    from shard.train.preemption import StopOnSignal
+    from shard.training.preemption import StopOnSignal
 
     before = signal.getsignal(signal.SIGINT)
     stopper = StopOnSignal()

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-from shard import config as config
-from shard.train.loop import train
+from shard import config
+from shard.training.loop import train
 from shard.observe.metrics import read_jsonl
 
 
@@ -42,7 +42,7 @@ def test_the_loop_compiles_nothing_after_prepare():
     """The train step is compiled once, ahead of time; steps, logging and the data path add no compiles."""
     import jax
 
-    from shard.train.loop import prepare
+    from shard.training.loop import prepare
     from shard.testing import devices_for, tiny_config
 
     compiles = []

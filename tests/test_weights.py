@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
-from shard import config as config
+from shard import config
 from shard.run import hf
 from shard import models
 from shard.cli.app import app
@@ -168,7 +168,7 @@ def test_bad_generate_input(imported, args, message):
 
 def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):
     """The prompt is printed first, without a newline; the out-of-memory error was appended to it."""
-    from shard.train.generate import Generator
+    from shard.training.generate import Generator
 
     def out_of_memory(self, prompt, *args, on_token=None, **kwargs):
         on_token(ord("!"))

@@ -1,4 +1,4 @@
-"""`shard eval`: a checkpoint's held-out loss and perplexity (shard.train.evaluate.evaluate_checkpoint)."""
+"""`shard eval`: a checkpoint's held-out loss and perplexity (shard.training.evaluate.evaluate_checkpoint)."""
 
 import dataclasses
 import json
@@ -33,7 +33,7 @@ def evaluate(
         if value is not None and value < 1:
             raise ShardError(f"{name} must be positive, got {value}")
     from shard.run import weights
-    from shard.train.evaluate import held_out_source
+    from shard.training.evaluate import held_out_source
 
     if not Path(checkpoint).exists():
         raise ShardError(f"weights path {checkpoint} does not exist")
@@ -42,8 +42,8 @@ def evaluate(
     batch, seq = batch or saved.data.batch, seq or saved.data.seq_len
     batches = batches or saved.eval.batches
     tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
-    from shard.train.evaluate import evaluate_checkpoint
-    from shard.train.step import check_batch
+    from shard.training.evaluate import evaluate_checkpoint
+    from shard.training.step import check_batch
     from shard.sharding.layout import make_layout
 
     model_cfg, params = weights.load(checkpoint)

@@ -42,9 +42,9 @@ def generate(
     tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
     from shard.data.tokenizers import ByteTokenizer
     from shard.run import weights
-    from shard.train.generate import Generator, Sampling
+    from shard.training.generate import Generator, Sampling
     from shard.sharding.layout import make_layout
-    from shard.train.state import state_spec
+    from shard.training.state import state_spec
 
     sampling = Sampling(temperature, top_k, top_p)
     sampling.validate()  # before the weights are read

@@ -29,7 +29,7 @@ def import_hf(
     from shard.run import hf, weights
     from shard.run.checkpoint import Checkpoints
     from shard.sharding.layout import make_layout
-    from shard.train.state import state_spec
+    from shard.training.state import state_spec
 
     model_cfg, params = weights.load(hf_dir)
     tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))

@@ -33,14 +33,14 @@ def inspect(
     devices = start_devices(cfg, mesh_spec)
     from shard.measure.inspection import summary
     from shard.sharding.layout import make_layout
-    from shard.train.state import state_spec
+    from shard.training.state import state_spec
 
     layout = make_layout(cfg, mesh_spec, devices)
     doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
     doc["model"] = cfg.model.name
     if compiled:
         from shard.measure.analysis import analyze
-        from shard.train.step import check_batch
+        from shard.training.step import check_batch
 
         check_batch(cfg, layout)
         doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len

@@ -60,7 +60,7 @@ def train(
     from shard.cli.app import at_command_end  # not at the top: app imports this module
     from shard.cluster import runtime
     from shard.cluster import launch as cluster_mod
-    from shard.train.preemption import remember_interrupts
+    from shard.training.preemption import remember_interrupts
 
     # The cluster comes from flags and the launcher alone; from here on, an error on this process
     # reaches the others (runtime.leave_on_error), even before it joins them.
@@ -155,8 +155,8 @@ class _Run:
 
     def _prepare(self, devices, restore):
         """The prepared run (restored, compiled), its start said; None when its checkpoint is at --steps."""
-        from shard.train.loop import prepare
-        from shard.train.state import warmup_steps
+        from shard.training.loop import prepare
+        from shard.training.state import warmup_steps
 
         cfg, window = self.cfg, self.window
         run = prepare(cfg, devices, restore=restore)
@@ -183,10 +183,10 @@ class _Run:
 
     def _loop(self, run, claim: RunDirClaim) -> None:
         """Write the run's config and train; a first start that fails forgets what it wrote."""
-        from shard.train.preemption import StopOnSignal
+        from shard.training.preemption import StopOnSignal
         from shard.observe.metrics import JsonlWriter, TensorBoardWriter
         from shard.run.checkpoint import SaveCheckpoints
-        from shard.train.loop import train as train_loop
+        from shard.training.loop import train as train_loop
 
         cfg, start, path = self.cfg, self.start, claim.path
         if run.start_step and start.resumed and cfg.init_from != start.base.get("init_from", ""):

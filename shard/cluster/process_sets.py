@@ -1,5 +1,5 @@
 """Horovod-style process sets: named groups of a job's processes, each with a sub-mesh over its members'
-devices and, where MPI runs, a sub-communicator. The evaluator runs on one (shard.train.evaluate), and
+devices and, where MPI runs, a sub-communicator. The evaluator runs on one (shard.training.evaluate), and
 the MPI bridge reduces gradients over `world()`.
 """
 

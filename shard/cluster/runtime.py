@@ -7,7 +7,7 @@ One process per host owns that host's devices. Two ways to cross hosts:
 - `xla` (default): `jax.distributed` joins the processes into one runtime; the mesh spans every device
   and XLA's collectives cross hosts (NCCL on GPUs, gloo on CPU).
 - `mpi`: each process runs an SPMD program over its own devices only; gradients and metrics cross
-  hosts through mpi4jax over an MPI communicator (see shard/train/bridge.py).
+  hosts through mpi4jax over an MPI communicator (see shard/training/bridge.py).
 
 The CLI calls `start()` before JAX's backends start (the launcher's view is shard.cluster.launch's,
 the connection itself shard.cluster.join's); the rest of shard asks `context()` for the rank, the

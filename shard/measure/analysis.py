@@ -13,7 +13,7 @@ from shard.measure import costs, hlo
 from shard.axes import LENGTH
 from shard.config.train import TrainConfig
 from shard.sharding.rules import Layout
-from shard.train.compiled import compile_step, memory_of
+from shard.training.compiled import compile_step, memory_of
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from shard.sharding.rules import Layout, path_str
-from shard.train.state import StateSpec
+from shard.training.state import StateSpec
 
 
 def bytes_per_device(sds, sharding) -> int:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from shard.errors import ShardError
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 # HLO op names (XLA:CPU and the GPU op line) and NCCL kernel names (GPU streams) -> collective kind.
 _KINDS = (("all-reduce", r"^all-reduce|allreduce"), ("all-gather", r"^all-gather|allgather"),

@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 
 class JsonlWriter(Observer):

@@ -7,7 +7,7 @@ from rich.markup import escape
 
 from shard.observe.console import console, err_console, human_bytes, param_count
 from shard.errors import ShardError
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 
 class ConsoleProgress(Observer):

@@ -31,8 +31,8 @@ from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerpr
 from shard.run.orbax_quiet import absl_quiet, configure_orbax
 from shard.run.read_failures import BAD, MACHINE, error_line, read_outcomes
 from shard.sharding.rules import path_str
-from shard.train.state import StateSpec
-from shard.train.observer import Observer
+from shard.training.state import StateSpec
+from shard.training.observer import Observer
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted

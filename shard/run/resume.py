@@ -21,7 +21,7 @@ def held_out_change(was: float, now: float) -> str:
 
 
 # Config keys a resume may change, though the run then no longer continues exactly as it would have,
-# and why. The learning-rate schedule is warmup, then cosine decay over `steps` (shard.train.state); the
+# and why. The learning-rate schedule is warmup, then cosine decay over `steps` (shard.training.state); the
 # saved data position counts samples of the data order that the seed, the data and the windows make.
 INEXACT_CHANGES = (
     (("steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio"),

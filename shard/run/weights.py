@@ -13,7 +13,7 @@ from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.run.hf import is_hf_dir
 from shard.config.model import ModelConfig
-from shard.train.state import StateSpec
+from shard.training.state import StateSpec
 
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:

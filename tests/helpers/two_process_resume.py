@@ -24,10 +24,10 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 from shard import config as config_mod  # noqa: E402
 from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
-from shard.train.loop import prepare, train  # noqa: E402
-from shard.train.preemption import StopOnSignal  # noqa: E402
+from shard.training.loop import prepare, train  # noqa: E402
+from shard.training.preemption import StopOnSignal  # noqa: E402
 from shard.testing import tiny_config  # noqa: E402
-from shard.train.observer import Observer  # noqa: E402
+from shard.training.observer import Observer  # noqa: E402
 
 cfg = tiny_config("2x4", steps=steps, checkpoint__every=2, checkpoint__keep=10)
 checkpoints = Checkpoints(run_dir / CHECKPOINTS_DIR, cfg.checkpoint, notice=print)

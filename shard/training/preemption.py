@@ -14,7 +14,7 @@ import signal
 from collections.abc import Callable
 
 from shard.cluster import exchange
-from shard.train.observer import Observer
+from shard.training.observer import Observer
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

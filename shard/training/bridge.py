@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shard.config.train import PipelineConfig
 from shard.errors import ShardError, first_line
 from shard.sharding.rules import Layout
-from shard.train.state import StateSpec
-from shard.train.step import BATCH_KEYS, batch_sharding, make_step_parts, schedule_inputs, with_schedule
+from shard.training.state import StateSpec
+from shard.training.step import BATCH_KEYS, batch_sharding, make_step_parts, schedule_inputs, with_schedule
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 

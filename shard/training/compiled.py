@@ -9,8 +9,8 @@ from shard.sharding.rules import Layout
 def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
     """The train step for this config and layout (and state `spec`, built here when not given), lowered
     from abstract shapes only."""
-    from shard.train.state import state_spec
-    from shard.train.step import abstract_batch, abstract_schedule_inputs, jit_train_step
+    from shard.training.state import state_spec
+    from shard.training.step import abstract_batch, abstract_schedule_inputs, jit_train_step
 
     spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)

@@ -17,8 +17,8 @@ from shard.cluster import process_sets, runtime
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples
 from shard.errors import ShardError
-from shard.train.state import StateSpec, state_spec
-from shard.train.step import batch_sharding, make_eval_step
+from shard.training.state import StateSpec, state_spec
+from shard.training.step import batch_sharding, make_eval_step
 
 
 def eval_processes(cfg: TrainConfig, ctx: runtime.Context) -> int:

@@ -1,6 +1,6 @@
 """From a resolved config to a trained state: mesh, layout, sharded init, data, compiled step, loop.
 
-The loop reports to its observers (`shard.train.observer.Observer`); it prints and writes nothing itself.
+The loop reports to its observers (`shard.training.observer.Observer`); it prints and writes nothing itself.
 """
 
 import concurrent.futures
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import jax
 
 from shard.cluster import exchange, process_sets, runtime
-from shard.train.compiled import compile_step, memory_of
+from shard.training.compiled import compile_step, memory_of
 from shard.config.model import mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.data.batches import BatchStream, eval_samples, training_samples
@@ -23,9 +23,9 @@ from shard.errors import DivergenceError, ShardError
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh, split_over_processes
 from shard.sharding.rules import Layout
-from shard.train.observer import Observer
-from shard.train.state import StateSpec, compile_init, init_state, state_spec
-from shard.train.step import batch_sharding, check_batch, pipeline_stages, with_schedule
+from shard.training.observer import Observer
+from shard.training.state import StateSpec, compile_init, init_state, state_spec
+from shard.training.step import batch_sharding, check_batch, pipeline_stages, with_schedule
 
 # Steps dispatched ahead of the oldest one not yet finished. Enough to keep the devices fed between
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
@@ -89,7 +89,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
     ctx = runtime.context()
     if cfg.eval.every:
-        from shard.train.evaluate import eval_processes
+        from shard.training.evaluate import eval_processes
 
         eval_processes(cfg, ctx)  # before anything compiles
     if ctx.mode == runtime.MPI:
@@ -137,7 +137,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     """The MPI bridge: a local mesh over this process's devices; processes split the batch axes only
     (parameters are replicated across processes), each reads its own block of every global batch.
     Every process restores the same checkpoint (process 0 wrote it) into its own mesh."""
-    from shard.train.bridge import make_bridge_step
+    from shard.training.bridge import make_bridge_step
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
@@ -158,7 +158,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
     rows = cfg.data.batch // ctx.size
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch=rows)), layout)
     if cfg.eval.every:
-        from shard.train.evaluate import eval_processes, eval_rows
+        from shard.training.evaluate import eval_processes, eval_rows
 
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
@@ -203,7 +203,7 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
         return None
     if not restored.config_toml:  # weights from elsewhere (--init-from): the run starts here
         return 0
-    from shard import config as config
+    from shard import config
     from shard import tomlfiles
 
     try:
@@ -261,7 +261,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     records (also sent to the observers)."""
     for o in observers:
         if not isinstance(o, Observer):
-            raise TypeError(f"{type(o).__name__} is not a shard.train.observer.Observer: subclass it")
+            raise TypeError(f"{type(o).__name__} is not a shard.training.observer.Observer: subclass it")
     run = run or prepare(cfg, devices)
     evaluator = None
     waiting = []  # started and not yet ended, in the order they end: last started first
@@ -270,7 +270,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             o.on_start(run)
             waiting.append(o)
         if cfg.eval.every:
-            from shard.train.evaluate import Evaluator
+            from shard.training.evaluate import Evaluator
 
             evaluator = Evaluator(cfg, run)
         records = _run_steps(cfg, run, observers, evaluator)

@@ -8,7 +8,7 @@ hook fails at once instead of never running.
 
 
 class Observer:
-    """No-op hooks, called by `shard.train.loop.train` in this order: on_start, then per step on_step,
+    """No-op hooks, called by `shard.training.loop.train` in this order: on_start, then per step on_step,
     saves_at, on_state, should_stop (and on_log for each logged record), then on_end or on_abort."""
 
     def __init_subclass__(cls, **kwargs):

@@ -17,7 +17,7 @@ from shard.models import llama
 from shard.parallel import pipeline
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.rules import Layout, activation_layout
-from shard.train.state import StateSpec
+from shard.training.state import StateSpec
 
 BATCH_KEYS = ("inputs", "targets", "mask")
 

@@ -42,6 +42,8 @@ __all__ = ["ShardError", "__version__", "config", *_API]
 
 
 def __getattr__(name: str):
+    if name == "config":  # the config room whole (a subpackage: importing it binds it here)
+        return importlib.import_module("shard.config")
     if name not in _API:
         raise AttributeError(f"module 'shard' has no attribute {name!r}")
     value = getattr(importlib.import_module(_API[name]), name)

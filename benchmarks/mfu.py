@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from shard import config, make_layout, prepare, train, parse_mesh
-from shard.measure import costs
+from shard.measure import costs, memory
 from shard.startup import xla_flags
 from shard.startup.compile_cache import use_compile_cache
 
@@ -48,8 +48,8 @@ def predicted_bytes(cfg) -> float:
     """The planner's per-device memory for this run (no compile)."""
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec))
     platform = layout.mesh.devices.flat[0].platform
-    return costs.memory_bytes(cfg.model, costs.LayoutShape.from_layout(layout),
-                              costs.Workload.from_config(cfg, platform))["total"]
+    return memory.memory_bytes(cfg.model, costs.LayoutShape.from_layout(layout),
+                               costs.Workload.from_config(cfg, platform))["total"]
 
 
 def memory_bytes(stated_gib: float) -> tuple[float | None, float | None]:

@@ -13,6 +13,7 @@ from flax import nnx
 from shard.config.model import PRESETS, mfu_flops_per_token
 
 from shard.measure import costs
+from shard.measure.memory import memory_bytes, probs_hbm_bytes
 from shard import models
 from shard.measure.analysis import StepAnalysis, analyze
 from shard.training.compiled import compile_step
@@ -107,7 +108,7 @@ def test_planner_agrees_with_the_compiler(name, analysed):
         assert predicted[axis] == pytest.approx(moved, rel=0.10), axis
     if cfg.model.remat.startswith("dots"):
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
-    memory = costs.memory_bytes(cfg.model, shape, work)
+    memory = memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)
 
 
@@ -265,7 +266,7 @@ def test_planned_memory_follows_the_attention_that_runs(attention, platform, hea
 
 def test_xla_attention_plans_more_memory_than_flash_attention_on_gpus():
     shape = costs.LayoutShape.of(data=8)
-    total = {a: costs.memory_bytes(cfg.model, shape, costs.Workload.from_config(cfg, "gpu"))["total"]
+    total = {a: memory_bytes(cfg.model, shape, costs.Workload.from_config(cfg, "gpu"))["total"]
              for a in ("auto", "xla") for cfg in [tiny_config("8x1", model__attention=a)]}
     assert total["xla"] > total["auto"]
 
@@ -278,11 +279,11 @@ def test_the_planner_times_flash_attention_at_the_causal_half_and_without_its_pr
     assert costs.scored_keys(cfg, 256, 2, flash=True) == costs.scored_keys(cfg, 256, 2)  # the ring runs
     assert costs.model_flops(cfg, 1024, 256, flash=True) < costs.model_flops(cfg, 1024, 256)
     shape = costs.LayoutShape.of(data=8)
-    probs = {a: costs.probs_hbm_bytes(cfg, shape, costs.Workload.from_config(c, "gpu"))
+    probs = {a: probs_hbm_bytes(cfg, shape, costs.Workload.from_config(c, "gpu"))
              for a in ("auto", "xla") for c in [tiny_config("8x1", model__attention=a)]}
     assert probs["auto"] == 0 < probs["xla"]
     ring = tiny_config("8x1", model__attention="auto")
-    assert costs.probs_hbm_bytes(ring.model, costs.LayoutShape.of(data=4, context=2),
+    assert probs_hbm_bytes(ring.model, costs.LayoutShape.of(data=4, context=2),
                                  costs.Workload.from_config(ring, "gpu")) > 0
 
 

@@ -12,11 +12,10 @@ those.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from shard.axes import (BATCH, CONTEXT, DATA, EMBED, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
+from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem, matmul_params
 from shard.sharding.decisions import axes_table, balanced_ring, stored_lookup_axes
@@ -144,7 +143,7 @@ def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compu
     return total
 
 
-def _stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
+def stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
     tokens = _lookup_tokens(work)
     return stored_lookup_axes(cfg.vocab_size, tokens, shape.sizes, shape.rules, shape.param_rules)
 
@@ -218,7 +217,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     length_axes = shape.table(False).get(LENGTH, ())
     grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
     forward_passes = 1 if work.remat == "none" else 2
-    lookup = _stored_lookup(cfg, shape, work)
+    lookup = stored_lookup(cfg, shape, work)
     for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -283,6 +282,12 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     return out
 
 
+def ffn_slots(cfg: ModelConfig, seq_len: int) -> float:
+    """Feed-forward rows computed per token: 1 for a dense MLP; for a mixture of experts every expert's
+    capacity, filled or not, E x C per routing group (a sequence) of T tokens."""
+    return cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len if cfg.n_experts else 1.0
+
+
 def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token that a mixture of experts computes beyond its k experts: every expert
     slot of the capacity, filled or not (E x C slots per group of T tokens, about k x capacity_factor
@@ -326,138 +331,3 @@ def scored_keys(cfg: ModelConfig, seq_len: int, context: int = 1, flash: bool = 
     if flash and context == 1:
         return seq_len / 2
     return seq_len
-
-
-# Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
-# the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
-# assignment (arguments + temporaries + outputs - aliased) over a grid of tiny and small models on
-# DP, FSDP, TP and products at short sequences (tests/test_costs.py keeps those within 10%; from
-# sequence 32 to 256 the total runs 7% low to 20% high, docs/formulas.md). q/k/v are
-# absorbed in the D term (these models have N x H = D). Accelerator backends fuse more and keep
-# fewer buffers, so on GPUs the figures are an upper bound until calibrated there.
-ACT_PER_D = 9.0  # residual-stream-wide tensors (x, normed x, attention and MLP outputs, ...)
-ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
-ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
-LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
-OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
-ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
-REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
-# A mixture of experts' layer in place of the MLP, fitted the same way on moe-tiny variants (data,
-# expert and data x expert; sequence 32-128, 4-16 experts, top 1-2, remat none and full: 7% low to
-# 7% high). Per expert slot, S = E x C / T of them per token:
-ACT_PER_SLOT_D = 5.5  # the dispatched token and the expert's output, D wide
-ACT_PER_SLOT_F = 10.0  # the expert's gate, up and hidden, F wide
-ACT_PER_ROUTE = 2.5  # routing's dispatch and combine tensors and their one-hots, E x C per token
-
-
-def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
-    """Bytes of activations one device keeps between forward and backward (all microbatches' worth
-    at once only for the one being processed)."""
-    m, n = shape.degree(HEADS), shape.degree(LENGTH)
-    tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
-    D, F = cfg.d_model, cfg.mlp_dim / shape.degree(MLP)
-    probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
-    keys = scored_keys(cfg, work.seq_len, n) if probs else 1
-    if cfg.n_experts:
-        slots = ffn_slots(cfg, work.seq_len)
-        ffn = slots * (ACT_PER_SLOT_D * D + ACT_PER_SLOT_F * F) + ACT_PER_ROUTE * slots * work.seq_len
-    else:
-        ffn = ACT_PER_F * F
-    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
-    # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
-    ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
-    if work.remat == "none":
-        layers = cfg.n_layers * (per_layer + ring)
-    else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
-        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
-    logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
-    return tokens * (layers + logits)
-
-
-def ffn_slots(cfg: ModelConfig, seq_len: int) -> float:
-    """Feed-forward rows computed per token: 1 for a dense MLP; for a mixture of experts every expert's
-    capacity, filled or not, E x C per routing group (a sequence) of T tokens."""
-    return cfg.n_experts * cfg.expert_capacity(seq_len) / seq_len if cfg.n_experts else 1.0
-
-
-def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
-    """Elements per token one layer keeps for the backward pass beyond its input under the remat policy:
-    "full" nothing; "dots_no_batch" the projections' outputs (q/k/v, attention output, gate/up, down);
-    "dots" also attention's two batched matmuls (scores and the weighted values) where XLA's attention
-    runs (cuDNN's is not a matmul to JAX)."""
-    m = shape.degree(HEADS)
-    projections = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m + 2 * cfg.d_model \
-        + 2 * cfg.mlp_dim / shape.degree(MLP) * ffn_slots(cfg, work.seq_len)
-    if work.remat == "dots_no_batch":
-        return projections
-    if work.remat == "dots":
-        n = shape.degree(LENGTH)
-        probs = work.attention_probs or n > 1
-        return projections + (cfg.n_heads * (scored_keys(cfg, work.seq_len, n) + cfg.head_dim) / m if probs else 0.0)
-    return 0.0
-
-
-def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
-    """Compute-layout bytes of one layer's weights (what FSDP gathers at a time)."""
-    return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a, param=False).values())
-               for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
-
-
-def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
-    """Per-device memory of a train step (AdamW): what XLA's memory analysis calls arguments +
-    temporaries + outputs - aliased, in parts."""
-    pb = work.param_bytes
-    params = param_bytes(cfg, shape, pb)
-    gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in cfg.param_shapes())
-    layer = _one_layer(cfg, shape, work.act_bytes)
-    tokens = work.global_batch * work.seq_len / shape.token_ways()
-    out = {
-        "params": params,
-        "optimizer": 2 * params,  # AdamW's two moments, sharded like the parameters
-        # gradients as stored, plus (FSDP) one layer's gradient in the compute layout before its
-        # reduce-scatter: the layers are scanned, so one is in flight at a time
-        "grads": params + (layer * pb / work.act_bytes if gathers else 0.0),
-        "optimizer_temporaries": OPT_TEMP_COPIES * params,
-        # FSDP keeps every gathered weight from the forward pass for the backward, unless remat
-        # regathers them layer by layer
-        "gathered": (0.0 if not gathers else param_bytes(cfg, shape, work.act_bytes, compute=True)
-                     - _stored_table_saving(cfg, shape, work) if work.remat == "none" else layer),
-        "activations": activation_bytes(cfg, shape, work),
-        "batch": 3 * tokens * 4,
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
-    """Compute-layout bytes of the input table that an untied model's stored-table lookup never gathers."""
-    lookup = _stored_lookup(cfg, shape, work)
-    if not lookup or cfg.tie_embeddings:
-        return 0.0
-    ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
-    table = cfg.vocab_size * cfg.d_model * work.act_bytes / ways
-    return table * (1 - 1 / math.prod(lookup.values()))
-
-
-def probs_hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
-    """The share of `hbm_bytes` that is attention's materialised probabilities (where no flash kernel
-    fuses them away: XLA's attention, and ring attention tick by tick). Their softmax runs between
-    attention's two matmuls and waits on them, so a roofline cannot hide this traffic behind compute."""
-    n = shape.degree(LENGTH)
-    if not (work.attention_probs or n > 1):
-        return 0.0
-    tokens = work.global_batch * work.seq_len / shape.token_ways()
-    keys = scored_keys(cfg, work.seq_len, n)
-    return 2 * tokens * cfg.n_layers * ACT_PER_PROBS * cfg.n_heads * keys / shape.degree(HEADS) * work.act_bytes
-
-
-def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict[str, float]) -> float:
-    """HBM traffic of one step, roughly: weights read per pass, the optimizer's read-modify-write of
-    parameters, gradients and moments, and activations written once and read once. Remat keeps fewer
-    activations but moves no fewer (the recomputed forward writes them again), so the activations are
-    counted as without remat: counting those remat keeps made remat look faster where HBM bounds."""
-    passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
-    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
-    optimizer = memory["params"] * 7  # read p, g, m, v; write p, m, v
-    moved = activation_bytes(cfg, shape, dataclasses.replace(work, remat="none"))
-    return weights + optimizer + 2 * moved * work.microbatches

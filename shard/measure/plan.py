@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard.measure import costs
+from shard.measure.memory import hbm_bytes, memory_bytes, probs_hbm_bytes
 from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
@@ -147,7 +148,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
     problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
-    memory = costs.memory_bytes(cfg, shape, work)
+    memory = memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
         problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
     comm = costs.comm_bytes(cfg, shape, work)
@@ -161,8 +162,8 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
     hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
     compute_s = hw_flops / devices / (hw.achieved_tflops * 1e12)
-    hbm_s = costs.hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
-    probs_s = costs.probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
+    hbm_s = hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
+    probs_s = probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
     local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
     # tensor parallel's all-reduces and the experts' all-to-alls sit between the matmuls that need them
     exposed = comm_s.get(MODEL, 0.0) + comm_s.get(EXPERT_AXIS, 0.0)

@@ -23,7 +23,7 @@ _API = {
     "state_spec": "shard.training.state", "init_state": "shard.training.state",
     "make_train_step": "shard.training.step", "batch_sharding": "shard.training.step",
     "compile_step": "shard.training.compiled", "memory_of": "shard.training.compiled",
-    "prepare": "shard.training.loop", "train": "shard.training.loop", "Observer": "shard.training.observer",
+    "prepare": "shard.training.prepare", "train": "shard.training.loop", "Observer": "shard.training.observer",
     "StopOnSignal": "shard.training.preemption",
     "Generator": "shard.training.generate", "Sampling": "shard.training.generate",
     # data

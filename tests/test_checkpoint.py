@@ -24,7 +24,8 @@ from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveChe
 from shard.cli.app import app
 from shard.errors import ShardError
 from shard.sharding.layout import make_layout
-from shard.training.loop import prepare, train
+from shard.training.prepare import prepare
+from shard.training.loop import train
 from shard.sharding.mesh import parse_mesh
 from shard.observe.metrics import read_jsonl
 from shard.paths import RunDirLock

@@ -143,8 +143,8 @@ def compile_uncached(mesh: str, sets: str, compiler_options: str = "None") -> st
     """Compile the tiny config on `mesh` with `sets` (tiny_config's keyword arguments, as source) in a
     process without the persistent cache, and return its stderr: a cache hit compiles nothing, so XLA
     neither dumps nor warns."""
-    code = ("from shard.testing import tiny_config; from shard.training.loop import make_layout; "
-            "from shard.sharding.mesh import parse_mesh; from shard.measure.analysis import compile_step; "
+    code = ("from shard.testing import tiny_config; from shard.sharding.layout import make_layout; "
+            "from shard.sharding.mesh import parse_mesh; from shard.training.compiled import compile_step; "
             f"cfg = tiny_config({mesh!r}, {sets}); "
             f"compile_step(cfg, make_layout(cfg, parse_mesh({mesh!r})), compiler_options={compiler_options})")
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from shard.cli.app import app
 from shard.errors import DivergenceError
-from shard.training.loop import prepare, train
+from shard.training.prepare import prepare
+from shard.training.loop import train
 from shard.observe.metrics import JsonlWriter, TensorBoardWriter
 from shard.measure.profiling import Profiler
 from shard.testing import devices_for, tiny_config

@@ -14,7 +14,8 @@ from shard.config.train import GuardConfig, OptimizerConfig
 from shard.errors import ShardError
 from shard.training.generate import Sampling, sample
 from shard.training.step import check_batch
-from shard.training.loop import first_divergence, prepare
+from shard.training.loop import first_divergence
+from shard.training.prepare import prepare
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.training.state import init_state, make_optimizer, state_spec

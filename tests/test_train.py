@@ -42,7 +42,7 @@ def test_the_loop_compiles_nothing_after_prepare():
     """The train step is compiled once, ahead of time; steps, logging and the data path add no compiles."""
     import jax
 
-    from shard.training.loop import prepare
+    from shard.training.prepare import prepare
     from shard.testing import devices_for, tiny_config
 
     compiles = []

@@ -155,7 +155,7 @@ class _Run:
 
     def _prepare(self, devices, restore):
         """The prepared run (restored, compiled), its start said; None when its checkpoint is at --steps."""
-        from shard.training.loop import prepare
+        from shard.training.prepare import prepare
         from shard.training.state import warmup_steps
 
         cfg, window = self.cfg, self.window

@@ -24,7 +24,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 
 from shard import config as config_mod  # noqa: E402
 from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
-from shard.training.loop import prepare, train  # noqa: E402
+from shard.training.prepare import prepare  # noqa: E402
+from shard.training.loop import train  # noqa: E402
 from shard.training.preemption import StopOnSignal  # noqa: E402
 from shard.testing import tiny_config  # noqa: E402
 from shard.training.observer import Observer  # noqa: E402

@@ -163,7 +163,7 @@ def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
     shape, work = costs.LayoutShape.of(data=2, fsdp=4), costs.Workload(8, 16, act_bytes=4)
     tied = PRESETS["small"]
     untied = dataclasses.replace(tied, tie_embeddings=False)
-    assert costs._stored_lookup(untied, shape, work)  # more table rows than tokens: read as stored
+    assert costs.stored_lookup(untied, shape, work)  # more table rows than tokens: read as stored
     slice_bytes = tied.vocab_size * tied.d_model * 4 / 4
     extra = costs.comm_bytes(untied, shape, work)["data"] - costs.comm_bytes(tied, shape, work)["data"]
     assert extra == pytest.approx(costs.wire_bytes("all-reduce", slice_bytes, 2))

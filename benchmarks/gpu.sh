@@ -26,8 +26,7 @@ run() {
     exec > >(tee "$out/gpu.log") 2>&1
     rm -rf "$site"  # a machine kept warm from an earlier call must not run the earlier code
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
-    # shard itself, laid out as installed (models/ and shard/meshes/ become shard.models and shard.meshes)
-    cp -r shard "$site/shard" && cp -r models "$site/shard/models" && cp -r meshes "$site/shard/meshes" || exit 1
+    cp -r shard "$site/shard" || exit 1  # shard itself (its models and mesh presets are inside it)
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     # JAX preallocates 75% of the GPU by default; the largest batch that fits is the point of benchmark 2
     export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}

@@ -20,7 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 from shard import config as config_mod
-from shard.run.checkpoint import CHECKPOINTS_DIR, TMP_MARK, Checkpoints, SaveCheckpoints
+from shard.paths import CHECKPOINTS_DIR
+from shard.run.checkpoint import TMP_MARK, Checkpoints, SaveCheckpoints
 from shard.cli.app import app
 from shard.errors import ShardError
 from shard.sharding.layout import make_layout

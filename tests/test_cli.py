@@ -583,6 +583,15 @@ def test_resume_takes_the_run_dir_from_the_config_file(tmp_path):
     assert again.exit_code == 0 and "resumed from step 2" in again.output, again.output
 
 
+
+def test_a_blank_run_dir_in_the_config_file_of_a_resume_is_refused(tmp_path):
+    """--resume reads the run dir from the --config file when --run-dir is not given: a blank one there is
+    the same error as a blank flag."""
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('run_dir = "  "\n')
+    result = invoke("train", *TINY, "--config", str(config_file), "--resume", "--allow-fresh")
+    assert result.exit_code == 2 and "empty --run-dir" in result.output, result.output
+
 def test_the_embedded_corpus_resumed_on_the_current_folder_is_a_data_change(tmp_path, monkeypatch):
     """An old run's relative data.path read from its own folder is the same files; the embedded corpus
     (data.path "") is not the current folder, though Path("").absolute() is."""

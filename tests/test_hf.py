@@ -16,6 +16,7 @@ from flax import nnx  # noqa: E402
 
 from shard.run import hf  # noqa: E402
 from shard import models  # noqa: E402
+from shard.config.model import PRESETS  # noqa: E402
 from shard.errors import ShardError  # noqa: E402
 from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.sharding.layout import make_layout  # noqa: E402
@@ -78,7 +79,7 @@ def test_export_reloads_in_transformers_with_identical_tensors(hf_model, tmp_pat
 
 
 def test_what_shard_cannot_represent(tmp_path):
-    base = hf.config_to_hf(models.PRESETS["tiny"])
+    base = hf.config_to_hf(PRESETS["tiny"])
     with pytest.raises(ShardError, match="llama3 rope scaling needs a positive low_freq_factor, got None"):
         hf.config_from_hf(base | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ShardError, match="rope scaling .* is not supported"):

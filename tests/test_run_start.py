@@ -9,7 +9,7 @@ from shard import config as config_mod
 from shard.errors import ShardError
 from shard.paths import RunDirLock
 from shard.run.hf import config_to_hf
-from shard.run.start import RunDirClaim, init_from_given, resolve_start
+from shard.run.start import RunDirClaim, init_from_given, resolve_start, run_dir_named
 from shard.testing import tiny_config
 
 
@@ -42,7 +42,9 @@ def test_a_resume_starts_from_the_saved_config_and_says_what_it_changes(tmp_path
     assert start.cfg.model == tiny_config().model and start.cfg.steps == 5 and start.cfg.run_dir == str(run)
     assert any(c.startswith("the learning-rate schedule changes (steps 3 -> 5)") for c in start.changes)
     # the run dir may come from the --config file instead
-    from_file = resolve_start(flags(), {"run_dir": str(run)}, None, run_dir=None, init_from=None, resume=True,
+    named = run_dir_named(None, {"run_dir": str(run)}, resume=True)  # --resume with the run dir in --config
+    assert named == str(run) and run_dir_named(None, {"run_dir": str(run)}, resume=False) is None
+    from_file = resolve_start(flags(), {"run_dir": str(run)}, None, run_dir=named, init_from=None, resume=True,
                               allow_fresh=False)
     assert from_file.resumed and from_file.changes == ()
 

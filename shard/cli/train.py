@@ -19,7 +19,8 @@ from shard.observe.progress import ConsoleProgress
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.resume import restore_source
 from shard.run.run_dir import compile_cache_dir, continue_command
-from shard.run.start import RunDirClaim, StartConfig, check_devices_per_process, resolve_start, run_dir_for
+from shard.run.start import (RunDirClaim, StartConfig, check_devices_per_process, resolve_start, run_dir_for,
+                             run_dir_named)
 from shard.sharding.mesh import parse_mesh
 
 
@@ -73,6 +74,7 @@ def train(
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
     from_file = config_file(config)
+    run_dir = run_dir_named(run_dir, from_file, resume)
     flags = dict(mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed, run_dir=run_dir,
                  simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
                  checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host,

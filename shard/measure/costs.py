@@ -58,7 +58,7 @@ class LayoutShape:
 
     @classmethod
     def of(cls, **sizes: int) -> LayoutShape:
-        """Default rules (meshes/default.toml) on a mesh with these axis sizes."""
+        """Default rules (shard/meshes/default.toml) on a mesh with these axis sizes."""
         from shard.sharding.mesh import load_preset
 
         base = load_preset("default")

@@ -112,7 +112,7 @@ def layouts(devices: int, per_node: int, seq_len: int | None = None, experts: in
     """Every data x fsdp x context x model factorisation of `devices` with tensor parallel inside a node
     and a context axis that splits `seq_len` (none when it is not given), outermost axis first. For a
     mixture of `experts`, every data x fsdp x expert one with the expert axis splitting the experts
-    (and the batch, as in meshes/ep.toml): tensor and context parallel have no formula for its layers."""
+    (and the batch, as in shard/meshes/ep.toml): tensor and context parallel have no formula for its layers."""
     if experts:
         return [{DATA: devices // expert // fsdp, FSDP: fsdp, EXPERT_AXIS: expert}
                 for expert in _divisors(devices) if experts % expert == 0

@@ -1,1 +1,1 @@
-"""Mesh and rule presets as TOML data, installed as `shard.meshes`."""
+"""Mesh and rule presets as TOML data, read with importlib.resources."""

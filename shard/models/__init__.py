@@ -1,8 +1,9 @@
-"""Model definitions, installed as `shard.models`. Configs import without JAX; the modules load lazily."""
+"""The model: a Llama-style decoder (llama.py) and its mixture of experts (moe.py). Their configs and
+presets are shard.config.model's; the modules load lazily."""
 
-from shard.config.model import PRESETS, ModelConfig
+from shard.config.model import ModelConfig
 
-__all__ = ["PRESETS", "ModelConfig", "build"]
+__all__ = ["build"]
 
 
 def build(cfg: ModelConfig, *, seed: int = 0):

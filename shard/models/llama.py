@@ -23,8 +23,8 @@ from shard.models import moe
 from shard.errors import ShardError
 from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
 from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
-from shard.sharding.decisions import (heads_split_alike, pin_looked_up, queries_split_like_keys,
-                                     stored_lookup_split)
+from shard.sharding.queries import (heads_split_alike, pin_looked_up, queries_split_like_keys,
+                                   stored_lookup_split)
 from shard.sharding.rules import active_layout, constrain
 
 # Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the

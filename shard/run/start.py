@@ -45,14 +45,13 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
                   cluster=None, notice: Notice = _unsaid) -> StartConfig:
     """The config a `shard train` start runs with. `layers(base)` stacks the config file, the flags and
     --set over `base` (a resumed run's saved config, or the model of the --init-from weights);
-    `from_file` and `sets` say where a --resume's run dir and the init_from come from. Notes the
+    `run_dir` is the run dir the start names (`run_dir_named`); `from_file` and `sets` say where the
+    init_from comes from. Notes the
     cluster's settings for the errors before it is joined (shard.cluster.runtime.expect)."""
     from shard.cluster import runtime
     from shard.run.hf import context_note
 
     main = cluster is None or cluster.process_id == 0
-    if resume and run_dir is None:  # the run dir named in the config file given
-        run_dir = from_file.get("run_dir") or None
     base = resume_base(run_dir, allow_fresh, notice=notice if main else None) if resume else None
     resumed = bool(base)  # the run dir holds a run's config
     weights = init_from_given(init_from, from_file, sets)
@@ -69,6 +68,13 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):
         notice(note)
     return StartConfig(cfg, base, resumed, weights, tuple(changes))
+
+
+def run_dir_named(run_dir: str | None, from_file: dict, resume: bool) -> str | None:
+    """The run dir a start names: --run-dir, else with --resume the one the --config file names."""
+    if resume and run_dir is None:
+        return from_file.get("run_dir") or None
+    return run_dir
 
 
 def init_from_given(flag: str | None, from_file: dict, sets: list[str] | None) -> str:

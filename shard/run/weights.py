@@ -35,7 +35,7 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
     if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
-                         "config_toml=shard.config.resolve.to_toml(cfg) to Checkpoints.save)")
+                         "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
     return resolve({"model": saved["model"]}).model, params
 
 

@@ -23,7 +23,8 @@ import jax  # noqa: E402
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
 
 from shard import config as config_mod  # noqa: E402
-from shard.run.checkpoint import CHECKPOINTS_DIR, Checkpoints, SaveCheckpoints  # noqa: E402
+from shard.paths import CHECKPOINTS_DIR  # noqa: E402
+from shard.run.checkpoint import Checkpoints, SaveCheckpoints  # noqa: E402
 from shard.training.prepare import prepare  # noqa: E402
 from shard.training.loop import train  # noqa: E402
 from shard.training.preemption import StopOnSignal  # noqa: E402

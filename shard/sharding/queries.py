@@ -1,0 +1,46 @@
+"""What the model asks of the layout its step is traced under (`activation_layout`): which lookup reads
+the stored table, the layout its rows are pinned to, and whether heads, kv heads and queries split
+alike. Mesh axes stay here, beside `constrain`, so the model code names logical axes only.
+"""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shard.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
+from shard.sharding.decisions import stored_lookup_axes
+from shard.sharding.rules import active_layout, mesh_axes_of
+
+
+def stored_lookup_split(vocab_size: int, tokens: int) -> tuple[str, ...]:
+    """Mesh axes that split the stored table's embed dim but not the activations' (FSDP), if looking up
+    in the stored table pays (`stored_lookup_axes` for the active layout); () outside a layout."""
+    layout = active_layout()
+    if layout is None:
+        return ()
+    return tuple(stored_lookup_axes(vocab_size, tokens, layout.axis_sizes, layout.rules, layout.param_rules))
+
+
+def pin_looked_up(x_btd: jax.Array, split: tuple[str, ...]) -> jax.Array:
+    """The stored table's lookup pinned to the layout it makes its rows in: the batch over its axes but
+    `split`, the embed dim over `split`. Left to propagation, the batch layout that follows was pulled
+    onto the lookup, whose gradient's scatter XLA then could not partition from it (data=2,fsdp=4,
+    batch 8: "involuntary full rematerialization", twice a step); pinned, the rows go between the two
+    layouts by all-to-all."""
+    layout = active_layout()
+    batch = tuple(a for a in mesh_axes_of(layout.spec((BATCH,))[0]) if a not in split)
+    spec = PartitionSpec(batch or None, layout.spec((LENGTH,))[0], split if len(split) > 1 else split[0])
+    return jax.lax.with_sharding_constraint(x_btd, NamedSharding(layout.mesh, spec))
+
+
+def heads_split_alike() -> bool:
+    """Are heads and kv heads split over the same mesh axes, as weights and as activations?"""
+    layout = active_layout()
+    return layout is None or all(layout.mesh_axes(HEADS, param=param) == layout.mesh_axes(KV_HEADS, param=param)
+                                 for param in (False, True))
+
+
+def queries_split_like_keys() -> bool:
+    """Do the attention's queries and keys/values take the same layout (cuDNN's attention needs it)?"""
+    layout = active_layout()
+    return layout is None or (
+        layout.spec((BATCH, LENGTH, HEADS, HEAD_DIM)) == layout.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM)))

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from shard.cli.options import (ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices,
                                warn)
@@ -69,7 +68,7 @@ def train(
     cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
     defaults = config_mod.ClusterConfig()  # until the config is read
     runtime.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
-                       defaults.join_timeout)
+                   defaults.join_timeout)
     if allow_fresh and not resume:
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
@@ -89,7 +88,7 @@ def _notice(message: str) -> None:
     from shard.cluster import runtime
 
     if runtime.context().is_main:
-        err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
+        warn(message)
 
 
 class _Run:

@@ -10,6 +10,7 @@ import typer.core
 from rich.markup import escape
 
 from shard.cli.bench import bench_app
+from shard.cli.data import data_app
 from shard.cli.evaluate import evaluate
 from shard.cli.export import export
 from shard.cli.generate import generate
@@ -17,6 +18,7 @@ from shard.cli.hf import export_hf, import_hf
 from shard.cli.inspect import inspect
 from shard.cli.plan import plan
 from shard.cli.report import report
+from shard.cli.tokenizer import tokenizer_app
 from shard.cli.train import train
 from shard.errors import ShardError, first_line, out_of_memory
 from shard.observe.console import err_console
@@ -113,6 +115,8 @@ app.command()(generate)
 app.command("eval")(evaluate)
 app.command("import-hf")(import_hf)
 app.command("export-hf")(export_hf)
+app.add_typer(data_app, name="data")
+app.add_typer(tokenizer_app, name="tokenizer")
 
 
 def main() -> None:

@@ -31,10 +31,22 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = ""  # "" = the embedded corpus; "synthetic"; a text file or folder; .npy/.bin tokens
+    # "" = the embedded corpus; "synthetic"; a prepared store (shard data prepare); a mixture (.toml); a
+    # text, JSON Lines or Parquet file, a saved Hugging Face dataset, a folder or glob of them; .npy/.bin tokens
+    path: str = ""
     batch: int = 16  # global batch, in sequences
     seq_len: int = 128
     microbatches: int = 1  # gradient accumulation steps per optimizer step
+    # "" = a prepared store's own (or a resumed run's), else "byte"; "byte" | tokenizer.json or a folder
+    # with one (Hugging Face) | a SentencePiece .model
+    tokenizer: str = ""
+    text_field: str = "text"  # the text of JSON Lines rows, Parquet and dataset columns
+    # concat: windows across document boundaries | packed: whole documents per row, attention and
+    # positions restarting per document
+    packing: str = "concat"
+    # where raw sources given to `shard train` are prepared into a token store and kept for the next run;
+    # "auto": <run dir parent>/.data_cache
+    cache: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class PipelineConfig:
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PACKING_MODES = ("concat", "packed")
 CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
 
 
@@ -153,6 +166,8 @@ class TrainConfig:
         if self.pipeline.schedule not in PIPELINE_SCHEDULES:
             problems.append(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                             f"got {self.pipeline.schedule!r}")
+        if self.data.packing not in PACKING_MODES:
+            problems.append(f"data.packing must be one of {', '.join(PACKING_MODES)}, got {self.data.packing!r}")
         if self.guard.action not in ("stop", "skip"):
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
         if self.checkpoint.best_mode not in ("min", "max"):

@@ -1,17 +1,274 @@
-"""Tokenizers: text to token ids and back. Byte-level today: UTF-8 bytes as tokens 0..255."""
+"""Tokenizers: text to token ids and back. One small protocol, `Tokenizer`, with three implementations:
+UTF-8 bytes (`byte`, no file), a Hugging Face tokenizer (`tokenizer.json`, through the `tokenizers`
+library) and a SentencePiece model (`.model`, through `sentencepiece`). `load_tokenizer(spec)` reads
+any of them; `Tokenizer.save(folder)` writes the files `load_tokenizer(folder)` reads back, byte for
+byte, so a run, a checkpoint and a token store carry the tokenizer they were made with.
+
+A document's ids are `document_ids`: the tokenizer's BOS first where it uses one, its EOS last where it
+has one, so document boundaries are known downstream (packing, evaluation)."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from shard.errors import ShardError
+
 BYTE_VOCAB = 256
+BYTE = "byte"
+HF_FILE = "tokenizer.json"
+HF_CONFIG = "tokenizer_config.json"
+SP_FILE = "tokenizer.model"
+BYTE_FILE = "shard_tokenizer.json"  # the byte tokenizer's marker in a saved folder (it has no file of its own)
+# Names tokenizers give their end-of-text token, when tokenizer_config.json does not say.
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
+_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What shard needs of a tokenizer."""
+
+    kind: str  # "byte" | "huggingface" | "sentencepiece"
+    vocab_size: int  # ids are 0..vocab_size-1, special tokens included
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    add_bos: bool  # documents start with bos_id (the tokenizer's own convention)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+    def decode(self, ids) -> str: ...
+
+    @property
+    def special_tokens(self) -> dict[str, int]: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def save(self, folder: Path) -> None: ...
+
+
+def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """One text's ids, without BOS or EOS (a prompt, a continuation)."""
+    return tokenizer.encode_batch([text])[0]
+
+
+def document_ids(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
+    """A document's ids with the tokenizer's BOS (where it uses one) and EOS (where it has one)."""
+    parts = [ids]
+    if tokenizer.add_bos and tokenizer.bos_id is not None:
+        parts.insert(0, np.array([tokenizer.bos_id], ids.dtype))
+    if tokenizer.eos_id is not None:
+        parts.append(np.array([tokenizer.eos_id], ids.dtype))
+    return np.concatenate(parts) if len(parts) > 1 else ids
+
+
+def describe(tokenizer: Tokenizer) -> str:
+    """`huggingface (tokenizer.json, 8,000 ids, eos 0)` for start-up summaries."""
+    marks = [f"{tokenizer.vocab_size:,} ids"]
+    marks += [f"{name} {i}" for name, i in (("bos", tokenizer.bos_id if tokenizer.add_bos else None),
+                                            ("eos", tokenizer.eos_id)) if i is not None]
+    return f"{tokenizer.kind} ({', '.join(marks)})"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255: no vocabulary file, works on any text."""
+    """UTF-8 bytes as tokens 0..255: no vocabulary file, works on any text, no special tokens."""
 
+    kind = BYTE
     vocab_size = BYTE_VOCAB
+    bos_id = eos_id = pad_id = None
+    add_bos = False
+    special_tokens: dict[str, int] = {}
+    fingerprint = BYTE
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / BYTE_FILE).write_text(json.dumps({"kind": BYTE}) + "\n")
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizer.json` (any model the `tokenizers` library reads: BPE, WordPiece, Unigram), with the
+    special tokens its `tokenizer_config.json` names beside it, when there is one."""
+
+    kind = "huggingface"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.path = path
+        self.config_path = path.with_name(HF_CONFIG)
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a bad file
+            raise ShardError(f"{path} is not a Hugging Face tokenizer ({str(e).splitlines()[0][:160]})") from None
+        config = _read_json(self.config_path) if self.config_path.is_file() else {}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._special_id(config.get("eos_token"), _EOS_NAMES)
+        self.pad_id = self._special_id(config.get("pad_token"), _PAD_NAMES)
+        self.bos_id = self._special_id(config.get("bos_token"), _BOS_NAMES)
+        # whether documents start with BOS: what the config says, else what the post-processor does
+        added = self._tok.encode("a").ids
+        bare = self._tok.encode("a", add_special_tokens=False).ids
+        uses = bool(added) and len(added) > len(bare) and added[0] == self.bos_id
+        self.add_bos = bool(config.get("add_bos_token", uses)) and self.bos_id is not None
+
+    def _special_id(self, named, fallbacks: tuple[str, ...]) -> int | None:
+        if isinstance(named, dict):  # an AddedToken written out: {"content": "</s>", ...}
+            named = named.get("content")
+        for name in ([named] if named else []) + ([] if named else list(fallbacks)):
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast skips the offsets (tokenizers >= 0.20), which shard never reads
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, np.int32) for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def fingerprint(self) -> str:
+        return _digest([self.path] + ([self.config_path] if self.config_path.is_file() else []))
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in (self.path, self.config_path, self.path.with_name("special_tokens_map.json")):
+            if f.is_file() and f.resolve() != (folder / f.name).resolve():
+                shutil.copyfile(f, folder / (HF_FILE if f == self.path else f.name))
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece `.model` (Llama 2, Gemma, T5 ...)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ShardError(f"{path} is a SentencePiece model; reading it needs sentencepiece "
+                             "(pip install 'shard[data]')") from None
+        self.path = path
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(path))
+        except (OSError, RuntimeError) as e:
+            raise ShardError(f"{path} is not a SentencePiece model ({str(e).splitlines()[0][:160]})") from None
+        self.vocab_size = self._sp.GetPieceSize()
+        self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None for i in
+                                                 (self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()))
+        self.add_bos = self.bos_id is not None  # SentencePiece models (Llama, Gemma) start documents with BOS
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {self._sp.IdToPiece(i): i for i in range(self.vocab_size)
+                if self._sp.IsControl(i) or self._sp.IsUnknown(i)}
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, np.int32) for ids in self._sp.Encode(list(texts))]
+
+    def decode(self, ids) -> str:
+        return self._sp.Decode([int(i) for i in ids])
+
+    @property
+    def fingerprint(self) -> str:
+        return _digest([self.path])
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.path.resolve() != (folder / SP_FILE).resolve():
+            shutil.copyfile(self.path, folder / SP_FILE)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte`, a `tokenizer.json`, a SentencePiece `.model`, or a folder holding one of them (a saved
+    run's, a checkpoint's, a Hugging Face model's: tokenizer.json is preferred to tokenizer.model)."""
+    if spec in ("", BYTE):
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        for name in (HF_FILE, SP_FILE, BYTE_FILE):
+            if (path / name).is_file():
+                return load_tokenizer(str(path / name))
+        raise ShardError(f"tokenizer folder {path} holds no {HF_FILE}, {SP_FILE} or {BYTE_FILE}")
+    if not path.exists():
+        raise ShardError(f"tokenizer {spec} does not exist (give 'byte', a tokenizer.json, a SentencePiece "
+                         ".model or a folder with one)")
+    if path.name == BYTE_FILE:
+        if _read_json(path).get("kind") != BYTE:
+            raise ShardError(f"{path} does not describe a shard tokenizer")
+        return ByteTokenizer()
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    return HuggingFaceTokenizer(path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardError(f"{path} is not a JSON object")
+    return doc
+
+
+def _digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes() + b"\0")  # contents alone: a copy under another name is the same tokenizer
+    return h.hexdigest()[:16]
+
+
+def padded_vocab(tokenizer_vocab: int, multiple: int = 128) -> int:
+    """The model's vocabulary for a tokenizer's: rounded up to a multiple of 128 (matmul-friendly tiles
+    and an even split over the mesh)."""
+    return -(-tokenizer_vocab // multiple) * multiple
+
+
+def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
+              eos: str = "<|endoftext|>") -> HuggingFaceTokenizer:
+    """A byte-level BPE (GPT-2's scheme) trained on an iterator of texts with the `tokenizers`
+    library, written to `out` as tokenizer.json and the tokenizer_config.json that lets transformers'
+    AutoTokenizer load it. `eos` is its one special token (id 0), appended to every document."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    if vocab_size < BYTE_VOCAB + 1:
+        raise ShardError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
+                         "an end-of-text token at least")
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer, length=length)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / HF_FILE))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": None,
+              "pad_token": None, "unk_token": None, "add_bos_token": False, "model_max_length": 1 << 30,
+              "clean_up_tokenization_spaces": False}
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return HuggingFaceTokenizer(out / HF_FILE)

@@ -1,7 +1,9 @@
-"""Windows of tokens, their order, and the global batch.
+"""Rows of tokens, their order, and the global batch.
 
-Each sample is a window of seq_len + 1 tokens; grain shuffles the windows from a seed and reshuffles
-every epoch. The stream's position is a global sample index: step k reads samples [k*B, (k+1)*B), and
+Each sample is a row of seq_len + 1 tokens: a window of the token stream (data.packing = "concat"), or
+whole documents packed with their segment ids and positions ("packed", shard.data.packing); a mixture
+draws rows from several sources (shard.data.mixture). grain shuffles the rows from a seed and
+reshuffles every epoch. The stream's position is a global sample index: step k reads samples [k*B, (k+1)*B), and
 each process materialises only the rows its devices hold. So the stream is the same on any mesh or
 process count.
 """
@@ -10,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shard.data.sources import SYNTHETIC, TokenParts, load_tokens
+from shard.data.corpus import data_cache_dir, open_corpus
+from shard.data.packing import PackedSource, packed_batch
+from shard.data.sources import SYNTHETIC, TokenParts
 from shard.errors import ShardError
 
 
@@ -65,73 +69,119 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 class Samples:
-    """The training samples: an infinite, seeded sequence of (seq_len + 1)-token windows.
+    """The training samples: an infinite, seeded sequence of rows of seq_len + 1 tokens (windows, or
+    packed rows of whole documents: shard.data.packing).
 
-    grain orders them (a fresh shuffle of the source's windows every epoch); the source reads a whole
+    grain orders them (a fresh shuffle of the source's rows every epoch); the source reads a whole
     block of rows with one vectorized gather. (Reading row by row through grain's MapDataset costs
     ~75 us a row in its per-element bookkeeping: 1.2 ms of host time per 16-row batch.)
     """
 
-    def __init__(self, source, order):  # a grain.MapDataset of row indices, or None
+    def __init__(self, source, order, seq_len: int | None = None):  # order: a grain.MapDataset of row indices, or None
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
+        self.seq_len = seq_len if seq_len is not None else getattr(source, "seq_len", None)
 
     @property
     def windows(self) -> int | None:
-        """Distinct windows the source holds (None: unbounded, synthetic)."""
-        return len(self.source) if isinstance(self.source, WindowSource) else None
+        """Distinct rows the source holds (None: unbounded, synthetic)."""
+        return len(self.source) if isinstance(self.source, WindowSource | PackedSource) else None
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.rows(i, i + 1)[0]
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.source, PackedSource)
 
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """Samples [start, stop) as a (stop - start, seq_len + 1) int32 array."""
+    def __getitem__(self, i: int):
+        rows = self.rows(i, i + 1)
+        return {k: v[0] for k, v in rows.items()} if isinstance(rows, dict) else rows[0]
+
+    def rows(self, start: int, stop: int):
+        """Samples [start, stop): a (stop - start, seq_len + 1) int32 array of windows, or packed rows
+        (a dict of such arrays: tokens, segments, positions)."""
+        return self.rows_at(np.arange(start, stop))
+
+    def _indices(self, samples: np.ndarray) -> np.ndarray:
         if self.order is None:
-            indices = np.arange(start, stop)
-        else:
-            indices = np.fromiter((self.order[i] for i in range(start, stop)), np.int64, stop - start)
-        return self.source.read(indices)
+            return np.asarray(samples, np.int64)
+        return np.fromiter((self.order[int(i)] for i in samples), np.int64, len(samples))
+
+    def rows_at(self, samples: np.ndarray):
+        """Rows of these sample indices (not necessarily consecutive)."""
+        return self.source.read(self._indices(samples))
+
+    def filled_at(self, samples: np.ndarray) -> int:
+        """Input tokens these samples hold that are not padding (packed rows); all of them otherwise."""
+        if not self.packed:
+            return len(samples) * self.seq_len
+        return int(np.minimum(self.source.filled(self._indices(samples)), self.seq_len).sum())
+
+    def filled(self, start: int, stop: int) -> int:
+        return self.filled_at(np.arange(start, stop))
+
+
+def join_rows(parts: list[tuple[np.ndarray, object]], n: int):
+    """Rows read in groups (where each group's rows go, the rows) put back in order: arrays, or dicts of them."""
+    first = parts[0][1]
+    if isinstance(first, dict):
+        return {k: join_rows([(w, r[k]) for w, r in parts], n) for k in first}
+    out = np.empty((n, *first.shape[1:]), first.dtype)
+    for where, rows in parts:
+        out[where] = rows
+    return out
 
 
 def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdout: float = 0.0,
-                   part: str = "all") -> Samples:
-    """An infinite, seeded, random-access dataset of (seq_len + 1)-token windows.
+                   part: str = "all", data=None, cache_dir=None):
+    """An infinite, seeded, random-access dataset of (seq_len + 1)-token rows.
 
-    With `holdout`, the source's windows split in two: `part="train"` reads all but the last `holdout`
-    share of them, `part="eval"` only those (held out: training never sees them); synthetic data has no
-    split (each seed gives fresh tokens)."""
+    With `holdout`, the source splits in two: `part="train"` reads all but the last `holdout` share
+    of it, `part="eval"` only that (held out: training never sees it); synthetic data has no split (each
+    seed gives fresh tokens). `data` (a DataConfig) says how to read it: the tokenizer, the text
+    field, the packing. A mixture file gives a MixtureSamples of its sources, each split alike."""
+    from shard.config.train import DataConfig
+    from shard.data.mixture import MixtureSamples, is_mixture, read_mixture
+
+    data = data or DataConfig()
     if path == SYNTHETIC:
+        if data.packing == "packed":
+            raise ShardError("data.packing=packed needs documents, and synthetic data has none; use packing=concat")
         return Samples(SyntheticSource(vocab_size, seq_len, seed), None)
-    tokens = load_tokens(path, vocab_size)
+    if is_mixture(path):
+        entries = read_mixture(path)
+        parts, caps = [], []
+        for n, e in enumerate(entries):
+            try:
+                samples = sample_dataset(e.path, vocab_size, seq_len, (seed + 7919 * (n + 1)) % 2**32,
+                                         holdout=holdout, part=part, data=data, cache_dir=cache_dir)
+            except ShardError as err:
+                raise ShardError(f"mixture {path}, source {n + 1}: {err}") from None
+            parts.append(samples)
+            caps.append(None if not e.epochs or samples.windows is None else max(1, round(e.epochs * samples.windows)))
+        return MixtureSamples(parts, [e.weight for e in entries], caps, seed, [e.path or "(embedded)" for e in entries])
+    packed = data.packing == "packed"
+    corpus = open_corpus(path, vocab_size=vocab_size, tokenizer=data.tokenizer, text_field=data.text_field,
+                         packing=data.packing, cache_dir=cache_dir)
     if holdout and part != "all":
-        tokens = _split(tokens, seq_len, holdout, path)[part == "eval"]
-    return _shuffled(WindowSource(tokens, seq_len), seed)
+        corpus = corpus.split(holdout, seq_len, packed)[part == "eval"]
+    if packed:
+        from shard.data.packing import pack
+
+        return _shuffled(PackedSource(corpus.tokens, pack(corpus.document_ends, seq_len)), seed, seq_len)
+    return _shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len)
 
 
-def _split(tokens: np.ndarray, seq_len: int, holdout: float, path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens): the last `holdout` share of the windows, at least one, is
-    held out, cut on a window boundary."""
-    windows = len(WindowSource(tokens, seq_len))
-    held = max(1, round(windows * holdout))
-    if held >= windows:
-        raise ShardError(f"data {path or 'corpus'} holds {windows} window(s) of {seq_len + 1} tokens: too few "
-                         f"to hold out eval.holdout={holdout:g} of them for evaluation; give eval.path, or more "
-                         "data, or a shorter --seq")
-    cut = (windows - held) * seq_len
-    return tokens[:cut], tokens[cut:]
-
-
-def _shuffled(source: "WindowSource", seed: int) -> Samples:
+def _shuffled(source, seed: int, seq_len: int) -> Samples:
     import grain  # here, not at the top: synthetic data never needs it
 
-    return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat())
+    return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(), seq_len)
 
 
-def repetition_note(samples: Samples, global_batch: int, seq_len: int) -> str | None:
-    """A line when the data holds fewer distinct windows than one global batch, else None."""
+def repetition_note(samples, global_batch: int, seq_len: int) -> str | None:
+    """A line when the data holds fewer distinct rows than one global batch, else None."""
     n = samples.windows
     if n is None or n >= global_batch:
         return None
-    return (f"the training data holds {n} window(s) of {seq_len + 1} tokens, fewer than one global batch of "
+    what = "packed row(s)" if getattr(samples, "packed", False) else "window(s)"
+    return (f"the training data holds {n} {what} of {seq_len + 1} tokens, fewer than one global batch of "
             f"{global_batch}: every batch repeats them")
 
 
@@ -141,26 +191,30 @@ def held_out_share(cfg) -> float:
     return cfg.eval.holdout if cfg.eval.every and not cfg.eval.path and cfg.data.path != SYNTHETIC else 0.0
 
 
-def training_samples(cfg) -> Samples:
+def training_samples(cfg):
     """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it."""
     return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed,
-                          holdout=held_out_share(cfg), part="train")
+                          holdout=held_out_share(cfg), part="train", data=cfg.data, cache_dir=data_cache_dir(cfg))
 
 
-def eval_samples(cfg) -> Samples:
+def eval_samples(cfg):
     """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
     seed = (cfg.seed + 1) % 2**32  # another order than training's, within grain's seed range
     if cfg.eval.path:
         try:
-            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed)
+            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed, data=cfg.data,
+                                  cache_dir=data_cache_dir(cfg))
         except ShardError as e:  # said as the held-out data's, not the training data's
             raise ShardError(f"eval.path: {e}") from None
     return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, seed,
-                          holdout=cfg.eval.holdout, part="eval")
+                          holdout=cfg.eval.holdout, part="eval", data=cfg.data, cache_dir=data_cache_dir(cfg))
 
 
-def split_window(windows: np.ndarray) -> dict[str, np.ndarray]:
-    """(rows, T+1) windows -> next-token inputs, targets and a loss mask (0 where padded)."""
+def split_window(windows) -> dict[str, np.ndarray]:
+    """(rows, T+1) windows -> next-token inputs, targets and a loss mask (0 where padded); packed rows
+    (a dict) -> the same, plus segment ids and positions (shard.data.packing.packed_batch)."""
+    if isinstance(windows, dict):
+        return packed_batch(windows)
     inputs, targets = windows[:, :-1], windows[:, 1:]
     mask = (targets >= 0).astype(np.float32)
     return {"inputs": np.maximum(inputs, 0), "targets": np.maximum(targets, 0), "mask": mask}
@@ -179,6 +233,7 @@ class BatchStream:
     # every global batch, as an array over its local mesh. Default: the whole global batch.
     offset: int = 0
     rows: int | None = None
+    filled_tokens: int = 0  # input tokens (not padding) of the batches made so far: tokens/s counts these
 
     def next(self) -> dict:
         import jax
@@ -201,6 +256,15 @@ class BatchStream:
 
             return jax.make_array_from_callback(shape, self.sharding, callback)
 
-        batch = {k: make(k) for k in ("inputs", "targets", "mask")}
+        keys = ("inputs", "targets", "mask") + (("segment_ids", "positions") if self.packed else ())
+        batch = {k: make(k) for k in keys}
+        if self.packed:  # every process counts the whole global batch's tokens (each holds the plan)
+            self.filled_tokens += self.dataset.filled(self.position, self.position + self.global_batch)
+        else:
+            self.filled_tokens += self.global_batch * self.seq_len
         self.position += self.global_batch
         return batch
+
+    @property
+    def packed(self) -> bool:
+        return getattr(self.dataset, "packed", False)

@@ -8,6 +8,7 @@ device count must be settled before JAX starts.
 
 import collections
 import dataclasses
+import glob as globmod
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,8 +58,10 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     weights = init_from_given(init_from, from_file, sets)
     if weights and not resumed:  # a new run, or the first start of a --resume --allow-fresh one
         base = init_from_base(weights)
-    cfg = config_mod.resolve(layers(base))
+    overrides = layers(base)
+    cfg = config_mod.resolve(overrides)
     _check_saved_model(cfg, base, resumed, weights, run_dir)
+    cfg = _vocab_of_tokenizer(cfg, overrides, notice if main else _unsaid)
     runtime.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == runtime.MPI:
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
@@ -68,6 +71,18 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):
         notice(note)
     return StartConfig(cfg, base, resumed, weights, tuple(changes))
+
+
+def _vocab_of_tokenizer(cfg: config_mod.TrainConfig, overrides: dict, notice: Notice) -> config_mod.TrainConfig:
+    """The model's vocabulary from the data's tokenizer, unless the config sets it (the user, a resumed
+    run's saved config, the weights it starts from); said in a notice."""
+    from shard.data.corpus import fit_vocab
+
+    model = overrides.get("model")
+    cfg, note = fit_vocab(cfg, isinstance(model, dict) and "vocab_size" in model)
+    if note:
+        notice(note)
+    return cfg
 
 
 def run_dir_named(run_dir: str | None, from_file: dict, resume: bool) -> str | None:
@@ -118,11 +133,17 @@ def absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     def absolute(path: str, key: str) -> str:
         if path in ("", EMBEDDED, SYNTHETIC):
             return path
+        if any(c in path for c in "*?[") and not Path(path).exists():  # a glob: one source of its matches
+            if not globmod.glob(path, recursive=True):
+                raise ShardError(f"{key} {path} matches no file")
+            return str(Path(path).absolute())
         if not Path(path).exists():
             raise ShardError(f"{key} {path} does not exist")
         return str(Path(path).absolute())
 
-    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"))
+    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer in ("", "byte") else absolute(cfg.data.tokenizer,
+                                                                                         "data.tokenizer")
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, "data path"), tokenizer=tokenizer)
     # unused without eval.every, so not required to exist; but a later --eval-every must find the same files
     unused_and_missing = not cfg.eval.every and not Path(cfg.eval.path or ".").exists()
     evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,

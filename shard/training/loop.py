@@ -83,7 +83,6 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
 
 
 def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
-    tokens_per_step = cfg.data.batch * cfg.data.seq_len
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     records: list[dict] = []
     start = last_time = time.perf_counter()
@@ -93,6 +92,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
     grad_norms: list[float] = []
     skipped = 0
+    filled_since = run.stream.filled_tokens  # real (not padding) input tokens made into batches so far
+
     def asked_to_stop() -> bool:
         # Every observer (a list, not a short-circuit): with several processes each one's should_stop()
         # takes part in a collective that all processes must reach.
@@ -111,12 +112,15 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         (`synced`: the step the host waited for, when later than `step`: the time runs to it)."""
         now = time.perf_counter()
         elapsed, timed = now - last_time - saving_s, (synced or step) - last_step
+        # input tokens per step timed, a packed batch's padding not counted (the stream made exactly the
+        # batches of the steps up to the one synced)
+        per_step = (run.stream.filled_tokens - filled_since) / max(1, timed)
         record = {
             "step": step,
             "loss": float(values["loss"]),
             "grad_norm": float(values["grad_norm"]),
             "lr": float(values["lr"]),
-            "tokens_per_s": timed * tokens_per_step / elapsed,
+            "tokens_per_s": timed * per_step / elapsed,
             "step_time_s": elapsed / timed,
             "tokens_seen": run.tokens_seen(step),
             "time_s": now - start,
@@ -127,6 +131,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.devices_in_all * run.peak_flops)
         if run.pipeline:
             record["pipeline_bubble"] = run.pipeline["bubble"]
+        if run.stream.packed:  # the share of the batches' input positions that hold a token
+            record["packing"] = per_step / (cfg.data.batch * cfg.data.seq_len)
         if "aux_loss" in values:
             record["aux_loss"] = float(values["aux_loss"])
         return record
@@ -172,6 +178,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                     record["eval_loss"] = eval_loss
             publish(record)
             last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
+            filled_since = run.stream.filled_tokens
             # a signal came during it: stop here (the last step ends as it would have, its save the final one)
             if evaluating and evaluator.interrupted and not stopping and i < cfg.steps:
                 stopping = final = True

@@ -14,6 +14,7 @@ from pathlib import Path
 from shard.errors import ShardError
 
 CHECKPOINTS_DIR = "checkpoints"  # a run dir's checkpoints, one folder per step
+TOKENIZER_DIR = "tokenizer"  # the run's tokenizer (shard.run.tokenizer), beside its checkpoints
 LOCK_FILE = ".lock"  # in a run dir: held by the `shard train` that writes it
 
 

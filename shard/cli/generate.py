@@ -15,7 +15,7 @@ from shard.observe.console import err_console
 def generate(
     checkpoint: WeightsArg = None,
     checkpoint_opt: CheckpointOpt = None,
-    prompt: Annotated[str | None, typer.Option(help="prompt text (byte-level models)")] = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text (tokenized with the model's tokenizer)")] = None,
     prompt_ids: Annotated[str | None, typer.Option("--prompt-ids", help="prompt as token ids: 5,17,99")] = None,
     prompts_file: Annotated[Path | None, typer.Option("--prompts-file", help="one prompt per line")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
@@ -40,8 +40,9 @@ def generate(
         raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
     texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
     tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
-    from shard.data.tokenizers import ByteTokenizer
+    from shard.data.tokenizers import encode
     from shard.run import weights
+    from shard.run.tokenizer import tokenizer_for
     from shard.training.generate import Generator, Sampling
     from shard.sharding.layout import make_layout
     from shard.training.state import state_spec
@@ -50,41 +51,52 @@ def generate(
     sampling.validate()  # before the weights are read
 
     model_cfg, params = weights.load(checkpoint)
-    byte_level = model_cfg.vocab_size == ByteTokenizer.vocab_size
-    if not byte_level and not (ids and prompt_ids is not None):
-        raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and shard has no "
-                         "tokenizer for it: use --prompt-ids and --ids")
+    tokenizer = tokenizer_for(checkpoint, model_cfg.vocab_size)
+    if tokenizer is None and not (ids and prompt_ids is not None):
+        raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and no tokenizer goes with it "
+                         "(none in its run dir's tokenizer/ or hf/ folder): use --prompt-ids and --ids")
+    lead = []  # a tokenizer that starts documents with BOS starts prompts with it
+    if tokenizer is not None and tokenizer.add_bos and tokenizer.bos_id is not None:
+        lead = [tokenizer.bos_id]
     if prompt_ids is not None:
-        prompts = [_parse_ids(prompt_ids, model_cfg.vocab_size)]
+        prompts, lead = [_parse_ids(prompt_ids, model_cfg.vocab_size)], []
     else:
-        prompts = [ByteTokenizer().encode(t).tolist() for t in texts]
+        prompts = [lead + encode(tokenizer, t).tolist() for t in texts]
     tcfg = dataclasses.replace(tcfg, model=model_cfg)
     layout = make_layout(tcfg, mesh_spec, devices)
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
     gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
                     max_len=max(len(p) for p in prompts) + max_new_tokens)
     for n, p in enumerate(prompts):
-        _stream(gen, p, max_new_tokens, sampling, seed + n, ids)
+        _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
 
 
-def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, ids: bool) -> None:
-    """One prompt's continuation printed token by token: ids, or the prompt and the text as it decodes."""
-    import codecs
-
-    from shard.data.tokenizers import ByteTokenizer
-
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    if ids:
+def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, tokenizer, skip: int = 0) -> None:
+    """One prompt's continuation printed token by token: ids (no `tokenizer`), or the prompt and the
+    text as it decodes (the prompt's first `skip` ids, a BOS, not shown). A token that ends inside a
+    character (bytes, byte-level BPE) waits for the next: the text is decoded whole each time, and
+    what was not yet shown is printed once it no longer ends in U+FFFD."""
+    if tokenizer is None:
         emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
     else:
-        print(ByteTokenizer().decode(prompt), end="", flush=True)
-        emit = lambda t: print(decoder.decode(bytes([t])), end="", flush=True)  # noqa: E731
+        ids = list(prompt[skip:])
+        shown = tokenizer.decode(ids)
+        print(shown, end="", flush=True)
+
+        def emit(token: int) -> None:
+            nonlocal shown
+            ids.append(token)
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd") and len(text) > len(shown):
+                print(text[len(shown):], end="", flush=True)
+                shown = text
     try:
         gen.generate(prompt, max_new_tokens, sampling, seed=seed, on_token=emit)
     except BaseException:  # out of memory, Ctrl-C: the error line starts on a line of its own
         print(flush=True)
         raise
-    print("" if ids else decoder.decode(b"", final=True), flush=True)  # an unfinished character: U+FFFD
+    rest = "" if tokenizer is None else tokenizer.decode(ids)[len(shown):]  # an unfinished character: U+FFFD
+    print(rest, flush=True)
 
 
 def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:

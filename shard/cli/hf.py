@@ -61,8 +61,11 @@ def export_hf(
     check_fresh_out(out)
     host_jax()
     from shard.run import hf, weights
+    from shard.run.tokenizer import copy_tokenizer
 
     model_cfg, params = weights.load(checkpoint)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
         files = hf.write_hf_dir(str(partial), model_cfg, params, side=hf.side_files_of(checkpoint))
-    console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)", soft_wrap=True)
+        tokenizer = copy_tokenizer(checkpoint, partial)  # the run's own, when the side files hold none
+    console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)"
+                  + (" and the run's tokenizer" if tokenizer else ""), soft_wrap=True)

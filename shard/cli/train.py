@@ -203,6 +203,10 @@ class _Run:
         try:
             claim.write_start(config_toml, cfg.init_from, first_start=not run.start_step)
             if self.main:
+                from shard.run.tokenizer import save_run_tokenizer
+
+                save_run_tokenizer(cfg, path)
+            if self.main:
                 observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                              TensorBoardWriter(path / "tb")]
             self.saver = SaveCheckpoints(self.checkpoints, seed=cfg.seed, config_toml=config_toml)

@@ -64,7 +64,9 @@ class ConsoleProgress(Observer):
                 warnings = []
             for w in warnings:
                 console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, markup=True)
-        from shard.data.batches import repetition_note
+        from shard.data.batches import data_summary, repetition_note
+
+        console.print(escape(data_summary(cfg, run.stream.dataset)), soft_wrap=True)
 
         if note := repetition_note(run.stream.dataset, cfg.data.batch, cfg.data.seq_len):
             console.print(f"[yellow]warning:[/yellow] {escape(note)}", soft_wrap=True, markup=True)

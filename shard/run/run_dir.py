@@ -12,7 +12,7 @@ from shard.config.resolve import differences, load_file, resolve
 from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.sharding.mesh import MeshSpec, rename_mesh_file
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, check_outside_checkpoints, remove_made_folders
+from shard.paths import CHECKPOINTS_DIR, TOKENIZER_DIR, RunDirLock, check_outside_checkpoints, remove_made_folders
 
 
 def compile_cache_dir(cfg: TrainConfig, run_dir: Path) -> Path | None:
@@ -50,7 +50,7 @@ def start_files() -> tuple[str, ...]:
     """What a fresh start writes before its first step is logged or saved."""
     from shard.run.hf import SIDE_DIR
 
-    return ("config.toml", SIDE_DIR, "metrics.jsonl", "tb")
+    return ("config.toml", SIDE_DIR, TOKENIZER_DIR, "metrics.jsonl", "tb")
 
 
 def forget_unstarted_run(path: Path, found: set[str]) -> None:

@@ -1,0 +1,70 @@
+"""The tokenizer travels with the run: saved in the run dir (`tokenizer/`, beside the checkpoints) when
+a run first starts, so `shard generate --prompt`, `shard eval` and `shard export-hf` find it from a
+checkpoint without being told. A model imported from Hugging Face keeps its folder's tokenizer among
+the side files (shard.run.hf.SIDE_DIR), which is read when the run dir has no tokenizer of its own."""
+
+from pathlib import Path
+
+from shard.data.tokenizers import BYTE_VOCAB, HF_FILE, SP_FILE, ByteTokenizer, Tokenizer, load_tokenizer
+from shard.errors import ShardError
+from shard.paths import TOKENIZER_DIR
+
+
+def run_tokenizer(cfg) -> Tokenizer | None:
+    """The tokenizer a config's data is read with (None: synthetic data, which has none)."""
+    from shard.data.corpus import tokenizer_spec
+    from shard.data.sources import SYNTHETIC
+
+    if cfg.data.path == SYNTHETIC:
+        return None
+    return load_tokenizer(tokenizer_spec(cfg.data.path, cfg.data.tokenizer))
+
+
+def save_run_tokenizer(cfg, run_dir: Path) -> None:
+    """Keep the run's tokenizer in run_dir/tokenizer (once: a resumed run keeps the one it started with)."""
+    tok = run_tokenizer(cfg)
+    if tok is not None and not (run_dir / TOKENIZER_DIR).exists():
+        tok.save(run_dir / TOKENIZER_DIR)
+
+
+def tokenizer_folder(weights: str | Path) -> Path | None:
+    """The folder of the tokenizer that goes with some weights: a Hugging Face folder itself, or for a
+    shard checkpoint its run dir's tokenizer/ (else the side files it imported); None when none says."""
+    from shard.run.checkpoint import find_checkpoint
+    from shard.run.hf import SIDE_DIR, is_hf_dir
+
+    if is_hf_dir(weights):
+        candidates = [Path(weights)]
+    else:
+        run_dir = find_checkpoint(weights)[0].parent
+        candidates = [run_dir / TOKENIZER_DIR, run_dir / SIDE_DIR]
+    for folder in candidates:
+        if any((folder / name).is_file() for name in (HF_FILE, SP_FILE, "shard_tokenizer.json")):
+            return folder
+    return None
+
+
+def tokenizer_for(weights: str | Path, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer of some weights (tokenizer_folder); bytes for a 256-token model that names none;
+    None when there is none to be found."""
+    folder = tokenizer_folder(weights)
+    if folder is not None:
+        tok = load_tokenizer(str(folder))
+        if tok.vocab_size > vocab_size:
+            raise ShardError(f"the tokenizer in {folder} has {tok.vocab_size:,} ids, more than the model's vocabulary "
+                             f"of {vocab_size:,}: it is not this model's")
+        return tok
+    return ByteTokenizer() if vocab_size == BYTE_VOCAB else None
+
+
+def copy_tokenizer(weights: str | Path, out: Path) -> bool:
+    """Write the tokenizer of some weights into `out` (export-hf) unless `out` holds one already or it is
+    the byte tokenizer (Hugging Face has no file for it); whether it wrote one."""
+    folder = tokenizer_folder(weights)
+    if folder is None or any((out / name).is_file() for name in (HF_FILE, SP_FILE)):
+        return False
+    tok = load_tokenizer(str(folder))
+    if isinstance(tok, ByteTokenizer):
+        return False
+    tok.save(out)
+    return True

@@ -95,6 +95,8 @@ def assert_same(out, ref):
     ("1x1", {"model__attention": "reference"}),
     ("cp", {}),  # the zig-zag ring: 32 tokens cut into 2 x 4 chunks
     ("sp", {}),
+    ("2x4", {}),  # heads split for tensor parallel: the (B, 1, T, T) mask broadcasts over them
+    ("fsdp", {}),
     ("stage=2,data=2", {"pipeline__schedule": "gpipe", "pipeline__microbatches": 2}),
     ("stage=2,data=2", {"pipeline__schedule": "1f1b", "pipeline__microbatches": 2}),
 ])

@@ -12,14 +12,16 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
-                            manual: bool = False) -> str:
+                            manual: bool = False, segments: bool = False) -> str:
     """Why cuDNN's flash attention (jax.nn.dot_product_attention(implementation="cudnn")) can't run
     attention with these inputs, in a few words; "" when it can.
 
     `platform` is "cuda" for NVIDIA GPUs. cuDNN takes 16-bit inputs and head dims that are multiples of 8
     up to 128 (256 on Hopper; the lower bound keeps the answer independent of the GPU), and its sharding
     rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
-    partly manual shard_map (pipeline stages) its custom partitioning is not used.
+    partly manual shard_map (pipeline stages) its custom partitioning is not used. Packed rows
+    (`segments`, data.packing=packed) reach it only as a dense (B, 1, T, T) bias through the public API
+    (shard.models.llama.causal_attention says why that is not taken).
     """
     if platform != "cuda":
         return f"it needs an NVIDIA GPU (this run is on {platform})"
@@ -31,6 +33,8 @@ def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_sp
         return "it needs heads and kv_heads split over the same mesh axes"
     if manual:
         return "it does not run inside pipeline stages"
+    if segments:
+        return "packed rows (data.packing=packed) need a per-document mask, which it takes only as a dense bias"
     return ""
 
 

@@ -124,14 +124,16 @@ class Workload:
         m = cfg.model
         compute = m.compute_dtype_on(platform)
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
-                   cfg.data.microbatches, m.remat, attention_probs=keeps_attention_probs(m, platform, compute))
+                   cfg.data.microbatches, m.remat,
+                   attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"))
 
 
-def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str) -> bool:
+def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:
     """Whether the model's attention on `platform` ("gpu" taken as NVIDIA) materialises its probabilities:
-    every implementation does but cuDNN's flash attention (models.configs.attention_backend)."""
+    every implementation does but cuDNN's flash attention (models.configs.attention_backend), which
+    packed rows (`packed`) do not run."""
     problem = cudnn_attention_problem(platform="cuda" if platform == "gpu" else platform, dtype=compute_dtype,
-                                      head_dim=cfg.head_dim)
+                                      head_dim=cfg.head_dim, segments=packed)
     return attention_backend(cfg.attention, problem) != "cudnn"
 
 

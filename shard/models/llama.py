@@ -9,6 +9,12 @@ own schedule, and generation runs them with a KV cache.
 
 Dimension letters (see shard.axes): B batch, T length, D embed, N heads, K kv_heads, G = N/K query
 heads per kv head, H head_dim, F mlp, V vocab, L layers.
+
+Packed rows (several whole documents per row) come with `segment_ids` (B, T), which document each token
+belongs to (0: padding), and `positions` (B, T), each token's position within its document: a token
+attends to the earlier tokens of its own segment only, and RoPE reads `positions`. Without them every
+program is what it is for unpacked rows. cuDNN's flash attention is not used for packed rows (see
+`causal_attention`).
 """
 
 import functools
@@ -102,12 +108,15 @@ class Llama(nnx.Module):
         return head_logits(self.cfg, params, x_btd, table), cache
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False) -> tuple[jax.Array, jax.Array]:
+def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False,
+            segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Logits and the summed auxiliary loss. `zigzag`: the tokens are in ring attention's load-balanced
-    order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits."""
+    order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits.
+    `segment_ids`, `positions`: (B, T) of packed rows (module docstring), in the tokens' order."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
-    x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag)
+    x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
+                            positions=positions)
     return head_logits(cfg, params, x_btd, table), aux
 
 
@@ -153,14 +162,22 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
-               zigzag: bool = False):
+               zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
-    the updated cache as well. `zigzag`: as in `forward`."""
+    the updated cache as well. `zigzag`, `segment_ids`, `positions`: as in `forward` (given positions
+    are already in the zig-zag order, as the batch is)."""
     dtype = compute_dtype(cfg)
     T = x_btd.shape[1]
-    positions_t = zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T)
-    cos_th, sin_th = rope_tables(jnp.asarray(positions_t), cfg)
+    if positions is not None:  # per row: (B, T, H) tables
+        cos_th, sin_th = rope_tables(constrain(positions, (BATCH, LENGTH)), cfg)
+    else:
+        positions_t = zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T)
+        cos_th, sin_th = rope_tables(jnp.asarray(positions_t), cfg)
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
+        segment_ids = constrain(segment_ids, (BATCH, LENGTH))
 
     def block(x_btd, xs):
         p, kv = xs
@@ -169,7 +186,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
         p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
              for k, v in p.items()}
-        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag)
+        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag, segment_ids)
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
@@ -249,24 +266,34 @@ _rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2,), prevent_cs
 
 
 def rope_tables(positions_t: jax.Array, cfg: ModelConfig):
-    """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints."""
+    """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints;
+    (B, T, H) for per-row positions (B, T) (packed rows)."""
     inv_freq = jnp.asarray(cfg.rope_frequencies())
+    if positions_t.ndim == 2:
+        angles_bth = positions_t.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
+        angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
+        return jnp.cos(angles_bth), jnp.sin(angles_bth)
     angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
     return jnp.cos(angles_th), jnp.sin(angles_th)
 
 
 def apply_rope(x_btnh, cos_th, sin_th):
+    """x rotated by the tables of `rope_tables`: (T, H), or (B, T, H) per row."""
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_btnh.astype(jnp.float32) * cos_th[:, None, :] + rotated * sin_th[:, None, :]
+    if cos_th.ndim == 3:
+        out = x_btnh.astype(jnp.float32) * cos_th[:, :, None, :] + rotated * sin_th[:, :, None, :]
+    else:
+        out = x_btnh.astype(jnp.float32) * cos_th[:, None, :] + rotated * sin_th[:, None, :]
     return out.astype(x_btnh.dtype)
 
 
-def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False):
+def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
+                    segment_ids=None):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position.
-    `zigzag`: as in `forward`."""
+    `zigzag`, `segment_ids`: as in `forward`."""
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
@@ -275,7 +302,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if kv is None:
-        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag)
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
@@ -306,46 +333,67 @@ def _qkv(h_btd, p, dtype):
     return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
 
 
-def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False):
+def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
     them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead,
-    load-balanced where the sequence comes in its zig-zag order (`zigzag`)."""
+    load-balanced where the sequence comes in its zig-zag order (`zigzag`).
+
+    `segment_ids` (B, T): packed rows; a query attends only to keys of its own segment. XLA's attention
+    takes that as a (B, 1, T, T) mask. cuDNN is not used for them: jax.nn.dot_product_attention hands
+    cuDNN a mask only as a dense bias (a (B, 1, T, T) tensor read by the kernel, and the bias variant of
+    it), which gives up the O(T) memory flash attention is chosen for; cuDNN's own packed layout
+    (per-row segment offsets and lengths, `q_offsets`/`kv_offsets`) is reachable only through the private
+    jax._src.cudnn API, needs Hopper and a static bound on documents per row, and cannot be checked
+    without a GPU. So "auto" runs XLA's attention for packed rows and "cudnn" by name is an error."""
     if axes := context_axes():
         if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
             raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
                              f"{'x'.join(axes)}) uses ring attention; use auto")
+        if segment_ids is not None:
+            return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag, segment_ids=segment_ids)
         return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag)
     if impl in ("auto", "cudnn"):
-        problem = _cudnn_problem(q_btnh)
+        problem = _cudnn_problem(q_btnh, segments=segment_ids is not None)
         if impl == "cudnn" and problem:
             raise ShardError(f"model.attention=cudnn can't run here: {problem}; use auto or xla")
         impl = attention_backend(impl, problem)
     if impl in ("cudnn", "xla"):
+        if segment_ids is not None:
+            same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
+            return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=same_bts[:, None], is_causal=True,
+                                                implementation=impl)
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation=impl)
-    return cached_attention(q_btnh, k_bskh, v_bskh, 0)
+    return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids)
 
 
-def _cudnn_problem(q_btnh) -> str:
+def _cudnn_problem(q_btnh, segments: bool = False) -> str:
     """cudnn_attention_problem for this trace: the backend JAX runs on, the inputs' dtype and head dim,
-    and the active layout's split of queries against keys."""
+    the active layout's split of queries against keys, and whether the rows are packed (`segments`)."""
     backend = jax.extend.backend.get_backend()
     platform = "cuda" if backend.platform == "gpu" and "cuda" in backend.platform_version.lower() else backend.platform
     same_split = queries_split_like_keys()
     manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
     return cudnn_attention_problem(platform=platform, dtype=jnp.dtype(q_btnh.dtype).name,
-                                   head_dim=q_btnh.shape[-1], same_split=same_split, manual=manual)
+                                   head_dim=q_btnh.shape[-1], same_split=same_split, manual=manual,
+                                   segments=segments)
 
 
-def cached_attention(q_btnh, k_bskh, v_bskh, start):
-    """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal."""
+def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None):
+    """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal.
+    `segment_ids` (B, T), self-attention of packed rows only (start 0, S = T): keys of the query's
+    own segment only."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
     scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * H**-0.5
     causal_ts = (start + jnp.arange(T))[:, None] >= jnp.arange(k_bskh.shape[1])[None, :]
-    scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
+    if segment_ids is not None:  # and the same segment: (B, 1, 1, T, S)
+        same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
+        scores_bkgts = jnp.where(causal_ts & same_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)
+    else:
+        scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
     o_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
     return o_btkgh.reshape(B, T, N, H)

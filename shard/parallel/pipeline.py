@@ -21,6 +21,11 @@ XLA:GPU's AllReduceReassociate reduces over the replicas once.
   all gradients come out of one pass, wrapped in a custom_vjp so the train step stays `value_and_grad`.
 
 The bubble (idle share of a stage's time) is (S - 1) / (M + S - 1) for both.
+
+Per-microbatch inputs of the layers beyond the activations (`extras`: packed rows' segment ids and
+positions, (M, rows, T) each) are not passed along the chain: every stage holds all M of them (they are
+small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m)`; `extras_m` is None
+without them.
 """
 
 import functools
@@ -208,24 +213,33 @@ def _rows(replicas: tuple[str, ...]) -> P:
     return P(None, replicas or None)
 
 
-def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tuple[str, ...] = ()) -> jax.Array:
+def _microbatch(extras, m):
+    """Microbatch m's slice of each per-microbatch array (None without them)."""
+    return None if extras is None else jax.tree.map(lambda a: a[m], extras)
+
+
+def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tuple[str, ...] = (),
+                 extras: dict | None = None) -> jax.Array:
     """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `stage_fn(layers,
-    x_btd) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual data-parallel
-    axes (see `replica_axes`)."""
+    x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual
+    data-parallel axes (see `replica_axes`); `extras`: per-microbatch inputs of the layers (module
+    docstring)."""
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
 
-    def body(layers, x_mbtd):
+    def body(layers, x_mbtd, extras):
         S, s = lax.axis_size(STAGE), lax.axis_index(STAGE)
         M = x_mbtd.shape[0]
         x_mbtd = _summed_in_f32_on_cpu(_vary, x_mbtd, mesh)  # the backward psums its gradient over stages
         # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
         layers = jax.tree.map(lambda w: _summed_in_f32_on_cpu(lambda a: _vary(a, replicas), w, mesh), layers)
+        extras = _vary(extras)
         perm = _chain(S, +1)
 
         def tick(t, carry):
             incoming, out_mbtd = carry
             x_btd = jnp.where(s == 0, x_mbtd[jnp.clip(t, 0, M - 1)], incoming)
-            y_btd = stage_fn(layers, x_btd)
+            extras_m = None if extras is None else _microbatch(extras, jnp.clip(t - s, 0, M - 1))  # s runs t - s
+            y_btd = stage_fn(layers, x_btd, extras_m)
             m_out = t - (S - 1)
             write = (s == S - 1) & (m_out >= 0)
             idx = jnp.clip(m_out, 0, M - 1)
@@ -237,14 +251,16 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
         return _from_one_stage(out_mbtd, mesh)  # only the last stage wrote
 
     rows = _rows(replicas)
-    return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rows), out_specs=rows,
-                         axis_names={STAGE, *replicas})(layers, x_mbtd)
+    return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rows, jax.tree.map(lambda _: rows, extras)),
+                         out_specs=rows, axis_names={STAGE, *replicas})(layers, x_mbtd, extras)
 
 
 def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
-    """`f(layers, head, x_mbtd, aux) -> (nll, count)` on a 1F1B schedule, differentiable by custom_vjp.
+    """`f(layers, head, x_mbtd, aux, extras=None) -> (nll, count)` on a 1F1B schedule, differentiable by
+    custom_vjp (in the first three).
 
-    `stage_fn(layers, x_btd) -> y_btd` applies one stage's slice of the stacked layers.
+    `stage_fn(layers, x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers;
+    `extras`: per-microbatch inputs of the layers (module docstring).
     `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
     (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
     `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
@@ -263,12 +279,12 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
     recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
     recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
 
-    def body(layers, head, x_mbtd, aux):
+    def body(layers, head, x_mbtd, aux, extras):
         s = lax.axis_index(STAGE)
         everywhere = (STAGE, *replicas)
         layers = _vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
         head = _vary(head, everywhere)
-        x_mbtd, aux = _vary((x_mbtd, aux), (STAGE,))
+        x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(np.stack([op, sch.mb, recv_f, recv_b], -1))
         zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
                                         everywhere)
@@ -284,17 +300,19 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
 
         def fwd(c, m):
             x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
-            return c | {"xin": put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd)}
+            return c | {"xin": put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd, _microbatch(extras, m))}
 
         def bwd(c, m):
-            _, vjp = jax.vjp(stage_fn, layers, c["xin"][m % K])
+            extras_m = _microbatch(extras, m)
+            _, vjp = jax.vjp(lambda lp, x: stage_fn(lp, x, extras_m), layers, c["xin"][m % K])
             g_layers, dx = vjp(c["gin"][m % K])
             return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
                         "dx": _set(c["dx"], m, dx, s == 0)}
 
         def bwd_last(c, m):
             aux_m = jax.tree.map(lambda a: a[m], aux)
-            f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x), aux_m)  # noqa: E731
+            extras_m = _microbatch(extras, m)
+            f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x, extras_m), aux_m)  # noqa: E731
             (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
             g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
             return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
@@ -326,32 +344,33 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
                 like(jax.tree.map(lambda g: lax.psum(g, STAGE)[None], c["g_head"]), head),
                 _from_one_stage(c["dx"], mesh))
 
-    def run(layers, head, x_mbtd, aux):
+    def run(layers, head, x_mbtd, aux, extras):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
         rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
         per_replica = lambda tree: jax.tree.map(lambda _: P(replicas or None), tree)  # noqa: E731
         rows = _rows(replicas)
-        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, jax.tree.map(lambda _: rows, aux)),
+        per_row = lambda tree: jax.tree.map(lambda _: rows, tree)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, per_row(aux), per_row(extras)),
                              out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
-            layers, head, x_mbtd, aux)
+            layers, head, x_mbtd, aux, extras)
 
     @jax.custom_vjp
-    def loss(layers, head, x_mbtd, aux):
-        nll, count, *_ = run(layers, head, x_mbtd, aux)
+    def loss(layers, head, x_mbtd, aux, extras=None):
+        nll, count, *_ = run(layers, head, x_mbtd, aux, extras)
         return nll, count
 
-    def loss_fwd(layers, head, x_mbtd, aux):
-        nll, count, g_layers, g_head, dx = run(layers, head, x_mbtd, aux)
+    def loss_fwd(layers, head, x_mbtd, aux, extras=None):
+        nll, count, g_layers, g_head, dx = run(layers, head, x_mbtd, aux, extras)
         g_head = jax.tree.map(lambda g: g.sum(0), g_head)
-        return (nll, count), (g_layers, g_head, dx, aux)
+        return (nll, count), (g_layers, g_head, dx, aux, extras)
 
     def loss_bwd(res, cotangents):
-        g_layers, g_head, dx, aux = res
+        g_layers, g_head, dx, aux, extras = res
         g = cotangents[0]
         scale = lambda tree: jax.tree.map(lambda a: (a * g.astype(a.dtype)), tree)  # noqa: E731
-        zero_aux = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(
-            a.dtype, jnp.floating) else jnp.zeros_like(a), aux)
-        return scale(g_layers), scale(g_head), scale(dx), zero_aux
+        zeros = lambda tree: jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(  # noqa: E731
+            a.dtype, jnp.floating) else jnp.zeros_like(a), tree)
+        return scale(g_layers), scale(g_head), scale(dx), zeros(aux), zeros(extras)
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss

@@ -27,7 +27,7 @@ from shard.config.train import PipelineConfig
 from shard.errors import ShardError, first_line
 from shard.sharding.rules import Layout
 from shard.training.state import StateSpec
-from shard.training.step import BATCH_KEYS, batch_sharding, make_step_parts, schedule_inputs, with_schedule
+from shard.training.step import batch_sharding, make_step_parts, schedule_inputs, with_schedule
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -87,7 +87,7 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
         return grads, nll, count, aux / processes
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    data = {k: batch_sharding(layout) for k in BATCH_KEYS}
+    data = batch_sharding(layout)  # every key of the batch, packed rows' included
 
     if layout.mesh.size == 1:
         def fused(state, batch, args):

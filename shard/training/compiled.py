@@ -14,8 +14,8 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
 
     spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
-    return jitted.lower(spec.abstract_with_shardings(), abstract_batch(layout, cfg.data.batch, cfg.data.seq_len),
-                        abstract_schedule_inputs(spec, layout))
+    batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=cfg.data.packing == "packed")
+    return jitted.lower(spec.abstract_with_shardings(), batch, abstract_schedule_inputs(spec, layout))
 
 
 def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):

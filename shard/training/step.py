@@ -20,6 +20,19 @@ from shard.sharding.rules import Layout, activation_layout
 from shard.training.state import StateSpec
 
 BATCH_KEYS = ("inputs", "targets", "mask")
+# Packed rows (data.packing=packed) carry these too, int32 (B, T): the document of each input token
+# within its row (1, 2, ...; 0 for padding) and its position within that document.
+PACKING_KEYS = ("segment_ids", "positions")
+
+
+def batch_keys(batch: dict) -> tuple[str, ...]:
+    """The keys of this batch the step reads: BATCH_KEYS, and PACKING_KEYS where present."""
+    return BATCH_KEYS + tuple(k for k in PACKING_KEYS if k in batch)
+
+
+def packing_of(batch: dict) -> dict:
+    """The packed-row arrays of a batch, as keyword arguments of llama.forward (empty when unpacked)."""
+    return {k: batch[k] for k in PACKING_KEYS if k in batch}
 
 
 def batch_sharding(layout: Layout) -> NamedSharding:
@@ -77,7 +90,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
 
     def plain(params, mb):
         mb, zigzag = context_order(mb, layout, cfg)
-        logits, aux = llama.forward(cfg, params, mb["inputs"], zigzag)
+        logits, aux = llama.forward(cfg, params, mb["inputs"], zigzag, **packing_of(mb))
         nll, count = token_nll(logits, mb["targets"], mb["mask"])
         return nll + aux_w * aux * count, (nll, count, aux)
 
@@ -88,8 +101,8 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
-    def stage_fn(layers, x_btd):
-        return llama.run_layers(cfg, layers, x_btd)[0]
+    def stage_fn(layers, x_btd, extras_m=None):  # extras_m: the microbatch's packing_of arrays
+        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}))[0]
 
     def head_loss(head, y_btd, aux_m):
         return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
@@ -98,8 +111,9 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
         x_btd = llama.embed_tokens(cfg, params, mb["inputs"])
         x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
         head = {k: params[k] for k in head_keys}
+        extras = {k: _microbatches(v, M, layout) for k, v in packing_of(mb).items()} or None
         if pipe.schedule == "gpipe":
-            y_mbtd = pipeline.gpipe_layers(stage_fn, layout.mesh, params["layers"], x_mbtd, replicas)
+            y_mbtd = pipeline.gpipe_layers(stage_fn, layout.mesh, params["layers"], x_mbtd, replicas, extras)
             # the microbatches back into the batch's own rows (no rows move between devices), so the
             # head runs once: under vmap its custom gradient gave a weight gradient per microbatch, and
             # XLA all-reduced all of them over data (2.1x the minimum)
@@ -108,7 +122,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
         else:
             aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
             nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
-                params["layers"], head, x_mbtd, aux)
+                params["layers"], head, x_mbtd, aux, extras)
         return nll, (nll, count, jnp.zeros((), jnp.float32))
 
     return piped
@@ -133,7 +147,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             if microbatches == 1:
                 (_, (nll, count, aux)), grads = grad_fn(params, batch)
             else:
-                mbs = {k: _microbatches(batch[k], microbatches, layout) for k in BATCH_KEYS}
+                mbs = {k: _microbatches(batch[k], microbatches, layout) for k in batch_keys(batch)}
 
                 def accumulate(carry, mb):
                     g_acc, nll_acc, n_acc, aux_acc = carry
@@ -198,10 +212,10 @@ def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard
         return apply(state, *grad_sums(state["params"], batch), args)
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    data = batch_sharding(layout)
+    data = batch_sharding(layout)  # every key of the batch, with or without PACKING_KEYS
     return jax.jit(
         step,
-        in_shardings=(spec.shardings, dict.fromkeys(BATCH_KEYS, data), replicated),
+        in_shardings=(spec.shardings, data, replicated),
         out_shardings=(spec.shardings, replicated),
         donate_argnums=0,
     )
@@ -233,19 +247,21 @@ def make_eval_step(spec: StateSpec, layout: Layout):
     def evaluate(params, batch):
         with activation_layout(layout):
             batch, zigzag = context_order(batch, layout, spec.model)
-            logits = llama.forward(spec.model, params, batch["inputs"], zigzag)[0]
+            logits = llama.forward(spec.model, params, batch["inputs"], zigzag, **packing_of(batch))[0]
             return token_nll(logits, batch["targets"], batch["mask"])
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
-    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], dict.fromkeys(BATCH_KEYS, data)),
-                   out_shardings=replicated)
+    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], data), out_shardings=replicated)
 
 
-def abstract_batch(layout: Layout, batch: int, seq_len: int) -> dict:
+def abstract_batch(layout: Layout, batch: int, seq_len: int, packed: bool = False) -> dict:
+    """The batch's shapes for lowering; `packed`: with PACKING_KEYS (data.packing=packed)."""
     data = batch_sharding(layout)
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((batch, seq_len), dtypes[k], sharding=data) for k in BATCH_KEYS}
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32, "segment_ids": jnp.int32,
+              "positions": jnp.int32}
+    keys = BATCH_KEYS + (PACKING_KEYS if packed else ())
+    return {k: jax.ShapeDtypeStruct((batch, seq_len), dtypes[k], sharding=data) for k in keys}
 
 
 def check_batch(cfg: TrainConfig, layout: Layout) -> None:

@@ -29,7 +29,13 @@ def train(
     steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
     batch: Annotated[int | None, typer.Option(help="global batch, in sequences")] = None,
     seq: Annotated[int | None, typer.Option(help="sequence length")] = None,
-    data: Annotated[str | None, typer.Option(help="text file/folder, .npy/.bin tokens, or 'synthetic'")] = None,
+    data: Annotated[str | None, typer.Option(
+        help="a token store (shard data prepare), a mixture .toml, text/JSONL/Parquet files, a folder or glob of "
+             "them, a saved dataset, .npy/.bin tokens, or 'synthetic'")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="byte, a tokenizer.json or a folder with one, or a SentencePiece .model (default: the store's, else byte)")] = None,
+    packing: Annotated[str | None, typer.Option(
+        help="concat: windows across documents | packed: whole documents per row, attention within each")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for init and data order")] = None,
     run_dir: Annotated[str | None, typer.Option("--run-dir", help="where config, metrics and checkpoints go")] = None,
     log_every: Annotated[int | None, typer.Option("--log-every", help="log every N steps")] = None,
@@ -77,7 +83,8 @@ def train(
     flags = dict(mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed, run_dir=run_dir,
                  simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
                  checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host,
-                 failure_timeout=failure_timeout, eval_every=eval_every, init_from=init_from)
+                 failure_timeout=failure_timeout, eval_every=eval_every, init_from=init_from, tokenizer=tokenizer,
+                 packing=packing)
     start = resolve_start(lambda base: overrides(from_file, set_, base, **flags), from_file, set_, run_dir=run_dir,
                           init_from=init_from, resume=resume, allow_fresh=allow_fresh, cluster=cluster, notice=warn)
     _Run(start, cluster, resume, allow_fresh, profile_steps).train()

@@ -26,20 +26,22 @@ _STRING_TYPES = ("string", "large_string", "string_view")
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """One worker's share of the sources: `files` (text) or one file or folder read from `start` to
-    `stop` (JSONL: bytes; Parquet: row groups; dataset: rows). `nbytes`: about how much text it holds."""
+    `stop` (JSONL: bytes; Parquet: row groups; dataset: rows). `nbytes`: about how much text it holds;
+    `source`: which of the sources given it is part of."""
 
     kind: str
     files: tuple[str, ...]
     start: int = 0
     stop: int = 0
     nbytes: int = 0
+    source: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "Chunk":
-        return cls(d["kind"], tuple(d["files"]), d["start"], d["stop"], d["nbytes"])
+        return cls(d["kind"], tuple(d["files"]), d["start"], d["stop"], d["nbytes"], d["source"])
 
 
 def need(module: str, path):
@@ -75,7 +77,7 @@ def source_parts(spec: str) -> list[tuple[str, Path]]:
 def plan_chunks(specs: list[str], text_field: str = "text", chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
     """Every source's chunks, sources in the order given; a source with no documents is an error."""
     chunks = []
-    for spec in specs:
+    for source, spec in enumerate(specs):
         label = "the embedded corpus" if spec == EMBEDDED else spec
         mine, group, size = [], [], 0
         for kind, path in source_parts(spec):
@@ -99,7 +101,7 @@ def plan_chunks(specs: list[str], text_field: str = "text", chunk_bytes: int = C
             mine.append(Chunk(TEXT, tuple(group), nbytes=size))
         if not mine:
             raise ShardError(f"data path {label} holds no documents")
-        chunks += mine
+        chunks += [dataclasses.replace(c, source=source) for c in mine]
     return chunks
 
 
@@ -140,6 +142,9 @@ def open_dataset(path: Path):
     """A saved Hugging Face dataset (a save_to_disk folder, its "train" split for a DatasetDict, or an
     .arrow file), memory-mapped."""
     datasets = need("datasets", path)
+    state = path / "state.json"
+    if state.is_file() and not json.loads(state.read_text()).get("_data_files", [None]):
+        raise ShardError(f"data path {path} holds no documents")  # datasets can't load a saved empty one
     try:
         ds = datasets.Dataset.from_file(str(path)) if path.is_file() else datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises several kinds for a folder it can't read

@@ -172,12 +172,12 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         if created:  # the sources must change, and with them the store: nothing here is worth keeping
             shutil.rmtree(partial, ignore_errors=True)
         raise
+    for source, spec in enumerate(specs):
+        if not sum(s["n_documents"] for s, c in zip(shards, chunks) if c.source == source):
+            if created:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise ShardError(f"data path {spec or 'the embedded corpus'} holds no text (field {text_field!r})")
     n_tokens, n_documents = sum(s["n_tokens"] for s in shards), sum(s["n_documents"] for s in shards)
-    if n_documents == 0:
-        if created:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise ShardError(f"data {', '.join(s or 'the embedded corpus' for s in specs)} holds no text "
-                         f"(field {text_field!r})")
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer_info(tok),
             "text_field": text_field, "sources": specs, "key": key,
             "shards": [{"tokens": tokens_name(s["index"]), "documents": documents_name(s["index"]),

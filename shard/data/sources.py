@@ -82,6 +82,9 @@ def source_files(path: str) -> tuple[list[Path], bool]:
     if path == EMBEDDED:
         return embedded_corpus_files(), False
     p = Path(path)
+    if not p.exists() and is_glob(path):  # data/*.jsonl: the files it matches are one source
+        files = glob_files(path)
+        return files, all(f.suffix in _TOKEN_SUFFIXES for f in files)
     if not p.exists():
         raise ShardError(f"data path {path} does not exist")
     if p.is_dir():
@@ -92,14 +95,34 @@ def source_files(path: str) -> tuple[list[Path], bool]:
     return [p], p.suffix in _TOKEN_SUFFIXES
 
 
+def is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """The regular files a glob pattern matches, sorted (the same order on every host); none is an error."""
+    import glob
+
+    files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if Path(f).is_file())
+    if not files:
+        raise ShardError(f"data path {pattern} matches no file")
+    return files
+
+
 def source_signature(path: str) -> str:
-    """What the data at `path` is, cheaply: each file's name, size and a CRC of its first and last
-    4 KiB. Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
+    """What the data at `path` (a file, folder, glob or the embedded corpus) is, cheaply: each file's
+    name, size and a CRC of its first and last 4 KiB. Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
     another host."""
     if path == SYNTHETIC:
         return SYNTHETIC
     files, _ = source_files(path)
     root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
+    return files_signature(files, root)
+
+
+def files_signature(files: list[Path], root: Path | None = None) -> str:
+    """Each file's name (relative to `root`, else its bare name), size and a CRC of its first and last
+    4 KiB, one line each."""
     lines = []
     for f in files:
         size = f.stat().st_size

@@ -1,0 +1,411 @@
+"""The token store: sources tokenized once into memory-mapped shards that NumPy alone reads.
+
+    DIR/store.json           {"format": "shard-token-store", "version": 1, "dtype": "uint16" | "uint32",
+                              "tokenizer": {"kind", "fingerprint", "vocab_size", "bos_id", "eos_id"},
+                              "text_field", "sources", "key", "shards": [{"tokens", "documents", "n_tokens",
+                              "n_documents", "max_token"}], "n_tokens", "n_documents"}
+    DIR/tokens-00000.bin     a shard's token ids, raw little-endian dtype, its documents back to back
+    DIR/documents-00000.npy  int64 end offset of each document in its shard (ascending; the last is n_tokens)
+    DIR/plan.json            the chunk of the sources each shard was made from
+    DIR/tokenizer/           the tokenizer's files (load_tokenizer reads the folder)
+
+Each document is `document_ids` (BOS where the tokenizer uses one, EOS where it has one); empty texts are
+skipped. One shard per chunk of the sources (shard.data.documents), made by a pool of worker processes
+that read their chunk and write their shard themselves. The store is built in `DIR.partial` and renamed
+to DIR when whole; a run that stops leaves the partial, and the same command continues it."""
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
+from shard.data.sources import TokenParts, source_signature
+from shard.data.tokenizers import Tokenizer, load_tokenizer
+from shard.errors import ShardError
+from shard.paths import current_umask, write_text_atomic
+
+FORMAT = "shard-token-store"
+VERSION = 1
+STORE_FILE = "store.json"
+PLAN_FILE = "plan.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def tokens_name(i: int) -> str:
+    return f"tokens-{i:05d}.bin"
+
+
+def documents_name(i: int) -> str:
+    return f"documents-{i:05d}.npy"
+
+
+def store_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _specs(sources) -> list[str]:
+    return [sources] if isinstance(sources, str) else [str(s) for s in sources]
+
+
+def _tokenizer(tokenizer) -> Tokenizer:
+    return load_tokenizer(str(tokenizer)) if isinstance(tokenizer, str | Path) else tokenizer
+
+
+def tokenizer_info(tok: Tokenizer) -> dict:
+    return {"kind": tok.kind, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id if tok.add_bos else None, "eos_id": tok.eos_id}
+
+
+def store_key(sources, tokenizer, text_field: str = "text") -> str:
+    """What a store is made of: the sources' signatures, the tokenizer's fingerprint, the text field and
+    the format's version, hashed."""
+    tok = _tokenizer(tokenizer)
+    what = {"version": VERSION, "sources": [source_signature(s) for s in _specs(sources)],
+            "tokenizer": [tok.kind, tok.fingerprint], "text_field": text_field}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The non-empty texts as one stream of `document_ids`, and the end offset of each document."""
+    texts = [t for t in texts if t]
+    ids = tok.encode_batch(texts) if texts else []
+    bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+    eos = tok.eos_id
+    extra = (bos is not None) + (eos is not None)
+    lengths = np.fromiter((a.size for a in ids), np.int64, len(ids)) + extra
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype)
+    if extra:
+        special = np.zeros(out.size, bool)
+        if bos is not None:
+            out[ends - lengths] = bos
+            special[ends - lengths] = True
+        if eos is not None:
+            out[ends - 1] = eos
+            special[ends - 1] = True
+        if ids:
+            out[~special] = np.concatenate(ids)
+    elif ids:
+        np.concatenate(ids, out=out, casting="unsafe")
+    return out, ends
+
+
+# -- the workers: each loads the tokenizer once, reads its chunk and writes its shard itself --
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer_dir: str, dtype: str, text_field: str) -> None:
+    _WORKER.update(tok=load_tokenizer(tokenizer_dir), dtype=np.dtype(dtype), text_field=text_field)
+
+
+def _make_shard(job: tuple[int, dict, str]) -> dict:
+    index, chunk, folder = job
+    tok, dtype = _WORKER["tok"], _WORKER["dtype"]
+    tokens, ends = encode_documents(tok, read_chunk(Chunk.from_json(chunk), _WORKER["text_field"]), dtype)
+    folder = Path(folder)
+    for name, write in ((tokens_name(index), tokens.tofile), (documents_name(index), None)):
+        tmp = folder / f".{name}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            if write is None:
+                np.save(f, ends)
+            else:
+                write(f)
+        os.replace(tmp, folder / name)  # the documents file last: its presence says the shard is whole
+    return {"index": index, "n_tokens": int(tokens.size), "n_documents": int(ends.size),
+            "max_token": int(tokens.max()) if tokens.size else -1, "nbytes": chunk["nbytes"]}
+
+
+def _shard_done(folder: Path, index: int, dtype: np.dtype) -> dict | None:
+    """A shard a stopped run finished, read back, or None."""
+    docs, toks = folder / documents_name(index), folder / tokens_name(index)
+    if not docs.is_file() or not toks.is_file():
+        return None
+    n = toks.stat().st_size // dtype.itemsize
+    top = int(np.memmap(toks, dtype, mode="r").max()) if n else -1
+    return {"index": index, "n_tokens": n, "n_documents": int(np.load(docs, mmap_mode="r").size), "max_token": top}
+
+
+def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers: int | None = None,
+                  progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> "TokenStore":
+    """Tokenize `sources` (one spec or a list) with `tokenizer` (a Tokenizer or its spec) into a token
+    store at `out`, over `workers` processes (default: every core). Continues the `out.partial` a
+    stopped run left; an `out` that already holds this store is returned as it is."""
+    specs, tok, out = _specs(sources), _tokenizer(tokenizer), Path(out)
+    key = store_key(specs, tok, text_field)
+    partial = out.with_name(out.name + ".partial")
+    say = _Say(progress)
+    if out.exists():
+        if is_store(out) and _read_json(out / STORE_FILE).get("key") == key:
+            say(f"{out} already holds this store (same sources, tokenizer and text field)")
+            return TokenStore.open(out)
+        what = "a token store made from other sources, tokenizer or text field" if is_store(out) else "something"
+        raise ShardError(f"--out {out} already exists and holds {what}; choose another --out")
+    created = not partial.exists()
+    if created:
+        chunks = plan_chunks(specs, text_field, chunk_bytes)  # bad sources fail here, before any file is made
+        _start_partial(partial, tok, {"key": key, "sources": specs, "text_field": text_field,
+                                      "chunks": [c.to_json() for c in chunks]})
+    else:
+        plan = _read_json(partial / PLAN_FILE) if (partial / PLAN_FILE).is_file() else {}
+        if plan.get("key") != key:
+            raise ShardError(f"{partial} is an unfinished store made from other sources, tokenizer or text field; "
+                             "remove it to start over, or choose another --out")
+        chunks = [Chunk.from_json(c) for c in plan["chunks"]]
+        say(f"continuing {partial}")
+    dtype = store_dtype(tok.vocab_size)
+    done = {i: s for i in range(len(chunks)) if (s := _shard_done(partial, i, dtype))}
+    try:
+        shards = _run_workers(partial, chunks, done, dtype, text_field, workers, say)
+    except ShardError:
+        if created:  # the sources must change, and with them the store: nothing here is worth keeping
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    for source, spec in enumerate(specs):
+        if not sum(s["n_documents"] for s, c in zip(shards, chunks) if c.source == source):
+            if created:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise ShardError(f"data path {spec or 'the embedded corpus'} holds no text (field {text_field!r})")
+    n_tokens, n_documents = sum(s["n_tokens"] for s in shards), sum(s["n_documents"] for s in shards)
+    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer_info(tok),
+            "text_field": text_field, "sources": specs, "key": key,
+            "shards": [{"tokens": tokens_name(s["index"]), "documents": documents_name(s["index"]),
+                        "n_tokens": s["n_tokens"], "n_documents": s["n_documents"], "max_token": s["max_token"]}
+                       for s in shards],
+            "n_tokens": n_tokens, "n_documents": n_documents}
+    write_text_atomic(partial / STORE_FILE, json.dumps(meta, indent=1) + "\n")
+    os.rename(partial, out)  # whole, or not there
+    return TokenStore.open(out)
+
+
+def _start_partial(partial: Path, tok: Tokenizer, plan: dict) -> None:
+    """The partial's tokenizer and plan, made beside it and renamed into place: a partial always has both."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{partial.name}-", dir=partial.parent))
+    try:
+        tok.save(tmp / TOKENIZER_DIR)
+        (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
+        tmp.chmod(0o777 & ~current_umask())
+        tmp.rename(partial)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_field: str, workers: int | None,
+                 say: "_Say") -> list[dict]:
+    todo = [(i, chunks[i].to_json(), str(partial)) for i in range(len(chunks)) if i not in done]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    init = (str(partial / TOKENIZER_DIR), dtype.name, text_field)
+    results = dict(done)
+    with say.progress(sum(c["nbytes"] for _, c, _ in todo)) as advance:
+        if workers == 1:  # no pool to start for one worker's work
+            _start_worker(*init)
+            for job in todo:
+                s = _make_shard(job)
+                results[s["index"]] = s
+                advance(s)
+        else:
+            # fork starts fast and needs no `if __name__ == "__main__"` in the caller's script; spawn where
+            # the parent holds JAX's threads, which a fork copies mid-flight
+            ctx = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
+            with _one_thread_each(), ctx.Pool(workers, _start_worker, init) as pool:
+                for s in pool.imap_unordered(_make_shard, todo):
+                    results[s["index"]] = s
+                    advance(s)
+    return [results[i] for i in range(len(chunks))]
+
+
+@contextlib.contextmanager
+def _one_thread_each():
+    """Workers inherit these: one tokenizer thread each, as many processes as cores (a process a core
+    beats a pool of threads in each: no oversubscription, no locks between them)."""
+    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Say:
+    """Lines and the progress bar (documents/s, tokens/s, ETA by input bytes) on stderr, or nothing."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        if on:
+            from rich.console import Console
+
+            self.console = Console(stderr=True, highlight=False, emoji=False, markup=False)
+
+    def __call__(self, line: str) -> None:
+        if self.on:
+            self.console.print(line, soft_wrap=True)
+
+    @contextlib.contextmanager
+    def progress(self, total_bytes: int):
+        start, counts = time.perf_counter(), {"docs": 0, "tokens": 0}
+        if not self.on:
+            yield lambda s: None
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[rate]}"),
+                      TimeRemainingColumn(), console=self.console, transient=True) as bar:
+            task = bar.add_task("", total=max(total_bytes, 1), rate="")
+
+            def advance(s: dict) -> None:
+                counts["docs"] += s["n_documents"]
+                counts["tokens"] += s["n_tokens"]
+                secs = max(time.perf_counter() - start, 1e-9)
+                bar.update(task, advance=s.get("nbytes", 0),
+                           rate=f"{counts['docs'] / secs:,.0f} docs/s {counts['tokens'] / secs:,.0f} tokens/s")
+
+            yield advance
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(f"cannot read {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardError(f"{path} is not a JSON object")
+    return doc
+
+
+def is_store(path) -> bool:
+    """Whether `path` is a token store's folder (a whole one: a partial has no store.json)."""
+    f = Path(path) / STORE_FILE
+    try:
+        return f.is_file() and json.loads(f.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+@dataclasses.dataclass
+class TokenStore:
+    """A token store, opened and checked: `tokens` is the whole stream (memory-mapped shards read as
+    one 1-D array), `document_ends` the global end offset of every document."""
+
+    path: Path
+    meta: dict
+    tokens: TokenParts
+    document_ends: np.ndarray
+
+    @classmethod
+    def open(cls, path) -> "TokenStore":
+        path = Path(path)
+        if not (path / STORE_FILE).is_file():
+            partial = path.with_name(path.name + ".partial")
+            hint = f" ({partial} is an unfinished one: run the same prepare again)" if partial.exists() else ""
+            raise ShardError(f"{path} is not a token store: it has no {STORE_FILE}{hint}")
+        meta = _read_json(path / STORE_FILE)
+        if meta.get("format") != FORMAT:
+            raise ShardError(f"{path / STORE_FILE} is not a shard token store (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise ShardError(f"{path / STORE_FILE} is version {meta.get('version')} of the token store; this shard "
+                             f"reads version {VERSION}")
+        try:
+            dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+            parts, ends, offset = [], [], 0
+            for s in meta["shards"]:
+                tokens = _open_shard(path, s, dtype)
+                parts.append(tokens)
+                ends.append(_shard_ends(path, s) + offset)
+                offset += tokens.size
+        except (KeyError, TypeError) as e:
+            raise ShardError(f"{path / STORE_FILE} is incomplete ({e!r} missing or malformed)") from None
+        if not parts:
+            raise ShardError(f"{path / STORE_FILE} lists no shards")
+        return cls(path, meta, TokenParts(parts), np.concatenate(ends).astype(np.int64))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def n_documents(self) -> int:
+        return int(self.document_ends.size)
+
+    @property
+    def max_token(self) -> int:
+        return max(int(s["max_token"]) for s in self.meta["shards"])
+
+    @property
+    def tokenizer_info(self) -> dict:
+        return dict(self.meta["tokenizer"])
+
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(str(self.path / TOKENIZER_DIR))
+
+    def check_tokenizer(self, tok: Tokenizer) -> None:
+        """A store is read with the tokenizer it was made with, or not at all."""
+        mine = self.tokenizer_info
+        if (mine["kind"], mine["fingerprint"]) != (tok.kind, tok.fingerprint):
+            raise ShardError(f"token store {self.path} was made with the {mine['kind']} tokenizer "
+                             f"{mine['fingerprint']}, not the {tok.kind} tokenizer {tok.fingerprint} given")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if self.max_token >= vocab_size:
+            raise ShardError(f"token store {self.path} holds token id {self.max_token}, outside the vocabulary "
+                             f"of {vocab_size} (model.vocab_size)")
+
+
+def _open_shard(path: Path, s: dict, dtype: np.dtype) -> np.ndarray:
+    f = path / s["tokens"]
+    want = int(s["n_tokens"]) * dtype.itemsize
+    if not f.is_file():
+        raise ShardError(f"token store {path}: shard {f.name} is missing")
+    if f.stat().st_size != want:
+        raise ShardError(f"token store {path}: shard {f.name} holds {f.stat().st_size:,} bytes, not "
+                         f"{want:,} ({int(s['n_tokens']):,} tokens of {dtype.name})")
+    return np.memmap(f, dtype, mode="r") if want else np.zeros(0, dtype)
+
+
+def _shard_ends(path: Path, s: dict) -> np.ndarray:
+    f = path / s["documents"]
+    try:
+        ends = np.load(f)
+    except (OSError, ValueError) as e:
+        raise ShardError(f"token store {path}: cannot read {f.name} ({e})") from None
+    n = int(s["n_tokens"])
+    if ends.ndim != 1 or ends.dtype.kind not in "iu" or ends.size != int(s["n_documents"]):
+        raise ShardError(f"token store {path}: {f.name} is not {s['n_documents']} int64 document ends")
+    if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0):
+        raise ShardError(f"token store {path}: the document ends in {f.name} are not ascending")
+    if ends.size and ends[-1] != n:
+        raise ShardError(f"token store {path}: the documents in {f.name} end at {int(ends[-1]):,}, "
+                         f"{'past' if ends[-1] > n else 'before'} the shard's end ({n:,} tokens)")
+    return ends
+
+
+def cached_store(sources, tokenizer, cache_dir, text_field: str = "text") -> Path:
+    """The token store of raw sources in `cache_dir/<key>`, prepared the first time and reused after.
+    Processes of one job on one host take a file lock: one prepares, the others wait and reuse it."""
+    tok = _tokenizer(tokenizer)
+    cache_dir = Path(cache_dir)
+    out = cache_dir / store_key(sources, tok, text_field)
+    if is_store(out):
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{out.name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not is_store(out):
+            prepare_store(sources, tok, out, text_field=text_field)
+    return out

@@ -1,0 +1,224 @@
+"""Documents and the token store: every source kind, round trips, resuming, atomicity, and the
+one-line errors bad input gets (naming the file, deleting nothing); the data and tokenizer commands."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from shard.cli.app import app
+from shard.data.documents import iter_documents
+from shard.data.store import TokenStore, cached_store, is_store, prepare_store
+from shard.data.tokenizers import ByteTokenizer, train_bpe
+from shard.errors import ShardError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+TEXTS = [f"document {i}: " + "the quick brown fox jumps " * (i % 5) + "é✓" for i in range(60)]
+CHUNK = 512  # bytes: several chunks, and shards, from tiny files
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_bpe(iter(TEXTS * 3), 300, tmp_path_factory.mktemp("tok"))
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def documents(store):
+    tokens = np.asarray(store.tokens)
+    starts = np.concatenate([[0], store.document_ends[:-1]])
+    return [tokens[a:b] for a, b in zip(starts, store.document_ends)]
+
+
+def files_of(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_round_trip_decodes_to_the_texts_with_eos(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS[:30] + [""] + TEXTS[30:])  # the empty text is skipped
+    store = prepare_store(str(src), tok, tmp_path / "store", workers=2, progress=False, chunk_bytes=CHUNK)
+    assert len(store.meta["shards"]) > 2 and store.n_documents == len(TEXTS)
+    assert [tok.decode(d) for d in documents(store)] == [t + "<|endoftext|>" for t in TEXTS]
+    assert store.tokens.dtype == np.uint16 and store.max_token < tok.vocab_size
+    assert store.tokenizer().fingerprint == tok.fingerprint
+    store.check_tokenizer(tok)
+    # readable with NumPy alone, as docs/data.md says
+    meta = json.loads((tmp_path / "store" / "store.json").read_text())
+    first = meta["shards"][0]
+    raw = np.fromfile(tmp_path / "store" / first["tokens"], dtype=meta["dtype"])
+    ends = np.load(tmp_path / "store" / first["documents"])
+    assert tok.decode(raw[:ends[0]]) == TEXTS[0] + "<|endoftext|>" and ends[-1] == raw.size
+
+
+def test_every_source_kind_gives_the_same_documents(tmp_path, tok):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "txt").mkdir()
+    for i, t in enumerate(TEXTS):
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(t)
+    write_jsonl(tmp_path / "a.jsonl", TEXTS[:25])
+    write_jsonl(tmp_path / "b.jsonl", TEXTS[25:])
+    pq.write_table(pa.table({"text": TEXTS}), tmp_path / "t.parquet", row_group_size=16)
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": TEXTS}),
+                          "test": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "dd"))
+    arrow = sorted((tmp_path / "ds").glob("*.arrow"))[0]
+    for i, spec in enumerate([tmp_path / "txt", tmp_path / "*.jsonl", tmp_path / "t.parquet", tmp_path / "ds",
+                              tmp_path / "dd", arrow]):
+        assert list(iter_documents([str(spec)])) == TEXTS, spec
+        store = prepare_store(str(spec), tok, tmp_path / f"s{i}", workers=2, progress=False, chunk_bytes=CHUNK)
+        assert [tok.decode(d) for d in documents(store)] == [t + "<|endoftext|>" for t in TEXTS], spec
+    assert len(json.loads((tmp_path / "s2" / "store.json").read_text())["shards"]) == 4  # a row group each
+
+
+def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
+    store = prepare_store("", ByteTokenizer(), tmp_path / "s", workers=2, progress=False)
+    from shard.data.sources import embedded_corpus_files
+
+    files = embedded_corpus_files()
+    assert store.n_documents == len(files) and store.tokens.dtype == np.uint16  # a document a file, no EOS
+    assert ByteTokenizer().decode(documents(store)[0]) == files[0].read_text()
+
+
+def test_an_interrupted_prepare_continues_to_the_same_store_byte_for_byte(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    whole = prepare_store(str(src), tok, tmp_path / "whole", workers=2, progress=False, chunk_bytes=CHUNK)
+    # what a run killed before its last shard leaves: no store.json, the last documents file missing
+    out = tmp_path / "store"
+    shutil.copytree(whole.path, out.with_name("store.partial"))
+    last = whole.meta["shards"][-1]
+    (out.with_name("store.partial") / "store.json").unlink()
+    (out.with_name("store.partial") / last["documents"]).unlink()
+    (out.with_name("store.partial") / last["tokens"]).write_bytes(b"\1\2\3")  # half-written
+    with pytest.raises(ShardError, match="no store.json .*store.partial is an unfinished one"):
+        TokenStore.open(out)  # atomicity: no out before it is whole
+    assert not out.exists() and not is_store(out.with_name("store.partial"))
+    prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    assert files_of(out) == files_of(whole.path) and not out.with_name("store.partial").exists()
+    # the same command again: the store is there already
+    assert prepare_store(str(src), tok, out, workers=2, progress=False).n_tokens == whole.n_tokens
+
+
+def test_a_partial_or_store_of_other_sources_is_refused_and_kept(tmp_path, tok):
+    a, b = write_jsonl(tmp_path / "a.jsonl", TEXTS), write_jsonl(tmp_path / "b.jsonl", TEXTS[:10])
+    prepare_store(str(a), tok, tmp_path / "s", workers=2, progress=False)
+    with pytest.raises(ShardError, match=f"--out {tmp_path / 's'} already exists .*other sources"):
+        prepare_store(str(b), tok, tmp_path / "s", workers=2, progress=False)
+    os.rename(tmp_path / "s", tmp_path / "t.partial")
+    with pytest.raises(ShardError, match="t.partial is an unfinished store made from other sources"):
+        prepare_store(str(b), tok, tmp_path / "t", workers=2, progress=False)
+    assert (tmp_path / "t.partial" / "store.json").is_file() and a.is_file() and b.is_file()
+
+
+def test_bad_sources_name_the_file_and_leave_no_store(tmp_path, tok):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "good.jsonl", TEXTS)
+    write_jsonl(tmp_path / "nofield.jsonl", TEXTS, field="body")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    (tmp_path / "bin.txt").write_bytes(b"ab\0cd")
+    datasets.DatasetDict({"a": datasets.Dataset.from_dict({"text": ["x"]}),
+                          "b": datasets.Dataset.from_dict({"text": ["y"]})}).save_to_disk(str(tmp_path / "dd"))
+    datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")})) \
+        .save_to_disk(str(tmp_path / "emptyds"))
+    cases = {"nofield.jsonl": r"nofield.jsonl line \d+ has no field 'text'",
+             "empty.jsonl": r"empty.jsonl holds no documents",
+             "blank.jsonl": r"blank.jsonl holds no text",
+             "ints.parquet": r"column 'text' of Parquet file .*ints.parquet is int64, not text",
+             "bin.txt": r"bin.txt looks binary",
+             "dd": r"dataset .*dd holds the splits a, b and no 'train'",
+             "emptyds": r"emptyds holds no documents",
+             "missing.jsonl": r"missing.jsonl does not exist",
+             "*.csv": r"\*.csv matches no file"}
+    for name, message in cases.items():
+        with pytest.raises(ShardError, match=message):
+            prepare_store([str(tmp_path / "good.jsonl"), str(tmp_path / name)], tok, tmp_path / "out", workers=2,
+                          progress=False, chunk_bytes=CHUNK)
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists(), name
+    # a row without the field in a later chunk, found by a worker: the same one line
+    write_jsonl(tmp_path / "late.jsonl", TEXTS + ["x"] * 3)
+    with open(tmp_path / "late.jsonl", "a") as f:
+        f.write('{"body": "no text here"}\n')
+    with pytest.raises(ShardError, match=f"late.jsonl line {len(TEXTS) + 4} has no field 'text'"):
+        prepare_store(str(tmp_path / "late.jsonl"), tok, tmp_path / "out", workers=2, progress=False,
+                      chunk_bytes=CHUNK)
+    assert not (tmp_path / "out").exists() and (tmp_path / "late.jsonl").is_file()
+
+
+def test_a_damaged_store_names_the_file(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    good = prepare_store(str(src), tok, tmp_path / "good", workers=2, progress=False, chunk_bytes=CHUNK)
+    shard0 = good.meta["shards"][0]
+
+    def damaged(name, how):
+        copy = tmp_path / name
+        shutil.copytree(good.path, copy)
+        how(copy)
+        with pytest.raises(ShardError) as e:
+            TokenStore.open(copy)
+        assert str(copy) in str(e.value) and "\n" not in str(e.value)
+        return str(e.value)
+
+    assert f"shard {shard0['tokens']} is missing" in damaged("missing", lambda d: (d / shard0["tokens"]).unlink())
+    assert "holds 3 bytes" in damaged("short", lambda d: (d / shard0["tokens"]).write_bytes(b"abc"))
+    past = np.load(good.path / shard0["documents"]) + 5
+    assert "past the shard's end" in damaged("past", lambda d: np.save(d / shard0["documents"], past))
+    assert "not ascending" in damaged("order", lambda d: np.save(d / shard0["documents"], past[::-1] - 5))
+    assert "is not a shard token store" in damaged("format", lambda d: (d / "store.json").write_text('{"a": 1}'))
+    other = train_bpe(iter(TEXTS[:20]), 280, tmp_path / "other")
+    with pytest.raises(ShardError, match=f"made with the huggingface tokenizer {tok.fingerprint}, not .* "
+                                         f"{other.fingerprint}"):
+        good.check_tokenizer(other)
+    with pytest.raises(ShardError, match=f"good holds token id {good.max_token}, outside the vocabulary of 100"):
+        good.check_vocab(100)
+    good.check_vocab(tok.vocab_size)
+
+
+def test_cached_store_prepares_once_and_reuses(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    first = cached_store([str(src)], tok, tmp_path / "cache")
+    stamp = (first / "store.json").stat().st_mtime_ns
+    assert cached_store([str(src)], tok, tmp_path / "cache") == first and is_store(first)
+    assert (first / "store.json").stat().st_mtime_ns == stamp
+    write_jsonl(src, TEXTS[:5])  # other data: another store
+    assert cached_store([str(src)], tok, tmp_path / "cache") != first
+
+
+def test_the_commands(tmp_path, tok):
+    import transformers
+
+    runner = CliRunner()
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    done = runner.invoke(app, ["tokenizer", "train", str(src), "--vocab-size", "300", "--out", str(tmp_path / "t")])
+    assert done.exit_code == 0 and "trained a byte-level BPE of 300 ids" in done.output, done.output
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "t"))
+    from shard.data.tokenizers import load_tokenizer
+
+    mine = load_tokenizer(str(tmp_path / "t"))
+    for text in TEXTS[:5] + ["  spaces\tand\nlines ✓"]:
+        assert auto(text)["input_ids"] == mine.encode_batch([text])[0].tolist()
+    done = runner.invoke(app, ["data", "prepare", str(src), "--tokenizer", str(tmp_path / "t"),
+                               "--out", str(tmp_path / "s"), "--workers", "2"])
+    assert done.exit_code == 0 and f"{len(TEXTS)} documents" in done.output, done.output
+    assert TokenStore.open(tmp_path / "s").n_documents == len(TEXTS)
+    bad = write_jsonl(tmp_path / "bad.jsonl", TEXTS, field="body")
+    for args in (["data", "prepare", str(bad), "--tokenizer", str(tmp_path / "t"), "--out", str(tmp_path / "x")],
+                 ["tokenizer", "train", str(bad), "--out", str(tmp_path / "y")]):
+        done = runner.invoke(app, args)
+        assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1, done.output
+        assert "bad.jsonl line 1 has no field 'text'" in done.output, done.output
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

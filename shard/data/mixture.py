@@ -133,6 +133,10 @@ class MixtureSamples:
         return None if last.last_block is None else last.last_block * BLOCK
 
     @property
+    def packed(self) -> bool:
+        return all(p.packed for p in self.parts)
+
+    @property
     def windows(self) -> int | None:
         sizes = [p.windows for p in self.parts]
         return None if None in sizes else sum(sizes)

@@ -138,7 +138,7 @@ def files_signature(files: list[Path], root: Path | None = None) -> str:
 def unused_files_note(path: str) -> str | None:
     """A line naming the files a folder of token files leaves unread, or None."""
     p = Path(path)
-    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir():
+    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir() or (p / "store.json").is_file():  # a token store: all read
         return None
     tokens, others = folder_sources(p)
     if not tokens or not others:

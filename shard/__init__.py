@@ -27,7 +27,9 @@ _API = {
     "StopOnSignal": "shard.training.preemption",
     "Generator": "shard.training.generate", "Sampling": "shard.training.generate",
     # data
-    "ByteTokenizer": "shard.data.tokenizers",
+    "ByteTokenizer": "shard.data.tokenizers", "Tokenizer": "shard.data.tokenizers",
+    "load_tokenizer": "shard.data.tokenizers", "train_bpe": "shard.data.tokenizers",
+    "prepare_store": "shard.data.store", "TokenStore": "shard.data.store",
     # checkpoints
     "Checkpoints": "shard.run.checkpoint", "SaveCheckpoints": "shard.run.checkpoint",
     # measuring and planning

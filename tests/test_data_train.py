@@ -144,3 +144,14 @@ def test_a_packed_mixture_resumes_on_another_mesh_with_the_same_rows(corpus, tmp
     assert run.start_step == 4
     np.testing.assert_allclose(resumed, losses[4:], rtol=1e-5)
     jax.clear_caches()
+
+
+def test_a_mixture_capped_below_the_run_is_refused_before_compiling(tmp_path):
+    (tmp_path / "a.txt").write_text("abc" * 300)
+    mix = tmp_path / "mix.toml"
+    mix.write_text('[[sources]]\npath = "a.txt"\nweight = 1\nepochs = 1\n')
+    cfg = tiny_config("8x1", steps=400, data__path=str(mix))
+    from shard.errors import ShardError
+
+    with pytest.raises(ShardError, match=r"holds 1,024 samples \(its sources' epochs caps\), fewer than the 3,200"):
+        prepare(cfg, devices_for("8x1"))

@@ -87,7 +87,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset, eval_data = training_samples(cfg), _eval_data(cfg)
+    dataset, eval_data = _training_data(cfg)
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -113,6 +113,18 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     return Run(cfg, layout, spec, state, stream, with_schedule(compiled, spec, layout), compile_s, memory_of(compiled), peak, hw,
                start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
+
+
+def _training_data(cfg: TrainConfig):
+    """The training samples, and the held-out ones with eval.every; a mixture whose capped sources hold
+    fewer samples than the run reads is refused here, before anything compiles."""
+    dataset = training_samples(cfg)
+    total = getattr(dataset, "total", None)  # a mixture of capped sources
+    if total is not None and total < cfg.steps * cfg.data.batch:
+        raise ShardError(f"the data mixture {cfg.data.path} holds {total:,} samples (its sources' epochs caps), "
+                         f"fewer than the {cfg.steps * cfg.data.batch:,} that {cfg.steps} steps of batch "
+                         f"{cfg.data.batch} read: raise a cap, or train fewer steps")
+    return dataset, _eval_data(cfg)
 
 
 def _eval_data(cfg: TrainConfig):
@@ -151,7 +163,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    dataset, eval_data = training_samples(cfg), _eval_data(cfg)
+    dataset, eval_data = _training_data(cfg)
     init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,

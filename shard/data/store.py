@@ -407,5 +407,10 @@ def cached_store(sources, tokenizer, cache_dir, text_field: str = "text") -> Pat
     with open(cache_dir / f".{out.name}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         if not is_store(out):
-            prepare_store(sources, tok, out, text_field=text_field)
+            start = time.perf_counter()
+            store = prepare_store(sources, tok, out, text_field=text_field)
+            secs = time.perf_counter() - start
+            _Say(True)(f"prepared {', '.join(_specs(sources)) or 'the embedded corpus'} into the data cache: "
+                       f"{store.n_documents:,} documents, {store.n_tokens:,} tokens in {secs:.1f}s "
+                       f"({store.n_tokens / max(secs, 1e-9):,.0f} tokens/s), {out}")
     return out

@@ -1,8 +1,8 @@
 """Tokenizing throughput: `prepare_store` against `datasets`' map, same tokenizer, same processes;
 prints figures, never passes or fails.
 
-    python benchmarks/tokenize.py                 # a ~64 MB JSONL corpus, every core
-    python benchmarks/tokenize.py --mb 8 --workers 2
+    python benchmarks/tokenizing.py                 # a ~64 MB JSONL corpus, every core
+    python benchmarks/tokenizing.py --mb 8 --workers 2
 
 1. corpus: the standard library's text cut into paragraphs, shuffled, ~16 KB documents, to --mb MB of JSONL;
 2. tokenizer: a byte-level BPE of 8,192 ids trained with train_bpe on its first 8 MB;
@@ -13,22 +13,15 @@ prints figures, never passes or fails.
    folder, called on the batch as transformers' run_clm.py example does): the recipe most users run.
 """
 
+import argparse
+import json
 import os
-import sys
-
-# This file's name is the standard library's `tokenize`: its folder leaves the import path, or pandas
-# (through datasets) would import this script in its place.
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-import random  # noqa: E402
-import shutil  # noqa: E402
-import sysconfig  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import random
+import shutil
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
 
 
 def write_corpus(path: Path, mb: int, seed: int = 0) -> int:

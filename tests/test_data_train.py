@@ -79,6 +79,10 @@ def test_vocab_follows_the_tokenizer_and_the_run_keeps_it(corpus, tmp_path):
                  "--mesh", "8x1")
     assert gen.exit_code == 0, gen.output
     assert gen.output.startswith("def main(")
+    scored = invoke("eval", str(run), "--data", str(corpus / "code.jsonl"), "--batches", "1", "--json",
+                    "--mesh", "8x1")
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.output.splitlines()[-1])["tokens"] > 0
     out = tmp_path / "hf"
     exported = invoke("export-hf", str(run), "--out", str(out))
     assert exported.exit_code == 0 and "and the run's tokenizer" in exported.output, exported.output

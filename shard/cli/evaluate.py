@@ -16,7 +16,8 @@ from shard.observe.console import console
 def evaluate(
     checkpoint: WeightsArg = None,
     checkpoint_opt: CheckpointOpt = None,
-    data: Annotated[str | None, typer.Option(help="text file or folder to score (default: the run's held-out data)")] = None,
+    data: Annotated[str | None, typer.Option(
+        help="data to score, as train's --data takes it, read with the weights' tokenizer (default: the run's held-out data)")] = None,
     batches: Annotated[int | None, typer.Option(help="global batches (default: the run's eval.batches)")] = None,
     batch: Annotated[int | None, typer.Option(help="global batch (default: the run's data.batch)")] = None,
     seq: Annotated[int | None, typer.Option(help="sequence length (default: the run's data.seq_len)")] = None,
@@ -47,7 +48,13 @@ def evaluate(
     from shard.sharding.layout import make_layout
 
     model_cfg, params = weights.load(checkpoint)
-    cfg = dataclasses.replace(saved, model=model_cfg, data=dataclasses.replace(saved.data, batch=batch, seq_len=seq))
+    data_cfg = dataclasses.replace(saved.data, batch=batch, seq_len=seq)
+    from shard.run.tokenizer import tokenizer_folder
+
+    folder = tokenizer_folder(checkpoint)  # the tokenizer that came with the weights reads the text
+    if folder is not None and not (folder / "shard_tokenizer.json").is_file():
+        data_cfg = dataclasses.replace(data_cfg, tokenizer=str(folder))
+    cfg = dataclasses.replace(saved, model=model_cfg, data=data_cfg)
     layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=1)), layout)  # and --seq
     figures = evaluate_checkpoint(cfg, layout, params, weights.place, batches, source, notice=warn)

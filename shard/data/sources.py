@@ -111,10 +111,15 @@ def glob_files(pattern: str) -> list[Path]:
 
 def source_signature(path: str) -> str:
     """What the data at `path` (a file, folder, glob or the embedded corpus) is, cheaply: each file's
-    name, size and a CRC of its first and last 4 KiB. Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
+    name, size and a CRC of its first and last 4 KiB (a mixture: its file's and each source's).
+    Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
     another host."""
     if path == SYNTHETIC:
         return SYNTHETIC
+    if path.endswith(".toml") and Path(path).is_file():  # a mixture: its file and each of its sources
+        from shard.data.mixture import read_mixture
+
+        return "\n".join([files_signature([Path(path)])] + [source_signature(e.path) for e in read_mixture(path)])
     files, _ = source_files(path)
     root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
     return files_signature(files, root)

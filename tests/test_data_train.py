@@ -99,7 +99,7 @@ def test_vocab_follows_the_tokenizer_and_the_run_keeps_it(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "model.vocab_size=256"], "has 300 ids, more than model.vocab_size 256"),
+    (["--set", "model.vocab_size=256"], "has 300 ids, more than model.vocab_size 256 (set by"),
     (["--tokenizer", "byte"], "was made with the huggingface tokenizer"),
 ])
 def test_a_tokenizer_that_does_not_fit_is_one_line(corpus, tmp_path, extra, message):
@@ -159,3 +159,34 @@ def test_a_mixture_capped_below_the_run_is_refused_before_compiling(tmp_path):
 
     with pytest.raises(ShardError, match=r"holds 1,024 samples \(its sources' epochs caps\), fewer than the 3,200"):
         prepare(cfg, devices_for("8x1"))
+
+
+def test_every_source_of_a_mixture_is_read_with_the_runs_tokenizer(corpus, tmp_path):
+    from shard.data.store import TokenStore
+
+    mix = tmp_path / "mix.toml"
+    mix.write_text(f'[[sources]]\npath = "{corpus / "docs-store"}"\nweight = 1\n'
+                   f'[[sources]]\npath = "{corpus / "code.jsonl"}"\nweight = 1\n')
+    cfg = tiny_config("8x1", data__path=str(mix), model__vocab_size=384, data__cache=str(tmp_path / "cache"))
+    training_samples(cfg)  # the JSONL is prepared with the store's tokenizer, not read as bytes
+    (made,) = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
+    assert TokenStore.open(made).tokenizer().fingerprint == load_tokenizer(str(corpus / "tok")).fingerprint
+    other = train_bpe(iter(_paragraphs(200)), 280, tmp_path / "other")
+    prepare_store([str(corpus / "code.jsonl")], other, tmp_path / "other-store", workers=1, progress=False)
+    mix.write_text(f'[[sources]]\npath = "{corpus / "docs-store"}"\nweight = 1\n'
+                   f'[[sources]]\npath = "{tmp_path / "other-store"}"\nweight = 1\n')
+    from shard.errors import ShardError
+
+    with pytest.raises(ShardError, match="source 2: token store .* was made with the huggingface tokenizer"):
+        training_samples(cfg)
+
+
+def test_a_resume_with_another_tokenizer_is_refused(corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, "--data", str(corpus / "docs.jsonl"), "--set", f"data.cache={tmp_path / 'cache'}"]
+    assert invoke("train", *args, "--tokenizer", str(corpus / "tok"), "--run-dir", str(run)).exit_code == 0
+    train_bpe(iter(_paragraphs(200)), 280, tmp_path / "other")
+    result = invoke("train", *args, "--tokenizer", str(tmp_path / "other"), "--run-dir", str(run), "--resume",
+                    "--steps", "4")
+    assert result.exit_code == 2, result.output
+    assert "trained with the huggingface tokenizer" in result.output and "give --tokenizer" in result.output

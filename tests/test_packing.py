@@ -160,3 +160,17 @@ def test_packing_needs_documents():
 def test_samples_of_windows_count_every_token():
     s = Samples(None, None, seq_len=8)
     assert s.filled_at(np.arange(4)) == 32
+
+
+def test_mixture_globs_are_relative_to_its_file_and_mixtures_do_not_nest(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.txt").write_text("a" * 100)
+    mix = tmp_path / "m" / "mix.toml"
+    mix.write_text('[[sources]]\npath = "*.txt"\nweight = 1\n')
+    monkeypatch.chdir(tmp_path)  # elsewhere: the glob is still the mixture folder's
+    (entry,) = read_mixture(str(mix))
+    assert entry.path == str(tmp_path / "m" / "*.txt")
+    nested = tmp_path / "m" / "outer.toml"
+    nested.write_text('[[sources]]\npath = "mix.toml"\nweight = 1\n')
+    with pytest.raises(ShardError, match="is a mixture itself"):
+        read_mixture(str(nested))

@@ -49,10 +49,11 @@ def evaluate(
 
     model_cfg, params = weights.load(checkpoint)
     data_cfg = dataclasses.replace(saved.data, batch=batch, seq_len=seq)
+    from shard.data.tokenizers import BYTE_FILE
     from shard.run.tokenizer import tokenizer_folder
 
     folder = tokenizer_folder(checkpoint)  # the tokenizer that came with the weights reads the text
-    if folder is not None and not (folder / "shard_tokenizer.json").is_file():
+    if folder is not None and not (folder / BYTE_FILE).is_file():
         data_cfg = dataclasses.replace(data_cfg, tokenizer=str(folder))
     cfg = dataclasses.replace(saved, model=model_cfg, data=data_cfg)
     layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)

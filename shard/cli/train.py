@@ -159,6 +159,10 @@ class _Run:
         check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
         check_same_data(cfg)
         check_shared_run_dir(path)
+        if self.main and self.resume:
+            from shard.run.tokenizer import check_run_tokenizer
+
+            check_run_tokenizer(cfg, path)
         return path, devices
 
     def _prepare(self, devices, restore):

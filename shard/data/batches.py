@@ -8,11 +8,12 @@ each process materialises only the rows its devices hold. So the stream is the s
 process count.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from shard.data.corpus import data_cache_dir, open_corpus
+from shard.data.corpus import data_cache_dir, open_corpus, tokenizer_spec
 from shard.data.packing import PackedSource, packed_batch
 from shard.data.sources import SYNTHETIC, TokenParts
 from shard.errors import ShardError
@@ -160,6 +161,8 @@ def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdo
         if data.packing == "packed":
             raise ShardError("data.packing=packed needs documents, and synthetic data has none; use packing=concat")
         return Samples(SyntheticSource(vocab_size, seq_len, seed), None)
+    # one tokenizer for all of it: a mixture's sources are read (or checked) with the first store's
+    data = dataclasses.replace(data, tokenizer=tokenizer_spec(path, data.tokenizer))
     if is_mixture(path):
         entries = read_mixture(path)
         parts, caps = [], []
@@ -170,7 +173,8 @@ def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdo
             except ShardError as err:
                 raise ShardError(f"mixture {path}, source {n + 1}: {err}") from None
             parts.append(samples)
-            caps.append(None if not e.epochs or samples.windows is None else max(1, round(e.epochs * samples.windows)))
+            capped = e.epochs and samples.windows is not None and part != "eval"  # held-out data: never spent
+            caps.append(max(1, round(e.epochs * samples.windows)) if capped else None)
         return MixtureSamples(parts, [e.weight for e in entries], caps, seed, [e.path or "(embedded)" for e in entries])
     packed = data.packing == "packed"
     corpus = open_corpus(path, vocab_size=vocab_size, tokenizer=data.tokenizer, text_field=data.text_field,
@@ -180,7 +184,10 @@ def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdo
     if packed:
         from shard.data.packing import pack
 
-        return _shuffled(PackedSource(corpus.tokens, pack(corpus.document_ends, seq_len)), seed, seq_len)
+        plan = pack(corpus.document_ends, seq_len)
+        if not plan.rows:
+            raise ShardError(f"data {corpus.label} holds no document of 2 tokens or more: nothing to pack")
+        return _shuffled(PackedSource(corpus.tokens, plan), seed, seq_len)
     return _shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len)
 
 
@@ -235,9 +242,10 @@ def training_samples(cfg):
 def eval_samples(cfg):
     """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
     seed = (cfg.seed + 1) % 2**32  # another order than training's, within grain's seed range
-    if cfg.eval.path:
+    if cfg.eval.path:  # read with the training data's tokenizer
+        data = dataclasses.replace(cfg.data, tokenizer=tokenizer_spec(cfg.data.path, cfg.data.tokenizer))
         try:
-            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed, data=cfg.data,
+            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed, data=data,
                                   cache_dir=data_cache_dir(cfg))
         except ShardError as e:  # said as the held-out data's, not the training data's
             raise ShardError(f"eval.path: {e}") from None

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data.sources import EMBEDDED, SYNTHETIC, load_tokens, source_files
+from shard.data.sources import EMBEDDED, SYNTHETIC, is_glob, load_tokens, source_files
 from shard.data.tokenizers import BYTE, load_tokenizer
 from shard.errors import ShardError
+from shard.paths import TOKENIZER_DIR
 
 # Suffixes whose files hold documents in a format of their own (not plain text).
 DOCUMENT_SUFFIXES = (".jsonl", ".parquet", ".arrow")
@@ -59,10 +60,10 @@ class Corpus:
 
 
 def is_token_source(path: str) -> bool:
-    """Token arrays (.npy/.bin, or a folder of them): read as they are."""
-    if path in (EMBEDDED, SYNTHETIC) or _glob(path) or not Path(path).exists() or _is_store(path):
+    """Token arrays (.npy/.bin, or a folder or glob of them): read as they are."""
+    if path in (EMBEDDED, SYNTHETIC) or _is_store(path) or _is_dataset_folder(Path(path)):
         return False
-    if Path(path).is_dir() and _is_dataset_folder(Path(path)):
+    if not Path(path).exists() and not is_glob(path):
         return False
     try:
         return source_files(path)[1]
@@ -73,42 +74,41 @@ def is_token_source(path: str) -> bool:
 def reads_as_bytes(path: str, tokenizer: str, packing: str) -> bool:
     """Text read directly as UTF-8 bytes: the byte tokenizer on text files (or the embedded corpus) in
     concatenated windows, today's fast path, with nothing to prepare."""
-    if tokenizer not in ("", BYTE) or packing != "concat" or path == SYNTHETIC or _glob(path):
+    if tokenizer not in ("", BYTE) or packing != "concat" or path == SYNTHETIC:
         return False
     if path == EMBEDDED:
         return True
     p = Path(path)
-    if not p.exists() or _is_store(path) or (p.is_dir() and _is_dataset_folder(p)):
+    if not p.exists() or _is_store(path) or _is_dataset_folder(p):
         return False
     files, tokens = source_files(path)
     return not tokens and not any(f.suffix in DOCUMENT_SUFFIXES for f in files)
 
 
-def _glob(path: str) -> bool:
-    return any(c in path for c in "*?[") and not Path(path).exists()
-
-
 def _is_store(path: str) -> bool:
-    """A prepared token store (shard.data.store), known by its store.json."""
-    return Path(path, "store.json").is_file()
+    from shard.data.store import is_store
+
+    return path not in (EMBEDDED, SYNTHETIC) and is_store(path)
 
 
 def _is_dataset_folder(p: Path) -> bool:
-    """A Hugging Face dataset saved with save_to_disk."""
-    return (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
+    from shard.data.documents import is_dataset_folder
+
+    return is_dataset_folder(p)
 
 
 def tokenizer_spec(data_path: str, tokenizer: str) -> str:
-    """The tokenizer a run reads its data with: data.tokenizer when given, else a store's own (the first
-    store of a mixture), else bytes."""
+    """The one tokenizer a run reads all its data with (every source of a mixture, the held-out data):
+    data.tokenizer when given, else a store's own (the first store of a mixture: the others must have
+    been made with the same one), else bytes."""
     if tokenizer:
         return tokenizer
     from shard.data.mixture import is_mixture, read_mixture
 
     paths = [e.path for e in read_mixture(data_path)] if is_mixture(data_path) else [data_path]
     for p in paths:
-        if p not in (EMBEDDED, SYNTHETIC) and _is_store(p):
-            return str(Path(p) / "tokenizer")
+        if _is_store(p):
+            return str(Path(p) / TOKENIZER_DIR)
     return BYTE
 
 
@@ -143,9 +143,9 @@ def open_corpus(path: str, *, vocab_size: int, tokenizer: str, text_field: str, 
 
 def check_tokenizer_fits(tok, spec: str, vocab_size: int) -> None:
     if tok.vocab_size > vocab_size:
-        raise ShardError(f"tokenizer {spec} has {tok.vocab_size:,} ids, more than model.vocab_size {vocab_size:,}: leave "
-                         "model.vocab_size unset to follow the tokenizer, or set it to at least "
-                         f"{tok.vocab_size:,}")
+        raise ShardError(f"tokenizer {spec} has {tok.vocab_size:,} ids, more than model.vocab_size {vocab_size:,} (set "
+                         "by the config, a resumed run or the weights it starts from): use the model's own "
+                         f"tokenizer, or a vocabulary of at least {tok.vocab_size:,}")
 
 
 def fit_vocab(cfg, vocab_set: bool):

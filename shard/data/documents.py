@@ -20,6 +20,11 @@ from shard.errors import ShardError
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
 CHUNK_BYTES = 8 << 20  # 8 MiB of text a chunk: a few seconds of one core, many chunks per worker
 _DATASET_MARKS = ("dataset_dict.json", "state.json")  # what save_to_disk writes in a folder
+
+
+def is_dataset_folder(path: Path) -> bool:
+    """A folder written by a Hugging Face dataset's save_to_disk."""
+    return path.is_dir() and any((path / mark).is_file() for mark in _DATASET_MARKS)
 _STRING_TYPES = ("string", "large_string", "string_view")
 
 
@@ -64,7 +69,7 @@ def source_parts(spec: str) -> list[tuple[str, Path]]:
     elif not path.exists():
         raise ShardError(f"data path {spec} does not exist")
     elif path.is_dir():
-        if any((path / mark).is_file() for mark in _DATASET_MARKS):
+        if is_dataset_folder(path):
             return [(DATASET, path)]
         tokens, others = folder_sources(path)
         files = sorted(tokens + others)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.data.sources import is_glob
 from shard.errors import ShardError
 
 BLOCK = 1024
@@ -65,10 +66,12 @@ def read_mixture(path: str) -> list[MixtureEntry]:
         if not _number(epochs) or epochs < 0 or math.isinf(epochs):
             raise ShardError(f"{where} ({s['path']}): epochs must be a number above 0 (0: no cap), got {epochs!r}")
         p = s["path"]
-        if p not in ("", "synthetic") and not any(c in p for c in "*?[") and not Path(p).is_absolute():
+        if p not in ("", "synthetic") and not Path(p).is_absolute():  # relative to the mixture's folder
             p = str((Path(path).parent / p).absolute())
-        if p not in ("", "synthetic") and not any(c in p for c in "*?[") and not Path(p).exists():
+        if p not in ("", "synthetic") and not is_glob(p) and not Path(p).exists():
             raise ShardError(f"{where}: {p} does not exist")
+        if is_mixture(p):
+            raise ShardError(f"{where}: {p} is a mixture itself; name its sources here instead")
         entries.append(MixtureEntry(p, float(weight), float(epochs)))
     return entries
 

@@ -34,10 +34,13 @@ class PackPlan:
     def rows(self) -> int:
         return len(self.row_starts) - 1
 
+    def __post_init__(self):
+        total = np.concatenate([[0], np.cumsum(self.piece_length)])  # tokens before each piece
+        object.__setattr__(self, "row_filled", total[self.row_starts[1:]] - total[self.row_starts[:-1]])
+
     def filled(self, rows: np.ndarray) -> np.ndarray:
         """Tokens each row holds (the rest is padding)."""
-        lengths = np.concatenate([[0], np.cumsum(self.piece_length)])
-        return lengths[self.row_starts[rows + 1]] - lengths[self.row_starts[rows]]
+        return self.row_filled[rows]
 
     @property
     def efficiency(self) -> float:

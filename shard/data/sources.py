@@ -116,9 +116,9 @@ def source_signature(path: str) -> str:
     another host."""
     if path == SYNTHETIC:
         return SYNTHETIC
-    if path.endswith(".toml") and Path(path).is_file():  # a mixture: its file and each of its sources
-        from shard.data.mixture import read_mixture
+    from shard.data.mixture import is_mixture, read_mixture
 
+    if is_mixture(path):  # its file and each of its sources
         return "\n".join([files_signature([Path(path)])] + [source_signature(e.path) for e in read_mixture(path)])
     files, _ = source_files(path)
     root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
@@ -143,7 +143,9 @@ def files_signature(files: list[Path], root: Path | None = None) -> str:
 def unused_files_note(path: str) -> str | None:
     """A line naming the files a folder of token files leaves unread, or None."""
     p = Path(path)
-    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir() or (p / "store.json").is_file():  # a token store: all read
+    from shard.data.store import is_store
+
+    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir() or is_store(p):  # a token store: all of it is read
         return None
     tokens, others = folder_sources(p)
     if not tokens or not others:

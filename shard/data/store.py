@@ -33,13 +33,12 @@ from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
 from shard.data.sources import TokenParts, source_signature
 from shard.data.tokenizers import Tokenizer, load_tokenizer
 from shard.errors import ShardError
-from shard.paths import current_umask, write_text_atomic
+from shard.paths import TOKENIZER_DIR, current_umask, write_text_atomic
 
 FORMAT = "shard-token-store"
 VERSION = 1
 STORE_FILE = "store.json"
 PLAN_FILE = "plan.json"
-TOKENIZER_DIR = "tokenizer"
 
 
 def tokens_name(i: int) -> str:

@@ -5,7 +5,7 @@ the side files (shard.run.hf.SIDE_DIR), which is read when the run dir has no to
 
 from pathlib import Path
 
-from shard.data.tokenizers import BYTE_VOCAB, HF_FILE, SP_FILE, ByteTokenizer, Tokenizer, load_tokenizer
+from shard.data.tokenizers import BYTE_FILE, BYTE_VOCAB, HF_FILE, SP_FILE, ByteTokenizer, Tokenizer, load_tokenizer
 from shard.errors import ShardError
 from shard.paths import TOKENIZER_DIR
 
@@ -27,6 +27,20 @@ def save_run_tokenizer(cfg, run_dir: Path) -> None:
         tok.save(run_dir / TOKENIZER_DIR)
 
 
+def check_run_tokenizer(cfg, run_dir: Path) -> None:
+    """A resumed run reads its data with the tokenizer it started with (its run dir's): another one
+    would give its ids other meanings, silently."""
+    saved_dir = run_dir / TOKENIZER_DIR
+    if not saved_dir.is_dir():
+        return
+    tok = run_tokenizer(cfg)
+    saved = load_tokenizer(str(saved_dir))
+    if tok is not None and tok.fingerprint != saved.fingerprint:
+        raise ShardError(f"the run in {run_dir} trained with the {saved.kind} tokenizer {saved.fingerprint} (its "
+                         f"tokenizer/ folder), and this start reads its data with the {tok.kind} tokenizer "
+                         f"{tok.fingerprint}: give --tokenizer {saved_dir}, or start a new run")
+
+
 def tokenizer_folder(weights: str | Path) -> Path | None:
     """The folder of the tokenizer that goes with some weights: a Hugging Face folder itself, or for a
     shard checkpoint its run dir's tokenizer/ (else the side files it imported); None when none says."""
@@ -39,7 +53,7 @@ def tokenizer_folder(weights: str | Path) -> Path | None:
         run_dir = find_checkpoint(weights)[0].parent
         candidates = [run_dir / TOKENIZER_DIR, run_dir / SIDE_DIR]
     for folder in candidates:
-        if any((folder / name).is_file() for name in (HF_FILE, SP_FILE, "shard_tokenizer.json")):
+        if any((folder / name).is_file() for name in (HF_FILE, SP_FILE, BYTE_FILE)):
             return folder
     return None
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
 from shard.data.sources import TokenParts, source_signature
-from shard.data.tokenizers import Tokenizer, load_tokenizer
+from shard.data.tokenizers import Tokenizer, load_tokenizer, read_json_object
 from shard.errors import ShardError
 from shard.paths import TOKENIZER_DIR, current_umask, write_text_atomic
 
@@ -146,7 +146,7 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
     partial = out.with_name(out.name + ".partial")
     say = _Say(progress)
     if out.exists():
-        if is_store(out) and _read_json(out / STORE_FILE).get("key") == key:
+        if is_store(out) and read_json_object(out / STORE_FILE).get("key") == key:
             say(f"{out} already holds this store (same sources, tokenizer and text field)")
             return TokenStore.open(out)
         what = "a token store made from other sources, tokenizer or text field" if is_store(out) else "something"
@@ -157,7 +157,7 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         _start_partial(partial, tok, {"key": key, "sources": specs, "text_field": text_field,
                                       "chunks": [c.to_json() for c in chunks]})
     else:
-        plan = _read_json(partial / PLAN_FILE) if (partial / PLAN_FILE).is_file() else {}
+        plan = read_json_object(partial / PLAN_FILE) if (partial / PLAN_FILE).is_file() else {}
         if plan.get("key") != key:
             raise ShardError(f"{partial} is an unfinished store made from other sources, tokenizer or text field; "
                              "remove it to start over, or choose another --out")
@@ -278,16 +278,6 @@ class _Say:
             yield advance
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError(f"cannot read {path}: {e}") from None
-    if not isinstance(doc, dict):
-        raise ShardError(f"{path} is not a JSON object")
-    return doc
-
-
 def is_store(path) -> bool:
     """Whether `path` is a token store's folder (a whole one: a partial has no store.json)."""
     f = Path(path) / STORE_FILE
@@ -314,7 +304,7 @@ class TokenStore:
             partial = path.with_name(path.name + ".partial")
             hint = f" ({partial} is an unfinished one: run the same prepare again)" if partial.exists() else ""
             raise ShardError(f"{path} is not a token store: it has no {STORE_FILE}{hint}")
-        meta = _read_json(path / STORE_FILE)
+        meta = read_json_object(path / STORE_FILE)
         if meta.get("format") != FORMAT:
             raise ShardError(f"{path / STORE_FILE} is not a shard token store (format {meta.get('format')!r})")
         if meta.get("version") != VERSION:

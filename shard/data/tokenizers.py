@@ -115,7 +115,7 @@ class HuggingFaceTokenizer:
             self._tok = RustTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a bad file
             raise ShardError(f"{path} is not a Hugging Face tokenizer ({str(e).splitlines()[0][:160]})") from None
-        config = _read_json(self.config_path) if self.config_path.is_file() else {}
+        config = read_json_object(self.config_path) if self.config_path.is_file() else {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._special_id(config.get("eos_token"), _EOS_NAMES)
         self.pad_id = self._special_id(config.get("pad_token"), _PAD_NAMES)
@@ -216,7 +216,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise ShardError(f"tokenizer {spec} does not exist (give 'byte', a tokenizer.json, a SentencePiece "
                          ".model or a folder with one)")
     if path.name == BYTE_FILE:
-        if _read_json(path).get("kind") != BYTE:
+        if read_json_object(path).get("kind") != BYTE:
             raise ShardError(f"{path} does not describe a shard tokenizer")
         return ByteTokenizer()
     if path.suffix == ".model":
@@ -224,7 +224,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HuggingFaceTokenizer(path)
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; one line naming the file otherwise."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

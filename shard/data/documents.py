@@ -18,6 +18,7 @@ from shard.data.sources import EMBEDDED, embedded_corpus_files, folder_sources, 
 from shard.errors import ShardError
 
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
+MIN_CHUNK_BYTES = 256 << 10
 CHUNK_BYTES = 8 << 20  # 8 MiB of text a chunk: a few seconds of one core, many chunks per worker
 _DATASET_MARKS = ("dataset_dict.json", "state.json")  # what save_to_disk writes in a folder
 
@@ -85,7 +86,12 @@ def plan_chunks(specs: list[str], text_field: str = "text", chunk_bytes: int = C
     for source, spec in enumerate(specs):
         label = "the embedded corpus" if spec == EMBEDDED else spec
         mine, group, size = [], [], 0
-        for kind, path in source_parts(spec):
+        parts = source_parts(spec)
+        # a small source still cuts into a few chunks, so that every worker has some (the cut depends on
+        # the source alone, not on the workers)
+        total = sum(path.stat().st_size for kind, path in parts if kind in (TEXT, JSONL))
+        chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, total // 16))
+        for kind, path in parts:
             if kind == TEXT:  # small files go together, one document each
                 group.append(str(path))
                 size += path.stat().st_size

@@ -67,6 +67,9 @@ def test_vocab_follows_the_tokenizer_and_the_run_keeps_it(corpus, tmp_path):
     assert load_tokenizer(str(run / "tokenizer")).fingerprint == load_tokenizer(str(corpus / "tok")).fingerprint
     records = read_jsonl(run / "metrics.jsonl")
     assert all(0.5 < r["packing"] <= 1 for r in records)
+    # tokens seen count real tokens: the packed share of each step's 8 x 32 positions
+    seen = np.cumsum([r["packing"] * 8 * 32 for r in records])
+    np.testing.assert_allclose([r["tokens_seen"] for r in records], seen)
     # the raw source was prepared into the cache once; a second run reads it again, unprepared
     (stored,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
     made = (stored / "store.json").stat().st_mtime_ns

@@ -277,6 +277,7 @@ class BatchStream:
     offset: int = 0
     rows: int | None = None
     filled_tokens: int = 0  # input tokens (not padding) of the batches made so far: tokens/s counts these
+    made: int = 0  # batches made so far
 
     def next(self) -> dict:
         import jax
@@ -306,6 +307,7 @@ class BatchStream:
         else:
             self.filled_tokens += self.global_batch * self.seq_len
         self.position += self.global_batch
+        self.made += 1
         return batch
 
     @property

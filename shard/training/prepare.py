@@ -48,7 +48,10 @@ class Run:
         return self.start_step if self.trained_to is None else self.trained_to
 
     def tokens_seen(self, step: int) -> int:
-        """Tokens trained on up to `step`, this start's at its batch and sequence length."""
+        """Tokens trained on up to `step`, this start's at its batch and sequence length; packed rows'
+        padding not counted (the stream has made the batches of the steps up to `step`)."""
+        if self.stream.packed and step == self.start_step + self.stream.made:
+            return self.tokens_before + self.stream.filled_tokens
         return self.tokens_before + (step - self.start_step) * self.cfg.data.batch * self.cfg.data.seq_len
 
     @property

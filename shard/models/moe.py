@@ -195,9 +195,11 @@ def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: Mod
     T, E = h_btd.shape[1], probs_bte.shape[-1]
     cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
     # route() chooses as top_k does: by the probs, which order experts as the scores do
-    dispatch_btec, _, aux = route(probs_bte, cfg.experts_per_token, cap)
-    gates_bte = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts_btk, E, dtype=jnp.float32), gates_btk)
-    combine_btec = dispatch_btec * gates_bte[..., None]
+    dispatch_btec, combine_btec, aux = route(probs_bte, cfg.experts_per_token, cap)
+    if (cfg.router_scores, cfg.router_normalize, cfg.routed_scale) != ("softmax", True, 1.0):
+        # route's gates are the chosen probs renormalised; top_k_gates gives the others
+        gates_bte = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts_btk, E, dtype=jnp.float32), gates_btk)
+        combine_btec = dispatch_btec * gates_bte[..., None]
     # The all-to-all: rows split over (data, expert) become experts split over expert.
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))
     x_ebcd = constrain(x_ebcd, (None, BATCH, None, EMBED))  # dispatched where the rows are

@@ -9,6 +9,8 @@ from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VO
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+MOE_ROUTINGS = ("capacity", "dropless")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
@@ -78,6 +80,15 @@ class ModelConfig:
     experts_per_token: int = 2  # top-k routing
     capacity_factor: float = 1.25  # expert slots per group = ceil(k * tokens * factor / n_experts)
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer) added to the objective
+    # "capacity": slots per expert and sequence, tokens beyond them dropped (GShard); "dropless": tokens
+    # sorted by expert through grouped matmuls (jax.lax.ragged_dot), none dropped (shard/models/moe.py)
+    moe_routing: str = "capacity"
+    router_scores: str = "softmax"  # over the experts, or "sigmoid": one score per expert (DeepSeek-V3)
+    # the k chosen scores rescaled to sum to 1 (with softmax: Mixtral's softmax over the k chosen logits);
+    # false: the gates are the scores themselves (Switch, Qwen2-MoE, DeepSeek-V2)
+    router_normalize: bool = True
+    routed_scale: float = 1.0  # the routed experts' gates times this (DeepSeek-V3: 2.5)
+    n_shared_experts: int = 0  # SwiGLU experts of mlp_dim every token goes through beside its k routed ones
 
     def validate(self) -> list[str]:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
@@ -101,6 +112,15 @@ class ModelConfig:
             problems.append(f"model.experts_per_token must be in 1..{self.n_experts}, got {self.experts_per_token}")
         if self.n_experts and not 0 < self.capacity_factor < math.inf:
             problems.append(f"model.capacity_factor must be a positive number, got {self.capacity_factor}")
+        for f, allowed in (("moe_routing", MOE_ROUTINGS), ("router_scores", ROUTER_SCORES)):
+            if getattr(self, f) not in allowed:
+                problems.append(f"model.{f} must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if not 0 < self.routed_scale < math.inf:
+            problems.append(f"model.routed_scale must be a positive number, got {self.routed_scale}")
+        if not 0 <= self.n_shared_experts < 2**31:
+            problems.append(f"model.n_shared_experts must be 0 or more and below 2**31, got {self.n_shared_experts}")
+        elif self.n_shared_experts and not self.n_experts:
+            problems.append(f"model.n_shared_experts={self.n_shared_experts} needs routed experts (model.n_experts > 0)")
         for f in ("rope_theta", "norm_eps"):
             if not 0 < getattr(self, f) < math.inf:
                 problems.append(f"model.{f} must be a positive number, got {getattr(self, f)}")
@@ -166,6 +186,10 @@ class ModelConfig:
             E = self.n_experts
             layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
                       "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
+            if self.n_shared_experts:  # one SwiGLU of n_shared_experts * mlp_dim
+                S = self.n_shared_experts * F
+                layer |= {"shared_gate": ((D, S), (EMBED, MLP)), "shared_up": ((D, S), (EMBED, MLP)),
+                          "shared_down": ((S, D), (MLP, EMBED))}
         rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
         rows.append(("final_norm", (D,), (EMBED,)))
         if not self.tie_embeddings:
@@ -185,6 +209,11 @@ PRESETS: dict[str, ModelConfig] = {
     # Mixture of experts for tests and benchmarks: tiny with 8 top-2 experts in every layer.
     "moe-tiny": ModelConfig(name="moe-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, head_dim=8,
                             mlp_dim=64, n_experts=8, experts_per_token=2),
+    # DeepSeek-style fine-grained experts, tiny: 16 small routed experts, top-4 by sigmoid scores, one
+    # shared expert, dropless.
+    "moe-fine-tiny": ModelConfig(name="moe-fine-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
+                                 head_dim=8, mlp_dim=32, n_experts=16, experts_per_token=4,
+                                 n_shared_experts=1, moe_routing="dropless", router_scores="sigmoid"),
     # Llama 3.2 1B shape.
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
                             n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),

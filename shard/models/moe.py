@@ -1,37 +1,64 @@
-"""Mixture-of-experts feed-forward layer: top-k routing with a capacity, a load-balancing auxiliary
-loss, and SwiGLU experts (GShard / Switch Transformer).
+"""Mixture-of-experts feed-forward layer: top-k routing, a load-balancing auxiliary loss, SwiGLU experts
+and optional shared experts every token goes through (DeepSeek-MoE).
 
-Each sequence is a routing group. Tokens are dispatched into a (experts, batch, capacity, embed)
+Two ways to run the routed experts (`model.moe_routing`):
+- "capacity" (GShard / Switch Transformer): each expert has a fixed number of slots per sequence and
+  tokens beyond them are dropped (they keep their residual);
+- "dropless" (MegaBlocks, MaxText's megablox, DeepSeek-V3): the (token, choice) pairs are sorted by
+  expert and run through grouped matmuls (`jax.lax.ragged_dot`); no token is dropped.
+
+The router's scores are a softmax over the experts or a per-expert sigmoid (DeepSeek-V3); the k chosen
+scores are the gates, rescaled to sum to 1 when `router_normalize` (softmax then: Mixtral's softmax
+over the k chosen logits) and multiplied by `routed_scale`.
+
+Capacity routing: each sequence is a routing group. Tokens are dispatched into a (experts, batch, capacity, embed)
 tensor whose expert dim is pinned to the `expert` logical axis and whose batch dim to `expert_batch`;
 when a preset maps `expert` to a mesh axis that also splits the batch, XLA moves tokens between the
 two layouts with an all-to-all. Mesh axes never appear here.
 
-Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp.
+Dropless routing runs per device: inside a `jax.shard_map` that is manual over the mesh axes splitting
+the tokens, each device sorts its own tokens and multiplies them by every expert (weights split over
+`expert` are gathered at the boundary, as FSDP gathers a weight): no tokens move between devices.
+
+Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp, K experts per
+token, N tokens, M = N K (token, choice) pairs, S shared experts' hidden width.
 """
 
 import jax
 import jax.numpy as jnp
 
-from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LAYERS, MLP, RES_LENGTH
+from jax.sharding import PartitionSpec as P
+
+from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LAYERS, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
-from shard.sharding.rules import constrain
+from shard.sharding.rules import active_layout, constrain
 
 
-# The logical axes of one layer's router and experts (the stacked parameters less LAYERS)
+# The logical axes of one layer's router, experts and shared experts (the stacked parameters less LAYERS)
 EXPERT_AXES = {"router": (EMBED, None), "w_gate": (EXPERT, EMBED, MLP), "w_up": (EXPERT, EMBED, MLP),
-               "w_down": (EXPERT, MLP, EMBED)}
+               "w_down": (EXPERT, MLP, EMBED), "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP),
+               "shared_down": (MLP, EMBED)}
 
 
 def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
-    """Router and stacked expert weights for every layer, with their logical axes."""
+    """Router, stacked expert weights and shared experts (one SwiGLU of n_shared_experts * mlp_dim) for
+    every layer, with their logical axes."""
     D, L, E, F = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.mlp_dim
     dt = jnp.dtype(cfg.param_dtype)
-    return dict(
+    out = dict(
         router=param(rngs, (L, D, E), (LAYERS, *EXPERT_AXES["router"]), D**-0.5, dt),
         w_gate=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_gate"]), D**-0.5, dt),
         w_up=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_up"]), D**-0.5, dt),
         w_down=param(rngs, (L, E, F, D), (LAYERS, *EXPERT_AXES["w_down"]), F**-0.5 * out_std, dt),
     )
+    if cfg.n_shared_experts:
+        S = cfg.n_shared_experts * F
+        out |= dict(
+            shared_gate=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_gate"]), D**-0.5, dt),
+            shared_up=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_up"]), D**-0.5, dt),
+            shared_down=param(rngs, (L, S, D), (LAYERS, *EXPERT_AXES["shared_down"]), S**-0.5 * out_std, dt),
+        )
+    return out
 
 
 def route(probs_bte: jax.Array, k: int, cap: int):
@@ -67,19 +94,112 @@ def route(probs_bte: jax.Array, k: int, cap: int):
     return dispatch_btec, combine_btec, aux
 
 
+
+def router_logits(h_btd: jax.Array, router_de: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,de->bte", h_btd.astype(jnp.float32), router_de.astype(jnp.float32))
+
+
 def router_probs(h_btd: jax.Array, router_de: jax.Array) -> jax.Array:
-    logits_bte = jnp.einsum("btd,de->bte", h_btd.astype(jnp.float32), router_de.astype(jnp.float32))
-    return jax.nn.softmax(logits_bte, axis=-1)
+    return jax.nn.softmax(router_logits(h_btd, router_de), axis=-1)
 
 
-def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False
-              ) -> tuple[jax.Array, jax.Array]:
-    """The MoE feed-forward of one layer on the normalised residual; returns its output and aux loss.
-    `dropless`: each expert has a slot for every token of the group (a token picks an expert once), so
-    none is dropped, whatever the length: generation's prefill and decode steps then compute the same."""
-    T = h_btd.shape[1]
+def router_scores(logits_bte: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(scores, probs): the scores experts are chosen by and gated with (a softmax over experts, or a
+    sigmoid per expert), and those scores as a distribution over experts for the balancing loss."""
+    if cfg.router_scores == "sigmoid":
+        scores_bte = jax.nn.sigmoid(logits_bte)
+        return scores_bte, scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True)
+    probs_bte = jax.nn.softmax(logits_bte, axis=-1)
+    return probs_bte, probs_bte
+
+
+def top_k_gates(scores_bte: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(gates_btk, experts_btk): each token's k highest-scoring experts, best first, and their gates."""
+    gates_btk, experts_btk = jax.lax.top_k(scores_bte, cfg.experts_per_token)
+    if cfg.router_normalize:
+        gates_btk = gates_btk / jnp.maximum(jnp.sum(gates_btk, axis=-1, keepdims=True), 1e-9)
+    return gates_btk * cfg.routed_scale, experts_btk
+
+
+def balance_loss(experts_btk: jax.Array, probs_bte: jax.Array) -> jax.Array:
+    """The Switch load-balancing loss E * sum_e f_e * P_e, as `route` computes it."""
+    E = probs_bte.shape[-1]
+    f_e = jnp.mean(jax.nn.one_hot(experts_btk[..., 0], E, dtype=jnp.float32), axis=(0, 1))
+    return E * jnp.sum(f_e * jnp.mean(probs_bte, axis=(0, 1)))
+
+
+def grouped_experts(x_nd: jax.Array, experts_nk: jax.Array, gates_nk: jax.Array, w_gate_edf: jax.Array,
+                    w_up_edf: jax.Array, w_down_efd: jax.Array) -> jax.Array:
+    """Dropless: each token's sum over its k choices of gate * expert(token), by grouped matmuls.
+
+    The N K (token, choice) pairs are sorted by expert (stably), so each expert's rows form one
+    contiguous group of `ragged_dot`; the results return to their pairs by the inverse permutation."""
+    N, K = experts_nk.shape
+    E = w_gate_edf.shape[0]
+    expert_m = experts_nk.reshape(N * K)
+    order_m = jnp.argsort(expert_m, stable=True)  # sorted row i is pair order_m[i]
+    sizes_e = jnp.bincount(expert_m, length=E).astype(jnp.int32)  # rows of each expert's group
+    x_md = x_nd[order_m // K]  # (M, D) tokens in expert order
+    gate_mf = jax.lax.ragged_dot(x_md, w_gate_edf, sizes_e)
+    up_mf = jax.lax.ragged_dot(x_md, w_up_edf, sizes_e)
+    y_md = jax.lax.ragged_dot(jax.nn.silu(gate_mf) * up_mf, w_down_efd, sizes_e)
+    y_nkd = y_md[jnp.argsort(order_m)].reshape(N, K, -1)  # back in (token, choice) order
+    return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(y_nkd.dtype))
+
+
+def _token_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes that split the residual stream's batch and length in the layout being traced, for
+    dropless routing's per-device shard_map. None outside a layout, or inside another shard_map
+    (pipeline stages), where the partitioner places the routing as it would any op."""
+    layout = active_layout()
+    if layout is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return (), ()
+    batch = layout.mesh_axes(BATCH)
+    return batch, tuple(a for a in layout.mesh_axes(RES_LENGTH) if a not in batch)
+
+
+def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> jax.Array:
+    """The routed experts' output (B, T, D), no token dropped, each device on its own tokens."""
+    D, K = h_btd.shape[-1], experts_btk.shape[-1]
+    weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
+
+    def local(h_btd, gates_btk, experts_btk, *w):
+        b, t = h_btd.shape[:2]
+        out_nd = grouped_experts(h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K),
+                                 gates_btk.reshape(b * t, K), *w)
+        return out_nd.reshape(b, t, D)
+
+    batch, length = _token_axes()
+    if not batch and not length:
+        return local(h_btd, gates_btk, experts_btk, *weights)
+    spec = P(batch or None, length or None)
+    # A sort over tokens split across devices would gather them all (the partitioner cannot split a
+    # sort), so each device sorts its own. Experts split over a manual axis (`expert`) are gathered at
+    # the boundary, their gradients reduced back: every device runs every expert on its own tokens.
+    fn = jax.shard_map(local, mesh=active_layout().mesh, in_specs=(spec, spec, spec, P(), P(), P()),
+                       out_specs=spec, axis_names=set(batch + length))
+    return fn(h_btd, gates_btk, experts_btk, *weights)
+
+
+def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:
+    """The shared experts: one dense SwiGLU of n_shared_experts * mlp_dim that every token goes through."""
+    gate_bts = jnp.einsum("btd,ds->bts", h_btd, p["shared_gate"].astype(dtype))
+    up_bts = jnp.einsum("btd,ds->bts", h_btd, p["shared_up"].astype(dtype))
+    hidden_bts = constrain(jax.nn.silu(gate_bts) * up_bts, (BATCH, LENGTH, MLP))
+    return jnp.einsum("bts,sd->btd", hidden_bts, p["shared_down"].astype(dtype))
+
+
+def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: ModelConfig, dtype,
+                     dropless: bool) -> tuple[jax.Array, jax.Array]:
+    """The routed experts' output with a capacity per expert and sequence, and the balancing loss."""
+    T, E = h_btd.shape[1], probs_bte.shape[-1]
     cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
-    dispatch_btec, combine_btec, aux = route(router_probs(h_btd, p["router"]), cfg.experts_per_token, cap)
+    # route() chooses as top_k does: by the probs, which order experts as the scores do
+    dispatch_btec, combine_btec, aux = route(probs_bte, cfg.experts_per_token, cap)
+    if (cfg.router_scores, cfg.router_normalize, cfg.routed_scale) != ("softmax", True, 1.0):
+        # route's gates are the chosen probs renormalised; top_k_gates gives the others
+        gates_bte = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts_btk, E, dtype=jnp.float32), gates_btk)
+        combine_btec = dispatch_btec * gates_bte[..., None]
     # The all-to-all: rows split over (data, expert) become experts split over expert.
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))
     x_ebcd = constrain(x_ebcd, (None, BATCH, None, EMBED))  # dispatched where the rows are
@@ -90,5 +210,22 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
     y_ebcd = jnp.einsum("ebcf,efd->ebcd", hidden_ebcf, p["w_down"].astype(dtype))
     y_ebcd = constrain(y_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
     y_ebcd = constrain(y_ebcd, (None, BATCH, None, EMBED))  # back where the rows are
-    out_btd = jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype))  # and back
+    return jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype)), aux  # and back
+
+
+def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
+    """The MoE feed-forward of one layer on the normalised residual; returns its output and aux loss.
+    `dropless` with capacity routing: each expert has a slot for every token of the group (a token picks
+    an expert once), so none is dropped, whatever the length: generation's prefill and decode steps then
+    compute the same. Dropless routing (model.moe_routing) never drops one."""
+    scores_bte, probs_bte = router_scores(router_logits(h_btd, p["router"]), cfg)
+    gates_btk, experts_btk = top_k_gates(scores_bte, cfg)
+    if cfg.moe_routing == "dropless":
+        out_btd = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
+        aux = balance_loss(experts_btk, probs_bte)
+    else:
+        out_btd, aux = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype, dropless)
+    if cfg.n_shared_experts:
+        out_btd = out_btd + shared_experts(h_btd, p, dtype)
     return constrain(out_btd, (BATCH, RES_LENGTH, EMBED)), aux

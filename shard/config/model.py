@@ -48,7 +48,8 @@ def attention_backend(setting: str, problem: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers."""
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers; model
+    families (Qwen2, Qwen3) are features of it (docs/models.md)."""
 
     name: str = "small"
     vocab_size: int = 256

@@ -1,5 +1,6 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
-attention.
+attention. Model families are features of it switched on by the config (docs/models.md): q/k/v biases
+(`qkv_bias`, Qwen2) and per-head RMSNorm of queries and keys (`qk_norm`, Qwen3).
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth. Every parameter names its logical axes; key activations are pinned with

@@ -64,9 +64,15 @@ CASES = {
     "tiny-1layer-untied": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128, "model__tie_embeddings": False}),
     "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1}),
     "moe-1layer-long": ("moe-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    # model families: q/k/v biases (qwen2), q/k norms and head_dim x heads != d_model (qwen3)
+    "qwen2-fsdp_tp": ("qwen2-tiny", "fsdp_tp:4x2", {}),
+    "qwen3-fsdp_tp": ("qwen3-tiny", "fsdp_tp:4x2", {}),
+    "qwen2-1layer": ("qwen2-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    "qwen3-1layer": ("qwen3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
-FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long")  # for the FLOPs count only
+FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long", "qwen2-1layer",
+               "qwen3-1layer")  # for the FLOPs count only
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep", "dp_fsdp_ep")
                     and k.count("-") == 1]

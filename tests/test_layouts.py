@@ -41,3 +41,13 @@ def test_untied_embeddings_and_remat_match_single_device():
     kw = dict(model__tie_embeddings=False, model__remat="full")
     np.testing.assert_allclose(train_losses(tiny_config("fsdp", **kw)), train_losses(tiny_config("1x1", **kw)),
                                rtol=RTOL)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny"])
+def test_model_families_match_single_device(preset):
+    """Each family's new weights (q/k/v biases, q/k norms) name their logical axes, so every layout
+    shards them by the same rules: FSDP with tensor parallel, and data x FSDP x tensor parallel."""
+    reference = train_losses(tiny_config("1x1", model__name=preset))
+    for mesh in ("fsdp_tp:4x2", "data=2,fsdp=2,model=2"):
+        np.testing.assert_allclose(train_losses(tiny_config(mesh, model__name=preset)), reference, rtol=RTOL,
+                                   err_msg=mesh)

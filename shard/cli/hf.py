@@ -1,4 +1,5 @@
-"""`shard import-hf` and `shard export-hf`: Hugging Face Llama folders to and from shard checkpoints."""
+"""`shard import-hf` and `shard export-hf`: Hugging Face Llama-family folders (Llama, Qwen2/2.5, Qwen3) to
+and from shard checkpoints."""
 
 import dataclasses
 from pathlib import Path
@@ -14,7 +15,8 @@ from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, written_whol
 
 
 def import_hf(
-    hf_dir: Annotated[Path, typer.Argument(help="a local Hugging Face Llama folder (config.json + *.safetensors)")],
+    hf_dir: Annotated[Path, typer.Argument(
+        help="a local Hugging Face Llama, Qwen2 or Qwen3 folder (config.json + *.safetensors)")],
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
     """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
@@ -56,7 +58,8 @@ def export_hf(
     checkpoint: CheckpointArg = None,
     checkpoint_opt: CheckpointOpt = None,
 ):
-    """Write a checkpoint's model as a Hugging Face Llama folder that transformers loads."""
+    """Write a checkpoint's model as a Hugging Face folder that transformers loads (Llama, Qwen2 or Qwen3, by
+    the model's features)."""
     checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
     check_fresh_out(out)
     host_jax()

@@ -50,7 +50,8 @@ def attention_backend(setting: str, problem: str) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers."""
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers; model
+    families (Qwen2, Qwen3) are features of it (docs/models.md)."""
 
     name: str = "small"
     vocab_size: int = 256
@@ -69,6 +70,11 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
     norm_eps: float = 1e-5
+    # Model families as features of the one decoder (docs/models.md). qkv_bias: a bias on the q, k and v
+    # projections (Qwen2 and Qwen2.5). qk_norm: RMSNorm over head_dim of each query and key head, before
+    # RoPE, with its own scale per layer (Qwen3).
+    qkv_bias: bool = False
+    qk_norm: bool = False
     # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
@@ -182,6 +188,7 @@ class ModelConfig:
             "w_up": ((D, F), (EMBED, MLP)),
             "w_down": ((F, D), (MLP, EMBED)),
         }
+        layer |= self._family_layer_shapes()
         if self.n_experts:  # shard/models/moe.py: a router and E stacked SwiGLU experts per layer
             E = self.n_experts
             layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
@@ -195,6 +202,17 @@ class ModelConfig:
         if not self.tie_embeddings:
             rows.append(("unembed", (D, V), (EMBED, VOCAB)))
         return rows
+
+    def _family_layer_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """The per-layer parameters of the family features (qkv_bias, qk_norm): shape and logical axes."""
+        N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
+        out = {}
+        if self.qkv_bias:
+            out |= {"bq": ((N, H), (HEADS, HEAD_DIM)), "bk": ((K, H), (KV_HEADS, HEAD_DIM)),
+                    "bv": ((K, H), (KV_HEADS, HEAD_DIM))}
+        if self.qk_norm:
+            out |= {"q_norm": ((H,), (HEAD_DIM,)), "k_norm": ((H,), (HEAD_DIM,))}
+        return out
 
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
@@ -226,6 +244,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-13b-24l": ModelConfig(name="llama-13b-24l", vocab_size=32000, d_model=6144, n_layers=24,
                                  n_heads=48, n_kv_heads=48, head_dim=128, mlp_dim=20480,
                                  tie_embeddings=False),
+    # Model families (docs/models.md): one real size each, and a tiny twin for tests whose dimensions
+    # divide 8 (heads 16 x head_dim 8 != d_model: head_dim is its own).
+    "qwen2.5-0.5b": ModelConfig(name="qwen2.5-0.5b", vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
+                                n_kv_heads=2, head_dim=64, mlp_dim=4864, rope_theta=1e6, norm_eps=1e-6,
+                                qkv_bias=True),
+    "qwen3-0.6b": ModelConfig(name="qwen3-0.6b", vocab_size=151936, d_model=1024, n_layers=28, n_heads=16,
+                              n_kv_heads=8, head_dim=128, mlp_dim=3072, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    "qwen2-tiny": ModelConfig(name="qwen2-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
+                              mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
+    "qwen3-tiny": ModelConfig(name="qwen3-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
+                              mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
 }
 
 
@@ -237,9 +266,10 @@ def field_names() -> tuple[str, ...]:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (norms and a lookup-only table do not); of a
+    """Parameters that take part in a matmul per token (norms, biases and a lookup-only table do not); of a
     mixture of experts, the router and the k experts a token is routed to."""
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
+    n -= cfg.n_layers * sum(math.prod(shape) for shape, _ in cfg._family_layer_shapes().values())  # adds, scales
     if not cfg.tie_embeddings:
         n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
     if cfg.n_experts:

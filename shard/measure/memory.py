@@ -25,6 +25,9 @@ ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash at
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
 ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
+# qk_norm (Qwen3): the queries' and keys' norm in float32 keeps its input and output and RoPE's input,
+# (N + K) x H wide; fitted on qwen3-tiny against qwen2-tiny (DP, TP, FSDP x TP: 3.17-3.2).
+ACT_PER_QK_NORM = 3.0
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
 # A mixture of experts' layer in place of the MLP, fitted the same way on moe-tiny variants (data,
 # expert and data x expert; sequence 32-128, 4-16 experts, top 1-2, remat none and full: 7% low to
@@ -47,7 +50,8 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
         ffn = slots * (ACT_PER_SLOT_D * D + ACT_PER_SLOT_F * F) + ACT_PER_ROUTE * slots * work.seq_len
     else:
         ffn = ACT_PER_F * F
-    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m) * work.act_bytes
+    qk_norm = ACT_PER_QK_NORM * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / m if cfg.qk_norm else 0.0
+    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m + qk_norm) * work.act_bytes
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":

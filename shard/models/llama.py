@@ -1,5 +1,6 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
-attention.
+attention. Model families are features of it switched on by the config (docs/models.md): q/k/v biases
+(`qkv_bias`, Qwen2) and per-head RMSNorm of queries and keys (`qk_norm`, Qwen3).
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth. Every parameter names its logical axes; key activations are pinned with
@@ -43,6 +44,11 @@ LAYER_AXES = {
     "wq": (EMBED, HEADS, HEAD_DIM),
     "wk": (EMBED, KV_HEADS, HEAD_DIM),
     "wv": (EMBED, KV_HEADS, HEAD_DIM),
+    "bq": (HEADS, HEAD_DIM),  # qkv_bias
+    "bk": (KV_HEADS, HEAD_DIM),
+    "bv": (KV_HEADS, HEAD_DIM),
+    "q_norm": (HEAD_DIM,),  # qk_norm
+    "k_norm": (HEAD_DIM,),
     "wo": (HEADS, HEAD_DIM, EMBED),
     "mlp_norm": (EMBED,),
     "w_gate": (EMBED, MLP),
@@ -62,9 +68,11 @@ def compute_dtype(cfg: ModelConfig):
 
 
 def _param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
-    """A parameter with its logical axes; std=None means ones (norm scales)."""
+    """A parameter with its logical axes; std=None means ones (norm scales), 0 zeros (biases)."""
     if std is None:
         value = jnp.ones(shape, dtype)
+    elif std == 0:
+        value = jnp.zeros(shape, dtype)
     else:
         value = (std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape)).astype(dtype)
     return nnx.Param(value, out_sharding=axes)
@@ -80,10 +88,14 @@ class Llama(nnx.Module):
         self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
         std = {"attn_norm": None, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
                "wo": (N * H) ** -0.5 * out_std, "mlp_norm": None, "w_gate": D**-0.5, "w_up": D**-0.5,
-               "w_down": F**-0.5 * out_std}
+               "w_down": F**-0.5 * out_std, "bq": 0, "bk": 0, "bv": 0, "q_norm": None, "k_norm": None}
         shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
-                  "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
-        names = [n for n in LAYER_AXES if not (cfg.n_experts and n in ("w_gate", "w_up", "w_down"))]
+                  "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D), "bq": (N, H),
+                  "bk": (K, H), "bv": (K, H), "q_norm": (H,), "k_norm": (H,)}
+        off = {"bq", "bk", "bv"} if not cfg.qkv_bias else set()
+        off |= {"q_norm", "k_norm"} if not cfg.qk_norm else set()
+        off |= {"w_gate", "w_up", "w_down"} if cfg.n_experts else set()
+        names = [n for n in LAYER_AXES if n not in off]
         layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
         if cfg.n_experts:
             layers |= moe.expert_params(rngs, cfg, out_std, _param)
@@ -298,6 +310,8 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
     q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype)
+    if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
+        q_btnh, k_btkh = rms_norm(q_btnh, p["q_norm"], cfg.norm_eps), rms_norm(k_btkh, p["k_norm"], cfg.norm_eps)
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
@@ -319,16 +333,24 @@ def _qkv(h_btd, p, dtype):
     one input gradient, not three. The grouping is local to each device and leaves the parameters as
     they are. Where kv heads are split otherwise (replicated by `rules.kv_heads=none` while heads are
     split), grouping would move weights between devices (collective permutes, which deadlock inside
-    the 1F1B pipeline's per-stage branches), so three einsums run instead.
+    the 1F1B pipeline's per-stage branches), so three einsums run instead. The biases of qkv_bias
+    (`bq`, `bk`, `bv`) are grouped as their weights are.
     """
     D, N, H = p["wq"].shape
     K = p["wk"].shape[1]
     if not heads_split_alike():
-        return (jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype)),
-                jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype)),
-                jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype)))
+        q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
+        k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype))
+        v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype))
+        if "bq" in p:
+            q_btnh, k_btkh, v_btkh = (q_btnh + p["bq"].astype(dtype), k_btkh + p["bk"].astype(dtype),
+                                      v_btkh + p["bv"].astype(dtype))
+        return q_btnh, k_btkh, v_btkh
     w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
     qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
+    if "bq" in p:
+        b_kgh = jnp.concatenate([p["bq"].reshape(K, N // K, H), p["bk"][:, None], p["bv"][:, None]], 1)
+        qkv_btkgh = qkv_btkgh + b_kgh.astype(dtype)
     B, T = qkv_btkgh.shape[:2]
     return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
 

@@ -1,6 +1,8 @@
 """Hugging Face Llama-family folders (config.json + *.safetensors) to shard's parameters and back.
 
-Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
+Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3) is a set of config features of the one decoder, read
+from config.json's `model_type`; every key of config.json that changes the math is mapped to a model
+key or refused by name. Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
 heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
 layout, so no permutation of q/k is needed.
 """
@@ -18,7 +20,18 @@ from shard.errors import ShardError, first_line
 from shard.paths import current_umask
 from shard.config.model import ModelConfig
 
-SUPPORTED_TYPES = ("llama",)
+# model_type -> the architecture transformers loads, the features it turns on (ModelConfig fields),
+# transformers' defaults for keys a config.json may leave out where they differ from Llama's, and the
+# bias switches its config reads (Qwen2's q/k/v biases are always there; it reads no switch).
+FAMILIES = {
+    "llama": {"architecture": "LlamaForCausalLM", "features": {}, "defaults": {},
+              "bias_keys": ("attention_bias", "mlp_bias")},
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "features": {"qkv_bias": True},
+              "defaults": {"num_key_value_heads": 32}, "bias_keys": ()},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "features": {"qk_norm": True},
+              "defaults": {"num_key_value_heads": 32, "head_dim": 128}, "bias_keys": ("attention_bias",)},
+}
+SUPPORTED_TYPES = tuple(FAMILIES)
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
 
 
@@ -58,9 +71,16 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
                              f"{llama3['original_max_position_embeddings']!r}")
         scaling["rope_original_context"] = int(scaling["rope_original_context"])
-    for flag in ("attention_bias", "mlp_bias"):
+    family = FAMILIES[kind]
+    for flag in family["bias_keys"]:
         if hf.get(flag):
-            raise ShardError(f"{flag}=true is not supported: shard's Llama has no biases")
+            where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
+            raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
+    if hf.get("use_sliding_window"):
+        raise ShardError(f"use_sliding_window=true is not supported: shard's attention has no sliding window yet "
+                         f"({kind}, sliding_window={hf.get('sliding_window')!r})")
+    if hf.get("attention_dropout"):
+        raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if hf.get("hidden_act", "silu") != "silu":
         raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
     missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -69,8 +89,10 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         raise ShardError(f"config.json lacks {missing[0]!r}")
     sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
              "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
-             "num_key_value_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-             "intermediate_size": hf["intermediate_size"], "head_dim": hf.get("head_dim")}
+             "num_key_value_heads": hf.get("num_key_value_heads") or family["defaults"].get("num_key_value_heads")
+             or hf["num_attention_heads"],
+             "intermediate_size": hf["intermediate_size"],
+             "head_dim": hf.get("head_dim") or family["defaults"].get("head_dim")}
     for key, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
@@ -85,6 +107,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
+        **family["features"],
     )
     problems = cfg.validate()
     if problems:
@@ -92,18 +115,33 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     return cfg
 
 
+def family_of(cfg: ModelConfig) -> str:
+    """The model_type of FAMILIES whose features are cfg's, or a ShardError where no family has them."""
+    for kind, family in FAMILIES.items():
+        if all(getattr(cfg, f) == bool(family["features"].get(f)) for f in ("qkv_bias", "qk_norm")):
+            return kind
+    raise ShardError(f"model {cfg.name} has both qkv_bias and qk_norm, which no Hugging Face family has; export-hf "
+                     "writes Llama, Qwen2 (qkv_bias) and Qwen3 (qk_norm) folders")
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json of a dense Llama; a mixture of experts has no such form and is refused."""
+    """The config.json of a dense model of one of FAMILIES; a mixture of experts has no such form and is
+    refused."""
     if cfg.n_experts:
         raise ShardError(f"model {cfg.name} is a mixture of experts ({cfg.n_experts} experts); export-hf writes "
-                         "dense Llama folders only (shard export writes any model's params)")
+                         "dense Llama-family folders only (shard export writes any model's params)")
+    kind = family_of(cfg)
+    # Qwen2 has no bias switches (its q/k/v biases are always on); Qwen3 has attention_bias alone
+    biases = {"llama": {"attention_bias": False, "mlp_bias": False}, "qwen2": {},
+              "qwen3": {"attention_bias": False}}[kind]
+    windows = {} if kind == "llama" else {"use_sliding_window": False}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [FAMILIES[kind]["architecture"]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "hidden_act": "silu", **biases, **windows, "torch_dtype": "float32",
         "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
     } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
 
@@ -119,7 +157,14 @@ def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
 def _layer_map(cfg: ModelConfig):
     """shard layer param -> (HF name template, to_shard(hf_matrix), to_hf(shard_array))."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return {
+    family = {}
+    if cfg.qkv_bias:
+        family |= {f"b{x}": (f"model.layers.{{}}.self_attn.{x}_proj.bias", lambda w, n=n: w.reshape(n, H),
+                             lambda w: w.reshape(-1)) for x, n in (("q", N), ("k", K), ("v", K))}
+    if cfg.qk_norm:
+        family |= {f"{x}_norm": (f"model.layers.{{}}.self_attn.{x}_norm.weight", lambda w: w, lambda w: w)
+                   for x in "qk"}
+    return family | {
         "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
         "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w),
         "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
@@ -140,7 +185,8 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
-                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
+                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "bq": (q,), "bk": (kv,),
+                 "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)

@@ -1,0 +1,186 @@
+"""Model families (Qwen2/2.5: qkv_bias, Qwen3: qk_norm) against transformers' own code: a random tiny
+model of each, built offline with its config class, imports with equal logits on one device and on a
+sharded mesh, generates the same 32 greedy tokens, and exports back to identical tensors; what shard
+cannot represent is refused in one line; parameter counts equal transformers'. Skipped where
+torch/transformers are absent (the `hf` extra)."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from shard.config.model import PRESETS  # noqa: E402
+from shard.errors import ShardError  # noqa: E402
+from shard.models import llama  # noqa: E402
+from shard.run import hf  # noqa: E402
+from shard.sharding.layout import make_layout  # noqa: E402
+from shard.sharding.mesh import parse_mesh  # noqa: E402
+from shard.sharding.rules import activation_layout  # noqa: E402
+from shard.testing import devices_for, tiny_config  # noqa: E402
+from shard.training.generate import Generator, Sampling  # noqa: E402
+from shard.training.state import state_spec  # noqa: E402
+
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+TOKENS = np.random.default_rng(0).integers(0, 256, (2, 16)).tolist()
+SHARDED = "fsdp=2,model=4"
+
+
+@pytest.fixture(scope="module", params=list(CONFIG_CLASSES))
+def family(request, tmp_path_factory):
+    """(transformers model, its folder, shard's config, shard's params) for a random tiny model whose
+    head_dim is its own (16 heads x 8 != 64), with GQA, untied embeddings and larger than default
+    weights (std 0.2: logits of order 1, not 0.01), biases and norm scales random too."""
+    cls = getattr(transformers, CONFIG_CLASSES[request.param])
+    cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
+              num_key_value_heads=8, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+              initializer_range=0.2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.copy_(1.0 + 0.5 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    config_json, tensors = hf.read_hf_dir(str(path))
+    ours = dataclasses.replace(hf.config_from_hf(config_json), compute_dtype="float32")
+    return model, path, ours, hf.params_from_hf(tensors, ours)
+
+
+def _layout(mesh: str, **sets):
+    tc = tiny_config(mesh, **sets)
+    return tc, make_layout(tc, parse_mesh(mesh), devices_for(mesh))
+
+
+def _logits(cfg, params, mesh: str, **sets):
+    tc, layout = _layout(mesh, **sets)
+    spec = state_spec(cfg, tc.optimizer, 3, layout)
+
+    def f(p, tokens):
+        with activation_layout(layout):
+            return llama.forward(cfg, p, tokens)[0]
+
+    return np.asarray(jax.jit(f)(jax.device_put(params, spec.shardings["params"]), jnp.asarray(TOKENS)))
+
+
+def test_the_family_comes_from_model_type(family):
+    model, _, cfg, params = family
+    kind = model.config.model_type
+    assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True)}[kind]
+    assert (cfg.head_dim, cfg.n_heads * cfg.head_dim) == (8, 128) and cfg.d_model == 64
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("mesh, sets", [("1x1", {}), (SHARDED, {}), (SHARDED, {"rules__kv_heads": "none"})],
+                         ids=["one-device", "fsdp2-model4", "fsdp2-model4-kv-replicated"])
+def test_logits_match_transformers(family, mesh, sets):
+    """On one device, and sharded: heads split alike (q, k, v in one einsum, biases grouped with their
+    weights) and kv heads replicated while heads are split (three einsums)."""
+    model, _, cfg, params = family
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS)).logits.numpy()
+    ours = _logits(cfg, params, mesh, **sets)
+    assert np.abs(theirs).max() > 1  # the comparison is not of near-zero numbers
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
+
+
+def test_greedy_tokens_match_transformers_on_a_sharded_mesh(family):
+    model, _, cfg, params = family
+    prompt = TOKENS[0][:8]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    tc, layout = _layout(SHARDED)
+    spec = state_spec(cfg, tc.optimizer, 3, layout)
+    gen = Generator(cfg, spec.graphdef, jax.device_put(params, spec.shardings["params"]), layout, max_len=48)
+    tokens = gen.generate(prompt, 32, Sampling(temperature=0))
+    assert tokens == theirs[0, len(prompt):].tolist()
+    assert len(set(tokens)) > 4  # not one token repeated
+
+
+def test_export_reloads_in_transformers_with_identical_tensors(family, tmp_path):
+    model, path, cfg, params = family
+    hf.write_hf_dir(str(tmp_path), cfg, params, side=path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    kind = model.config.model_type
+    assert written["model_type"] == kind and written["architectures"] == [f"{kind.title()}ForCausalLM"]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(again) is type(model)
+    ref = model.state_dict()
+    assert again.state_dict().keys() == ref.keys()
+    for name, t in again.state_dict().items():
+        np.testing.assert_array_equal(t.numpy(), ref[name].numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096},
+     r"use_sliding_window=true is not supported: shard's attention has no sliding window yet \(qwen2, "
+     r"sliding_window=4096\)"),
+    ("qwen3", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ("qwen3", {"attention_bias": True},
+     "attention_bias=true is not supported: shard's decoder has no bias on the attention's output projection"),
+    ("qwen2", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported: shard has no dropout"),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling .* is not supported"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+], ids=["qwen2-window", "qwen3-window", "qwen3-output-bias", "dropout", "yarn", "gelu"])
+def test_what_shard_cannot_represent_is_refused_in_one_line(kind, change, message):
+    base = hf.config_to_hf(PRESETS[f"{kind}-tiny"])
+    with pytest.raises(ShardError, match=message) as e:
+        hf.config_from_hf(base | change)
+    assert "\n" not in str(e.value)
+
+
+def test_what_transformers_ignores_is_read_as_it_reads_it():
+    """A window that use_sliding_window leaves off (Qwen2.5's configs carry one) is no window; Qwen2 reads
+    no attention_bias (its q/k/v biases are always on); Qwen3's head_dim defaults to 128, not
+    hidden_size / heads; both families' kv heads default to 32."""
+    qwen2 = hf.config_to_hf(PRESETS["qwen2-tiny"])
+    off = {"use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21, "attention_bias": False}
+    assert hf.config_from_hf(qwen2 | off) == hf.config_from_hf(qwen2)
+    qwen3 = {k: v for k, v in hf.config_to_hf(PRESETS["qwen3-tiny"]).items()
+             if k not in ("head_dim", "num_key_value_heads")}
+    cfg = hf.config_from_hf(qwen3 | {"num_attention_heads": 32})
+    assert (cfg.head_dim, cfg.n_kv_heads) == (128, 32)
+    both = dataclasses.replace(PRESETS["qwen3-tiny"], qkv_bias=True)
+    with pytest.raises(ShardError, match="has both qkv_bias and qk_norm, which no Hugging Face family has"):
+        hf.config_to_hf(both)
+
+
+# config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen3-0.6B on the Hugging Face Hub (the keys that shape them)
+REAL = {
+    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
+                     "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
+                     "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+                     "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+                     "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+                     "use_sliding_window": False, "vocab_size": 151936},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                   "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+                   "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+                   "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+                   "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+                   "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936},
+}
+
+
+@pytest.mark.parametrize("name", list(REAL))
+def test_presets_are_the_real_models_with_transformers_parameter_count(name):
+    """The preset is what import-hf makes of the real config.json, and its parameter count is that of
+    transformers' model (built on the meta device: no memory, no download)."""
+    preset = PRESETS[name]
+    assert dataclasses.replace(hf.config_from_hf(REAL[name]), name=name) == preset
+    for cfg in (preset, PRESETS[f"{name.split('.')[0].split('-')[0]}-tiny"]):
+        config_json = hf.config_to_hf(cfg)
+        hf_cfg = getattr(transformers, CONFIG_CLASSES[config_json["model_type"]])(**config_json)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        assert cfg.num_params() == sum(p.numel() for p in model.parameters()), cfg.name
+    assert preset.num_params() == {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}[name]

@@ -75,6 +75,9 @@ class ModelConfig:
     # RoPE, with its own scale per layer (Qwen3).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Sliding-window attention (Mistral): a token attends to itself and the sliding_window - 1 tokens
+    # before it (transformers' convention: query position - key position < sliding_window); 0: off.
+    sliding_window: int = 0
     # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
@@ -106,6 +109,8 @@ class ModelConfig:
             problems.append(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
+        if not 0 <= self.sliding_window < 2**31:
+            problems.append(f"model.sliding_window must be 0 (off) or a number of tokens, got {self.sliding_window}")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),

@@ -1,6 +1,7 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
 attention. Model families are features of it switched on by the config (docs/models.md): q/k/v biases
-(`qkv_bias`, Qwen2) and per-head RMSNorm of queries and keys (`qk_norm`, Qwen3).
+(`qkv_bias`, Qwen2), per-head RMSNorm of queries and keys (`qk_norm`, Qwen3) and sliding-window attention
+(`sliding_window`, Mistral).
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth. Every parameter names its logical axes; key activations are pinned with
@@ -316,11 +317,11 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if kv is None:
-        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids)
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, cfg.sliding_window)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
-        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start)
+        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=cfg.sliding_window)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
     return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
 
@@ -355,7 +356,7 @@ def _qkv(h_btd, p, dtype):
     return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
 
 
-def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None):
+def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None, window: int = 0):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
@@ -368,8 +369,15 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
     it), which gives up the O(T) memory flash attention is chosen for; cuDNN's own packed layout
     (per-row segment offsets and lengths, `q_offsets`/`kv_offsets`) is reachable only through the private
     jax._src.cudnn API, needs Hopper and a static bound on documents per row, and cannot be checked
-    without a GPU. So "auto" runs XLA's attention for packed rows and "cudnn" by name is an error."""
+    without a GPU. So "auto" runs XLA's attention for packed rows and "cudnn" by name is an error.
+
+    `window` > 0 (model.sliding_window): a query at position t attends to keys at t - window + 1 .. t
+    only. XLA's and cuDNN's attention take it as `local_window_size=(window - 1, 0)` (JAX: t - s <=
+    left; cuDNN gets `left + 1` with an exclusive bound); ring attention has no window and refuses."""
     if axes := context_axes():
+        if window:
+            raise ShardError(f"model.sliding_window={window} can't run with context parallelism (`length` split "
+                             f"over {'x'.join(axes)}): ring attention has no sliding window; split the batch instead")
         if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
             raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
                              f"{'x'.join(axes)}) uses ring attention; use auto")
@@ -382,12 +390,14 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
             raise ShardError(f"model.attention=cudnn can't run here: {problem}; use auto or xla")
         impl = attention_backend(impl, problem)
     if impl in ("cudnn", "xla"):
+        local = (window - 1, 0) if window else None
         if segment_ids is not None:
             same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
             return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=same_bts[:, None], is_causal=True,
-                                                implementation=impl)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation=impl)
-    return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids)
+                                                local_window_size=local, implementation=impl)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, local_window_size=local,
+                                            implementation=impl)
+    return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window)
 
 
 def _cudnn_problem(q_btnh, segments: bool = False) -> str:
@@ -402,15 +412,17 @@ def _cudnn_problem(q_btnh, segments: bool = False) -> str:
                                    segments=segments)
 
 
-def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None):
+def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window: int = 0):
     """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal.
     `segment_ids` (B, T), self-attention of packed rows only (start 0, S = T): keys of the query's
-    own segment only."""
+    own segment only. `window` > 0: keys less than `window` positions back only (the KV cache keeps
+    every position and masks the older ones: it is not cut to the window)."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
     scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * H**-0.5
-    causal_ts = (start + jnp.arange(T))[:, None] >= jnp.arange(k_bskh.shape[1])[None, :]
+    back_ts = (start + jnp.arange(T))[:, None] - jnp.arange(k_bskh.shape[1])[None, :]
+    causal_ts = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
     if segment_ids is not None:  # and the same segment: (B, 1, 1, T, S)
         same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
         scores_bkgts = jnp.where(causal_ts & same_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)

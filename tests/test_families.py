@@ -1,4 +1,4 @@
-"""Model families (Qwen2/2.5: qkv_bias, Qwen3: qk_norm) against transformers' own code: a random tiny
+"""Model families (Qwen2/2.5: qkv_bias, Qwen3: qk_norm, Mistral: sliding_window, Mixtral: experts) against transformers' own code: a random tiny
 model of each, built offline with its config class, imports with equal logits on one device and on a
 sharded mesh, generates the same 32 greedy tokens, and exports back to identical tensors; what shard
 cannot represent is refused in one line; parameter counts equal transformers'. Skipped where
@@ -28,7 +28,12 @@ from shard.testing import devices_for, tiny_config  # noqa: E402
 from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.training.state import state_spec  # noqa: E402
 
-CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+                  "mixtral": "MixtralConfig"}
+# Mistral's window (6) is shorter than the 16 tokens compared and the 40 generated; Mixtral: 8 experts,
+# top 2, and a window too
+FAMILY_KEYS = {"mistral": {"sliding_window": 6},
+               "mixtral": {"sliding_window": 6, "num_local_experts": 8, "num_experts_per_tok": 2}}
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 16)).tolist()
 SHARDED = "fsdp=2,model=4"
 
@@ -41,7 +46,7 @@ def family(request, tmp_path_factory):
     cls = getattr(transformers, CONFIG_CLASSES[request.param])
     cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
               num_key_value_heads=8, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-              initializer_range=0.2, max_position_embeddings=512)
+              initializer_range=0.2, max_position_embeddings=512, **FAMILY_KEYS.get(request.param, {}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
@@ -60,7 +65,7 @@ def _layout(mesh: str, **sets):
     return tc, make_layout(tc, parse_mesh(mesh), devices_for(mesh))
 
 
-def _logits(cfg, params, mesh: str, **sets):
+def _logits(cfg, params, mesh: str, tokens=TOKENS, **sets):
     tc, layout = _layout(mesh, **sets)
     spec = state_spec(cfg, tc.optimizer, 3, layout)
 
@@ -68,13 +73,16 @@ def _logits(cfg, params, mesh: str, **sets):
         with activation_layout(layout):
             return llama.forward(cfg, p, tokens)[0]
 
-    return np.asarray(jax.jit(f)(jax.device_put(params, spec.shardings["params"]), jnp.asarray(TOKENS)))
+    return np.asarray(jax.jit(f)(jax.device_put(params, spec.shardings["params"]), jnp.asarray(tokens)))
 
 
 def test_the_family_comes_from_model_type(family):
     model, _, cfg, params = family
     kind = model.config.model_type
-    assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True)}[kind]
+    assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True)}.get(kind, (False, False))
+    assert cfg.sliding_window == (6 if kind in FAMILY_KEYS else 0)
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_routing) == ((8, 2, "dropless") if kind == "mixtral"
+                                                                       else (0, 2, "capacity"))
     assert (cfg.head_dim, cfg.n_heads * cfg.head_dim) == (8, 128) and cfg.d_model == 64
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
 
@@ -89,6 +97,32 @@ def test_logits_match_transformers(family, mesh, sets):
         theirs = model(torch.tensor(TOKENS)).logits.numpy()
     ours = _logits(cfg, params, mesh, **sets)
     assert np.abs(theirs).max() > 1  # the comparison is not of near-zero numbers
+    print(f"{model.config.model_type} {mesh} {sets}: max |logit difference| {np.abs(ours - theirs).max():.2e}")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
+
+
+def test_the_window_matters(family):
+    """The window is shorter than the tokens compared: without it the logits differ."""
+    model, _, cfg, params = family
+    if not cfg.sliding_window:
+        pytest.skip("no window")
+    with torch.no_grad():
+        theirs = model(torch.tensor(TOKENS)).logits.numpy()
+    unwindowed = _logits(dataclasses.replace(cfg, sliding_window=0), params, "1x1")
+    assert np.abs(unwindowed - theirs)[:, cfg.sliding_window:].max() > 1e-2
+
+
+def test_mixtral_logits_match_transformers_with_experts_split(family):
+    """Expert parallel: the ep layout splits the experts over a mesh axis (dropless routing gathers them
+    at its per-device boundary)."""
+    model, _, cfg, params = family
+    if not cfg.n_experts:
+        pytest.skip("dense")
+    tokens = np.random.default_rng(1).integers(0, 256, (8, 16))  # ep splits the batch over data x expert (8)
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    ours = _logits(cfg, params, "ep", tokens=tokens)
+    print(f"mixtral ep: max |logit difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
 
 
@@ -122,15 +156,21 @@ def test_export_reloads_in_transformers_with_identical_tensors(family, tmp_path)
 
 @pytest.mark.parametrize("kind, change, message", [
     ("qwen2", {"use_sliding_window": True, "sliding_window": 4096},
-     r"use_sliding_window=true is not supported: shard's attention has no sliding window yet \(qwen2, "
-     r"sliding_window=4096\)"),
+     r"use_sliding_window=true is not supported for qwen2: its window applies to the layers from "
+     r"max_window_layers on, and shard's sliding_window is every layer's \(sliding_window=4096\)"),
     ("qwen3", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ("qwen3", {"attention_bias": True},
      "attention_bias=true is not supported: shard's decoder has no bias on the attention's output projection"),
     ("qwen2", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported: shard has no dropout"),
     ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling .* is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-], ids=["qwen2-window", "qwen3-window", "qwen3-output-bias", "dropout", "yarn", "gelu"])
+    ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported: shard's router has no "
+                                              "jitter noise"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts must be a positive integer, got 0"),
+    ("mixtral", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+], ids=["qwen2-window", "qwen3-window", "qwen3-output-bias", "dropout", "yarn", "gelu", "mistral-window-0",
+        "mixtral-jitter", "mixtral-no-experts", "mixtral-dropout"])
 def test_what_shard_cannot_represent_is_refused_in_one_line(kind, change, message):
     base = hf.config_to_hf(PRESETS[f"{kind}-tiny"])
     with pytest.raises(ShardError, match=message) as e:
@@ -154,8 +194,42 @@ def test_what_transformers_ignores_is_read_as_it_reads_it():
         hf.config_to_hf(both)
 
 
+def test_mistral_and_mixtral_read_as_transformers_reads_them():
+    """Mistral's window defaults to 4096 when the key is absent, null is no window; Mixtral's defaults
+    (rope_theta 1e6, rms_norm_eps 1e-5, 8 experts, top 2) apply; a window with Qwen's features, and a
+    router Mixtral has not, are not exported."""
+    mistral = hf.config_to_hf(PRESETS["mistral-tiny"])
+    assert (mistral["model_type"], mistral["sliding_window"]) == ("mistral", 8)
+    assert hf.config_from_hf({k: v for k, v in mistral.items() if k != "sliding_window"}).sliding_window == 4096
+    assert hf.config_from_hf(mistral | {"sliding_window": None}).sliding_window == 0
+    assert hf.config_from_hf(mistral | {"use_sliding_window": False}).sliding_window == 8  # Mistral reads no switch
+    mixtral = {k: v for k, v in hf.config_to_hf(PRESETS["mixtral-tiny"]).items()
+               if k not in ("rope_theta", "rope_parameters", "rms_norm_eps", "num_local_experts",
+                            "num_experts_per_tok", "sliding_window")}
+    cfg = hf.config_from_hf(mixtral)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.n_experts, cfg.experts_per_token, cfg.sliding_window) == (
+        1e6, 1e-5, 8, 2, 0)
+    with pytest.raises(ShardError, match="has qkv_bias with a sliding window"):
+        hf.config_to_hf(dataclasses.replace(PRESETS["mistral-tiny"], qkv_bias=True))
+    with pytest.raises(ShardError, match="has router_scores='sigmoid'; Mixtral's router is a softmax"):
+        hf.config_to_hf(PRESETS["moe-fine-tiny"])
+
+
 # config.json of Qwen/Qwen2.5-0.5B and Qwen/Qwen3-0.6B on the Hugging Face Hub (the keys that shape them)
 REAL = {
+    # mistralai/Mistral-7B-v0.1 and mistralai/Mixtral-8x7B-v0.1
+    "mistral-7b": {"architectures": ["MistralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+                   "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+                   "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+                   "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+                   "tie_word_embeddings": False, "vocab_size": 32000},
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
+                     "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+                     "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+                     "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6,
+                     "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+                     "vocab_size": 32000},
     "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "hidden_act": "silu",
                      "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
                      "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
@@ -183,4 +257,5 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
         assert cfg.num_params() == sum(p.numel() for p in model.parameters()), cfg.name
-    assert preset.num_params() == {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920}[name]
+    assert preset.num_params() == {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
+                                   "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704}[name]

@@ -51,7 +51,7 @@ def attention_backend(setting: str, problem: str) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers; model
-    families (Qwen2, Qwen3) are features of it (docs/models.md)."""
+    families (Qwen2, Qwen3, Mistral, Mixtral) are features of it (docs/models.md)."""
 
     name: str = "small"
     vocab_size: int = 256
@@ -260,6 +260,18 @@ PRESETS: dict[str, ModelConfig] = {
                               mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
     "qwen3-tiny": ModelConfig(name="qwen3-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
                               mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    # Mistral 7B v0.1 (a 4096-token window) and Mixtral 8x7B v0.1 (its experts routed dropless, as
+    # transformers runs them); the tiny twins' window (8) is shorter than the tests' sequences.
+    "mistral-7b": ModelConfig(name="mistral-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                              n_kv_heads=8, head_dim=128, mlp_dim=14336, tie_embeddings=False, sliding_window=4096),
+    "mixtral-8x7b": ModelConfig(name="mixtral-8x7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, head_dim=128, mlp_dim=14336, tie_embeddings=False, rope_theta=1e6,
+                                n_experts=8, experts_per_token=2, aux_loss_weight=0.02, moe_routing="dropless"),
+    "mistral-tiny": ModelConfig(name="mistral-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
+                                mlp_dim=128, tie_embeddings=False, sliding_window=8),
+    "mixtral-tiny": ModelConfig(name="mixtral-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
+                                mlp_dim=64, tie_embeddings=False, rope_theta=1e6, n_experts=8, experts_per_token=2,
+                                aux_loss_weight=0.02, moe_routing="dropless", sliding_window=8),
 }
 
 

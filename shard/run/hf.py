@@ -1,6 +1,6 @@
 """Hugging Face Llama-family folders (config.json + *.safetensors) to shard's parameters and back.
 
-Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3) is a set of config features of the one decoder, read
+Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral) is a set of config features of the one decoder, read
 from config.json's `model_type`; every key of config.json that changes the math is mapped to a model
 key or refused by name. Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
 heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
@@ -21,8 +21,10 @@ from shard.paths import current_umask
 from shard.config.model import ModelConfig
 
 # model_type -> the architecture transformers loads, the features it turns on (ModelConfig fields),
-# transformers' defaults for keys a config.json may leave out where they differ from Llama's, and the
-# bias switches its config reads (Qwen2's q/k/v biases are always there; it reads no switch).
+# transformers' defaults for keys a config.json may leave out where they differ from Llama's, the
+# bias switches its config reads (Qwen2's q/k/v biases are always there; it reads no switch), and
+# whether its sliding window is read (Mistral, Mixtral: always; Qwen: only with use_sliding_window,
+# per layer, which shard refuses).
 FAMILIES = {
     "llama": {"architecture": "LlamaForCausalLM", "features": {}, "defaults": {},
               "bias_keys": ("attention_bias", "mlp_bias")},
@@ -30,6 +32,12 @@ FAMILIES = {
               "defaults": {"num_key_value_heads": 32}, "bias_keys": ()},
     "qwen3": {"architecture": "Qwen3ForCausalLM", "features": {"qk_norm": True},
               "defaults": {"num_key_value_heads": 32, "head_dim": 128}, "bias_keys": ("attention_bias",)},
+    "mistral": {"architecture": "MistralForCausalLM", "features": {},
+                "defaults": {"num_key_value_heads": 8, "sliding_window": 4096}, "bias_keys": (), "window": True},
+    "mixtral": {"architecture": "MixtralForCausalLM", "features": {"moe_routing": "dropless"},
+                "defaults": {"num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                             "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+                "bias_keys": (), "window": True},
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
@@ -54,7 +62,8 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         scaling = legacy or rope
         raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
                          "Llama 3's (llama3) are")
-    theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
+    family = FAMILIES[kind]
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or family["defaults"].get("rope_theta", 10000.0)
     # transformers reads rope_scaling before rope_parameters
     given = legacy or rope
     llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
@@ -71,14 +80,32 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
             raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
                              f"{llama3['original_max_position_embeddings']!r}")
         scaling["rope_original_context"] = int(scaling["rope_original_context"])
-    family = FAMILIES[kind]
     for flag in family["bias_keys"]:
         if hf.get(flag):
             where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
             raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
-    if hf.get("use_sliding_window"):
-        raise ShardError(f"use_sliding_window=true is not supported: shard's attention has no sliding window yet "
-                         f"({kind}, sliding_window={hf.get('sliding_window')!r})")
+    if not family.get("window") and hf.get("use_sliding_window"):
+        raise ShardError(f"use_sliding_window=true is not supported for {kind}: its window applies to the layers "
+                         f"from max_window_layers on, and shard's sliding_window is every layer's "
+                         f"(sliding_window={hf.get('sliding_window')!r})")
+    window = hf.get("sliding_window", family["defaults"].get("sliding_window")) if family.get("window") else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
+    moe = {}
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ShardError(f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported: shard's router "
+                             "has no jitter noise")
+        keys = {"num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
+        for key, field in keys.items():
+            value = hf.get(key, family["defaults"][key])
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+            moe[field] = value
+        coef = hf.get("router_aux_loss_coef", family["defaults"]["router_aux_loss_coef"])
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+            raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        moe["aux_loss_weight"] = float(coef)
     if hf.get("attention_dropout"):
         raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if hf.get("hidden_act", "silu") != "silu":
@@ -96,7 +123,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     for key, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
-    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6}
+    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or family["defaults"].get("rms_norm_eps", 1e-6)}
     for key, value in numbers.items():
         if not is_positive_number(value):
             raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
@@ -107,7 +134,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
-        **family["features"],
+        sliding_window=window or 0, **moe, **family["features"],
     )
     problems = cfg.validate()
     if problems:
@@ -116,7 +143,20 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
 
 
 def family_of(cfg: ModelConfig) -> str:
-    """The model_type of FAMILIES whose features are cfg's, or a ShardError where no family has them."""
+    """The model_type of FAMILIES whose features are cfg's, or a ShardError where no family has them:
+    experts make Mixtral, a sliding window alone Mistral, q/k/v biases Qwen2, q/k norms Qwen3."""
+    if cfg.n_experts or cfg.sliding_window:
+        kind = "mixtral" if cfg.n_experts else "mistral"
+        extra = [f for f in ("qkv_bias", "qk_norm") if getattr(cfg, f)]
+        if extra:
+            raise ShardError(f"model {cfg.name} has {extra[0]} with {'experts' if cfg.n_experts else 'a sliding window'}"
+                             f", which no Hugging Face family export-hf writes has ({kind} has no {extra[0]})")
+        router = {"router_scores": "softmax", "router_normalize": True, "routed_scale": 1.0, "n_shared_experts": 0}
+        other = [f"{f}={getattr(cfg, f)!r}" for f, v in router.items() if cfg.n_experts and getattr(cfg, f) != v]
+        if other:
+            raise ShardError(f"model {cfg.name} has {other[0]}; Mixtral's router is a softmax renormalised over the "
+                             "chosen experts, with no shared experts (export-hf writes Mixtral folders only)")
+        return kind
     for kind, family in FAMILIES.items():
         if all(getattr(cfg, f) == bool(family["features"].get(f)) for f in ("qkv_bias", "qk_norm")):
             return kind
@@ -125,16 +165,18 @@ def family_of(cfg: ModelConfig) -> str:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json of a dense model of one of FAMILIES; a mixture of experts has no such form and is
-    refused."""
-    if cfg.n_experts:
-        raise ShardError(f"model {cfg.name} is a mixture of experts ({cfg.n_experts} experts); export-hf writes "
-                         "dense Llama-family folders only (shard export writes any model's params)")
+    """The config.json of a model of one of FAMILIES (family_of refuses what none of them holds). A
+    mixture of experts becomes Mixtral, which drops no token whatever cfg.moe_routing trained it with."""
     kind = family_of(cfg)
     # Qwen2 has no bias switches (its q/k/v biases are always on); Qwen3 has attention_bias alone
-    biases = {"llama": {"attention_bias": False, "mlp_bias": False}, "qwen2": {},
-              "qwen3": {"attention_bias": False}}[kind]
-    windows = {} if kind == "llama" else {"use_sliding_window": False}
+    biases = {"llama": {"attention_bias": False, "mlp_bias": False}}.get(kind, {})
+    if kind == "qwen3":
+        biases = {"attention_bias": False}
+    windows = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False}}.get(
+        kind, {"sliding_window": cfg.sliding_window or None})
+    if kind == "mixtral":
+        windows |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+                    "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0}
     return {
         "architectures": [FAMILIES[kind]["architecture"]], "model_type": kind, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -164,7 +206,14 @@ def _layer_map(cfg: ModelConfig):
     if cfg.qk_norm:
         family |= {f"{x}_norm": (f"model.layers.{{}}.self_attn.{x}_norm.weight", lambda w: w, lambda w: w)
                    for x in "qk"}
-    return family | {
+    if cfg.n_experts:  # Mixtral, as its checkpoints store it (transformers 5 fuses w1 and w3 on loading)
+        ffn = {"router": ("model.layers.{}.block_sparse_moe.gate.weight", lambda w: w.T, lambda w: w.T)}
+        ffn |= {k: (f"model.layers.{{}}.block_sparse_moe.experts.{{e}}.{w}.weight", lambda w: w.T, lambda w: w.T)
+                for k, w in (("w_gate", "w1"), ("w_down", "w2"), ("w_up", "w3"))}
+    else:
+        ffn = {k: (f"model.layers.{{}}.mlp.{k[2:]}_proj.weight", lambda w: w.T, lambda w: w.T)
+               for k in ("w_gate", "w_up", "w_down")}
+    return family | ffn | {
         "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
         "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w),
         "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
@@ -175,10 +224,14 @@ def _layer_map(cfg: ModelConfig):
                lambda w: w.reshape(D, K * H).T),
         "wo": ("model.layers.{}.self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D),
                lambda w: w.reshape(N * H, D).T),
-        "w_gate": ("model.layers.{}.mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
-        "w_up": ("model.layers.{}.mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
-        "w_down": ("model.layers.{}.mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
     }
+
+
+def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
+    """The HF tensors of one layer's param: one, or one per expert (a template with {e})."""
+    if "{e}" in tmpl:
+        return [tmpl.format(layer, e=e) for e in range(cfg.n_experts)]
+    return [tmpl.format(layer)]
 
 
 def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -186,13 +239,13 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
                  "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "bq": (q,), "bk": (kv,),
-                 "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+                 "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,), "router": (cfg.n_experts, D)}
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     for key, (tmpl, _, _) in _layer_map(cfg).items():
         for i in range(cfg.n_layers):
-            shapes[tmpl.format(i)] = per_layer[key]
+            shapes |= dict.fromkeys(_names(tmpl, i, cfg), per_layer[key])
     return shapes
 
 
@@ -219,7 +272,11 @@ def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
     def get(name):
         return np.asarray(tensors[name], dtype=dtype)
 
-    layers = {key: np.stack([to_shard(get(tmpl.format(i))) for i in range(cfg.n_layers)])
+    def layer(tmpl, to_shard, i):
+        found = [to_shard(get(n)) for n in _names(tmpl, i, cfg)]
+        return np.stack(found) if "{e}" in tmpl else found[0]
+
+    layers = {key: np.stack([layer(tmpl, to_shard, i) for i in range(cfg.n_layers)])
               for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": layers}
     if not cfg.tie_embeddings:
@@ -235,7 +292,10 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
         stacked = np.asarray(params["layers"][key])
         for i in range(cfg.n_layers):
-            out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
+            if "{e}" in tmpl:
+                out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, cfg), stacked[i])}
+            else:
+                out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
     return out
 
 

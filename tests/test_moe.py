@@ -2,6 +2,7 @@
 reference, drop no token, agree across layouts; bad MoE configs are one-line errors."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -148,12 +149,27 @@ def fine_reference():
     return loss_and_grads(tiny_config("1x1", **FINE))
 
 
-@pytest.mark.parametrize("mesh", ["8x1", "fsdp", "ep", "data=2,fsdp=2,expert=2", "data=2,model=4", "sp"])
+EXPERT_PARALLEL = ("ep", "data=2,fsdp=2,expert=2")  # the expert axis also splits the batch
+
+
+@pytest.mark.parametrize("mesh", ["8x1", "fsdp", *EXPERT_PARALLEL, "data=2,model=4", "sp"])
 def test_dropless_training_agrees_across_layouts(mesh, fine_reference):
-    loss, grads = loss_and_grads(tiny_config(mesh, **FINE))
+    loss, grads, hlo = loss_and_grads(tiny_config(mesh, **FINE), with_hlo=True)
     np.testing.assert_allclose(loss, fine_reference[0], rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(fine_reference[1])):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(r))), err_msg=str(path))
+    if mesh in EXPERT_PARALLEL:
+        assert_tokens_move_to_the_experts(hlo, PRESETS["moe-fine-tiny"])
+
+
+def assert_tokens_move_to_the_experts(hlo: str, cfg):
+    """Under expert parallel the tokens travel, by all-to-all, to the experts' devices and back, forward
+    and backward; the expert stacks (E, D, F) are never gathered (they were: 3 all-gathers of
+    f32[16,64,32] a layer on `ep`, and their gradients reduce-scattered)."""
+    E, D, F = cfg.n_experts, cfg.d_model, cfg.mlp_dim
+    assert hlo.count(" all-to-all(") >= 4, "no all-to-all"  # dispatch and return, forward and backward
+    gathered = re.findall(r"\[([\d,]+)\]\S* all-gather\(", hlo)
+    assert not {f"{E},{D},{F}", f"{E},{F},{D}"} & set(gathered), gathered
 
 
 def test_the_fine_grained_preset_trains_on_expert_parallel():

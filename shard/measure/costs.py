@@ -269,7 +269,14 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
             add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
         add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
     experts = shape.table(False).get(EXPERT, ())
-    if cfg.n_experts and len(experts) == 1:
+    if cfg.n_experts and len(experts) == 1 and cfg.moe_routing == "dropless":
+        # each MoE layer sends a device's tokens to the other devices holding their experts and the
+        # results back, forward (again under remat) and their gradients backward
+        n = shape.sizes[experts[0]]
+        tokens = work.global_batch * work.seq_len / shape.token_ways()
+        rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
+        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * work.act_bytes)
+    elif cfg.n_experts and len(experts) == 1:
         # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
         # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
         n = shape.sizes[experts[0]]
@@ -282,6 +289,14 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
                     * cfg.head_dim * work.act_bytes)
         add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
     return out
+
+
+def dropless_remote_devices(n_experts: int, k: int, n: int) -> float:
+    """Other devices (of the n holding E/n experts each) a token's k distinct experts live on, on average
+    when routing is balanced (each k-subset of experts as likely): the fewest token copies dropless
+    routing must send each way. At most k (n-1)/n, the (token, choice) pairs that leave; equal for k=1."""
+    stay = math.comb(n_experts - n_experts // n, k) / math.comb(n_experts, k)  # none on a given device
+    return (n - 1) * (1 - stay)
 
 
 def ffn_slots(cfg: ModelConfig, seq_len: int) -> float:

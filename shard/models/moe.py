@@ -158,25 +158,69 @@ def _token_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return batch, tuple(a for a in layout.mesh_axes(RES_LENGTH) if a not in batch)
 
 
+def _expert_axes(token_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the experts, when each of them also splits the tokens (`ep`: expert is
+    a batch axis outside the MoE layers): dropless routing then moves tokens to the experts. Experts
+    split over an axis that holds the same tokens stay gathered at the shard_map's boundary."""
+    experts = active_layout().mesh_axes(EXPERT)
+    return experts if experts and set(experts) <= set(token_axes) else ()
+
+
+def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_down_efd,
+                            axes: tuple[str, ...]) -> jax.Array:
+    """Dropless routing with the experts split over the manual mesh `axes` (this device holds E/n of
+    them): tokens go to the devices that hold their experts by all-to-all, run there through
+    `grouped_experts` on the local experts, and come back combined by the reverse all-to-all.
+
+    The all-to-all's buffers have static shapes, so they are sized for the dropless worst case: every
+    one of a device's N tokens may choose an expert on any one device. A token is sent to a device
+    once, however many of its k experts live there (with its k expert ids and gates; the destination
+    uses the choices it holds and returns their gated sum), so the bound is N rows per (source,
+    destination): no token can overflow it, nothing is dropped, and each direction moves
+    (n-1)/n * n * N rows, i.e. n/k times the k copies of a token that a ragged all-to-all would send
+    (XLA:CPU implements none). That is all of a device's tokens to every device: an all-gather by
+    all-to-all, written this way so that a ragged all-to-all or a tighter bound can take its place."""
+    N, K = experts_nk.shape
+    n = jax.lax.psum(1, axes)
+    local = w_gate_edf.shape[0]  # experts on this device
+    # (n, N, .): the rows for each destination; a destination ignores the choices it does not hold
+    rows_jnc = jnp.broadcast_to(jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1), (n, N, x_nd.shape[-1] + K))
+    ids_jnk = jnp.broadcast_to(experts_nk.astype(jnp.int32), (n, N, K))
+    rows_jnc = jax.lax.all_to_all(rows_jnc, axes, 0, 0)  # now (source, N, .): what each source sent here
+    ids_jnk = jax.lax.all_to_all(ids_jnk, axes, 0, 0)
+    x_md, g_mk = rows_jnc[..., :-K].reshape(n * N, -1), rows_jnc[..., -K:].reshape(n * N, K)
+    ids_mk = ids_jnk.reshape(n * N, K) - jax.lax.axis_index(axes) * local
+    mine_mk = (ids_mk >= 0) & (ids_mk < local)
+    # choices held elsewhere get group `local`, past the last group: sorted to the end, ragged_dot
+    # leaves them zero, and their gate is zero
+    y_md = grouped_experts(x_md, jnp.where(mine_mk, ids_mk, local), jnp.where(mine_mk, g_mk, 0),
+                           w_gate_edf, w_up_edf, w_down_efd)
+    y_jnd = jax.lax.all_to_all(y_md.reshape(n, N, -1), axes, 0, 0)  # (destination, N, D), back home
+    return jnp.sum(y_jnd, axis=0)
+
+
 def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> jax.Array:
     """The routed experts' output (B, T, D), no token dropped, each device on its own tokens."""
     D, K = h_btd.shape[-1], experts_btk.shape[-1]
     weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
+    batch, length = _token_axes()
+    experts = _expert_axes(batch + length) if batch or length else ()
 
     def local(h_btd, gates_btk, experts_btk, *w):
         b, t = h_btd.shape[:2]
-        out_nd = grouped_experts(h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K),
-                                 gates_btk.reshape(b * t, K), *w)
+        args = (h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K), gates_btk.reshape(b * t, K), *w)
+        out_nd = expert_parallel_experts(*args, experts) if experts else grouped_experts(*args)
         return out_nd.reshape(b, t, D)
 
-    batch, length = _token_axes()
     if not batch and not length:
         return local(h_btd, gates_btk, experts_btk, *weights)
     spec = P(batch or None, length or None)
     # A sort over tokens split across devices would gather them all (the partitioner cannot split a
-    # sort), so each device sorts its own. Experts split over a manual axis (`expert`) are gathered at
-    # the boundary, their gradients reduced back: every device runs every expert on its own tokens.
-    fn = jax.shard_map(local, mesh=active_layout().mesh, in_specs=(spec, spec, spec, P(), P(), P()),
+    # sort), so each device sorts its own. Experts split over an axis that also splits the tokens
+    # (`ep`) enter split, and tokens move to them by all-to-all; over any other axis they are gathered
+    # at the boundary, their gradients reduced back: every device runs every expert on its own tokens.
+    w_spec = P(experts) if experts else P()
+    fn = jax.shard_map(local, mesh=active_layout().mesh, in_specs=(spec, spec, spec, w_spec, w_spec, w_spec),
                        out_specs=spec, axis_names=set(batch + length))
     return fn(h_btd, gates_btk, experts_btk, *weights)
 

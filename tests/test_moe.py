@@ -86,7 +86,7 @@ def dense_reference(h_btd, p, cfg):
 @pytest.mark.parametrize("shared", [0, 1])
 def test_dropless_equals_a_per_token_loop_over_experts(router, shared):
     cfg, p, h = _cfg(shared=shared, **ROUTERS[router]), _params(shared), _tokens()
-    out, _ = moe.moe_block(h, p, cfg, jnp.float32)
+    out = moe.moe_block(h, p, cfg, jnp.float32)[0]
     np.testing.assert_allclose(out, per_token_reference(h, p, cfg), rtol=1e-5, atol=1e-5)
 
 
@@ -132,8 +132,9 @@ def test_no_token_is_dropped_where_capacity_drops_them():
 def test_capacity_with_room_for_every_token_equals_dropless():
     cfg, p, h = _cfg(shared=1, **ROUTERS["deepseek-v3"]), _params(1), _tokens()
     roomy = dataclasses.replace(cfg, moe_routing="capacity", capacity_factor=E / cfg.experts_per_token)
-    out, aux = moe.moe_block(h, p, cfg, jnp.float32)
-    out_c, aux_c = moe.moe_block(h, p, roomy, jnp.float32)
+    out, aux, _ = moe.moe_block(h, p, cfg, jnp.float32)
+    out_c, aux_c, counts_c = moe.moe_block(h, p, roomy, jnp.float32)
+    assert float(counts_c["dropped"]) == 0
     np.testing.assert_allclose(out_c, out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux_c, aux, rtol=1e-6)
 

@@ -171,6 +171,7 @@ def test_the_fine_grained_preset_trains_on_expert_parallel():
     (["model.name=moe-tiny", "model.moe_routing=megablox"], r"model.moe_routing must be one of capacity, dropless"),
     (["model.name=moe-tiny", "model.router_scores=relu"], r"model.router_scores must be one of softmax, sigmoid"),
     (["model.name=moe-tiny", "model.routed_scale=0"], r"model.routed_scale must be a positive number"),
+    (["model.name=tiny", "model.router_bias_update=0.001"], r"model.router_bias_update=0.001 needs routed experts"),
 ])
 def test_bad_moe_configs_are_one_line_errors(items, message):
     with pytest.raises(ShardError, match=message) as e:

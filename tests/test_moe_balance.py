@@ -160,3 +160,25 @@ def test_a_tiny_moe_run_balances_logs_the_load_and_checkpoints_the_bias(tmp_path
         assert again.state["router_bias"].sharding == spec.shardings["router_bias"]
     finally:
         ckpts.close()
+
+
+def test_report_plots_the_expert_load_of_the_runs_that_log_it(tmp_path):
+    import json
+
+    from shard.observe.report import report
+
+    def fake_run(name, extra):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.toml").write_text('[model]\nname = "moe-tiny"\n[mesh]\nspec = "ep"\n')
+        with open(path / "metrics.jsonl", "w") as f:
+            for i in range(1, 4):
+                f.write(json.dumps({"step": i, "loss": 3.0, "tokens_per_s": 1.0, "time_s": float(i), **extra(i)}) + "\n")
+        return str(path)
+
+    dense = fake_run("dense", lambda i: {})
+    assert not any(p.endswith("expert_load_vs_step.png") for p in report([dense], tmp_path / "r1")["plots"])
+    balanced = fake_run("moe", lambda i: {"expert_load_cv": 1.0 / i, "expert_load_min": 0.5, "expert_load_max": 2.0})
+    plots = report([dense, balanced], tmp_path / "r2")["plots"]
+    assert str(tmp_path / "r2" / "expert_load_vs_step.png") in plots
+    assert (tmp_path / "r2" / "expert_load_vs_step.png").read_bytes()[:4] == b"\x89PNG"

@@ -87,7 +87,7 @@ def dense_reference(h_btd, p, cfg):
 @pytest.mark.parametrize("shared", [0, 1])
 def test_dropless_equals_a_per_token_loop_over_experts(router, shared):
     cfg, p, h = _cfg(shared=shared, **ROUTERS[router]), _params(shared), _tokens()
-    out, _ = moe.moe_block(h, p, cfg, jnp.float32)
+    out = moe.moe_block(h, p, cfg, jnp.float32)[0]
     np.testing.assert_allclose(out, per_token_reference(h, p, cfg), rtol=1e-5, atol=1e-5)
 
 
@@ -133,8 +133,9 @@ def test_no_token_is_dropped_where_capacity_drops_them():
 def test_capacity_with_room_for_every_token_equals_dropless():
     cfg, p, h = _cfg(shared=1, **ROUTERS["deepseek-v3"]), _params(1), _tokens()
     roomy = dataclasses.replace(cfg, moe_routing="capacity", capacity_factor=E / cfg.experts_per_token)
-    out, aux = moe.moe_block(h, p, cfg, jnp.float32)
-    out_c, aux_c = moe.moe_block(h, p, roomy, jnp.float32)
+    out, aux, _ = moe.moe_block(h, p, cfg, jnp.float32)
+    out_c, aux_c, counts_c = moe.moe_block(h, p, roomy, jnp.float32)
+    assert float(counts_c["dropped"]) == 0
     np.testing.assert_allclose(out_c, out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux_c, aux, rtol=1e-6)
 
@@ -186,6 +187,7 @@ def test_the_fine_grained_preset_trains_on_expert_parallel():
     (["model.name=moe-tiny", "model.moe_routing=megablox"], r"model.moe_routing must be one of capacity, dropless"),
     (["model.name=moe-tiny", "model.router_scores=relu"], r"model.router_scores must be one of softmax, sigmoid"),
     (["model.name=moe-tiny", "model.routed_scale=0"], r"model.routed_scale must be a positive number"),
+    (["model.name=tiny", "model.router_bias_update=0.001"], r"model.router_bias_update=0.001 needs routed experts"),
 ])
 def test_bad_moe_configs_are_one_line_errors(items, message):
     with pytest.raises(ShardError, match=message) as e:

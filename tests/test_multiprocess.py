@@ -554,16 +554,18 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
     from shard.training.step import make_train_step
     from shard.testing import random_batch
 
-    cfg = tiny_config("1x1", model__name="moe-tiny")
+    cfg = tiny_config("1x1", model__name="moe-tiny", model__router_bias_update=0.01)
     layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     batch = random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size)
     monkeypatch.setattr(bridge, "allreduce_tree", lambda tree, comm, bucket_bytes=0: jax.tree.map(lambda x: 2 * x, tree))
-    _, two = bridge.make_bridge_step(spec, layout, SimpleNamespace(Get_size=lambda: 2))(
+    state_two, two = bridge.make_bridge_step(spec, layout, SimpleNamespace(Get_size=lambda: 2))(
         init_state(spec, cfg.model, cfg.seed), batch)
-    _, one = make_train_step(spec, layout)(init_state(spec, cfg.model, cfg.seed), batch)
-    for key in ("loss", "aux_loss", "grad_norm"):
+    state_one, one = make_train_step(spec, layout)(init_state(spec, cfg.model, cfg.seed), batch)
+    for key in ("loss", "aux_loss", "grad_norm", "expert_load_min", "expert_load_max", "expert_load_cv"):
         np.testing.assert_allclose(float(two[key]), float(one[key]), rtol=1e-6, err_msg=key)
+    assert float(two["tokens_dropped"]) == 2 * float(one["tokens_dropped"])  # both processes' drops
+    np.testing.assert_array_equal(state_two["router_bias"], state_one["router_bias"])
 
 
 def test_a_coordinator_port_in_use_is_refused():

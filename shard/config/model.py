@@ -98,6 +98,10 @@ class ModelConfig:
     router_normalize: bool = True
     routed_scale: float = 1.0  # the routed experts' gates times this (DeepSeek-V3: 2.5)
     n_shared_experts: int = 0  # SwiGLU experts of mlp_dim every token goes through beside its k routed ones
+    # Auxiliary-loss-free balancing (DeepSeek-V3): the rate of a per-layer, per-expert bias added to the
+    # scores to choose experts (not to gate them), moved by this much toward the mean load after each
+    # step, outside the gradient; 0: off (no bias in the train state)
+    router_bias_update: float = 0.0
 
     def validate(self) -> list[str]:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
@@ -144,9 +148,18 @@ class ModelConfig:
                             f"{self.rope_high_freq_factor}, {self.rope_original_context}")
         if not 0 <= self.aux_loss_weight < math.inf:
             problems.append(f"model.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+        if not 0 <= self.router_bias_update < math.inf:
+            problems.append(f"model.router_bias_update must be 0 (off) or a positive rate, got {self.router_bias_update}")
+        elif self.router_bias_update and not self.n_experts:
+            problems.append(f"model.router_bias_update={self.router_bias_update:g} needs routed experts (model.n_experts > 0)")
         if self.param_dtype not in ("float32", "bfloat16"):
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether the train state holds a router bias (auxiliary-loss-free balancing)."""
+        return bool(self.n_experts and self.router_bias_update)
 
     def rope_frequencies(self):
         """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when

@@ -122,15 +122,18 @@ class Llama(nnx.Module):
 
 
 def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False,
-            segment_ids: jax.Array | None = None, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Logits and the summed auxiliary loss. `zigzag`: the tokens are in ring attention's load-balanced
+            segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+            router_bias: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Logits and the MoE statistics of `run_layers` ({"aux": the summed auxiliary loss, and for a MoE
+    model "load" and "dropped"}). `zigzag`: the tokens are in ring attention's load-balanced
     order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits.
-    `segment_ids`, `positions`: (B, T) of packed rows (module docstring), in the tokens' order."""
+    `segment_ids`, `positions`: (B, T) of packed rows (module docstring), in the tokens' order.
+    `router_bias` (L, E): the balancing bias experts are chosen by (model.router_bias_update)."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
-    x_btd, aux = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
-                            positions=positions)
-    return head_logits(cfg, params, x_btd, table), aux
+    x_btd, moe_stats = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
+                                  positions=positions, router_bias=router_bias)
+    return head_logits(cfg, params, x_btd, table), moe_stats
 
 
 def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:
@@ -175,11 +178,14 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
-               zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None):
+               zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+               router_bias: jax.Array | None = None):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
-    returns the residual stream and the summed auxiliary loss, and with a KV cache (positions start..)
-    the updated cache as well. `zigzag`, `segment_ids`, `positions`: as in `forward` (given positions
-    are already in the zig-zag order, as the batch is)."""
+    returns the residual stream and the MoE statistics ({"aux": the summed auxiliary loss; for a MoE
+    model also "load" (L, E), the (token, choice) pairs each layer routed to each expert, and "dropped"
+    (L,), those its capacity dropped}), and with a KV cache (positions start..) the updated cache as
+    well. `zigzag`, `segment_ids`, `positions`, `router_bias`: as in `forward` (given positions are
+    already in the zig-zag order, as the batch is)."""
     dtype = compute_dtype(cfg)
     T = x_btd.shape[1]
     if positions is not None:  # per row: (B, T, H) tables
@@ -193,7 +199,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
 
     def block(x_btd, xs):
-        p, kv = xs
+        p, kv, bias_e = xs
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
         # the router (its softmax is float32) keep their dtype
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
@@ -203,16 +209,20 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
-            ffn_btd, aux = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype,
-                                         dropless=cache is not None)
+            ffn_btd, aux, counts = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype,
+                                                 dropless=cache is not None, bias_e=bias_e)
+            stats = {"aux": aux, **counts}
         else:
-            ffn_btd, aux = mlp_block(x_btd, p, cfg, dtype), jnp.zeros((), jnp.float32)
-        return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (aux, kv)
+            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype), {"aux": jnp.zeros((), jnp.float32)}
+        return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (stats, kv)
 
     if cfg.remat != "none":
         block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
-    x_btd, (aux_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache))
-    return (x_btd, jnp.sum(aux_l)) if cache is None else (x_btd, jnp.sum(aux_l), new_cache)
+    if router_bias is not None:  # chooses experts only: no gradient
+        router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
+    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias))
+    stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
+    return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
 
 
 def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None) -> jax.Array:

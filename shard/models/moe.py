@@ -61,16 +61,19 @@ def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
     return out
 
 
-def route(probs_bte: jax.Array, k: int, cap: int):
-    """Top-k routing with a capacity per expert and group.
+def route(probs_bte: jax.Array, k: int, cap: int, choose_bte: jax.Array | None = None, with_load: bool = False):
+    """Top-k routing with a capacity per expert and group; experts chosen by `choose_bte` (the scores
+    plus the balancing bias) where given, by the probs otherwise.
 
     Returns dispatch_btec (0/1: token t goes to slot c of expert e), combine_btec (the same, weighted by
     the token's renormalised gate) and the Switch load-balancing loss E * sum_e f_e * P_e (f_e: share
     of first choices going to e, P_e: mean router probability of e), which is 1 when balanced.
-    Earlier choices take slots first, then earlier tokens.
+    Earlier choices take slots first, then earlier tokens. `with_load`: also the (token, choice) pairs
+    routed to each expert (E,), dropped or not (counted from these choices: top_k's, which XLA gathers
+    over the token devices to sort, are then left unused and unlowered).
     """
     B, T, E = probs_bte.shape
-    remaining_bte = probs_bte
+    remaining_bte = probs_bte if choose_bte is None else choose_bte
     counts_be = jnp.zeros((B, E), jnp.float32)
     chosen_bte = jnp.zeros_like(probs_bte)
     dispatch_btec = jnp.zeros((B, T, E, cap), jnp.float32)
@@ -91,6 +94,8 @@ def route(probs_bte: jax.Array, k: int, cap: int):
     f_e = jnp.mean(first_bte, axis=(0, 1))
     p_e = jnp.mean(probs_bte, axis=(0, 1))
     aux = E * jnp.sum(f_e * p_e)
+    if with_load:
+        return dispatch_btec, combine_btec, aux, jnp.sum(counts_be, axis=0)
     return dispatch_btec, combine_btec, aux
 
 
@@ -113,12 +118,27 @@ def router_scores(logits_bte: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
     return probs_bte, probs_bte
 
 
-def top_k_gates(scores_bte: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """(gates_btk, experts_btk): each token's k highest-scoring experts, best first, and their gates."""
-    gates_btk, experts_btk = jax.lax.top_k(scores_bte, cfg.experts_per_token)
+def top_k_gates(scores_bte: jax.Array, cfg: ModelConfig, bias_e: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """(gates_btk, experts_btk): each token's k highest-scoring experts, best first, and their gates.
+    With a balancing bias (auxiliary-loss-free balancing, DeepSeek-V3) the experts are those of the k
+    highest scores + bias, and their gates the scores alone."""
+    if bias_e is None:
+        gates_btk, experts_btk = jax.lax.top_k(scores_bte, cfg.experts_per_token)
+    else:
+        _, experts_btk = jax.lax.top_k(scores_bte + bias_e, cfg.experts_per_token)
+        gates_btk = jnp.take_along_axis(scores_bte, experts_btk, axis=-1)
     if cfg.router_normalize:
         gates_btk = gates_btk / jnp.maximum(jnp.sum(gates_btk, axis=-1, keepdims=True), 1e-9)
     return gates_btk * cfg.routed_scale, experts_btk
+
+
+def expert_load(experts_btk: jax.Array, n_experts: int) -> jax.Array:
+    """(E,) float32: the (token, choice) pairs routed to each expert, whether or not a capacity drops them.
+    A sum of comparisons, which splits over the tokens' devices (partial sums, one all-reduce of E
+    numbers); a bincount's scatter gathered the choices of every device (an all-gather under `ep`)."""
+    hits_btke = experts_btk[..., None] == jnp.arange(n_experts, dtype=experts_btk.dtype)
+    return jnp.sum(hits_btke, axis=tuple(range(experts_btk.ndim)), dtype=jnp.float32)
 
 
 def balance_loss(experts_btk: jax.Array, probs_bte: jax.Array) -> jax.Array:
@@ -234,12 +254,16 @@ def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:
 
 
 def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: ModelConfig, dtype,
-                     dropless: bool) -> tuple[jax.Array, jax.Array]:
-    """The routed experts' output with a capacity per expert and sequence, and the balancing loss."""
-    T, E = h_btd.shape[1], probs_bte.shape[-1]
+                     dropless: bool, choose_bte: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array, dict]:
+    """The routed experts' output with a capacity per expert and sequence, the balancing loss and the
+    counts of `moe_block` (with the (token, choice) pairs dropped for want of a slot). `choose_bte`: what experts are chosen by, where
+    it is not the probs (the scores plus the balancing bias)."""
+    B, T, E = probs_bte.shape
     cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
     # route() chooses as top_k does: by the probs, which order experts as the scores do
-    dispatch_btec, combine_btec, aux = route(probs_bte, cfg.experts_per_token, cap)
+    dispatch_btec, combine_btec, aux, load_e = route(probs_bte, cfg.experts_per_token, cap, choose_bte, True)
+    counts = {"load": load_e, "dropped": B * T * cfg.experts_per_token - jnp.sum(dispatch_btec)}
     if (cfg.router_scores, cfg.router_normalize, cfg.routed_scale) != ("softmax", True, 1.0):
         # route's gates are the chosen probs renormalised; top_k_gates gives the others
         gates_bte = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts_btk, E, dtype=jnp.float32), gates_btk)
@@ -254,22 +278,27 @@ def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: Mod
     y_ebcd = jnp.einsum("ebcf,efd->ebcd", hidden_ebcf, p["w_down"].astype(dtype))
     y_ebcd = constrain(y_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
     y_ebcd = constrain(y_ebcd, (None, BATCH, None, EMBED))  # back where the rows are
-    return jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype)), aux  # and back
+    return jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype)), aux, counts  # and back
 
 
-def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False
-              ) -> tuple[jax.Array, jax.Array]:
-    """The MoE feed-forward of one layer on the normalised residual; returns its output and aux loss.
+def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False,
+              bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    """The MoE feed-forward of one layer on the normalised residual; returns its output, aux loss and
+    counts: {"load": (E,) (token, choice) pairs routed to each expert, "dropped": those a capacity
+    dropped}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
     `dropless` with capacity routing: each expert has a slot for every token of the group (a token picks
     an expert once), so none is dropped, whatever the length: generation's prefill and decode steps then
     compute the same. Dropless routing (model.moe_routing) never drops one."""
     scores_bte, probs_bte = router_scores(router_logits(h_btd, p["router"]), cfg)
-    gates_btk, experts_btk = top_k_gates(scores_bte, cfg)
+    gates_btk, experts_btk = top_k_gates(scores_bte, cfg, bias_e)
     if cfg.moe_routing == "dropless":
         out_btd = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
         aux = balance_loss(experts_btk, probs_bte)
+        counts = {"load": expert_load(experts_btk, cfg.n_experts), "dropped": jnp.zeros((), jnp.float32)}
     else:
-        out_btd, aux = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype, dropless)
+        choose_bte = None if bias_e is None else scores_bte + bias_e
+        out_btd, aux, counts = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype,
+                                                dropless, choose_bte)
     if cfg.n_shared_experts:
         out_btd = out_btd + shared_experts(h_btd, p, dtype)
-    return constrain(out_btd, (BATCH, RES_LENGTH, EMBED)), aux
+    return constrain(out_btd, (BATCH, RES_LENGTH, EMBED)), aux, counts

@@ -79,7 +79,8 @@ def summary_row(run: dict) -> dict:
 
 
 def plot(runs: list[dict], out: Path) -> list[Path]:
-    """loss vs step, loss vs time, tokens/s vs step: one PNG each, one line per run."""
+    """loss vs step, loss vs time, tokens/s vs step, and the expert load's cv vs step of the runs that
+    log it (MoE): one PNG each, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,6 +105,20 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)
+    balanced = [run for run in runs if any("expert_load_cv" in r for r in run["records"])]
+    if balanced:  # MoE runs: how evenly their experts were loaded
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for run in balanced:
+            recs = [r for r in run["records"] if r.get("expert_load_cv") is not None]
+            ax.plot([r["step"] for r in recs], [r["expert_load_cv"] for r in recs], marker=".", label=run["name"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert load cv (0: balanced)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "expert_load_vs_step.png", dpi=110)
+        plt.close(fig)
+        paths.append(out / "expert_load_vs_step.png")
     return paths
 
 

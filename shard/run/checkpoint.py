@@ -1,6 +1,7 @@
 """Checkpoints of the train state with orbax: asynchronous, sharded, atomic, restorable onto any mesh.
 
-Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"})
+Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "params", "opt_state"}, and
+"router_bias" where MoE balancing uses one)
 written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
 `RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
 resolved config, a checksum per array (state_fingerprint) and the tokens trained on. orbax writes a step into
@@ -31,7 +32,7 @@ from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerpr
 from shard.run.orbax_quiet import absl_quiet, configure_orbax
 from shard.run.read_failures import BAD, MACHINE, error_line, read_outcomes
 from shard.sharding.rules import path_str
-from shard.training.state import StateSpec
+from shard.training.state import StateSpec, placed_router_bias
 from shard.training.observer import Observer
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
@@ -160,9 +161,22 @@ class Checkpoints:
         stored = self.stored_tree(step)
         spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model")
         spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(spec.abstract_with_shardings()),
-                                     META: ocp.args.JsonRestore()})
-        return self._manager.restore(step, args=args)
+        target = spec.abstract_with_shardings()
+        # the MoE router bias (model.router_bias_update): a checkpoint saved without it starts it at
+        # zero; one saved with it, restored where balancing is off, leaves it out
+        fresh_bias = "router_bias" in target and "router_bias" not in stored
+        if fresh_bias:
+            del target["router_bias"]
+        elif "router_bias" in stored and "router_bias" not in target:
+            bias = stored["router_bias"]
+            target["router_bias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype, sharding=spec.shardings["step"])
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
+        out = self._manager.restore(step, args=args)
+        if fresh_bias:
+            out[STATE]["router_bias"] = placed_router_bias(spec)["router_bias"]
+        elif "router_bias" not in spec.abstract:
+            out[STATE].pop("router_bias", None)
+        return out
 
     def _checked(self, step: int, out: dict) -> Restored:
         """What was read, checked: a data position, and each array's checksum against the saved one."""

@@ -13,7 +13,7 @@ from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.run.hf import is_hf_dir
 from shard.config.model import ModelConfig
-from shard.training.state import StateSpec
+from shard.training.state import StateSpec, placed_router_bias
 
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:
@@ -82,5 +82,6 @@ def state_from(params: dict, spec: StateSpec, seed: int, source: str):
     placed = place(params, spec)
     opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(placed)
     step = jax.device_put(jnp.zeros((), jnp.int32), spec.shardings["step"])
-    return Restored(step=0, state={"step": step, "params": placed, "opt_state": opt_state}, position=0,
+    state = {"step": step, "params": placed, "opt_state": opt_state} | placed_router_bias(spec)
+    return Restored(step=0, state=state, position=0,
                     seed=seed, config_toml="", path=Path(source))

@@ -81,23 +81,24 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
     processes = comm.Get_size()
 
     def across(sums):
-        """Gradients, loss and token count summed over the processes; the MoE auxiliary loss (a mean over
-        each process's rows) averaged: summed, it was reported times the process count."""
-        grads, nll, count, aux = allreduce_tree(sums, comm, bucket_bytes)
-        return grads, nll, count, aux / processes
+        """Gradients, loss, token count and the experts' loads summed over the processes; the MoE
+        auxiliary loss (a mean over each process's rows) averaged: summed, it was reported times the
+        process count."""
+        grads, nll, count, moe = allreduce_tree(sums, comm, bucket_bytes)
+        return grads, nll, count, moe | {"aux": moe["aux"] / processes}
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)  # every key of the batch, packed rows' included
 
     if layout.mesh.size == 1:
         def fused(state, batch, args):
-            return apply(state, *across(grad_sums(state["params"], batch)), args)
+            return apply(state, *across(grad_sums(state["params"], batch, state.get("router_bias"))), args)
 
         jitted = jax.jit(fused, in_shardings=(spec.shardings, data, replicated),
                          out_shardings=(spec.shardings, replicated), donate_argnums=0)
         return with_schedule(jitted, spec, layout)
 
-    local = jax.jit(lambda state, batch: grad_sums(state["params"], batch),
+    local = jax.jit(lambda state, batch: grad_sums(state["params"], batch, state.get("router_bias")),
                     in_shardings=(spec.shardings, data), out_shardings=replicated)
     cross = jax.jit(across)
     update = jax.jit(apply, in_shardings=(spec.shardings, replicated, replicated, replicated, replicated, replicated),

@@ -21,6 +21,8 @@ from shard.training.prepare import Run, prepare
 # host syncs; unbounded (until --log-every), XLA:CPU's in-process collectives deadlocked with 8
 # simulated devices on 2 cores ("Termination timeout ... only 6 of them arrived", then an abort).
 MAX_STEPS_AHEAD = 2
+# A MoE model's step metrics copied into its records (shard.training.step: expert_load_metrics).
+MOE_METRICS = ("aux_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped")
 
 
 def device_memory(run: Run) -> dict:
@@ -133,8 +135,9 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
             record["packing"] = per_step / (cfg.data.batch * cfg.data.seq_len)
-        if "aux_loss" in values:
-            record["aux_loss"] = float(values["aux_loss"])
+        for key in MOE_METRICS:  # a MoE model's
+            if key in values:
+                record[key] = float(values[key])
         return record
 
     def publish(record: dict) -> None:

@@ -1,4 +1,5 @@
-"""The train state (step, params, optimizer state): its shapes, its shardings, and its sharded init.
+"""The train state (step, params, optimizer state, and the MoE router bias where balancing uses one): its
+shapes, its shardings, and its sharded init.
 
 Everything here is computed from shapes first (`jax.eval_shape`), so inspecting a 13B model allocates
 nothing; the real init is one jit with out_shardings, so no device ever holds the whole model.
@@ -26,7 +27,7 @@ class StateSpec:
     """Shapes and shardings of the train state, and the pieces the step needs."""
 
     graphdef: nnx.GraphDef
-    abstract: dict  # {"step", "params", "opt_state"} of ShapeDtypeStruct
+    abstract: dict  # {"step", "params", "opt_state"[, "router_bias"]} of ShapeDtypeStruct
     shardings: dict  # same tree of NamedSharding
     logical: dict  # params tree of logical-axis tuples
     tx: optax.GradientTransformation
@@ -130,9 +131,27 @@ def optimizer_with(opt: OptimizerConfig, args: dict):
 def _init_fn(model_cfg: ModelConfig, tx, seed: int):
     def init():
         params = nnx.to_pure_dict(nnx.state(models.build(model_cfg, seed=seed)))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        if model_cfg.router_bias:
+            state["router_bias"] = router_bias_init(model_cfg)
+        return state
 
     return init
+
+
+def router_bias_init(model_cfg: ModelConfig) -> jax.Array:
+    """The balancing bias at the start (model.router_bias_update): (L, E) float32 zeros. It lives in the
+    state beside the params, not among them: no gradient, no optimizer state; replicated (L E numbers,
+    read whole by every token's top-k)."""
+    return jnp.zeros((model_cfg.n_layers, model_cfg.n_experts), jnp.float32)
+
+
+def placed_router_bias(spec: StateSpec) -> dict:
+    """{"router_bias": zeros in its sharding} where the spec's state holds one, else {}: for a state made
+    from params alone (--init-from) or read from a checkpoint saved without it."""
+    if "router_bias" not in spec.abstract:
+        return {}
+    return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
 
 
 def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout, *,
@@ -160,6 +179,8 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
         "params": p_shardings,
         "opt_state": like_params(abstract["opt_state"], abstract["params"], p_shardings, layout.mesh),
     }
+    if "router_bias" in abstract:
+        shardings["router_bias"] = replicated
     return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from)
 
 

@@ -83,16 +83,18 @@ def pipeline_stages(layout: Layout) -> int:
 
 
 def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = None):
-    """`(params, batch) -> (objective, (nll, count, aux))`: the summed next-token loss plus the weighted
-    MoE auxiliary loss; through the pipeline schedule when the mesh has stages."""
+    """`(params, batch, router_bias=None) -> (objective, (nll, count, moe))`: the summed next-token loss
+    plus the weighted MoE auxiliary loss, and `moe` the model's MoE statistics (`llama.run_layers`:
+    "aux", and for a MoE model each layer's expert "load" and "dropped"); through the pipeline schedule
+    when the mesh has stages. `router_bias`: the state's balancing bias (model.router_bias_update)."""
     cfg = spec.model
     aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
 
-    def plain(params, mb):
+    def plain(params, mb, router_bias=None):
         mb, zigzag = context_order(mb, layout, cfg)
-        logits, aux = llama.forward(cfg, params, mb["inputs"], zigzag, **packing_of(mb))
+        logits, moe = llama.forward(cfg, params, mb["inputs"], zigzag, **packing_of(mb), router_bias=router_bias)
         nll, count = token_nll(logits, mb["targets"], mb["mask"])
-        return nll + aux_w * aux * count, (nll, count, aux)
+        return nll + aux_w * moe["aux"] * count, (nll, count, moe)
 
     if pipeline_stages(layout) == 1:
         return plain
@@ -107,7 +109,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     def head_loss(head, y_btd, aux_m):
         return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])
 
-    def piped(params, mb):
+    def piped(params, mb, router_bias=None):  # MoE is not pipelined (pipeline.check): no bias
         x_btd = llama.embed_tokens(cfg, params, mb["inputs"])
         x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
         head = {k: params[k] for k in head_keys}
@@ -123,18 +125,20 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
             aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
             nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
                 params["layers"], head, x_mbtd, aux, extras)
-        return nll, (nll, count, jnp.zeros((), jnp.float32))
+        return nll, (nll, count, {"aux": jnp.zeros((), jnp.float32)})
 
     return piped
 
 
 def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guard: GuardConfig | None = None,
                     pipe: PipelineConfig | None = None):
-    """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch)` gives gradients,
-    summed next-token loss, token count and MoE auxiliary loss over the batch this program sees (not yet
-    normalised), and `apply(state, grads, nll, count, aux, args)` normalises by the count, updates with
-    the optimizer of the schedule's numbers `args` and reports metrics. The MPI bridge sums the first
-    half's outputs across processes before the second.
+    """The two halves of a step, to be traced inside a jit: `grad_sums(params, batch, router_bias=None)`
+    gives gradients, summed next-token loss, token count and the MoE statistics over the batch this
+    program sees (not yet normalised; "aux" the auxiliary loss averaged over microbatches, "load" and
+    "dropped" counts summed over them), and `apply(state, grads, nll, count, moe, args)` normalises by
+    the count, updates with the optimizer of the schedule's numbers `args`, moves the router bias where
+    the state has one (`update_router_bias`) and reports metrics. The MPI bridge sums the first half's
+    outputs across processes before the second.
 
     With `guard.action == "skip"`, a step whose loss or gradient norm is not finite (or above
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
@@ -142,26 +146,31 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     skip_bad = guard is not None and guard.action == "skip"
     grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
 
-    def grad_sums(params, batch):
+    def grad_sums(params, batch, router_bias=None):
         with activation_layout(layout):
             if microbatches == 1:
-                (_, (nll, count, aux)), grads = grad_fn(params, batch)
+                (_, (nll, count, moe)), grads = grad_fn(params, batch, router_bias)
             else:
                 mbs = {k: _microbatches(batch[k], microbatches, layout) for k in batch_keys(batch)}
 
                 def accumulate(carry, mb):
-                    g_acc, nll_acc, n_acc, aux_acc = carry
-                    (_, (nll, n, aux)), g = grad_fn(params, mb)
-                    return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n, aux_acc + aux), None
+                    g_acc, nll_acc, n_acc, moe_acc = carry
+                    (_, (nll, n, moe)), g = grad_fn(params, mb, router_bias)
+                    return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n,
+                            jax.tree.map(jnp.add, moe_acc, moe)), None
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
                 scalar = jnp.zeros((), jnp.float32)
-                (grads, nll, count, aux), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, scalar), mbs)
-                aux = aux / microbatches
-        return grads, nll, count, aux
+                moe_zeros = {"aux": scalar}
+                if spec.model is not None and spec.model.n_experts:
+                    L, E = spec.model.n_layers, spec.model.n_experts
+                    moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32)}
+                (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
+                moe = moe | {"aux": moe["aux"] / microbatches}
+        return grads, nll, count, moe
 
-    def apply(state, grads, nll, count, aux, args):
+    def apply(state, grads, nll, count, moe, args):
         tx, schedule = spec.optimizer(args)
         params = state["params"]
         count = jnp.maximum(count, 1.0)
@@ -171,17 +180,45 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
                    "tokens": count}
+        new_state = {"step": state["step"] + 1}
         if spec.model is not None and spec.model.n_experts:
-            metrics["aux_loss"] = aux / spec.model.n_layers  # per layer; 1 when experts are balanced
+            metrics["aux_loss"] = moe["aux"] / spec.model.n_layers  # per layer; 1 when experts are balanced
+            if "load" in moe:  # not through the pipeline (MoE is not pipelined)
+                metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity")
+        if "router_bias" in state:
+            new_state["router_bias"] = update_router_bias(state["router_bias"], moe["load"],
+                                                          spec.model.router_bias_update)
         if skip_bad:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            if "router_bias" in new_state:
+                new_state["router_bias"] = keep(new_state["router_bias"], state["router_bias"])
             metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
-        return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, metrics
+        return new_state | {"params": new_params, "opt_state": opt_state}, metrics
 
     return grad_sums, apply
+
+
+def expert_load_metrics(load_le: jax.Array, dropped_l: jax.Array, capacity: bool) -> dict:
+    """Step metrics of the (token, choice) pairs each layer routed to each expert (L, E): the least and
+    most loaded expert of any layer as a share of its layer's mean (1: balanced), and the coefficient of
+    variation over experts averaged over layers; with capacity routing the pairs dropped, all layers."""
+    mean_l1 = jnp.maximum(jnp.mean(load_le, axis=-1, keepdims=True), 1e-9)
+    share_le = load_le / mean_l1
+    out = {"expert_load_min": jnp.min(share_le), "expert_load_max": jnp.max(share_le),
+           "expert_load_cv": jnp.mean(jnp.std(load_le, axis=-1) / mean_l1[:, 0])}
+    if capacity:
+        out["tokens_dropped"] = jnp.sum(dropped_l)
+    return out
+
+
+def update_router_bias(bias_le: jax.Array, load_le: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free update: each expert's bias moves by `rate` toward balance,
+    up where its load is below its layer's mean, down where above (unchanged at the mean)."""
+    mean_l1 = jnp.mean(load_le, axis=-1, keepdims=True)
+    return bias_le + rate * jnp.sign(mean_l1 - load_le).astype(bias_le.dtype)
 
 
 def schedule_count(opt_state, step: jax.Array) -> jax.Array:
@@ -209,7 +246,7 @@ def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard
     grad_sums, apply = make_step_parts(spec, layout, microbatches, guard, pipe)
 
     def step(state, batch, args):
-        return apply(state, *grad_sums(state["params"], batch), args)
+        return apply(state, *grad_sums(state["params"], batch, state.get("router_bias")), args)
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)  # every key of the batch, with or without PACKING_KEYS

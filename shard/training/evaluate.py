@@ -17,7 +17,7 @@ from shard.cluster import process_sets, runtime
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples
 from shard.errors import ShardError
-from shard.training.state import StateSpec, state_spec
+from shard.training.state import StateSpec, place_router_bias, state_spec
 from shard.training.step import batch_sharding, make_eval_step
 
 
@@ -47,8 +47,9 @@ def eval_rows(cfg: TrainConfig, n: int, layout) -> int:
 
 
 class Evaluator:
-    """`__call__(params, stop=None) -> eval loss` on members of the eval set (None elsewhere, and when
-    `stop` ended it: then `interrupted`)."""
+    """`__call__(params, stop=None, router_bias=None) -> eval loss` on members of the eval set (None
+    elsewhere, and when `stop` ended it: then `interrupted`); `router_bias`: the state's, for a MoE run
+    that balances with one, so its evaluations choose experts as its steps do."""
 
     def __init__(self, cfg: TrainConfig, run):
         self.interrupted = False
@@ -66,7 +67,7 @@ class Evaluator:
         else:
             self.stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(run.layout))
 
-    def __call__(self, params, stop=None) -> float | None:
+    def __call__(self, params, stop=None, router_bias=None) -> float | None:
         """The eval loss; None outside the eval set, and when `stop()` (asked before each batch, on every
         process of the set) turned true: a SIGTERM must not wait for a long evaluation."""
         self.interrupted = False
@@ -74,7 +75,7 @@ class Evaluator:
             return None
 
         self.stream.position = 0  # the same held-out batches every time
-        totals = summed_loss(self.step, params, self.stream, self.cfg.eval.batches, stop)
+        totals = summed_loss(self.step, params, self.stream, self.cfg.eval.batches, stop, router_bias)
         if totals is None:
             self.interrupted = True
             return None
@@ -86,16 +87,16 @@ class Evaluator:
         self.group.destroy()
 
 
-def summed_loss(step, params, stream: BatchStream, batches: int, stop=None) -> np.ndarray | None:
+def summed_loss(step, params, stream: BatchStream, batches: int, stop=None, router_bias=None) -> np.ndarray | None:
     """[summed next-token loss, tokens] over the next `batches` batches of `stream` (float64); None when
-    `stop()`, asked before each batch, turned true."""
+    `stop()`, asked before each batch, turned true. `router_bias`: as `make_eval_step` takes it."""
     import jax
 
     totals = np.zeros(2, np.float64)
     for _ in range(batches):
         if stop is not None and stop():
             return None
-        nll, count = step(params, stream.next())
+        nll, count = step(params, stream.next(), router_bias)
         totals += [float(jax.device_get(nll)), float(jax.device_get(count))]
     return totals
 
@@ -133,12 +134,14 @@ def held_out_source(saved: TrainConfig | None, data: str | None, checkpoint: str
 
 
 def evaluate_checkpoint(cfg: TrainConfig, layout, params: dict, place: Callable[[dict, StateSpec], dict],
-                        batches: int, source: str, notice: Callable[[str], None] = lambda message: None) -> dict:
+                        batches: int, source: str, notice: Callable[[str], None] = lambda message: None,
+                        router_bias: np.ndarray | None = None) -> dict:
     """`shard eval`'s figures: the loss and perplexity of `params` (a checkpoint's, on the host) over
     `batches` global batches of cfg's held-out samples (cfg.data.batch x cfg.data.seq_len), scored on
     `layout`; `source` describes that data. Data too short for them scores fewer batches, each window
     once, and `notice` says so. `place` puts host params into a spec's shardings
-    (shard.run.weights.place)."""
+    (shard.run.weights.place). `router_bias`: the checkpoint's MoE balancing bias (host, (L, E)), if it
+    saved one: experts are chosen by it, as in training."""
     batch, seq = cfg.data.batch, cfg.data.seq_len
     samples = eval_samples(cfg)
     if samples.windows is not None and samples.windows < batch:
@@ -152,7 +155,8 @@ def evaluate_checkpoint(cfg: TrainConfig, layout, params: dict, place: Callable[
     # only the params are read: the optimizer, whatever the run's, is the default one
     spec = state_spec(cfg.model, TrainConfig().optimizer, 1, layout)
     stream = BatchStream(samples, batch, seq, batch_sharding(layout))
-    nll, tokens = summed_loss(make_eval_step(spec, layout), place(params, spec), stream, batches)
+    bias = place_router_bias(router_bias, spec)
+    nll, tokens = summed_loss(make_eval_step(spec, layout), place(params, spec), stream, batches, router_bias=bias)
     loss = float(nll / max(tokens, 1.0))
     return {"eval_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(tokens),
             "batches": batches, "batch": batch, "seq_len": seq, "data": source}

@@ -176,7 +176,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             if cfg.guard.action == "skip":
                 record["skipped_steps"] = skipped
             if evaluating:
-                eval_loss = evaluator(state["params"], eval_stop)  # None on processes outside the eval set
+                # None on processes outside the eval set
+                eval_loss = evaluator(state["params"], eval_stop, state.get("router_bias"))
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             publish(record)

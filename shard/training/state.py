@@ -154,6 +154,20 @@ def placed_router_bias(spec: StateSpec) -> dict:
     return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
 
 
+def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:
+    """A router bias read on the host (a checkpoint's: shard.run.weights.load_with_router_bias) placed
+    replicated on the spec's mesh for evaluation or generation; None (none saved) stays None, and
+    experts are chosen by their scores alone, as a zero bias would."""
+    if bias is None:
+        return None
+    want = (spec.model.n_layers, spec.model.n_experts)
+    if not spec.model.n_experts or np.shape(bias) != want:
+        raise ShardError(f"the router bias has shape {np.shape(bias)}, but the model chooses among "
+                         f"{spec.model.n_experts} expert(s) in {spec.model.n_layers} layer(s)")
+    replicated = NamedSharding(spec.shardings["step"].mesh, PartitionSpec())
+    return jax.device_put(np.asarray(bias, np.float32), replicated)
+
+
 def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout, *,
                tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None) -> StateSpec:
     """Shapes, logical axes and shardings of the whole train state, without allocating it. The

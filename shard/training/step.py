@@ -280,16 +280,21 @@ def with_schedule(step, spec: StateSpec, layout: Layout):
 
 
 def make_eval_step(spec: StateSpec, layout: Layout):
-    """The jitted `(params, batch) -> (summed next-token loss, token count)`, forward only."""
-    def evaluate(params, batch):
+    """The jitted `(params, batch, router_bias=None) -> (summed next-token loss, token count)`, forward
+    only. `router_bias` (L, E): the balancing bias a MoE run chooses its experts by
+    (model.router_bias_update), so evaluation routes as training does; None (an empty tree to the jit)
+    leaves the program as it is without one."""
+    def evaluate(params, batch, router_bias):
         with activation_layout(layout):
             batch, zigzag = context_order(batch, layout, spec.model)
-            logits = llama.forward(spec.model, params, batch["inputs"], zigzag, **packing_of(batch))[0]
+            logits = llama.forward(spec.model, params, batch["inputs"], zigzag, **packing_of(batch),
+                                   router_bias=router_bias)[0]
             return token_nll(logits, batch["targets"], batch["mask"])
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
-    return jax.jit(evaluate, in_shardings=(spec.shardings["params"], data), out_shardings=replicated)
+    step = jax.jit(evaluate, in_shardings=(spec.shardings["params"], data, replicated), out_shardings=replicated)
+    return lambda params, batch, router_bias=None: step(params, batch, router_bias)
 
 
 def abstract_batch(layout: Layout, batch: int, seq_len: int, packed: bool = False) -> dict:

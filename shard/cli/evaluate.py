@@ -47,7 +47,7 @@ def evaluate(
     from shard.training.step import check_batch
     from shard.sharding.layout import make_layout
 
-    model_cfg, params = weights.load(checkpoint)
+    model_cfg, params, router_bias = weights.load_with_router_bias(checkpoint)
     data_cfg = dataclasses.replace(saved.data, batch=batch, seq_len=seq)
     from shard.data.tokenizers import BYTE_FILE
     from shard.run.tokenizer import tokenizer_folder
@@ -58,7 +58,8 @@ def evaluate(
     cfg = dataclasses.replace(saved, model=model_cfg, data=data_cfg)
     layout = make_layout(dataclasses.replace(tcfg, model=model_cfg), mesh_spec, devices)
     check_batch(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=1)), layout)  # and --seq
-    figures = evaluate_checkpoint(cfg, layout, params, weights.place, batches, source, notice=warn)
+    figures = evaluate_checkpoint(cfg, layout, params, weights.place, batches, source, notice=warn,
+                                  router_bias=router_bias)
     if json_out:
         print(json.dumps(figures))
     else:

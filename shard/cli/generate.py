@@ -45,12 +45,12 @@ def generate(
     from shard.run.tokenizer import tokenizer_for
     from shard.training.generate import Generator, Sampling
     from shard.sharding.layout import make_layout
-    from shard.training.state import state_spec
+    from shard.training.state import place_router_bias, state_spec
 
     sampling = Sampling(temperature, top_k, top_p)
     sampling.validate()  # before the weights are read
 
-    model_cfg, params = weights.load(checkpoint)
+    model_cfg, params, router_bias = weights.load_with_router_bias(checkpoint)
     tokenizer = tokenizer_for(checkpoint, model_cfg.vocab_size)
     if tokenizer is None and not (ids and prompt_ids is not None):
         raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and no tokenizer goes with it "
@@ -66,7 +66,8 @@ def generate(
     layout = make_layout(tcfg, mesh_spec, devices)
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
     gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
-                    max_len=max(len(p) for p in prompts) + max_new_tokens)
+                    max_len=max(len(p) for p in prompts) + max_new_tokens,
+                    router_bias=place_router_bias(router_bias, spec))
     for n, p in enumerate(prompts):
         _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
 

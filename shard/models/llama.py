@@ -105,19 +105,20 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
 
-    def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0):
+    def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0,
+                 router_bias: jax.Array | None = None):
         """Next-token logits (float32) for a batch of token ids.
 
         With a KV cache (`init_cache`), the tokens sit at positions start.. and attend to everything
         cached before them; returns (logits, updated cache). This is the prefill and decode path of
-        `shard generate`; training calls it without a cache.
+        `shard generate`; training calls it without a cache. `router_bias`: as in `forward`.
         """
         params = nnx.to_pure_dict(nnx.state(self))
         if cache is None:
-            return forward(self.cfg, params, tokens_bt)[0]
+            return forward(self.cfg, params, tokens_bt, router_bias=router_bias)[0]
         table = tied_table(self.cfg, params, tokens_bt)
         x_btd = embed_tokens(self.cfg, params, tokens_bt, table)
-        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start)
+        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start, router_bias=router_bias)
         return head_logits(self.cfg, params, x_btd, table), cache
 
 

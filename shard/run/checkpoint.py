@@ -346,6 +346,14 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
 def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
     """(params as numpy arrays, the resolved config TOML it was saved with, step) of a checkpoint (run
     dir, checkpoints dir or step dir), read on the host so no device needs to hold the model."""
+    read, config, step = read_model_state(checkpoint, router_bias=False)
+    return read["params"], config, step
+
+
+def read_model_state(checkpoint: Path | str, router_bias: bool = True) -> tuple[dict, str, int]:
+    """As `read_params`, with the state read as {"params", and "router_bias" where the checkpoint saved
+    the MoE balancing bias its experts were chosen by (and `router_bias` asks for it)}: what evaluation and
+    generation need of a checkpoint, without the optimizer state."""
     directory, step = find_checkpoint(checkpoint)
     state_dir = directory / str(step) / STATE
     meta = saved_meta(directory / str(step))
@@ -359,8 +367,10 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
         raise ShardError(f"cannot read checkpoint {state_dir}: {error_line(e)}") from None
     finally:
         checkpoints.close()
-    item = {"params": jax.tree.map(lambda m: np.zeros((), m.dtype), stored["params"])}
-    restore_args = {"params": jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored["params"])}
+    keys = ("params", "router_bias") if router_bias else ("params",)
+    stored = {k: stored[k] for k in keys if k in stored}
+    item = jax.tree.map(lambda m: np.zeros((), m.dtype), stored)
+    restore_args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), stored)
     try:
         restored = ocp.PyTreeCheckpointer().restore(
             state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
@@ -368,12 +378,12 @@ def read_params(checkpoint: Path | str) -> tuple[dict, str, int]:
         raise ShardError(f"cannot read checkpoint {state_dir}: {error_line(e)}") from None
     saved = meta.get("fingerprint")
     if isinstance(saved, dict):  # checkpoints written before fingerprints have none
-        read = {f"params/{path_str(p)}": [host_fingerprint(x), str(x.dtype)]
-                for p, x in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}
+        read = {path_str(p): [host_fingerprint(x), str(x.dtype)]
+                for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
         if bad := first_mismatch(saved, read):
             raise ShardError(f"checkpoint {directory / str(step)} is damaged: {bad} reads back other than it was "
                              "saved (checksum mismatch); give an older step's dir")
-    return restored["params"], config, step
+    return restored, config, step
 
 
 def export_params(checkpoint: Path | str, out: Path | str) -> tuple[Path, int]:

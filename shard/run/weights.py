@@ -18,6 +18,17 @@ from shard.training.state import StateSpec, placed_router_bias
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:
     """(model config, params as numpy) from a shard checkpoint or a Hugging Face folder."""
+    return _load(path, router_bias=False)[:2]
+
+
+def load_with_router_bias(path: str | Path) -> tuple[ModelConfig, dict, np.ndarray | None]:
+    """As `load`, and the MoE balancing bias (L, E) the checkpoint's experts were chosen by
+    (model.router_bias_update), for evaluation and generation to choose as training did; None for a
+    Hugging Face folder and a checkpoint saved without one."""
+    return _load(path, router_bias=True)
+
+
+def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.ndarray | None]:
     from shard.run import hf
 
     if not Path(path).exists():
@@ -25,18 +36,18 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     if is_hf_dir(path):
         hf_config, tensors = hf.read_hf_dir(str(path))
         cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf")
-        return cfg, hf.params_from_hf(tensors, cfg)
+        return cfg, hf.params_from_hf(tensors, cfg), None
     if (Path(path) / "config.json").exists():
         raise ShardError(f"{Path(path) / 'config.json'} is not a file")
-    from shard.run.checkpoint import read_params
+    from shard.run.checkpoint import read_model_state
 
-    params, config_toml, _ = read_params(path)
+    read, config_toml, _ = read_model_state(path, router_bias=router_bias)
     # only the model is read: the run's other settings (ranges checked by newer versions) don't matter here
     saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
     if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
                          "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
-    return resolve({"model": saved["model"]}).model, params
+    return resolve({"model": saved["model"]}).model, read["params"], read.get("router_bias")
 
 
 def saved_run_config(path: str | Path) -> TrainConfig | None:

@@ -62,10 +62,13 @@ def _token_ids(prompt) -> list[int]:
 
 
 class Generator:
-    """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come."""
+    """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come.
+    `router_bias` (L, E), placed (shard.training.state.place_router_bias): the balancing bias a MoE
+    checkpoint chose its experts by in training (model.router_bias_update); None: by the scores alone."""
 
-    def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int):
-        self.cfg, self.max_len = model_cfg, max_len
+    def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int,
+                 router_bias: jax.Array | None = None):
+        self.cfg, self.max_len, self.router_bias = model_cfg, max_len, router_bias
         # One prompt at a time, one token per decode step: the batch and the sequence are replicated (a
         # context-parallel split of a cache of any length would have to divide it); the other rules
         # (tensor parallel) apply.
@@ -75,9 +78,9 @@ class Generator:
         self.cache_sharding = self.layout.sharding(CACHE_AXES, what="KV cache")
         replicated = NamedSharding(layout.mesh, PartitionSpec())
 
-        def forward(params, tokens, cache, start):
+        def forward(params, tokens, cache, start, router_bias):
             with activation_layout(self.layout):
-                logits, cache = nnx.merge(graphdef, params)(tokens, cache, start)
+                logits, cache = nnx.merge(graphdef, params)(tokens, cache, start, router_bias)
             return logits[:, -1], cache
 
         cache_shardings = {"k": self.cache_sharding, "v": self.cache_sharding}
@@ -96,13 +99,14 @@ class Generator:
         sampling.validate()
         cache = jax.device_put(init_cache(self.cfg, 1, self.max_len), self.cache_sharding)
         key = jax.random.key(seed)
-        logits, cache = self._forward(self.params, jnp.asarray([prompt], jnp.int32), cache, 0)
+        logits, cache = self._forward(self.params, jnp.asarray([prompt], jnp.int32), cache, 0, self.router_bias)
         pos = len(prompt)
         for i in range(max_new_tokens):
             token = self._sample(logits, jax.random.fold_in(key, i), sampling)
             yield int(token[0])
             if i + 1 < max_new_tokens:
-                logits, cache = self._forward(self.params, token[:, None].astype(jnp.int32), cache, pos)
+                logits, cache = self._forward(self.params, token[:, None].astype(jnp.int32), cache, pos,
+                                              self.router_bias)
                 pos += 1
 
     def generate(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0,

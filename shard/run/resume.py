@@ -33,7 +33,7 @@ INEXACT_CHANGES = (
     (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
     (("model.rope_theta", "model.rope_scaling", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
       "model.rope_original_context", "model.norm_eps", "model.compute_dtype", "model.experts_per_token",
-      "model.capacity_factor", "model.aux_loss_weight"),
+      "model.capacity_factor", "model.aux_loss_weight", "model.router_bias_update"),
      "the model changes ({what}): the restored weights compute something else from here on"),
     (("optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip"),
      "the optimizer changes ({what}): the restored moments are updated by the new rule from here on"),

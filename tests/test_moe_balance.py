@@ -1,6 +1,7 @@
 """MoE load balancing and its observation: the auxiliary-loss-free bias (DeepSeek-V3) moves a skewed
 router's load toward balance, the load metrics equal a hand count, the bias is saved and restored with
-checkpoints (and checkpoints without it still restore), a tiny MoE run logs the metrics."""
+checkpoints (and checkpoints without it still restore), a tiny MoE run logs the metrics, and evaluation and
+generation choose experts by the saved bias as training did."""
 
 import dataclasses
 
@@ -158,6 +159,9 @@ def test_a_tiny_moe_run_balances_logs_the_load_and_checkpoints_the_bias(tmp_path
         again = ckpts.restore(10, spec)
         np.testing.assert_array_equal(np.asarray(again.state["router_bias"]), np.zeros((2, 8), np.float32))
         assert again.state["router_bias"].sharding == spec.shardings["router_bias"]
+        from shard.run import weights
+
+        assert weights.load_with_router_bias(tmp_path / "run" / CHECKPOINTS_DIR / "10")[2] is None  # none saved
     finally:
         ckpts.close()
 
@@ -182,3 +186,55 @@ def test_report_plots_the_expert_load_of_the_runs_that_log_it(tmp_path):
     plots = report([dense, balanced], tmp_path / "r2")["plots"]
     assert str(tmp_path / "r2" / "expert_load_vs_step.png") in plots
     assert (tmp_path / "r2" / "expert_load_vs_step.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluation_and_generation_choose_experts_by_the_saved_bias(tmp_path):
+    """The in-loop evaluation, `shard eval` of the saved checkpoint and `Generator` all route with the
+    run's router bias: the last logged eval loss is what `shard eval` scores, and the bias changes it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+    from shard.models import llama
+    from shard.run import weights
+    from shard.training.evaluate import evaluate_checkpoint, held_out_source
+    from shard.training.generate import Generator, Sampling
+    from shard.training.state import place_router_bias
+
+    cfg = tiny_config("4x2", model__name="moe-tiny", model__router_bias_update=0.02, model__aux_loss_weight=0.0,
+                      steps=4, eval__every=2)
+    run_dir = tmp_path / "run"
+    records, run, ckpts = _run(run_dir, cfg)
+    ckpts.close()
+    logged = [r["eval_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r][-1]
+    bias = np.asarray(jax.device_get(run.state["router_bias"]))
+    model_cfg, params, saved_bias = weights.load_with_router_bias(run_dir)
+    np.testing.assert_array_equal(saved_bias, bias)
+    assert np.abs(bias).max() > 0
+
+    scored = CliRunner().invoke(app, ["eval", str(run_dir), "--mesh", "4x2", "--json"])
+    assert scored.exit_code == 0, scored.output
+    with_bias = json.loads(scored.output.strip().splitlines()[-1])["eval_loss"]
+    assert with_bias == pytest.approx(logged, rel=1e-5)
+    saved, source = held_out_source(weights.saved_run_config(run_dir), None, str(run_dir))
+    layout = make_layout(cfg, parse_mesh("4x2"), devices_for("4x2"))
+    ignored = evaluate_checkpoint(saved, layout, params, weights.place, saved.eval.batches, source)["eval_loss"]
+    print(f"eval loss {with_bias:.6f} with the bias, {ignored:.6f} without")
+    assert abs(ignored - with_bias) > 1e-6 * with_bias
+
+    # greedy generation (dropless) equals the argmax of a full forward with room for every token
+    layout1 = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
+    spec = state_spec(model_cfg, cfg.optimizer, 1, layout1)
+    prompt, n = [5, 17, 99, 3, 42, 7, 11], 6
+    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout1, max_len=len(prompt) + n,
+                    router_bias=place_router_bias(saved_bias, spec))
+    tokens = gen.generate(prompt, n, Sampling(temperature=0))
+    roomy = dataclasses.replace(model_cfg, capacity_factor=model_cfg.n_experts / model_cfg.experts_per_token)
+    seq = list(prompt)
+    for _ in range(n):
+        logits = llama.forward(roomy, params, jnp.asarray([seq]), router_bias=jnp.asarray(bias))[0]
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    assert tokens == seq[len(prompt):]
+    plain = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout1, max_len=len(prompt) + n)
+    assert plain.generate(prompt, n, Sampling(temperature=0)) != tokens  # the bias chose other experts

@@ -11,6 +11,10 @@ ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 MOE_ROUTINGS = ("capacity", "dropless")
 ROUTER_SCORES = ("softmax", "sigmoid")
+# The stored embedding and unembedding tables round their vocab dim up to a multiple of this, whatever
+# the mesh, so a vocabulary no split divides (GPT-2's 50257) runs on any mesh whose vocab split divides
+# 128, and a checkpoint restores on every such mesh (ModelConfig.padded_vocab).
+VOCAB_MULTIPLE = 128
 
 
 def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
@@ -157,6 +161,13 @@ class ModelConfig:
         return problems
 
     @property
+    def padded_vocab(self) -> int:
+        """The vocab dim of the stored tables and the logits: vocab_size rounded up to VOCAB_MULTIPLE
+        (vocab_size itself when it is a multiple). The rows past vocab_size are never looked up, their
+        logits are masked out (shard.models.llama.head_logits) and export-hf strips them."""
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
     def router_bias(self) -> bool:
         """Whether the train state holds a router bias (auxiliary-loss-free balancing)."""
         return bool(self.n_experts and self.router_bias_update)
@@ -193,7 +204,7 @@ class ModelConfig:
     def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
         """(path, shape, logical axes) of every parameter of shard/models/llama.py (a test checks they agree)."""
         D, L, N, K, H, F, V = (self.d_model, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim,
-                               self.mlp_dim, self.vocab_size)
+                               self.mlp_dim, self.padded_vocab)
         rows = [("embed", (V, D), (VOCAB, EMBED))]
         layer = {
             "attn_norm": ((D,), (EMBED,)),
@@ -301,7 +312,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
     n -= cfg.n_layers * sum(math.prod(shape) for shape, _ in cfg._family_layer_shapes().values())  # adds, scales
     if not cfg.tie_embeddings:
-        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
+        n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
+    n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
     if cfg.n_experts:
         n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
     return n

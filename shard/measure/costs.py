@@ -147,7 +147,7 @@ def param_bytes(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int, *, compu
 
 def stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
     tokens = _lookup_tokens(work)
-    return stored_lookup_axes(cfg.vocab_size, tokens, shape.sizes, shape.rules, shape.param_rules)
+    return stored_lookup_axes(cfg.padded_vocab, tokens, shape.sizes, shape.rules, shape.param_rules)
 
 
 def _lookup_tokens(work: Workload) -> float:

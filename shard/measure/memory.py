@@ -58,7 +58,7 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
         layers = cfg.n_layers * (per_layer + ring)
     else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
         layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
-    logits = LOGITS_COPIES * cfg.vocab_size / shape.degree(VOCAB) * 4
+    logits = LOGITS_COPIES * cfg.padded_vocab / shape.degree(VOCAB) * 4
     return tokens * (layers + logits)
 
 
@@ -117,7 +117,7 @@ def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -
     if not lookup or cfg.tie_embeddings:
         return 0.0
     ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
-    table = cfg.vocab_size * cfg.d_model * work.act_bytes / ways
+    table = cfg.padded_vocab * cfg.d_model * work.act_bytes / ways
     return table * (1 - 1 / math.prod(lookup.values()))
 
 

@@ -83,7 +83,7 @@ class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D, L, N, K, H, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                               cfg.mlp_dim, cfg.vocab_size)
+                               cfg.mlp_dim, cfg.padded_vocab)
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
         self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
@@ -156,7 +156,7 @@ def tied_table(cfg: ModelConfig, params: dict, tokens_bt: jax.Array) -> jax.Arra
     """With tied embeddings and a lookup that reads the compute-layout table, `_table` made once for the
     lookup and the logits to share (made by each, it was cast twice and gathered twice); None otherwise
     (made before the layers for the logits alone, it would be held through them)."""
-    if not cfg.tie_embeddings or stored_lookup_split(cfg.vocab_size, tokens_bt.size):
+    if not cfg.tie_embeddings or stored_lookup_split(cfg.padded_vocab, tokens_bt.size):
         return None
     return _table(cfg, params)
 
@@ -168,7 +168,7 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
     small) in its slice, and the gradient scatters into that slice locally, with no full-table
     gradient to all-reduce (2 x 33 MB per device on the CPU reference config). Otherwise (a small
     vocab, data or vocab parallel) it reads the compute-layout table of `_table` (`table`, when given)."""
-    split = stored_lookup_split(cfg.vocab_size, tokens_bt.size)
+    split = stored_lookup_split(cfg.padded_vocab, tokens_bt.size)
     if split:
         table = constrain(params["embed"].astype(compute_dtype(cfg)), (VOCAB, EMBED), param=True)
         x_btd = pin_looked_up(jnp.take(table, constrain(tokens_bt, (BATCH, LENGTH), drop=split), axis=0), split)
@@ -236,7 +236,17 @@ def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Arr
     else:
         w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
-    return constrain(logits_btv, (BATCH, LENGTH, VOCAB))
+    return mask_padded_vocab(cfg, constrain(logits_btv, (BATCH, LENGTH, VOCAB)))
+
+
+def mask_padded_vocab(cfg: ModelConfig, logits_btv: jax.Array) -> jax.Array:
+    """The logits of the padded ids (cfg.vocab_size.. cfg.padded_vocab - 1) at float32's lowest value, so
+    the loss's logsumexp, softmax and sampling give them no mass (and their rows no gradient); the
+    logits as they are where the vocabulary needs no padding (the same program)."""
+    if cfg.padded_vocab == cfg.vocab_size:
+        return logits_btv
+    real_v = jnp.arange(logits_btv.shape[-1]) < cfg.vocab_size
+    return jnp.where(real_v, logits_btv, jnp.finfo(jnp.float32).min)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -281,14 +281,34 @@ def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
     params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": layers}
     if not cfg.tie_embeddings:
         params["unembed"] = get("lm_head.weight").T
-    return params
+    return pad_vocab(params, cfg)
+
+
+def pad_vocab(params: dict, cfg: ModelConfig) -> dict:
+    """The embedding (V, D) and unembedding (D, V) tables with zero rows added up to cfg.padded_vocab
+    (the tables shard stores); tables already that size are kept as they are."""
+
+    def pad(w, axis):
+        short = cfg.padded_vocab - w.shape[axis]
+        if short <= 0:
+            return w
+        widths = [(0, 0)] * w.ndim
+        widths[axis] = (0, short)
+        return np.pad(np.asarray(w), widths)
+
+    out = dict(params) | {"embed": pad(params["embed"], 0)}
+    if "unembed" in params:
+        out["unembed"] = pad(params["unembed"], 1)
+    return out
 
 
 def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+    """HF tensors of shard's parameters, the tables cut back to the true vocabulary (cfg.vocab_size)."""
+    V = cfg.vocab_size
+    out = {"model.embed_tokens.weight": np.ascontiguousarray(np.asarray(params["embed"])[:V]),
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(params["unembed"]).T
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["unembed"])[:, :V].T)
     for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
         stacked = np.asarray(params["layers"][key])
         for i in range(cfg.n_layers):

@@ -47,7 +47,9 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
     if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
                          "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
-    return resolve({"model": saved["model"]}).model, read["params"], read.get("router_bias")
+    cfg = resolve({"model": saved["model"]}).model
+    # a checkpoint saved before the tables were padded (shard.config.model.VOCAB_MULTIPLE) holds vocab_size rows
+    return cfg, hf.pad_vocab(read["params"], cfg), read.get("router_bias")
 
 
 def saved_run_config(path: str | Path) -> TrainConfig | None:

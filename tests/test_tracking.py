@@ -60,6 +60,7 @@ def offline_run(run_dir, nth: int = 0) -> dict:
         if kind == "run":
             out["id"] = r.run.run_id
             out["config"] = {u.key: json.loads(u.value_json) for u in r.run.config.update}
+            out["name"], out["tags"], out["project"] = r.run.display_name, list(r.run.tags), r.run.project
         elif kind == "history":
             out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
         elif kind == "summary":
@@ -71,10 +72,12 @@ def offline_run(run_dir, nth: int = 0) -> dict:
 
 def test_train_logs_to_wandb_and_a_resume_continues_the_run(tmp_path, offline):
     run = tmp_path / "run"
-    first = invoke("train", *TINY, "--run-dir", str(run), "--wandb", "proj")
+    first = invoke("train", *TINY, "--run-dir", str(run), "--wandb", "proj", "--set", "tracking.tags=a,b",
+                   "--set", "tracking.name=tiny-run")
     assert first.exit_code == 0, first.output
     saved_id = (run / "wandb_id").read_text().strip()
     logged = offline_run(run)
+    assert (logged["project"], logged["name"], logged["tags"]) == ("proj", "tiny-run", ["a", "b"])
     assert logged["id"] == saved_id and logged["exit_code"] == 0
     assert logged["config"]["model"]["name"] == "tiny" and logged["config"]["tracking"]["project"] == "proj"
     records = read_jsonl(run / "metrics.jsonl")  # metrics.jsonl and TensorBoard as before
@@ -103,3 +106,12 @@ def test_wandb_without_the_package_is_one_line(tmp_path, offline, monkeypatch):
     assert result.exit_code == 2, result.output
     assert result.output.strip() == "error: --wandb needs wandb: pip install 'shard[wandb]'"
     assert not run.exists()  # before the run dir, let alone a compile
+
+
+def test_a_tracking_mode_wandb_does_not_know_is_refused():
+    from shard import config
+    from shard.errors import ShardError
+
+    assert config.resolve(config.parse_sets(["tracking.tags=a,b"])).tracking.tags == ("a", "b")
+    with pytest.raises(ShardError, match="tracking.mode must be online, offline, disabled"):
+        config.resolve(config.parse_sets(["tracking.mode=ofline"]))

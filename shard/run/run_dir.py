@@ -27,7 +27,7 @@ def compile_cache_dir(cfg: TrainConfig, run_dir: Path) -> Path | None:
 
 
 # What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
-RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
+RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile", WANDB_ID, "wandb")
 
 
 def holds_run(path: Path) -> bool:

@@ -15,6 +15,7 @@ from shard.errors import ShardError
 
 CHECKPOINTS_DIR = "checkpoints"  # a run dir's checkpoints, one folder per step
 TOKENIZER_DIR = "tokenizer"  # the run's tokenizer (shard.run.tokenizer), beside its checkpoints
+WANDB_ID = "wandb_id"  # the run's Weights & Biases run id (shard.observe.tracking): a resume continues that run
 LOCK_FILE = ".lock"  # in a run dir: held by the `shard train` that writes it
 
 

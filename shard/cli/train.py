@@ -61,6 +61,8 @@ def train(
     cross_host: Annotated[str | None, typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
     failure_timeout: Annotated[float | None, typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
+    wandb: Annotated[str | None, typer.Option(
+        "--wandb", help="log to this Weights & Biases project (needs shard[wandb]; [tracking] sets the rest)")] = None,
 ):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
     from shard.cli.app import at_command_end  # not at the top: app imports this module
@@ -84,9 +86,13 @@ def train(
                  simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
                  checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host,
                  failure_timeout=failure_timeout, eval_every=eval_every, init_from=init_from, tokenizer=tokenizer,
-                 packing=packing)
+                 packing=packing, wandb=wandb)
     start = resolve_start(lambda base: overrides(from_file, set_, base, **flags), from_file, set_, run_dir=run_dir,
                           init_from=init_from, resume=resume, allow_fresh=allow_fresh, cluster=cluster, notice=warn)
+    if start.cfg.tracking.project and (cluster is None or cluster.process_id == 0):  # before anything compiles
+        from shard.observe.tracking import require_wandb
+
+        require_wandb()
     _Run(start, cluster, resume, allow_fresh, profile_steps).train()
 
 
@@ -220,6 +226,10 @@ class _Run:
             if self.main:
                 observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                              TensorBoardWriter(path / "tb")]
+                if cfg.tracking.project:
+                    from shard.observe.tracking import WandbTracker
+
+                    observers.append(WandbTracker(cfg, path))
             self.saver = SaveCheckpoints(self.checkpoints, seed=cfg.seed, config_toml=config_toml)
             self.stopper = StopOnSignal(_notice)
             # every process saves its shards (the MPI bridge: process 0); observers end last started first,

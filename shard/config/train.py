@@ -132,6 +132,21 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class TrackingConfig:
+    """Weights & Biases (the `wandb` extra): on when `project` is set. The keys left empty are wandb's
+    own defaults (its WANDB_* environment variables, then its settings)."""
+
+    project: str = ""  # "": no tracking
+    entity: str = ""
+    name: str = ""  # the run's display name; "": wandb picks one
+    tags: tuple[str, ...] = ()
+    mode: str = ""  # "" (WANDB_MODE, else online) | online | offline | disabled
+
+
+TRACKING_MODES = ("", "online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -144,6 +159,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -180,6 +196,9 @@ class TrainConfig:
         if self.cluster.cross_host not in CROSS_HOST_MODES:
             problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
                             f"got {self.cluster.cross_host!r}")
+        if self.tracking.mode not in TRACKING_MODES:
+            problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
+                            f"got {self.tracking.mode!r}")
         if problems:
             raise ShardError(problems[0])
 

@@ -12,7 +12,8 @@ from shard.config.resolve import differences, load_file, resolve
 from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.sharding.mesh import MeshSpec, rename_mesh_file
-from shard.paths import CHECKPOINTS_DIR, TOKENIZER_DIR, RunDirLock, check_outside_checkpoints, remove_made_folders
+from shard.paths import (CHECKPOINTS_DIR, TOKENIZER_DIR, WANDB_ID, RunDirLock, check_outside_checkpoints,
+                         remove_made_folders)
 
 
 def compile_cache_dir(cfg: TrainConfig, run_dir: Path) -> Path | None:
@@ -26,7 +27,7 @@ def compile_cache_dir(cfg: TrainConfig, run_dir: Path) -> Path | None:
 
 
 # What a run writes; hidden entries (a stale .lock or start-up marker, .compile_cache, .DS_Store) never count.
-RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile")
+RUN_FILES = ("config.toml", "metrics.jsonl", "tb", CHECKPOINTS_DIR, "profile", WANDB_ID, "wandb")
 
 
 def holds_run(path: Path) -> bool:
@@ -50,7 +51,7 @@ def start_files() -> tuple[str, ...]:
     """What a fresh start writes before its first step is logged or saved."""
     from shard.run.hf import SIDE_DIR
 
-    return ("config.toml", SIDE_DIR, TOKENIZER_DIR, "metrics.jsonl", "tb")
+    return ("config.toml", SIDE_DIR, TOKENIZER_DIR, "metrics.jsonl", "tb", WANDB_ID, "wandb")
 
 
 def forget_unstarted_run(path: Path, found: set[str]) -> None:
@@ -88,8 +89,9 @@ def choose_run_dir(cfg: TrainConfig, mesh_spec: MeshSpec, resume: bool = False) 
                     theirs = resolve(load_file(str(path / "config.toml")))
                 except ShardError:
                     theirs = None
-                # how the processes meet, or where compiled programs are cached, is not the run's identity
-                ignore = ("run_dir", "cluster", "xla.compile_cache")
+                # how the processes meet, where compiled programs are cached, or where the run is tracked,
+                # is not the run's identity
+                ignore = ("run_dir", "cluster", "xla.compile_cache", "tracking")
                 diff = differences(theirs, cfg, ignore=ignore) if theirs else []
                 if diff:
                     key, there, here = diff[0]

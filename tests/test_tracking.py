@@ -115,3 +115,18 @@ def test_a_tracking_mode_wandb_does_not_know_is_refused():
     assert config.resolve(config.parse_sets(["tracking.tags=a,b"])).tracking.tags == ("a", "b")
     with pytest.raises(ShardError, match="tracking.mode must be online, offline, disabled"):
         config.resolve(config.parse_sets(["tracking.mode=ofline"]))
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, offline, monkeypatch):
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    result = invoke("train", *TINY, "--mesh", "8x1", "--wandb", "proj", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "W&B could not start a run for project 'proj' (api_key not configured" in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[-1] == result.output.strip().splitlines()[-1]
+    assert "Traceback" not in result.output

@@ -44,10 +44,16 @@ class WandbTracker(Observer):
 
     def on_start(self, run) -> None:
         t = self.cfg.tracking
-        self._run = self._wandb.init(
-            project=t.project, entity=t.entity or None, name=t.name or None, tags=list(t.tags) or None,
-            mode=t.mode or None, dir=str(self.run_dir), config=tomllib.loads(to_toml(self.cfg)),
-            id=run_id(self.run_dir), resume="allow")
+        try:
+            self._run = self._wandb.init(
+                project=t.project, entity=t.entity or None, name=t.name or None, tags=list(t.tags) or None,
+                mode=t.mode or None, dir=str(self.run_dir), config=tomllib.loads(to_toml(self.cfg)),
+                id=run_id(self.run_dir), resume="allow")
+        except Exception as e:  # noqa: BLE001 - not logged in, no network, a bad entity: wandb's own errors
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ShardError(f"W&B could not start a run for project {t.project!r} ({first}); log in with "
+                             "`wandb login`, or set tracking.mode=offline (WANDB_MODE=offline) and "
+                             "`wandb sync` later") from None
         self._run.summary.update(startup_summary(self.cfg, run))
 
     def on_log(self, record: dict) -> None:

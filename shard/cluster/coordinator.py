@@ -58,9 +58,27 @@ def start_service(bind_address: str, num_nodes: int, heartbeat_timeout: int = 10
     _check_port_free(bind_address)
     args = [bind_address, str(num_nodes), str(int(heartbeat_timeout)), str(int(shutdown_timeout)),
             str(os.getpid()), "1" if recoverable else "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "shard.cluster.coordinator", *args], stdin=subprocess.PIPE,
+    proc = subprocess.Popen(helper_command(*args), stdin=subprocess.PIPE, env=helper_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     return ServiceHandle(proc)
+
+
+def helper_command(*args: str) -> list[str]:
+    """The helper's command line. `-P`: the working directory is not put first on its import path, so a
+    `shard/` package in the folder a job starts from (an old clone, an untrusted checkout) is never
+    run in its place; `helper_env` names the folder of the shard that runs this process instead."""
+    return [sys.executable, "-P", "-m", "shard.cluster.coordinator", *args]
+
+
+def helper_env() -> dict[str, str]:
+    """The environment with this process's own shard first on PYTHONPATH."""
+    from pathlib import Path
+
+    import shard
+
+    root = str(Path(shard.__file__).resolve().parent.parent)
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([root, *rest]))
 
 
 def split_address(address: str) -> tuple[str, str]:

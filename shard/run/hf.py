@@ -339,7 +339,12 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
     if not files:
         raise ShardError(f"{path} holds no .safetensors files")
     tensors: dict = {}
+    inside = root.resolve()
     for f in files:
+        # the index names files of this folder only: not a path out of it, nor a link that leads out
+        if not (root / f).resolve().is_relative_to(inside):
+            raise ShardError(f"{index}: the weight_map names {f}, which is outside {path}; a model folder's "
+                             "index may name only its own files")
         if not (root / f).is_file():
             raise ShardError(f"{path}: the index names {f}, which is missing")
         try:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from shard.data.sources import EMBEDDED, embedded_corpus_files, folder_sources, glob_files, is_glob
+from shard.data.sources import EMBEDDED, embedded_corpus_files, folder_sources, glob_files, is_glob, read_text_bytes
 from shard.errors import ShardError
 
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
@@ -199,10 +199,7 @@ def read_chunk(chunk: Chunk, text_field: str = "text") -> list[str]:
 
 
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    if b"\0" in data[:65536]:  # text has no NUL bytes; images, archives and executables do
-        raise ShardError(f"data file {path} looks binary (it holds NUL bytes); give text files")
-    return data.decode("utf-8", errors="replace")
+    return read_text_bytes(path).decode("utf-8", errors="replace")
 
 
 def _read_jsonl(path: Path, start: int, stop: int, text_field: str) -> list[str]:

@@ -22,14 +22,16 @@ def embedded_corpus_files() -> list[Path]:
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
+def read_text_bytes(path: Path, instead: str = "give text files") -> bytes:
+    """A text file's bytes; one that looks binary is an error ending with `instead` (what to give)."""
+    data = path.read_bytes()
+    if b"\0" in data[:65536]:  # text has no NUL bytes; images, archives and executables do
+        raise ShardError(f"data file {path} looks binary (it holds NUL bytes); {instead}")
+    return data
+
+
 def _read_text_files(files: list[Path]) -> np.ndarray:
-    texts = []
-    for f in files:
-        text = f.read_bytes()
-        if b"\0" in text[:65536]:  # text has no NUL bytes; images, archives and executables do
-            raise ShardError(f"data file {f} looks binary (it holds NUL bytes); give text files, or tokens as "
-                             ".npy/.bin")
-        texts.append(text)
+    texts = [read_text_bytes(f, "give text files, or tokens as .npy/.bin") for f in files]
     return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
 
 

@@ -128,12 +128,12 @@ def absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     absolute: the saved config then names the same files wherever a resume starts from (a relative one
     read another folder's, or none). init_from is read only when the run has no checkpoint yet, so it is
     not checked here."""
-    from shard.data.sources import EMBEDDED, SYNTHETIC
+    from shard.data.sources import EMBEDDED, SYNTHETIC, is_glob
 
     def absolute(path: str, key: str) -> str:
         if path in ("", EMBEDDED, SYNTHETIC):
             return path
-        if any(c in path for c in "*?[") and not Path(path).exists():  # a glob: one source of its matches
+        if is_glob(path) and not Path(path).exists():  # a glob: one source of its matches
             if not globmod.glob(path, recursive=True):
                 raise ShardError(f"{key} {path} matches no file")
             return str(Path(path).absolute())

@@ -119,6 +119,16 @@ def test_signal_saves_the_current_step_and_resume_is_exact(reference, tmp_path, 
     assert first + second == ref_losses  # bitwise: no sample skipped or repeated, same optimizer state
 
 
+def test_a_signal_in_the_last_step_ends_the_run_as_done(reference, tmp_path):
+    """It said "stopped early ... continue with --resume", and the resume found nothing to do."""
+    cfg, ref_losses, _, _ = reference
+    stopper = StopOnSignal()
+    losses, run, ckpts = checkpointed_run(tmp_path, cfg, observers=[SignalAt(STEPS), stopper], every=0)
+    request_close(ckpts)
+    assert stopper.received == "SIGTERM" and run.stopped_at is None  # done, not stopped early
+    assert ckpts.steps() == [STEPS] and losses == ref_losses
+
+
 @pytest.mark.parametrize("at, stopped_at", [(3, 2), (7, None)])
 def test_a_signal_during_an_evaluation_ends_it_and_saves_that_step(tmp_path, at, stopped_at):
     """A SIGTERM that came during an evaluation waited for all of it, and then one more step: with
@@ -343,6 +353,46 @@ def test_a_negative_data_position_reads_as_unreadable(reference, tmp_path):
     meta.write_text(json.dumps(json.loads(meta.read_text()) | {"data_position": -5}))
     assert ckpts.restore_latest(spec).step == 10
     assert "negative data_position -5" in notices[0] and (ckpts.directory / "corrupt-12").is_dir()
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"step": "six"}, "meta's step is 'six', not an integer"),
+    ({"step": 6}, "meta says step 6, but the folder is named 12 (renamed?)"),
+    ({"data_position": 10**30}, "meta's data_position 1000000000000000000000000000000 is out of range"),
+    ({"seed": 1.5}, "meta's seed is 1.5, not an integer"),
+    ({"held_out_since": 13}, "meta's held_out_since 13 is out of range (0..12)"),
+])
+def test_a_meta_that_does_not_describe_its_step_is_set_aside_and_named(reference, tmp_path, change, says):
+    """The folder's name was trusted: checkpoints/6 renamed 60 resumed "from step 60"; "step": "six" and a
+    data_position of 10**30 (training on other data) were accepted."""
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    meta = ckpts.path(12) / "meta" / "metadata"
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | change))
+    assert ckpts.restore_latest(spec).step == 10
+    assert says in notices[0] and (ckpts.directory / "corrupt-12").is_dir(), notices
+
+
+def test_a_renamed_step_folder_is_set_aside_by_its_state_and_generate_refuses_it(reference, tmp_path):
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    ckpts.path(12).rename(ckpts.path(60))  # meta and state both say 12
+    meta = ckpts.path(60) / "meta" / "metadata"
+    r = invoke("generate", "--checkpoint", str(ckpts.directory), "--prompt-ids", "1", "--ids")
+    assert r.exit_code == 2 and "is damaged: meta says step 12, but the folder is named 60" in r.output, r.output
+    meta.write_text(json.dumps(json.loads(meta.read_text()) | {"step": 60}))  # the meta edited to match
+    ckpts._manager.reload()
+    assert ckpts.restore_latest(spec).step == 10
+    assert "its state is at step 12, but the folder is named 60" in notices[0], notices
+
+
+def test_a_file_where_a_step_folder_goes_is_set_aside_not_overwritten(reference, tmp_path):
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    restored = ckpts.restore_latest(spec)
+    (ckpts.directory / "14").write_text("my notes")
+    ckpts.save(14, restored.state, position=restored.position, seed=0, config_toml=restored.config_toml)
+    ckpts.wait()
+    assert (ckpts.directory / "corrupt-14").read_text() == "my notes"
+    assert notices == [f"{ckpts.path(14)} is a file, not a checkpoint step folder; set aside as corrupt-14"]
+    assert ckpts.steps()[-1] == 14 and (ckpts.path(14) / "state").is_dir()
 
 
 def test_a_checkpoint_that_reads_back_other_than_saved_is_set_aside(reference, tmp_path):

@@ -31,6 +31,7 @@ from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_
 from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerprint
 from shard.run.orbax_quiet import absl_quiet, configure_orbax
 from shard.run.read_failures import BAD, MACHINE, error_line, read_outcomes
+from shard.run.step_meta import meta_problem
 from shard.sharding.rules import path_str
 from shard.training.state import StateSpec, placed_router_bias
 from shard.training.observer import Observer
@@ -132,6 +133,9 @@ class Checkpoints:
             meta["tokens_seen"] = int(tokens_seen)
         if held_out_since is not None:
             meta["held_out_since"] = int(held_out_since)
+        if runtime.context().is_main and ((p := self.path(step)).is_symlink() or p.exists() and not p.is_dir()):
+            # not a step orbax wrote: its save would replace it in silence
+            self.notice(f"{p} is a file, not a checkpoint step folder; set aside as {self._move_aside(step).name}")
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         self._manager.save(step, args=args, metrics=metrics, force=True)
 
@@ -181,8 +185,10 @@ class Checkpoints:
     def _checked(self, step: int, out: dict) -> Restored:
         """What was read, checked: a data position, and each array's checksum against the saved one."""
         meta = out[META]
-        if int(meta["data_position"]) < 0:  # read as unreadable: restore_latest sets it aside
-            raise ValueError(f"meta has a negative data_position {meta['data_position']}")
+        if problem := meta_problem(meta, step):  # read as unreadable: restore_latest sets it aside
+            raise ValueError(problem)
+        if (at := int(np.asarray(out[STATE]["step"].addressable_data(0)))) != step:
+            raise ValueError(f"its state is at step {at}, but the folder is named {step} (renamed?)")
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
         if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
@@ -229,13 +235,18 @@ class Checkpoints:
 
     def _set_aside(self, step: int) -> None:
         if runtime.context().is_main:
-            target = self.directory / f"{CORRUPT_PREFIX}{step}"
-            n = 1
-            while target.exists():
-                target, n = self.directory / f"{CORRUPT_PREFIX}{step}.{n}", n + 1
-            self.path(step).rename(target)
+            self._move_aside(step)
         self._sync(f"set_aside_{step}")
         self._manager.reload()
+
+    def _move_aside(self, step: int) -> Path:
+        """Rename what stands at `step` to corrupt-<step> (corrupt-<step>.N when that is taken)."""
+        target = self.directory / f"{CORRUPT_PREFIX}{step}"
+        n = 1
+        while target.exists() or target.is_symlink():
+            target, n = self.directory / f"{CORRUPT_PREFIX}{step}.{n}", n + 1
+        self.path(step).rename(target)
+        return target
 
     @staticmethod
     def _sync(name: str) -> None:
@@ -360,6 +371,8 @@ def read_model_state(checkpoint: Path | str, router_bias: bool = True) -> tuple[
     config = meta.get("config")
     if not isinstance(config, str):
         raise ShardError(f"cannot read checkpoint {directory / str(step)}: its {META}/ holds no readable config")
+    if problem := meta_problem(meta, step):
+        raise ShardError(f"checkpoint {directory / str(step)} is damaged: {problem}; give an older step's dir")
     checkpoints = Checkpoints(directory, read_only=True)
     try:
         stored = checkpoints.stored_tree(step)

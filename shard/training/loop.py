@@ -193,6 +193,6 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         if saving:  # nor is a checkpoint's blocking part (the device waits: its steps were synced above)
             saving_s += time.perf_counter() - before
         if stopping:
-            run.stopped_at = i
+            run.stopped_at = i if i < cfg.steps else None  # a signal in the last step: the run is done
             break
     return records

@@ -475,6 +475,9 @@ def test_a_damaged_newest_step_is_named_not_skipped(reference, tmp_path):
     shutil.rmtree(ckpts.path(12))
     (ckpts.directory / "2025").write_text("a stray file, not a step")
     assert find_checkpoint(ckpts.directory) == (ckpts.directory, 10)
+    ckpts.path(10).rename(ckpts.directory / "corrupt-10")  # as a resume sets one aside
+    with pytest.raises(ShardError, match=r"corrupt-10 is a checkpoint step that was set aside as damaged"):
+        find_checkpoint(ckpts.directory / "corrupt-10")
 
 
 def test_closed_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):

@@ -116,6 +116,12 @@ def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
                "--run-dir", tmp_path / "ft")
     assert r.exit_code == 0, r.output
     assert f"data.seq_len 32 is beyond the 16 positions {short} was made for" in r.output, r.output
+    # generate samples past them too: said once, before the tokens
+    r = invoke("generate", short, "--prompt-ids", "5,17,99", "--max-new-tokens", 20, "--temperature", 0, "--ids",
+               "--mesh", "8x1")
+    assert r.exit_code == 0, r.output
+    said = f"the prompt and --max-new-tokens reach position 23, beyond the 16 positions {short} was made for"
+    assert r.output.count(said) == 1 and len(r.output.split(said, 1)[1].split()) > 20, r.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -164,6 +170,11 @@ def test_shape_mismatch_names_the_parameter(imported, tmp_path):
 def test_bad_generate_input(imported, args, message):
     r = invoke("generate", "--checkpoint", imported, "--max-new-tokens", 2, "--mesh", "8x1", *args)
     assert r.exit_code == 2 and message in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_an_empty_prompt_is_one_line_with_no_blank_line_before_it(imported):
+    r = invoke("generate", "--checkpoint", imported, "--max-new-tokens", 2, "--mesh", "8x1", "--prompt", "")
+    assert r.exit_code == 2 and r.output.startswith("error: the prompt is empty"), repr(r.output)
 
 
 def test_an_error_while_generating_starts_its_own_line(imported, monkeypatch):

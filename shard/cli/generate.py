@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from shard.cli.options import CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, host_jax
+from shard.cli.options import (CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, host_jax,
+                               warn)
 from shard.errors import ShardError
 from shard.observe.console import err_console
 
@@ -65,11 +66,24 @@ def generate(
     tcfg = dataclasses.replace(tcfg, model=model_cfg)
     layout = make_layout(tcfg, mesh_spec, devices)
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
-    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout,
-                    max_len=max(len(p) for p in prompts) + max_new_tokens,
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    _warn_past_positions(checkpoint, max_len)
+    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout, max_len=max_len,
                     router_bias=place_router_bias(router_bias, spec))
     for n, p in enumerate(prompts):
         _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
+
+
+def _warn_past_positions(source: str, length: int) -> None:
+    """Once, as `train --seq` does: sampling past the positions the weights were made for goes on
+    in positions new to the model."""
+    from shard.run.hf import positions_made_for
+
+    limit = positions_made_for(source)
+    if limit is not None and length > limit:
+        warn(f"the prompt and --max-new-tokens reach position {length}, beyond the {limit} positions {source} "
+             "was made for (max_position_embeddings in its config.json): the tokens past it come from positions "
+             "new to the model")
 
 
 def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, tokenizer, skip: int = 0) -> None:
@@ -77,8 +91,12 @@ def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, to
     text as it decodes (the prompt's first `skip` ids, a BOS, not shown). A token that ends inside a
     character (bytes, byte-level BPE) waits for the next: the text is decoded whole each time, and
     what was not yet shown is printed once it no longer ends in U+FFFD."""
+    shown = ""  # what is on the line so far
     if tokenizer is None:
-        emit = lambda t: print(t, end=" ", flush=True)  # noqa: E731
+        def emit(token: int) -> None:
+            nonlocal shown
+            shown = f"{token} "
+            print(shown, end="", flush=True)
     else:
         ids = list(prompt[skip:])
         shown = tokenizer.decode(ids)
@@ -94,7 +112,8 @@ def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, to
     try:
         gen.generate(prompt, max_new_tokens, sampling, seed=seed, on_token=emit)
     except BaseException:  # out of memory, Ctrl-C: the error line starts on a line of its own
-        print(flush=True)
+        if shown:
+            print(flush=True)
         raise
     rest = "" if tokenizer is None else tokenizer.decode(ids)[len(shown):]  # an unfinished character: U+FFFD
     print(rest, flush=True)

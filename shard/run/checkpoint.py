@@ -344,6 +344,9 @@ def find_checkpoint(path: Path | str) -> tuple[Path, int]:
     steps = step_dirs(p)
     complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
     if not complete:
+        if p.name.startswith(CORRUPT_PREFIX) and p.name.removeprefix(CORRUPT_PREFIX).split(".")[0].isdigit():
+            raise ShardError(f"{path} is a checkpoint step that was set aside as damaged (unreadable, or not what "
+                             "its meta describes, when a run resumed); give another step's dir")
         if (p / "_CHECKPOINT_METADATA").is_file() and not steps:
             raise ShardError(f"{path} is a plain orbax checkpoint (what shard export writes), not a training "
                              "checkpoint; give a run dir, its checkpoints/ dir or a step's dir")

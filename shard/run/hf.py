@@ -400,16 +400,23 @@ def side_files_of(source: str | Path) -> Path | None:
     return side if side.is_dir() else None
 
 
-def context_note(source: str | Path, seq_len: int) -> str | None:
-    """A notice when `seq_len` is beyond the positions the weights at `source` were made for (the
-    max_position_embeddings of their config.json: a Hugging Face folder's, or the one a shard checkpoint
-    imported from one keeps); None otherwise, or when nothing says."""
+def positions_made_for(source: str | Path) -> int | None:
+    """The positions the weights at `source` were made for: the max_position_embeddings of their
+    config.json (a Hugging Face folder's, or the one a shard checkpoint imported from one keeps); None
+    when nothing says."""
     try:
         side = side_files_of(source)
         limit = read_json(side / "config.json").get("max_position_embeddings") if side else None
     except (ShardError, OSError):
         return None
-    if not isinstance(limit, int) or isinstance(limit, bool) or seq_len <= limit:
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def context_note(source: str | Path, seq_len: int) -> str | None:
+    """A notice when `seq_len` is beyond the positions the weights at `source` were made for; None
+    otherwise, or when nothing says."""
+    limit = positions_made_for(source)
+    if limit is None or seq_len <= limit:
         return None
     return (f"data.seq_len {seq_len} is beyond the {limit} positions {source} was made for "
             "(max_position_embeddings in its config.json): the positions past it are new to the model; a longer "

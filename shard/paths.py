@@ -78,8 +78,10 @@ def write_text_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a write's or fsync's error names no file
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 

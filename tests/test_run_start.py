@@ -137,3 +137,27 @@ def test_the_other_processes_claim_and_write_nothing(tmp_path):
     claim.write_start("steps = 3\n")
     claim.forget_unstarted()
     assert not path.exists()
+
+
+def test_a_first_start_the_full_disk_stops_names_the_file_and_leaves_no_run_dir(tmp_path, monkeypatch):
+    """config.toml's write failed in fsync, as a full disk fails it: "error: OSError: [Errno 28] No space
+    left on device" named no file, and an empty run dir stayed behind."""
+    import errno
+    import os
+
+    from shard.cli.app import user_error
+
+    claim = RunDirClaim(tmp_path / "runs" / "a", main=True)
+    claim.hold()
+    claim.claim()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        claim.write_start("seed = 0\n")
+    assert str(user_error(e.value)) == f"{tmp_path / 'runs' / 'a' / 'config.toml'}: No space left on device"
+    claim.forget_unstarted()
+    claim.release()
+    assert list(tmp_path.iterdir()) == []

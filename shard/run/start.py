@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shard import config as config_mod
 from shard.errors import ShardError
-from shard.paths import CHECKPOINTS_DIR, RunDirLock, globless, write_text_atomic
+from shard.paths import CHECKPOINTS_DIR, RunDirLock, globless, remove_made_folders, write_text_atomic
 from shard.run.resume import check_hf_model_is_preset, init_from_base, resume_base, resume_changes
 from shard.run.run_dir import choose_run_dir, forget_unstarted_run, holds_run, start_files
 from shard.sharding.mesh import MeshSpec, devices_needed, rename_mesh_file, split_mesh_file
@@ -236,6 +236,7 @@ class RunDirClaim:
         self.path, self.main = path, main
         self.lock = RunDirLock(path)
         self.existed = path.is_dir()
+        self.made = [p for p in (path.absolute(), *path.absolute().parents) if not p.exists()]  # deepest first
         self.found: set[str] = set()  # of the files a start writes, those that were there before it
 
     def hold(self) -> None:
@@ -243,7 +244,11 @@ class RunDirClaim:
             self.lock.acquire()
 
     def release(self) -> None:
+        """Unlock; a run dir this start made and left empty (it failed before writing, on a full disk)
+        goes, with the folders made for it."""
         self.lock.release()
+        if self.main:
+            remove_made_folders(self.made)
 
     def claim(self) -> None:
         """Make the run dir and lock it, unless another shard train started a run in it while this one

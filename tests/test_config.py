@@ -46,6 +46,7 @@ def test_set_overrides_with_types():
     ("steps=2147483648", r"steps must be positive and below 2\*\*31, got 2147483648"),
     # past int64 it was a traceback from XLA, parsing an argument to a jitted computation
     ("model.n_experts=99999999999999999999", r"model.n_experts must be 0 \(dense\) or more and below 2\*\*31"),
+    ("cluster.bind=0.0.0.0/0 ", r"cluster.bind must be auto, loopback, all or a network interface's name"),
 ])
 def test_bad_sets(item, message):
     if item.startswith("optimizer.grad_clip"):

@@ -156,7 +156,8 @@ def test_two_processes_match_one(tmp_path, reference):
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "mesh data=2,model=4 on 8 cpu device(s) in 2 processes" in out0
     assert "simulating 4 CPU devices in each of 2 processes" in err0
-    assert own_lines(out1) == [] and "simulating" not in err1  # only process 0 prints
+    assert out1 == "" and "simulating" not in err1  # only process 0 prints
+    assert "Gloo" not in out0 + err0 + err1  # gloo's connection banner is dropped
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
 
 
@@ -611,11 +612,14 @@ def test_a_process_stops_even_when_its_stderr_is_gone(monkeypatch):
     with pytest.raises(Exited) as exited:
         runtime._lost("lost process 1 of 2", 3)
     assert exited.value.args == (3,) and left == [True]
-    waited = threading.Thread(target=runtime.wait_if_stopping, daemon=True)
+    waits = []
+    monkeypatch.setattr(runtime, "_wait_for_exit", lambda: waits.append(threading.get_ident()))
+    waited = threading.Thread(target=runtime.wait_if_stopping)
     waited.start()
-    waited.join(5)
-    assert waited.is_alive()  # another thread waits for the stopping one to exit the process
+    waited.join()
+    assert waits == [waited.ident]  # another thread waits for the stopping one to exit the process
     runtime.wait_if_stopping()  # the stopping thread itself goes on
+    assert waits == [waited.ident]
 
 
 def test_a_reason_without_an_exit_code_is_still_named(monkeypatch):
@@ -684,3 +688,38 @@ def test_eval_data_on_one_process_only_is_a_config_difference(tmp_path):
     (rc0, _, err0), (rc1, _, err1) = _two(tmp_path, base, [*base, "--set", f"eval.path={tmp_path / 'held.txt'}"])
     assert rc0 == 2 and rc1 == 2, err0[-2000:] + err1[-2000:]
     assert "eval.path is '' on process 0, '<files>' here" in err1, err1[-2000:]
+
+
+@pytest.mark.parametrize("launcher, env, bind, dialled, bound, gloo", [
+    # every process on this host: the service and gloo listen on the loopback interface only
+    ("explicit", {}, "auto", "127.0.0.1:{p}", "127.0.0.1:{p}", ("127.0.0.1", None)),
+    ("slurm", {"SLURM_STEP_NUM_NODES": "1"}, "auto", "127.0.0.1:{p}", "127.0.0.1:{p}", ("127.0.0.1", None)),
+    # across hosts: every interface, as JAX does (the processes dial the first node's name)
+    ("slurm", {"SLURM_STEP_NUM_NODES": "2"}, "auto", "node1:{p}", "[::]:{p}", (None, None)),
+    ("explicit", {}, "all", "127.0.0.1:{p}", "[::]:{p}", (None, None)),
+    ("slurm", {"SLURM_STEP_NUM_NODES": "2"}, "lo", "node1:{p}", "127.0.0.1:{p}", (None, "lo")),
+    ("explicit", {"JAX_COORDINATOR_BIND_ADDRESS": "0.0.0.0:9"}, "auto", "127.0.0.1:{p}", "0.0.0.0:9", ("127.0.0.1", None)),
+])
+def test_the_coordinator_and_gloo_listen_on_loopback_when_every_process_is_local(monkeypatch, launcher, env, bind,
+                                                                                 dialled, bound, gloo):
+    """They listened on every interface ([::]:PORT, unauthenticated) and the host's external address,
+    also for a job whose processes all run on one host."""
+    import jax
+
+    from shard.cluster import gloo as gloo_mod
+    from shard.cluster import join, runtime
+    from shard.cluster.launch import ClusterSpec
+
+    port = 7777
+    for key in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "JAX_COORDINATOR_BIND_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cluster = ClusterSpec(launcher, 2, 0, f"127.0.0.1:{port}" if launcher == "explicit" else None)
+    monkeypatch.setattr(runtime, "detected_cluster", lambda method, timeout: (f"node1:{port}", 2, 0, None))
+    listened, joined = [], []
+    monkeypatch.setattr(gloo_mod, "listen_on", lambda host, iface: listened.append((host, iface)))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda address, *a, coordinator_bind_address, **kw:
+                        joined.append((address, coordinator_bind_address)))
+    join._initialize(cluster, 10, 10, bind, join.one_host(cluster))
+    assert joined == [(dialled.format(p=port), bound.format(p=port))] and listened == [gloo]

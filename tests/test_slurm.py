@@ -74,13 +74,15 @@ def slurm(tmp_path_factory):
     try:
         for cmd in ([_which("slurmctld"), "-D", "-f", str(conf)], [_which("slurmd"), "-D", "-N", "localhost", "-f", str(conf)]):
             started.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for _ in range(300):
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.strip()
-            if state == "idle":
-                break
+        # until the node is idle, or a daemon has exited (a configuration it refuses): a cluster that
+        # cannot start fails the tests rather than skipping them; the bound only keeps a hang finite
+        deadline = time.monotonic() + 300
+        while (state := subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                                       text=True).stdout.strip()) != "idle":
+            exited = [(Path(p.args[0]).name, p.returncode) for p in started if p.poll() is not None]
+            if exited or time.monotonic() > deadline:
+                pytest.fail(f"the one-node SLURM cluster did not start (state {state!r}; daemons exited: {exited})")
             time.sleep(0.1)
-        else:
-            pytest.skip(f"the one-node SLURM cluster did not become idle (state {state!r})")
         yield env
     finally:
         for p in started:

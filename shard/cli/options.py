@@ -58,7 +58,7 @@ def overrides(from_file: dict, sets: list[str] | None, base: dict | None = None,
                  "simulate_devices": "mesh.simulate_devices", "log_every": "log_every",
                  "compile_cache": "xla.compile_cache",
                  "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
-                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout",
+                 "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout", "bind": "cluster.bind",
                  "eval_every": "eval.every", "init_from": "init_from", "tokenizer": "data.tokenizer",
                  "packing": "data.packing", "wandb": "tracking.project"}
     if flags.get("run_dir") is not None and not flags["run_dir"].strip():

@@ -60,6 +60,7 @@ def train(
     process_id: Annotated[int | None, typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")] = None,
     cross_host: Annotated[str | None, typer.Option("--cross-host", help="xla: one global mesh (default) | mpi: local meshes + MPI all-reduce")] = None,
     failure_timeout: Annotated[float | None, typer.Option("--failure-timeout", help="seconds before a silent process counts as lost (default 60)")] = None,
+    bind: Annotated[str | None, typer.Option("--bind", help="where the coordinator and gloo listen: auto (loopback when every process is on this host) | loopback | all | an interface (eth1)")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out loss every N steps, on the eval.processes first processes")] = None,
     wandb: Annotated[str | None, typer.Option(
         "--wandb", help="log to this Weights & Biases project (needs shard[wandb]; [tracking] sets the rest)")] = None,
@@ -76,7 +77,7 @@ def train(
     cluster = cluster_mod.spec(os.environ, coordinator, num_processes, process_id)
     defaults = config_mod.ClusterConfig()  # until the config is read
     runtime.expect(cluster, cross_host or defaults.cross_host, failure_timeout or defaults.failure_timeout,
-                   defaults.join_timeout)
+                   defaults.join_timeout, bind or defaults.bind)
     if allow_fresh and not resume:
         raise ShardError("--allow-fresh goes with --resume (a start that may find no checkpoint yet); without "
                          "--resume every start is fresh")
@@ -85,7 +86,7 @@ def train(
     flags = dict(mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed, run_dir=run_dir,
                  simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
                  checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host,
-                 failure_timeout=failure_timeout, eval_every=eval_every, init_from=init_from, tokenizer=tokenizer,
+                 failure_timeout=failure_timeout, bind=bind, eval_every=eval_every, init_from=init_from, tokenizer=tokenizer,
                  packing=packing, wandb=wandb)
     start = resolve_start(lambda base: overrides(from_file, set_, base, **flags), from_file, set_, run_dir=run_dir,
                           init_from=init_from, resume=resume, allow_fresh=allow_fresh, cluster=cluster, notice=warn)

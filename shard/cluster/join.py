@@ -5,12 +5,15 @@ the runtime's native abort. shard.cluster.runtime.start() calls it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 
 from shard.cluster.coordinator import service_in_helper, split_address
+from shard.cluster import listen
 from shard.cluster.launch import ClusterSpec
+from shard.cluster.listen import AUTO, is_loopback
 from shard.cluster.mpi import mpi_world
 from shard.errors import ShardError, first_line
 
@@ -23,7 +26,7 @@ class JoinStuck(ShardError):
     abort the process natively later: an orderly exit would wait with it."""
 
 
-def connect(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -> None:
+def connect(cluster: ClusterSpec, failure_timeout: float, join_timeout: float, bind: str = AUTO) -> None:
     """`jax.distributed.initialize`, waited for at most the join timeout. The runtime's own deadline
     ends in a native abort (a C++ check failure, exit 134), so the join runs in a thread and the
     runtime's deadline comes later (`_JOIN_GRACE`): this one gives up first, with JoinStuck; Ctrl-C
@@ -33,14 +36,13 @@ def connect(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -
     # Recoverable tasks: a lost process no longer aborts every other one from inside the runtime, so
     # the watchdog can stop them with an error that names it.
     jax.config.update("jax_enable_recoverability", True)
-    if cluster.launcher == "mpi":
-        mpi_world()  # MPI starts in this thread, the one that makes the later MPI calls
+    local = one_host(cluster)  # under MPI: MPI starts in this thread, the one that makes the later MPI calls
     outcome: list[BaseException | None] = []
 
     def run():
         try:
             with service_in_helper():  # process 0's service outlives process 0, so its loss is reported
-                _initialize(cluster, join_timeout, max(1, int(failure_timeout)))
+                _initialize(cluster, join_timeout, max(1, int(failure_timeout)), bind, local)
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             outcome.append(e)
@@ -68,26 +70,48 @@ def connect(cluster: ClusterSpec, failure_timeout: float, join_timeout: float) -
         raise error
 
 
-def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: int) -> None:
+def one_host(cluster: ClusterSpec) -> bool:
+    """Whether every process of the job runs on this host: a loopback --coordinator, srun on one node,
+    or mpiexec whose ranks all name this host."""
+    import socket
+
+    if cluster.launcher == "explicit":
+        return is_loopback(split_address(cluster.coordinator)[0])
+    if cluster.launcher == "mpi":
+        return len(set(mpi_world().allgather(socket.gethostname()))) == 1
+    return os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES")) == "1"
+
+
+def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: int, bind: str = AUTO,
+                local: bool = False) -> None:
     import jax
+
+    from shard.cluster import gloo
+    from shard.cluster.runtime import detected_cluster
 
     # The runtime's deadline comes after connect's, so that connect reports a join that never completes.
     kwargs = {"initialization_timeout": int(join_timeout + 2 * _JOIN_GRACE),
               "heartbeat_timeout_seconds": heartbeat_timeout}
     if cluster.launcher == "explicit":
-        if cluster.process_id != 0:
-            _wait_for_coordinator(cluster.coordinator, join_timeout)
-        else:  # it serves on every interface, but the others dial this name: it must resolve
-            _check_resolves(cluster.coordinator)
-        jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
-                                   cluster_detection_method="deactivate", **kwargs)
-    elif cluster.launcher == "mpi":
-        # Under mpiexec, initialize() without arguments finds no coordinator; mpi4py's detection
-        # has rank 0 pick a free port and broadcast it.
-        mpi_world()
-        jax.distributed.initialize(cluster_detection_method="mpi4py", **kwargs)
+        address, count, rank, device_ids = cluster.coordinator, cluster.num_processes, cluster.process_id, None
     else:
-        jax.distributed.initialize(**kwargs)  # SLURM: JAX reads the step's node list and task ids
+        # Under mpiexec, JAX's own detection finds no coordinator; mpi4py's has rank 0 pick a free port
+        # and broadcast it. SLURM: JAX reads the step's node list and task ids.
+        if cluster.launcher == "mpi":
+            mpi_world()
+        address, count, rank, device_ids = detected_cluster("mpi4py" if cluster.launcher == "mpi" else None,
+                                                            int(join_timeout))
+    where = listen.plan(bind, address, local, main=rank == 0)
+    if cluster.launcher == "explicit":
+        if rank != 0:
+            _wait_for_coordinator(where.coordinator, join_timeout)
+        else:  # the others dial this name: it must resolve
+            _check_resolves(where.coordinator)
+    gloo.listen_on(where.gloo_host, where.gloo_interface)
+    jax.distributed.initialize(where.coordinator, count, rank, local_device_ids=device_ids,
+                               cluster_detection_method="deactivate",
+                               coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or where.service,
+                               **kwargs)
 
 
 def _unknown_host(address: str, e: OSError) -> ShardError:

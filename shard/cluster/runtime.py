@@ -62,7 +62,7 @@ class Context:
 
 
 _ctx = Context()
-_expected: tuple[ClusterSpec, str, float, float] | None = None  # expect(): to join, and how
+_expected: tuple[ClusterSpec, str, float, float, str] | None = None  # expect(): to join, and how
 _join_stuck = False  # a join that was given up still waits inside the runtime
 _stopping = threading.Lock()  # held by the thread that stops this process (_stop_once)
 _stopper: int | None = None  # that thread's id
@@ -73,17 +73,17 @@ def context() -> Context:
 
 
 def expect(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
-           join_timeout: float = 300.0) -> None:
+           join_timeout: float = 300.0, bind: str = "auto") -> None:
     """Note the cluster this process is about to join (None: one process, or forget it). A process
     that stops on an error of its own before joining then still reaches the others
     (`leave_on_error`), who would otherwise wait for it until the join timeout and stop without
     knowing why."""
     global _expected
-    _expected = (cluster, cross_host, failure_timeout, join_timeout) if cluster is not None else None
+    _expected = (cluster, cross_host, failure_timeout, join_timeout, bind) if cluster is not None else None
 
 
 def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: float = 60.0,
-          join_timeout: float = 300.0) -> Context:
+          join_timeout: float = 300.0, bind: str = "auto") -> Context:
     """Join the cluster (before JAX's backends start) and return the context; one process: no-op.
 
     A ShardError from a join that did not complete within `join_timeout` leaves the runtime waiting in
@@ -110,10 +110,13 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     import jax
 
     try:
-        connect(cluster, failure_timeout, join_timeout)
+        connect(cluster, failure_timeout, join_timeout, bind)
     except JoinStuck:
         _join_stuck = True  # leave_on_error exits at once
         raise
+    from shard.cluster import gloo
+
+    gloo.drop_banner()  # gloo connects (and prints) once the CPU backend starts
     _ctx = Context(XLA, jax.process_index(), jax.process_count(), failure_timeout)
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
@@ -203,6 +206,19 @@ def leave_on_error(message: str, code: int) -> None:
         os._exit(code)
 
 
+def detected_cluster(method: str | None, timeout: int) -> tuple[str, int, int, list[int] | None]:
+    """(coordinator address, process count, this process's id, local device ids) as JAX's launcher
+    detection finds them (`method`: "mpi4py", or None for the environment's: SLURM); JAX_COORDINATOR_ADDRESS
+    and JAX_COORDINATOR_PORT win, as in `jax.distributed.initialize`."""
+    from jax._src import clusters
+
+    found = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, None, method, timeout)
+    if None in found[:3]:
+        raise ShardError("the launcher's environment names no coordinator, process count or process id")
+    return found
+
+
 def _stop_helper_service() -> None:
     """Process 0 after a join it gave up: stop its coordination service's helper, which would otherwise
     serve on (and hold the port) for twice the failure timeout. At once: the join never completed, so
@@ -242,7 +258,7 @@ def _wait_for_the_others_to_leave(ctx: Context) -> None:
 
 def _join_to_leave(code: int) -> None:
     """Join the expected cluster only to leave it (leave_on_error); exit `code` when that fails."""
-    cluster, cross_host, failure_timeout, join_timeout = _expected
+    cluster, cross_host, failure_timeout, join_timeout, bind = _expected
     if cluster.launcher == "mpi" or cross_host == MPI:
         with contextlib.suppress(ShardError):  # no mpi4py: nothing to tell the others with
             _mpi_abort(code)
@@ -250,7 +266,7 @@ def _join_to_leave(code: int) -> None:
     sys.stderr.write(f"waiting up to {join_timeout:g}s for the other {cluster.num_processes - 1} process(es) to "
                      "join, to tell them why this one stops\n")
     try:
-        start(cluster, XLA, failure_timeout, join_timeout)
+        start(cluster, XLA, failure_timeout, join_timeout, bind)
     except BaseException:  # noqa: BLE001 - this process is stopping on its own error already
         sys.stderr.flush()
         os._exit(code)
@@ -296,7 +312,12 @@ def wait_if_stopping() -> None:
     """If another thread is stopping this process (it found a process lost, or this one failed), wait
     for it to exit: an error in this thread is then a consequence (a collective cut short), not news."""
     if _stopping.locked() and _stopper != threading.get_ident():
-        threading.Event().wait()
+        _wait_for_exit()
+
+
+def _wait_for_exit() -> None:
+    """Block this thread until the thread that is stopping the process exits it."""
+    threading.Event().wait()
 
 
 def _stop_once() -> None:
@@ -304,7 +325,7 @@ def _stop_once() -> None:
     both find a lost process) waits here for its exit, so one line is printed."""
     global _stopper
     if not _stopping.acquire(blocking=False):
-        threading.Event().wait()
+        _wait_for_exit()
     _stopper = threading.get_ident()
 
 

@@ -2,6 +2,7 @@
 `TrainConfig.validate` checks once the config is whole (shard.config.resolve fills it in).
 """
 
+import re
 import math
 from dataclasses import dataclass, field
 
@@ -113,6 +114,9 @@ class ClusterConfig:
     failure_timeout: float = 60.0  # seconds before a silent process counts as lost and the others stop
     join_timeout: float = 300.0  # seconds the processes wait for each other (and the coordinator) at start
     bucket_mb: float = 64.0  # MPI bridge: gradients cross hosts in buckets of at most this size
+    # where the coordination service and gloo listen: auto (loopback when every process is on this host,
+    # else every interface) | loopback | all | a network interface's name (see docs/cluster.md)
+    bind: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,9 @@ class TrainConfig:
         if self.cluster.cross_host not in CROSS_HOST_MODES:
             problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
                             f"got {self.cluster.cross_host!r}")
+        if self.cluster.bind not in ("auto", "loopback", "all") and not re.fullmatch(r"[\w.:-]{1,15}", self.cluster.bind):
+            problems.append("cluster.bind must be auto, loopback, all or a network interface's name (eth1, ib0), "
+                            f"got {self.cluster.bind!r}")
         if self.tracking.mode not in TRACKING_MODES:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")

@@ -172,7 +172,8 @@ def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cach
     n_proc = cluster.num_processes if cluster else 1
     wanted = _devices_per_process(cfg, mesh_spec, n_proc)
     asked = request_host_devices(wanted)
-    ctx = runtime.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
+    ctx = runtime.start(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout,
+                        cfg.cluster.bind)
     import jax
 
     from shard.startup.imports import import_flax

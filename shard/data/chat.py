@@ -86,6 +86,10 @@ class ChatRenderer:
                              f"({type(e).__name__}: {detail})") from None
         return rendered[0]
 
+    def prompt(self, messages: list[dict]) -> str:
+        """The text a model answers the conversation from (rendered with add_generation_prompt)."""
+        return self._render(messages, 1, True)
+
     def pieces(self, messages: list[dict], line: int, trained_from: int = 0) -> list[tuple[str, bool]]:
         """The conversation's rendering cut into (text, trained) pieces: the assistant turns at or after
         message `trained_from` trained, the rest not."""

@@ -60,7 +60,7 @@ def overrides(from_file: dict, sets: list[str] | None, base: dict | None = None,
                  "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
                  "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout", "bind": "cluster.bind",
                  "eval_every": "eval.every", "init_from": "init_from", "tokenizer": "data.tokenizer",
-                 "packing": "data.packing", "wandb": "tracking.project"}
+                 "packing": "data.packing", "wandb": "tracking.project", "task": "task"}
     if flags.get("run_dir") is not None and not flags["run_dir"].strip():
         raise ShardError("empty --run-dir: name a folder, or leave the flag out for runs/<model>-<mesh>-<time>")
     if flags.get("simulate_devices") is not None and flags["simulate_devices"] <= 0:

@@ -52,6 +52,8 @@ def train(
         "--allow-fresh", help="with --resume: start from step 0 when there is no checkpoint yet")] = False,
     init_from: Annotated[str | None, typer.Option(
         "--init-from", help="start from these weights (a shard checkpoint or a Hugging Face folder)")] = None,
+    task: Annotated[str | None, typer.Option(
+        "--task", help="pretrain (default) | sft: chat rows, loss on assistant turns | dpo: preference pairs")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     simulate_devices: SimOpt = None,
@@ -86,8 +88,8 @@ def train(
     flags = dict(mesh=mesh, model=model, steps=steps, batch=batch, seq=seq, data=data, seed=seed, run_dir=run_dir,
                  simulate_devices=simulate_devices, log_every=log_every, compile_cache=compile_cache,
                  checkpoint_every=checkpoint_every, keep=keep, cross_host=cross_host,
-                 failure_timeout=failure_timeout, bind=bind, eval_every=eval_every, init_from=init_from, tokenizer=tokenizer,
-                 packing=packing, wandb=wandb)
+                 failure_timeout=failure_timeout, bind=bind, eval_every=eval_every, init_from=init_from,
+                 tokenizer=tokenizer, packing=packing, wandb=wandb, task=task)
     start = resolve_start(lambda base: overrides(from_file, set_, base, **flags), from_file, set_, run_dir=run_dir,
                           init_from=init_from, resume=resume, allow_fresh=allow_fresh, cluster=cluster, notice=warn)
     if start.cfg.tracking.project and (cluster is None or cluster.process_id == 0):  # before anything compiles
@@ -178,7 +180,10 @@ class _Run:
         from shard.training.state import warmup_steps
 
         cfg, window = self.cfg, self.window
-        run = prepare(cfg, devices, restore=restore)
+        reference = None  # a resumed DPO run's reference: the weights it started from
+        if cfg.task == "dpo" and cfg.init_from:
+            reference = restore_source(None, False, False, cfg.init_from, cfg.seed, _notice)
+        run = prepare(cfg, devices, restore=restore, reference=reference)
         if cfg.init_from and not run.start_step and restore is not None:
             _notice(f"initialised from {cfg.init_from}")
         if run.start_step:

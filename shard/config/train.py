@@ -151,6 +151,19 @@ TRACKING_MODES = ("", "online", "offline", "disabled")
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation (task = "dpo"): `beta` scales the log-probability ratios against
+    the reference model (the weights the run starts from)."""
+
+    beta: float = 0.1
+
+
+# pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
+# dpo: preference pairs against the starting weights (docs/finetuning.md)
+TASKS = ("pretrain", "sft", "dpo")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -164,6 +177,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -176,6 +190,7 @@ class TrainConfig:
     # Weights a fresh start begins from (a shard checkpoint or a Hugging Face folder); a resume that finds
     # a checkpoint of its own reads that instead.
     init_from: str = ""
+    task: str = "pretrain"  # one of TASKS
 
     def validate(self) -> None:
         problems = list(self.model.validate()) + _out_of_range(self)
@@ -206,8 +221,24 @@ class TrainConfig:
         if self.tracking.mode not in TRACKING_MODES:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
+        problems.extend(_task_problems(self))
         if problems:
             raise ShardError(problems[0])
+
+
+def _task_problems(cfg: "TrainConfig") -> list[str]:
+    """What fine-tuning (task sft or dpo) does not combine with."""
+    if cfg.task not in TASKS:
+        return [f"task must be one of {', '.join(TASKS)}, got {cfg.task!r}"]
+    if cfg.task == "pretrain":
+        return []
+    if cfg.eval.every:
+        return [f"task {cfg.task} has no held-out evaluation yet: leave out eval.every (--eval-every)"]
+    if cfg.task == "dpo" and cfg.data.batch % 2:
+        return [f"task dpo reads preference pairs, two sequences each: data.batch ({cfg.data.batch}) must be even"]
+    if cfg.task == "dpo" and cfg.data.microbatches != 1:
+        return ["task dpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    return []
 
 
 def _eval_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConfig) -> list[str]:
@@ -246,6 +277,7 @@ _RANGES = {
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
+    "dpo.beta": _POSITIVE,
 }
 
 

@@ -78,6 +78,8 @@ class Samples:
     ~75 us a row in its per-element bookkeeping: 1.2 ms of host time per 16-row batch.)
     """
 
+    loss_masked = False  # its batches carry a `loss_mask` (fine-tuning: shard.data.finetune)
+
     def __init__(self, source, order, seq_len: int | None = None):  # order: a grain.MapDataset of row indices, or None
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
         self.seq_len = seq_len if seq_len is not None else getattr(source, "seq_len", None)
@@ -234,7 +236,12 @@ def held_out_share(cfg) -> float:
 
 
 def training_samples(cfg):
-    """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it."""
+    """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it;
+    a fine-tuning task's conversations or preference pairs (shard.data.finetune)."""
+    if cfg.task != "pretrain":
+        from shard.data.finetune import task_samples
+
+        return task_samples(cfg)
     return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed,
                           holdout=held_out_share(cfg), part="train", data=cfg.data, cache_dir=data_cache_dir(cfg))
 
@@ -255,7 +262,11 @@ def eval_samples(cfg):
 
 def split_window(windows) -> dict[str, np.ndarray]:
     """(rows, T+1) windows -> next-token inputs, targets and a loss mask (0 where padded); packed rows
-    (a dict) -> the same, plus segment ids and positions (shard.data.packing.packed_batch)."""
+    (a dict) -> the same, plus segment ids and positions (shard.data.packing.packed_batch); rows with
+    trained flags (fine-tuning: shard.data.finetune) -> also a `loss_mask`, 1 where the target is trained."""
+    if isinstance(windows, dict) and "trained" in windows:
+        batch = packed_batch(windows) if "segments" in windows else split_window(windows["tokens"])
+        return batch | {"loss_mask": (windows["trained"][:, 1:] > 0).astype(np.float32)}
     if isinstance(windows, dict):
         return packed_batch(windows)
     inputs, targets = windows[:, :-1], windows[:, 1:]
@@ -301,6 +312,7 @@ class BatchStream:
             return jax.make_array_from_callback(shape, self.sharding, callback)
 
         keys = ("inputs", "targets", "mask") + (("segment_ids", "positions") if self.packed else ())
+        keys += ("loss_mask",) if self.dataset.loss_masked else ()
         batch = {k: make(k) for k in keys}
         if self.packed:  # every process counts the whole global batch's tokens (each holds the plan)
             self.filled_tokens += self.dataset.filled(self.position, self.position + self.global_batch)

@@ -79,6 +79,9 @@ class ConsoleProgress(Observer):
 
     def on_log(self, r: dict) -> None:
         evaluated = f" · eval loss {r['eval_loss']:.4f}" if "eval_loss" in r else ""
+        if "reward_margin" in r:  # a DPO run's
+            evaluated += (f" · reward margin {r['reward_margin']:.4f} (chosen {r['reward_chosen']:.4f}, rejected "
+                          f"{r['reward_rejected']:.4f}) · accuracy {r['accuracy']:.2f}")
         if self.progress:
             self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
             if evaluated:  # above the bar

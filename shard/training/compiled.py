@@ -13,9 +13,16 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
     from shard.training.step import abstract_batch, abstract_schedule_inputs, jit_train_step
 
     spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    packed = cfg.data.packing == "packed" or cfg.task == "sft"  # sft packs conversations
+    batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=packed, loss_mask=cfg.task != "pretrain")
+    state = spec.abstract_with_shardings()
+    if cfg.task == "dpo":  # the reference weights come as a fourth argument
+        from shard.training.dpo import jit_dpo_step
+
+        jitted = jit_dpo_step(spec, layout, cfg.dpo.beta, cfg.guard)
+        return jitted.lower(state, batch, abstract_schedule_inputs(spec, layout), state["params"])
     jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
-    batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=cfg.data.packing == "packed")
-    return jitted.lower(spec.abstract_with_shardings(), batch, abstract_schedule_inputs(spec, layout))
+    return jitted.lower(state, batch, abstract_schedule_inputs(spec, layout))
 
 
 def compile_step(cfg: TrainConfig, layout: Layout, spec=None, compiler_options: dict | None = None):

@@ -14,6 +14,7 @@ from shard.cluster import runtime
 from shard.config.model import mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.errors import DivergenceError
+from shard.training.dpo import DPO_METRICS  # a DPO run's step metrics, copied into its records
 from shard.training.observer import Observer
 from shard.training.prepare import Run, prepare
 
@@ -23,6 +24,7 @@ from shard.training.prepare import Run, prepare
 MAX_STEPS_AHEAD = 2
 # A MoE model's step metrics copied into its records (shard.training.step: expert_load_metrics).
 MOE_METRICS = ("aux_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped")
+
 
 
 def device_memory(run: Run) -> dict:
@@ -135,7 +137,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
             record["packing"] = per_step / (cfg.data.batch * cfg.data.seq_len)
-        for key in MOE_METRICS:  # a MoE model's
+        for key in MOE_METRICS + DPO_METRICS:  # a MoE model's, a DPO run's
             if key in values:
                 record[key] = float(values[key])
         return record

@@ -76,9 +76,10 @@ class Run:
                 "bubble": bubble_fraction(stages, m)}
 
 
-def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> Run:
+def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
-    returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step."""
+    returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step.
+    `reference(spec)`: where a resumed DPO run reads its reference weights (shard.training.dpo)."""
     ctx = runtime.context()
     if cfg.eval.every:
         from shard.training.evaluate import eval_processes
@@ -114,7 +115,12 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None) -> 
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
-    return Run(cfg, layout, spec, state, stream, with_schedule(compiled, spec, layout), compile_s, memory_of(compiled), peak, hw,
+    step_fn = with_schedule(compiled, spec, layout)
+    if cfg.task == "dpo":
+        from shard.training.dpo import frozen_reference, with_reference
+
+        step_fn = with_reference(compiled, spec, layout, frozen_reference(spec, state, start_step, cfg.seed, reference))
+    return Run(cfg, layout, spec, state, stream, step_fn, compile_s, memory_of(compiled), peak, hw,
                start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
 
@@ -145,6 +151,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
+    if cfg.task == "dpo":
+        raise ShardError("task dpo is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)
     local_devices = list(devices if devices is not None else jax.local_devices())
     dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)

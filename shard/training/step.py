@@ -23,11 +23,19 @@ BATCH_KEYS = ("inputs", "targets", "mask")
 # Packed rows (data.packing=packed) carry these too, int32 (B, T): the document of each input token
 # within its row (1, 2, ...; 0 for padding) and its position within that document.
 PACKING_KEYS = ("segment_ids", "positions")
+# Fine-tuning batches carry this too, float32 (B, T): 1 where the target is trained on (an assistant
+# token), 0 where not; the loss counts the targets where both it and "mask" are 1.
+LOSS_MASK = "loss_mask"
 
 
 def batch_keys(batch: dict) -> tuple[str, ...]:
-    """The keys of this batch the step reads: BATCH_KEYS, and PACKING_KEYS where present."""
-    return BATCH_KEYS + tuple(k for k in PACKING_KEYS if k in batch)
+    """The keys of this batch the step reads: BATCH_KEYS, and PACKING_KEYS and LOSS_MASK where present."""
+    return BATCH_KEYS + tuple(k for k in PACKING_KEYS + (LOSS_MASK,) if k in batch)
+
+
+def target_mask(batch: dict) -> jax.Array:
+    """The targets the loss counts: "mask", times LOSS_MASK where the batch has one."""
+    return batch["mask"] * batch[LOSS_MASK] if LOSS_MASK in batch else batch["mask"]
 
 
 def packing_of(batch: dict) -> dict:
@@ -93,7 +101,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     def plain(params, mb, router_bias=None):
         mb, zigzag = context_order(mb, layout, cfg)
         logits, moe = llama.forward(cfg, params, mb["inputs"], zigzag, **packing_of(mb), router_bias=router_bias)
-        nll, count = token_nll(logits, mb["targets"], mb["mask"])
+        nll, count = token_nll(logits, mb["targets"], target_mask(mb))
         return nll + aux_w * moe["aux"] * count, (nll, count, moe)
 
     if pipeline_stages(layout) == 1:
@@ -120,9 +128,9 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
             # head runs once: under vmap its custom gradient gave a weight gradient per microbatch, and
             # XLA all-reduced all of them over data (2.1x the minimum)
             y_btd = _whole_batch(y_mbtd, layout, (BATCH, RES_LENGTH, EMBED))
-            nll, count = head_loss(head, y_btd, {k: mb[k] for k in ("targets", "mask")})
+            nll, count = head_loss(head, y_btd, {"targets": mb["targets"], "mask": target_mask(mb)})
         else:
-            aux = {k: _microbatches(mb[k], M, layout) for k in ("targets", "mask")}
+            aux = {k: _microbatches(v, M, layout) for k, v in (("targets", mb["targets"]), ("mask", target_mask(mb)))}
             nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
                 params["layers"], head, x_mbtd, aux, extras)
         return nll, (nll, count, {"aux": jnp.zeros((), jnp.float32)})
@@ -289,7 +297,7 @@ def make_eval_step(spec: StateSpec, layout: Layout):
             batch, zigzag = context_order(batch, layout, spec.model)
             logits = llama.forward(spec.model, params, batch["inputs"], zigzag, **packing_of(batch),
                                    router_bias=router_bias)[0]
-            return token_nll(logits, batch["targets"], batch["mask"])
+            return token_nll(logits, batch["targets"], target_mask(batch))
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)
@@ -297,12 +305,13 @@ def make_eval_step(spec: StateSpec, layout: Layout):
     return lambda params, batch, router_bias=None: step(params, batch, router_bias)
 
 
-def abstract_batch(layout: Layout, batch: int, seq_len: int, packed: bool = False) -> dict:
-    """The batch's shapes for lowering; `packed`: with PACKING_KEYS (data.packing=packed)."""
+def abstract_batch(layout: Layout, batch: int, seq_len: int, packed: bool = False, loss_mask: bool = False) -> dict:
+    """The batch's shapes for lowering; `packed`: with PACKING_KEYS (data.packing=packed); `loss_mask`:
+    with LOSS_MASK (fine-tuning)."""
     data = batch_sharding(layout)
     dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "mask": jnp.float32, "segment_ids": jnp.int32,
-              "positions": jnp.int32}
-    keys = BATCH_KEYS + (PACKING_KEYS if packed else ())
+              "positions": jnp.int32, LOSS_MASK: jnp.float32}
+    keys = BATCH_KEYS + (PACKING_KEYS if packed else ()) + ((LOSS_MASK,) if loss_mask else ())
     return {k: jax.ShapeDtypeStruct((batch, seq_len), dtypes[k], sharding=data) for k in keys}
 
 

@@ -1,0 +1,200 @@
+"""Fine-tuning: chat rows rendered with a template and masked to their assistant tokens (task sft), the
+loss and gradients that mask gives, DPO against a hand computation, and bad input as one line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from typer.testing import CliRunner
+
+from shard import models
+from shard.cli.app import app
+from shard.data.batches import split_window
+from shard.data.chat import ChatRenderer
+from shard.data.finetune import dpo_samples, sft_samples
+from shard.data.tokenizers import load_tokenizer, train_bpe
+from shard.models import llama
+from shard.observe.metrics import read_jsonl
+from shard.sharding.layout import make_layout
+from shard.sharding.mesh import parse_mesh
+from shard.sharding.rules import activation_layout
+from shard.testing import devices_for, tiny_config
+from shard.training.dpo import jit_dpo_step
+from shard.training.state import state_spec
+from shard.training.step import batch_sharding, make_loss_fn, schedule_inputs
+
+BYTE = load_tokenizer("byte")
+
+
+def _chat(a: int, b: int) -> dict:
+    return {"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}?"},
+                         {"role": "assistant", "content": str(a + b)}, {"role": "user", "content": "sure?"},
+                         {"role": "assistant", "content": "yes"}]}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    rng = np.random.default_rng(0)
+    nums = rng.integers(1, 10, (32, 2)).tolist()
+    (root / "chats.jsonl").write_text("".join(json.dumps(_chat(a, b)) + "\n" for a, b in nums))
+    pairs = [{"prompt": f"{a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + 1)} for a, b in nums[:8]]
+    pairs.append({"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
+                  "rejected": "go away"})  # the chat form, mixed with a string
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return root
+
+
+def test_assistant_turns_are_the_trained_pieces():
+    """Each assistant turn's text is exactly what its prompt (add_generation_prompt) leaves of the whole
+    rendering, with any template's special tokens; nothing else is trained."""
+    llama3ish = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                 "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    chat = _chat(3, 4)["messages"]
+    for template, ends in ((ChatRenderer.of(BYTE, "x").template, "<|im_end|>\n"), (llama3ish, "<|eot_id|>")):
+        pieces = ChatRenderer(BYTE, template, "x").pieces(chat, 1)
+        assert [t for t, trained in pieces if trained] == ["7" + ends, "yes" + ends]
+        ids, flags = ChatRenderer(BYTE, template, "x").encode(chat, 1)
+        assert BYTE.decode(ids[flags == 1]) == "7" + ends + "yes" + ends
+    # DPO completions: only the turns after the prompt are trained
+    pieces = ChatRenderer(BYTE, llama3ish, "x").pieces(chat, 1, trained_from=4)
+    assert [t for t, trained in pieces if trained] == ["yes<|eot_id|>"]
+
+
+def _tiny_setup(cfg):
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.seed)))
+    return layout, spec, jax.device_put(params, spec.shardings["params"])
+
+
+def _log_softmax(logits):
+    logits = np.asarray(logits, np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+
+
+def test_sft_loss_counts_assistant_targets_only(files):
+    """The loss is the mean next-token loss over assistant targets alone (computed here from the logits),
+    its gradients are those of the data mask times the loss mask; a target outside an assistant turn
+    (a user's or system's text, as predicted) can change to anything without changing the loss or any
+    gradient by one bit, while changing one assistant target does change them."""
+    cfg = tiny_config("2x4", data__seq_len=64, task="sft")
+    layout, spec, params = _tiny_setup(cfg)
+    batch = split_window(sft_samples(str(files / "chats.jsonl"), BYTE, 64, 0).rows(0, 8))
+    keep = batch["mask"] * batch["loss_mask"]
+    assert 0 < keep.sum() < batch["mask"].sum()  # assistant targets, and others
+    loss_fn = make_loss_fn(spec, layout)
+
+    @jax.jit
+    def loss_and_grads(p, b):
+        with activation_layout(layout):
+            (_, (nll, count, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, b)
+        return nll / count, grads
+
+    place = lambda b: jax.device_put(b, batch_sharding(layout))  # noqa: E731
+    loss, grads = jax.device_get(loss_and_grads(params, place(batch)))
+    with activation_layout(layout):
+        logits = jax.device_get(llama.forward(cfg.model, params, batch["inputs"], segment_ids=batch["segment_ids"],
+                                              positions=batch["positions"])[0])
+    logp = np.take_along_axis(_log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
+    np.testing.assert_allclose(loss, -(logp * keep).sum() / keep.sum(), rtol=1e-5)
+
+    hand = {k: v for k, v in batch.items() if k != "loss_mask"} | {"mask": keep}
+    _, hand_grads = jax.device_get(loss_and_grads(params, place(hand)))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, hand_grads)
+
+    rng = np.random.default_rng(1)
+    untrained = batch | {"targets": np.where(keep > 0, batch["targets"],
+                                             rng.integers(0, 256, keep.shape)).astype(np.int32)}
+    assert (untrained["targets"] != batch["targets"]).any()
+    loss2, grads2 = jax.device_get(loss_and_grads(params, place(untrained)))
+    assert loss2 == loss
+    jax.tree.map(np.testing.assert_array_equal, grads2, grads)
+
+    r, t = map(int, np.argwhere(keep > 0)[0])
+    trained = batch | {"targets": batch["targets"].copy()}
+    trained["targets"][r, t] = (trained["targets"][r, t] + 1) % 256
+    loss3, grads3 = jax.device_get(loss_and_grads(params, place(trained)))
+    assert loss3 != loss
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(grads3), jax.tree.leaves(grads)))
+
+
+def test_dpo_loss_matches_a_hand_computation(files):
+    """The DPO step's loss and reward metrics equal numpy's from the two models' logits: sequence
+    log-probabilities over the completions' tokens, beta-scaled ratios to the reference, -log sigmoid."""
+    beta = 0.5
+    cfg = tiny_config("2x4", data__seq_len=64, task="dpo", dpo__beta=beta)
+    layout, spec, reference = _tiny_setup(cfg)
+    samples = dpo_samples(str(files / "pairs.jsonl"), BYTE, 64, 0)
+    batch = split_window(samples.rows(0, 8))
+    noise = jax.tree.map(lambda x: 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), reference)
+    policy = jax.tree.map(jax.numpy.add, reference, noise)
+
+    def seq_logps(params):
+        with activation_layout(layout):
+            logits = jax.device_get(llama.forward(cfg.model, params, batch["inputs"])[0])
+        logp = np.take_along_axis(_log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
+        return (logp * batch["mask"] * batch["loss_mask"]).sum(1)
+
+    ratio = (seq_logps(policy) - seq_logps(reference)).reshape(-1, 2)
+    chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
+    want = {"loss": np.mean(np.log1p(np.exp(-(chosen - rejected)))), "reward_chosen": chosen.mean(),
+            "reward_rejected": rejected.mean(), "reward_margin": (chosen - rejected).mean(),
+            "accuracy": np.mean(chosen > rejected)}
+
+    state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": policy,
+             "opt_state": spec.tx.init(policy)}
+    state = jax.device_put(state, spec.shardings)
+    step = jit_dpo_step(spec, layout, beta)
+    _, metrics = step(state, jax.device_put(batch, batch_sharding(layout)), schedule_inputs(spec, layout), reference)
+    metrics = jax.device_get(metrics)
+    for key, value in want.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+
+
+TINY = ["--model", "tiny", "--batch", "8", "--seq", "64", "--mesh", "8x1", "--log-every", "1"]
+
+
+def test_sft_then_dpo_from_its_checkpoint(files, tmp_path):
+    """The command line end to end: sft from scratch, then dpo --init-from its checkpoint, whose
+    records carry the reward metrics, starting at the reference (loss log 2, margin 0)."""
+    sft = CliRunner().invoke(app, ["train", "--task", "sft", "--data", str(files / "chats.jsonl"), *TINY,
+                                   "--steps", "2", "--run-dir", str(tmp_path / "sft")])
+    assert sft.exit_code == 0, sft.output
+    dpo = CliRunner().invoke(app, ["train", "--task", "dpo", "--data", str(files / "pairs.jsonl"), *TINY,
+                                   "--steps", "2", "--init-from", str(tmp_path / "sft" / "checkpoints" / "2"),
+                                   "--run-dir", str(tmp_path / "dpo")])
+    assert dpo.exit_code == 0, dpo.output
+    first = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")[0]
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-6) and first["reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert {"reward_chosen", "reward_rejected", "accuracy"} <= set(first)
+    assert "reward margin" in dpo.output
+
+
+@pytest.mark.parametrize("task,rows,message", [
+    ("sft", [{"messages": [{"role": "user", "content": "hi"}]}], "line 1: a conversation without an assistant turn"),
+    ("sft", [{"text": "hi"}], "line 1 has no 'messages'"),
+    ("sft", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "!"}]}],
+     "line 1: the chat template failed to render this conversation (TemplateError: no system turn)"),
+    ("dpo", [{"prompt": "a", "chosen": "b"}], "line 1 has no 'rejected'"),
+])
+def test_bad_finetuning_rows_are_one_line(files, tmp_path, task, rows, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = ["--tokenizer", "byte"]
+    if "template" in message:  # a tokenizer whose template raises, as templates do on input they refuse
+        folder = tmp_path / "tok"
+        train_bpe(["hi there"] * 4, 300, folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{{ raise_exception('no system turn') }}"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizer = ["--tokenizer", str(folder)]
+    result = CliRunner().invoke(app, ["train", "--task", task, "--data", str(path), *tokenizer, *TINY, "--steps", "1",
+                                      "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.output, result.output

@@ -72,12 +72,15 @@ CASES = {
     "qwen3-fsdp_tp": ("qwen3-tiny", "fsdp_tp:4x2", {}),
     "qwen2-1layer": ("qwen2-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
     "qwen3-1layer": ("qwen3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    # Gemma: sandwich norms, GeGLU, soft-caps, local and global layers (the einsum attention)
+    "gemma2-fsdp_tp": ("gemma2-tiny", "fsdp_tp:4x2", {}),
+    "gemma3-1layer": ("gemma3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 # the planner counts dropless routing's minimum, which the buffers' padding exceeds (test below)
 DROPLESS_CASES = ("fine-ep", "fine-dp_fsdp_ep")
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long", "qwen2-1layer",
-               "qwen3-1layer")  # for the FLOPs count only
+               "qwen3-1layer", "gemma3-1layer")  # for the FLOPs count only
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep", "dp_fsdp_ep")
                     and k.count("-") == 1 and k not in DROPLESS_CASES]  # dropless: its own floors, below

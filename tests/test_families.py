@@ -1,4 +1,5 @@
-"""Model families (Qwen2/2.5: qkv_bias, Qwen3: qk_norm, Mistral: sliding_window, Mixtral: experts) against transformers' own code: a random tiny
+"""Model families (Qwen2/2.5: qkv_bias, Qwen3: qk_norm, Mistral: sliding_window, Mixtral: experts, Gemma 2
+and 3: local and global layers, soft-caps, (1 + w) sandwich norms, GeGLU) against transformers' own code: a random tiny
 model of each, built offline with its config class, imports with equal logits on one device and on a
 sharded mesh, generates the same 32 greedy tokens, and exports back to identical tensors; what shard
 cannot represent is refused in one line; parameter counts equal transformers'. Skipped where
@@ -29,11 +30,19 @@ from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.training.state import state_spec  # noqa: E402
 
 CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-                  "mixtral": "MixtralConfig"}
+                  "mixtral": "MixtralConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+# Gemma: a local and a global layer, each with its own RoPE base (Gemma 3), a query scale that is not
+# head_dim's, and (Gemma 2) caps low enough that the logits and scores reach them
+_GEMMA_KEYS = {"sliding_window": 6, "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"],
+               "eos_token_id": None}  # (Gemma 3 defaults to 1: generate would stop there)
 # Mistral's window (6) is shorter than the 16 tokens compared and the 40 generated; Mixtral: 8 experts,
 # top 2, and a window too
 FAMILY_KEYS = {"mistral": {"sliding_window": 6},
-               "mixtral": {"sliding_window": 6, "num_local_experts": 8, "num_experts_per_tok": 2}}
+               "mixtral": {"sliding_window": 6, "num_local_experts": 8, "num_experts_per_tok": 2},
+               "gemma2": _GEMMA_KEYS | {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0},
+               "gemma3_text": _GEMMA_KEYS | {"rope_parameters": {
+                   "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}}
 TOKENS = np.random.default_rng(0).integers(0, 256, (2, 16)).tolist()
 SHARDED = "fsdp=2,model=4"
 
@@ -44,9 +53,10 @@ def family(request, tmp_path_factory):
     head_dim is its own (16 heads x 8 != 64), with GQA, untied embeddings and larger than default
     weights (std 0.2: logits of order 1, not 0.01), biases and norm scales random too."""
     cls = getattr(transformers, CONFIG_CLASSES[request.param])
+    rope = {} if request.param == "gemma3_text" else {"rope_theta": 1e6}
     cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=16,
-              num_key_value_heads=8, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-              initializer_range=0.2, max_position_embeddings=512, **FAMILY_KEYS.get(request.param, {}))
+              num_key_value_heads=8, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              initializer_range=0.2, max_position_embeddings=512, **rope, **FAMILY_KEYS.get(request.param, {}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
@@ -79,7 +89,11 @@ def _logits(cfg, params, mesh: str, tokens=TOKENS, **sets):
 def test_the_family_comes_from_model_type(family):
     model, _, cfg, params = family
     kind = model.config.model_type
-    assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True)}.get(kind, (False, False))
+    assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True),
+                                           "gemma3_text": (False, True)}.get(kind, (False, False))
+    assert cfg.layer_windows() == ([6, 0] if kind.startswith("gemma") else [cfg.sliding_window] * 2)
+    assert (cfg.attn_softcap, cfg.final_softcap) == ((3.0, 2.0) if kind == "gemma2" else (0.0, 0.0))
+    assert cfg.rope_local_theta == (100.0 if kind == "gemma3_text" else 0.0)
     assert cfg.sliding_window == (6 if kind in FAMILY_KEYS else 0)
     assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_routing) == ((8, 2, "dropless") if kind == "mixtral"
                                                                        else (0, 2, "capacity"))
@@ -145,7 +159,7 @@ def test_export_reloads_in_transformers_with_identical_tensors(family, tmp_path)
     hf.write_hf_dir(str(tmp_path), cfg, params, side=path)
     written = json.loads((tmp_path / "config.json").read_text())
     kind = model.config.model_type
-    assert written["model_type"] == kind and written["architectures"] == [f"{kind.title()}ForCausalLM"]
+    assert written["model_type"] == kind and written["architectures"] == [hf.FAMILIES[kind]["architecture"]]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(again) is type(model)
     ref = model.state_dict()
@@ -242,6 +256,21 @@ REAL = {
                    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
                    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
                    "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936},
+    # google/gemma-2-2b and google/gemma-3-1b-pt
+    "gemma2-2b": {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+                  "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+                  "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2",
+                  "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+                  "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+                  "vocab_size": 256000},
+    "gemma3-1b": {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                  "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+                  "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+                  "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+                  "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256,
+                  "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+                  "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144},
 }
 
 
@@ -258,4 +287,35 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
         assert cfg.num_params() == sum(p.numel() for p in model.parameters()), cfg.name
     assert preset.num_params() == {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
-                                   "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704}[name]
+                                   "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
+                                   "gemma2-2b": 2_614_341_888, "gemma3-1b": 999_885_952}[name]
+
+
+@pytest.mark.parametrize("kind, change, message", [
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for gemma2"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]},
+     "is not every k-th layer global"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope scaling .* of the full_attention layers is not supported"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number or null"),
+    ("gemma2", {"model_type": "gemma3"}, "model_type 'gemma3' is Gemma 3 with its vision tower"),
+], ids=["exact-gelu", "bidirectional", "irregular-layers", "linear-rope", "negative-cap", "multimodal"])
+def test_what_gemma_cannot_be_is_refused_in_one_line(kind, change, message):
+    base = hf.config_to_hf(PRESETS[f"{kind[:6]}-tiny"])
+    with pytest.raises(ShardError, match=message) as e:
+        hf.config_from_hf(base | change)
+    assert "\n" not in str(e.value)
+
+
+def test_gemma_round_trips_its_config_and_refuses_half_a_gemma():
+    """config.json written for each Gemma preset reads back as the preset; Gemma's features without its
+    sandwich norms, or sandwich norms with experts, are no family export-hf can write."""
+    for name in ("gemma2-2b", "gemma3-1b", "gemma2-tiny", "gemma3-tiny"):
+        assert dataclasses.replace(hf.config_from_hf(hf.config_to_hf(PRESETS[name])), name=name) == PRESETS[name]
+    with pytest.raises(ShardError, match="has attn_softcap=5.0 without Gemma's sandwich_norms"):
+        hf.config_to_hf(dataclasses.replace(PRESETS["tiny"], attn_softcap=5.0))
+    with pytest.raises(ShardError, match="has sandwich_norms with mlp_activation='silu'"):
+        hf.config_to_hf(dataclasses.replace(PRESETS["moe-tiny"], sandwich_norms=True, norm_plus_one=True,
+                                            embed_scale=True))

@@ -43,11 +43,12 @@ def test_untied_embeddings_and_remat_match_single_device():
                                rtol=RTOL)
 
 
-@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "mistral-tiny", "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "mistral-tiny", "mixtral-tiny", "gemma2-tiny",
+                                    "gemma3-tiny"])
 def test_model_families_match_single_device(preset):
     """Each family's new weights (q/k/v biases, q/k norms, Mixtral's experts) name their logical axes, so
     every layout shards them by the same rules: FSDP with tensor parallel, and data x FSDP x tensor
-    parallel; Mistral's window (8) is shorter than the sequence (32)."""
+    parallel; Mistral's window (8) is shorter than the sequence (32), as are Gemma's local layers'."""
     reference = train_losses(tiny_config("1x1", model__name=preset))
     for mesh in ("fsdp_tp:4x2", "data=2,fsdp=2,model=2"):
         np.testing.assert_allclose(train_losses(tiny_config(mesh, model__name=preset)), reference, rtol=RTOL,

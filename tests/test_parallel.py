@@ -53,6 +53,15 @@ def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gemma_layers_keep_their_kind_in_a_pipeline(schedule):
+    """Gemma's local and global layers alternate by layer index: each stage numbers its slice from its own
+    first layer (stage=4: one layer a stage, local, global, local, global), as the unpipelined model."""
+    gemma = dict(PIPE, model__name="gemma3-tiny")
+    assert_same(loss_and_grads(tiny_config("stage=4,data=2", **gemma, pipeline__schedule=schedule,
+                                           pipeline__microbatches=4)), loss_and_grads(tiny_config("1x1", **gemma)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("mesh, dtype", [("stage=2,model=4", "compute"), ("stage=2,data=2,model=2", "param")])
 def test_a_bfloat16_pipeline_with_tensor_parallel_compiles_and_matches(schedule, mesh, dtype):
     """bfloat16 activations summed over `stage` (and bfloat16 weight gradients over the manual `data`)

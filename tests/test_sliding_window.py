@@ -72,7 +72,7 @@ def test_cudnn_is_handed_the_window(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
     q, k, v = _qkv()
     causal_attention(q, k, v, "cudnn", window=WINDOW)
-    assert seen == {"is_causal": True, "local_window_size": (WINDOW - 1, 0), "implementation": "cudnn"}
+    assert seen == {"is_causal": True, "local_window_size": (WINDOW - 1, 0), "implementation": "cudnn", "scale": None}
 
 
 def test_kv_cache_decoding_equals_the_full_forward():

@@ -10,6 +10,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 MOE_ROUTINGS = ("capacity", "dropless")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ROUTER_SCORES = ("softmax", "sigmoid")
 # The stored embedding and unembedding tables round their vocab dim up to a multiple of this, whatever
 # the mesh, so a vocabulary no split divides (GPT-2's 50257) runs on any mesh whose vocab split divides
@@ -82,6 +83,25 @@ class ModelConfig:
     # Sliding-window attention (Mistral): a token attends to itself and the sliding_window - 1 tokens
     # before it (transformers' convention: query position - key position < sliding_window); 0: off.
     sliding_window: int = 0
+    # Gemma 2 and 3 (docs/models.md). global_every > 0: with sliding_window, every global_every-th layer
+    # (layer i where (i + 1) % global_every == 0) attends to the whole context and the others to the
+    # window (Gemma 2: 2, Gemma 3: 6); 0: every layer has the window. rope_local_theta: the RoPE base of
+    # the windowed layers (Gemma 3: 10000 where global layers use 1e6); 0: rope_theta.
+    global_every: int = 0
+    rope_local_theta: float = 0.0
+    # Attention scores times query_scale ** -0.5 (Gemma's query_pre_attn_scalar); 0: head_dim ** -0.5.
+    query_scale: float = 0.0
+    # Soft-capping (Gemma 2): attention scores become cap * tanh(scores / cap) before the mask, and the
+    # final logits likewise; 0: off.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # norm_plus_one: RMSNorm scales by (1 + w), its weights starting at 0 (Gemma). sandwich_norms: the
+    # attention's and the MLP's outputs are normalised too before they join the residual (Gemma 2 and 3:
+    # `post_attn_norm`, `post_mlp_norm`). embed_scale: the looked-up embeddings times sqrt(d_model).
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    mlp_activation: str = "silu"  # the gated MLP's gate: SwiGLU (silu) or GeGLU with tanh-approximate GELU
     # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
@@ -119,6 +139,19 @@ class ModelConfig:
             )
         if not 0 <= self.sliding_window < 2**31:
             problems.append(f"model.sliding_window must be 0 (off) or a number of tokens, got {self.sliding_window}")
+        if not 0 <= self.global_every < 2**31:
+            problems.append(f"model.global_every must be 0 (every layer windowed) or a number of layers, got "
+                            f"{self.global_every}")
+        elif self.global_every and not self.sliding_window:
+            problems.append(f"model.global_every={self.global_every} needs a window (model.sliding_window > 0)")
+        for f in ("rope_local_theta", "query_scale", "attn_softcap", "final_softcap"):
+            if not 0 <= getattr(self, f) < math.inf:
+                problems.append(f"model.{f} must be 0 (off) or a positive number, got {getattr(self, f)}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            problems.append(f"model.mlp_activation must be one of {', '.join(MLP_ACTIVATIONS)}, got "
+                            f"{self.mlp_activation!r}")
+        elif self.mlp_activation != "silu" and self.n_experts:
+            problems.append(f"model.mlp_activation={self.mlp_activation} can't apply to experts: they are SwiGLU")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
@@ -172,14 +205,25 @@ class ModelConfig:
         """Whether the train state holds a router bias (auxiliary-loss-free balancing)."""
         return bool(self.n_experts and self.router_bias_update)
 
-    def rope_frequencies(self):
+    def layer_windows(self) -> list[int]:
+        """Each layer's attention window in tokens (0: the whole context)."""
+        every = self.global_every
+        return [0 if every and (i + 1) % every == 0 else self.sliding_window for i in range(self.n_layers)]
+
+    @property
+    def windows_vary(self) -> bool:
+        """Whether layers differ in their window (local and global layers alternating)."""
+        return len(set(self.layer_windows())) > 1
+
+    def rope_frequencies(self, local: bool = False):
         """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when
-        rope_scaling is set."""
+        rope_scaling is set; `local`: those of the windowed layers (rope_local_theta, unscaled, where set)."""
         import numpy as np
 
+        theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
         # in float64, rounded to float32 once at the end
-        inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
-        if not self.rope_scaling:
+        inv = 1.0 / theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        if not self.rope_scaling or (local and self.rope_local_theta):
             return inv.astype(np.float32)
         factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
                                       self.rope_original_context)
@@ -233,7 +277,8 @@ class ModelConfig:
         return rows
 
     def _family_layer_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        """The per-layer parameters of the family features (qkv_bias, qk_norm): shape and logical axes."""
+        """The per-layer parameters of the family features (qkv_bias, qk_norm, sandwich_norms): shape and
+        logical axes."""
         N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
         out = {}
         if self.qkv_bias:
@@ -241,12 +286,18 @@ class ModelConfig:
                     "bv": ((K, H), (KV_HEADS, HEAD_DIM))}
         if self.qk_norm:
             out |= {"q_norm": ((H,), (HEAD_DIM,)), "k_norm": ((H,), (HEAD_DIM,))}
+        if self.sandwich_norms:
+            D = self.d_model
+            out |= {"post_attn_norm": ((D,), (EMBED,)), "post_mlp_norm": ((D,), (EMBED,))}
         return out
 
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
         return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
 
+
+# Gemma's features beyond Llama's that both Gemma 2 and Gemma 3 have
+_GEMMA = dict(norm_plus_one=True, sandwich_norms=True, embed_scale=True, mlp_activation="gelu_tanh", tie_embeddings=True)
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: every dimension divides 8, so any 8-device layout applies.
@@ -293,6 +344,22 @@ PRESETS: dict[str, ModelConfig] = {
                                 n_experts=8, experts_per_token=2, aux_loss_weight=0.02, moe_routing="dropless"),
     "mistral-tiny": ModelConfig(name="mistral-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
                                 mlp_dim=128, tie_embeddings=False, sliding_window=8),
+    # Gemma 2 2B and the text model of Gemma 3 1B: GeGLU, (1 + w) norms around each sublayer, scaled and
+    # tied embeddings, local layers with a window and global ones every 2nd (Gemma 2, soft-capped) or
+    # 6th layer (Gemma 3, with q/k norms and a RoPE base per layer type). The tiny twins alternate local
+    # and global layers (every 2nd) over 4 layers, with a window (8) shorter than the tests' sequences.
+    "gemma2-2b": ModelConfig(name="gemma2-2b", vocab_size=256000, d_model=2304, n_layers=26, n_heads=8, n_kv_heads=4,
+                             head_dim=256, mlp_dim=9216, norm_eps=1e-6, sliding_window=4096, global_every=2,
+                             query_scale=256.0, attn_softcap=50.0, final_softcap=30.0, **_GEMMA),
+    "gemma3-1b": ModelConfig(name="gemma3-1b", vocab_size=262144, d_model=1152, n_layers=26, n_heads=4, n_kv_heads=1,
+                             head_dim=256, mlp_dim=6912, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=10000.0,
+                             sliding_window=512, global_every=6, query_scale=256.0, qk_norm=True, **_GEMMA),
+    "gemma2-tiny": ModelConfig(name="gemma2-tiny", d_model=64, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=8,
+                               mlp_dim=128, norm_eps=1e-6, sliding_window=8, global_every=2, query_scale=16.0,
+                               attn_softcap=50.0, final_softcap=30.0, **_GEMMA),
+    "gemma3-tiny": ModelConfig(name="gemma3-tiny", d_model=64, n_layers=4, n_heads=16, n_kv_heads=8, head_dim=8,
+                               mlp_dim=128, norm_eps=1e-6, rope_theta=1e6, rope_local_theta=10000.0, sliding_window=8,
+                               global_every=2, query_scale=16.0, qk_norm=True, **_GEMMA),
     "mixtral-tiny": ModelConfig(name="mixtral-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
                                 mlp_dim=64, tie_embeddings=False, rope_theta=1e6, n_experts=8, experts_per_token=2,
                                 aux_loss_weight=0.02, moe_routing="dropless", sliding_window=8),
@@ -322,6 +389,17 @@ def matmul_params(cfg: ModelConfig) -> int:
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
     experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per
-    token (QK^T and PV, forward and backward, over the lower triangle only). Recomputation by remat,
-    and a mixture of experts' capacity slack and dispatch, are not counted: MFU measures useful work."""
-    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    token (QK^T and PV, forward and backward, over the lower triangle only). A layer with a window W
+    shorter than the sequence counts the keys its queries see on average, W - W^2 / 2T, in place of
+    T / 2 (attended_keys). Recomputation by remat, and a mixture of experts' capacity slack and
+    dispatch, are not counted: MFU measures useful work."""
+    keys = sum(attended_keys(seq_len, w) for w in cfg.layer_windows())
+    return 6 * matmul_params(cfg) + 12 * keys * cfg.n_heads * cfg.head_dim
+
+
+def attended_keys(seq_len: int, window: int) -> float:
+    """The keys a query attends to on average over a sequence, as MFU counts them: T / 2 (causal), or
+    with a window W < T (0: none), W - W^2 / 2T (the first W queries see fewer)."""
+    if not window or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)

@@ -28,6 +28,11 @@ ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x
 # qk_norm (Qwen3): the queries' and keys' norm in float32 keeps its input and output and RoPE's input,
 # (N + K) x H wide; fitted on qwen3-tiny against qwen2-tiny (DP, TP, FSDP x TP: 3.17-3.2).
 ACT_PER_QK_NORM = 3.0
+# Gemma: the norms after attention and the MLP (sandwich_norms) keep about this many D-wide tensors more
+# (fitted on gemma2-tiny with and without them, 8x1 and fsdp_tp:4x2: 4.6-4.7), and soft-capped scores
+# (attn_softcap) two more float32 copies of the scores, tanh's input and output (2.00 on both).
+ACT_PER_SANDWICH_D = 4.6
+SOFTCAP_SCORE_COPIES = 2.0
 REMAT_LIVE = 0.6  # with remat, the share of one layer's activations alive while its backward runs
 # A mixture of experts' layer in place of the MLP, fitted the same way on moe-tiny variants (data,
 # expert and data x expert; sequence 32-128, 4-16 experts, top 1-2, remat none and full: 7% low to
@@ -43,7 +48,9 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     m, n = shape.degree(HEADS), shape.degree(LENGTH)
     tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
     D, F = cfg.d_model, cfg.mlp_dim / shape.degree(MLP)
-    probs = work.attention_probs or n > 1  # ring attention (context parallel) materialises them, tick by tick
+    # ring attention (context parallel) materialises them, tick by tick; so does the einsum attention
+    # soft-capped scores and windows that differ by layer run (Gemma)
+    probs = work.attention_probs or n > 1 or bool(cfg.attn_softcap) or cfg.windows_vary
     keys = scored_keys(cfg, work.seq_len, n) if probs else 1
     if cfg.n_experts:
         slots = ffn_slots(cfg, work.seq_len)
@@ -51,7 +58,10 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     else:
         ffn = ACT_PER_F * F
     qk_norm = ACT_PER_QK_NORM * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / m if cfg.qk_norm else 0.0
-    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m + qk_norm) * work.act_bytes
+    sandwich = ACT_PER_SANDWICH_D * D if cfg.sandwich_norms else 0.0
+    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m + qk_norm + sandwich) * work.act_bytes
+    if cfg.attn_softcap:
+        per_layer += SOFTCAP_SCORE_COPIES * cfg.n_heads * keys / m * 4
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":

@@ -1,7 +1,9 @@
 """A Llama-style decoder in Flax NNX: RMSNorm, RoPE, SwiGLU (or a mixture of experts), grouped-query
 attention. Model families are features of it switched on by the config (docs/models.md): q/k/v biases
 (`qkv_bias`, Qwen2), per-head RMSNorm of queries and keys (`qk_norm`, Qwen3) and sliding-window attention
-(`sliding_window`, Mistral).
+(`sliding_window`, Mistral), and Gemma 2 and 3's features: local and global layers alternating
+(`global_every`), per-layer RoPE bases, soft-capped scores and logits, norms around each sublayer with
+a (1 + w) scale, GeGLU and scaled embeddings.
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth. Every parameter names its logical axes; key activations are pinned with
@@ -51,7 +53,9 @@ LAYER_AXES = {
     "q_norm": (HEAD_DIM,),  # qk_norm
     "k_norm": (HEAD_DIM,),
     "wo": (HEADS, HEAD_DIM, EMBED),
+    "post_attn_norm": (EMBED,),  # sandwich_norms
     "mlp_norm": (EMBED,),
+    "post_mlp_norm": (EMBED,),
     "w_gate": (EMBED, MLP),
     "w_up": (EMBED, MLP),
     "w_down": (MLP, EMBED),
@@ -86,22 +90,27 @@ class Llama(nnx.Module):
                                cfg.mlp_dim, cfg.padded_vocab)
         dt = jnp.dtype(cfg.param_dtype)
         out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
-        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd; tied: logits std ~1
-        std = {"attn_norm": None, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
-               "wo": (N * H) ** -0.5 * out_std, "mlp_norm": None, "w_gate": D**-0.5, "w_up": D**-0.5,
-               "w_down": F**-0.5 * out_std, "bq": 0, "bk": 0, "bv": 0, "q_norm": None, "k_norm": None}
+        # tied: logits std ~1 (with embed_scale the looked-up rows are scaled up to std ~1 instead)
+        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd
+        one = 0 if cfg.norm_plus_one else None  # a norm's weight: (1 + w) starts at 0
+        std = {"attn_norm": one, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
+               "wo": (N * H) ** -0.5 * out_std, "mlp_norm": one, "w_gate": D**-0.5, "w_up": D**-0.5,
+               "w_down": F**-0.5 * out_std, "bq": 0, "bk": 0, "bv": 0, "q_norm": one, "k_norm": one,
+               "post_attn_norm": one, "post_mlp_norm": one}
         shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
                   "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D), "bq": (N, H),
-                  "bk": (K, H), "bv": (K, H), "q_norm": (H,), "k_norm": (H,)}
+                  "bk": (K, H), "bv": (K, H), "q_norm": (H,), "k_norm": (H,), "post_attn_norm": (D,),
+                  "post_mlp_norm": (D,)}
         off = {"bq", "bk", "bv"} if not cfg.qkv_bias else set()
         off |= {"q_norm", "k_norm"} if not cfg.qk_norm else set()
+        off |= {"post_attn_norm", "post_mlp_norm"} if not cfg.sandwich_norms else set()
         off |= {"w_gate", "w_up", "w_down"} if cfg.n_experts else set()
         names = [n for n in LAYER_AXES if n not in off]
         layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
         if cfg.n_experts:
             layers |= moe.expert_params(rngs, cfg, out_std, _param)
         self.layers = nnx.Dict(layers)
-        self.final_norm = _param(rngs, (D,), (EMBED,), None, dt)
+        self.final_norm = _param(rngs, (D,), (EMBED,), one, dt)
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
 
@@ -175,53 +184,72 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
     else:  # the whole sequence, as the vocab-split table looks it up (SP then splits it on the way out)
         table = table if table is not None else _table(cfg, params)
         x_btd = constrain(jnp.take(table, tokens_bt, axis=0, mode="clip"), (BATCH, LENGTH, EMBED))
+    if cfg.embed_scale:  # Gemma: sqrt(d_model) in the compute dtype, as transformers rounds it
+        x_btd = x_btd * jnp.asarray(cfg.d_model**0.5, x_btd.dtype)
     return constrain(x_btd, (BATCH, RES_LENGTH, EMBED))
 
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
                zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               router_bias: jax.Array | None = None):
+               router_bias: jax.Array | None = None, first_layer=0):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the MoE statistics ({"aux": the summed auxiliary loss; for a MoE
     model also "load" (L, E), the (token, choice) pairs each layer routed to each expert, and "dropped"
     (L,), those its capacity dropped}), and with a KV cache (positions start..) the updated cache as
     well. `zigzag`, `segment_ids`, `positions`, `router_bias`: as in `forward` (given positions are
-    already in the zig-zag order, as the batch is)."""
+    already in the zig-zag order, as the batch is). `first_layer`: the index of the stack's first layer
+    in the model (a pipeline stage's, traced there), which layers alternating local and global
+    attention (cfg.global_every) need."""
     dtype = compute_dtype(cfg)
     T = x_btd.shape[1]
     if positions is not None:  # per row: (B, T, H) tables
-        cos_th, sin_th = rope_tables(constrain(positions, (BATCH, LENGTH)), cfg)
+        rope_at = constrain(positions, (BATCH, LENGTH))
     else:
-        positions_t = zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T)
-        cos_th, sin_th = rope_tables(jnp.asarray(positions_t), cfg)
+        rope_at = jnp.asarray(zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T))
+    cos_th, sin_th = rope_tables(rope_at, cfg)
+    n_layers = jax.tree.leaves(layers)[0].shape[0]
+    if cfg.windows_vary:  # each layer's window (0: global) and, with rope_local_theta, its RoPE tables
+        local_l = (first_layer + jnp.arange(n_layers) + 1) % cfg.global_every != 0
+        window_l = jnp.where(local_l, cfg.sliding_window, 0)
+        local_rope = rope_tables(rope_at, cfg, local=True) if cfg.rope_local_theta else None
+    else:
+        window_l, local_rope = None, None
     if segment_ids is not None:
         if cache is not None:
             raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
 
     def block(x_btd, xs):
-        p, kv, bias_e = xs
+        p, kv, bias_e, window = xs
+        cos, sin = cos_th, sin_th
+        if local_rope is not None:
+            cos, sin = (jnp.where(window > 0, a, b) for a, b in zip(local_rope, (cos_th, sin_th)))
+        window = cfg.sliding_window if window is None else window
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
         # the router (its softmax is float32) keep their dtype
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
         p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
              for k, v in p.items()}
-        attn_btd, kv = attention_block(x_btd, p, cos_th, sin_th, cfg, dtype, kv, start, zigzag, segment_ids)
+        attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
+        if cfg.sandwich_norms:
+            attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
-            ffn_btd, aux, counts = moe.moe_block(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), p, cfg, dtype,
+            ffn_btd, aux, counts = moe.moe_block(norm(cfg, x_btd, p["mlp_norm"]), p, cfg, dtype,
                                                  dropless=cache is not None, bias_e=bias_e)
             stats = {"aux": aux, **counts}
         else:
             ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype), {"aux": jnp.zeros((), jnp.float32)}
+        if cfg.sandwich_norms:
+            ffn_btd = norm(cfg, ffn_btd, p["post_mlp_norm"])
         return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (stats, kv)
 
     if cfg.remat != "none":
         block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
     if router_bias is not None:  # chooses experts only: no gradient
         router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
-    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias))
+    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l))
     stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
 
@@ -230,13 +258,18 @@ def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Arr
     """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast). Tied:
     through `_table` (`table`, when given)."""
     dtype = compute_dtype(cfg)
-    x_btd = rms_norm(x_btd, params["final_norm"], cfg.norm_eps)
+    x_btd = norm(cfg, x_btd, params["final_norm"])
     if cfg.tie_embeddings:
         logits_btv = _logits_einsum("btd,vd->btv", x_btd, table if table is not None else _table(cfg, params))
     else:
         w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
-    return mask_padded_vocab(cfg, constrain(logits_btv, (BATCH, LENGTH, VOCAB)))
+    return mask_padded_vocab(cfg, soft_cap(constrain(logits_btv, (BATCH, LENGTH, VOCAB)), cfg.final_softcap))
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits); x itself for cap 0."""
+    return cap * jnp.tanh(x / cap) if cap else x
 
 
 def mask_padded_vocab(cfg: ModelConfig, logits_btv: jax.Array) -> jax.Array:
@@ -281,28 +314,34 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     return {"k": jnp.zeros(shape, compute_dtype(cfg)), "v": jnp.zeros(shape, compute_dtype(cfg))}
 
 
-def rms_norm(x, scale, eps: float):
-    """In float32. Below float32 (bf16 compute) it is recomputed in the backward pass: otherwise its
-    float32 copies of x were saved whatever the remat policy, two per norm under remat none. In float32
-    there are no copies to spare, and on XLA:CPU the recomputation cost 20% of the tiny model's step."""
+def norm(cfg: ModelConfig, x, scale):
+    """The model's RMSNorm: scaled by `scale`, or by (1 + scale) with cfg.norm_plus_one (Gemma)."""
+    return rms_norm(x, scale, cfg.norm_eps, 1.0 if cfg.norm_plus_one else 0.0)
+
+
+def rms_norm(x, scale, eps: float, offset: float = 0.0):
+    """In float32, scaled by (offset + scale). Below float32 (bf16 compute) it is recomputed in the
+    backward pass: otherwise its float32 copies of x were saved whatever the remat policy, two per norm
+    under remat none. In float32 there are no copies to spare, and on XLA:CPU the recomputation cost 20%
+    of the tiny model's step."""
     if x.dtype == jnp.float32:
-        return _rms_norm(x, scale, eps)
-    return _rms_norm_recomputed(x, scale, eps)
+        return _rms_norm(x, scale, eps, offset)
+    return _rms_norm_recomputed(x, scale, eps, offset)
 
 
-def _rms_norm(x, scale, eps: float):
+def _rms_norm(x, scale, eps: float, offset: float = 0.0):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+    return (x32 * (offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
-_rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2,), prevent_cse=False)
+_rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2, 3), prevent_cse=False)
 
 
-def rope_tables(positions_t: jax.Array, cfg: ModelConfig):
+def rope_tables(positions_t: jax.Array, cfg: ModelConfig, local: bool = False):
     """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints;
-    (B, T, H) for per-row positions (B, T) (packed rows)."""
-    inv_freq = jnp.asarray(cfg.rope_frequencies())
+    (B, T, H) for per-row positions (B, T) (packed rows). `local`: the windowed layers' (rope_local_theta)."""
+    inv_freq = jnp.asarray(cfg.rope_frequencies(local))
     if positions_t.ndim == 2:
         angles_bth = positions_t.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
         angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
@@ -324,25 +363,30 @@ def apply_rope(x_btnh, cos_th, sin_th):
 
 
 def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
-                    segment_ids=None):
+                    segment_ids=None, window=None):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position.
-    `zigzag`, `segment_ids`: as in `forward`."""
+    `zigzag`, `segment_ids`: as in `forward`. `window`: this layer's (0: none; traced where layers
+    differ, cfg.global_every); None: cfg.sliding_window."""
+    window = cfg.sliding_window if window is None else window
+    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
-    h_btd = constrain(rms_norm(x_btd, p["attn_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))
+    h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
     q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype)
     if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
-        q_btnh, k_btkh = rms_norm(q_btnh, p["q_norm"], cfg.norm_eps), rms_norm(k_btkh, p["k_norm"], cfg.norm_eps)
+        q_btnh, k_btkh = norm(cfg, q_btnh, p["q_norm"]), norm(cfg, k_btkh, p["k_norm"])
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if kv is None:
-        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, cfg.sliding_window)
+        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
+                                  cfg.attn_softcap)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
-        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=cfg.sliding_window)
+        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=window, scale=scale,
+                                  softcap=cfg.attn_softcap)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
     return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
 
@@ -377,7 +421,8 @@ def _qkv(h_btd, p, dtype):
     return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
 
 
-def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None, window: int = 0):
+def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None, window=0,
+                     scale: float | None = None, softcap: float = 0.0):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
@@ -394,17 +439,33 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
 
     `window` > 0 (model.sliding_window): a query at position t attends to keys at t - window + 1 .. t
     only. XLA's and cuDNN's attention take it as `local_window_size=(window - 1, 0)` (JAX: t - s <=
-    left; cuDNN gets `left + 1` with an exclusive bound); ring attention has no window and refuses."""
+    left; cuDNN gets `left + 1` with an exclusive bound); ring attention has no window and refuses.
+
+    `scale`: the scores' factor (None: head_dim ** -0.5). A window that differs by layer (a traced
+    `window`, Gemma's local and global layers) or soft-capped scores (`softcap`, Gemma 2) run the
+    einsum version, which takes both (jax.nn.dot_product_attention takes neither); so does "cudnn"
+    by name refuse them."""
+    special = isinstance(window, jax.Array) or softcap
     if axes := context_axes():
-        if window:
-            raise ShardError(f"model.sliding_window={window} can't run with context parallelism (`length` split "
-                             f"over {'x'.join(axes)}): ring attention has no sliding window; split the batch instead")
+        what = ("model.attn_softcap" if softcap else "a window of some layers (model.global_every)"
+                if isinstance(window, jax.Array) else f"model.sliding_window={window}" if window else "")
+        if what:
+            raise ShardError(f"{what} can't run with context parallelism (`length` split over {'x'.join(axes)}): "
+                             "ring attention has no sliding window or soft-capping; split the batch instead")
         if impl == "cudnn":  # asked for by name: say it can't run, as everywhere else it can't
             raise ShardError("model.attention=cudnn can't run here: context parallelism (`length` split over "
                              f"{'x'.join(axes)}) uses ring attention; use auto")
+        if scale is not None and scale != q_btnh.shape[-1] ** -0.5:
+            raise ShardError("model.query_scale can't run with context parallelism: ring attention scales by "
+                             "head_dim ** -0.5; split the batch instead")
         if segment_ids is not None:
             return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag, segment_ids=segment_ids)
         return ring_attention(q_btnh, k_bskh, v_bskh, axes, causal=True, zigzag=zigzag)
+    if special:
+        if impl == "cudnn":
+            raise ShardError("model.attention=cudnn can't run here: soft-capped scores or windows that differ by "
+                             "layer (Gemma) run the einsum attention; use auto")
+        return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window, scale, softcap)
     if impl in ("auto", "cudnn"):
         problem = _cudnn_problem(q_btnh, segments=segment_ids is not None)
         if impl == "cudnn" and problem:
@@ -414,11 +475,11 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
         local = (window - 1, 0) if window else None
         if segment_ids is not None:
             same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
-            return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=same_bts[:, None], is_causal=True,
-                                                local_window_size=local, implementation=impl)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, local_window_size=local,
-                                            implementation=impl)
-    return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window)
+            return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=same_bts[:, None], scale=scale,
+                                                is_causal=True, local_window_size=local, implementation=impl)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, scale=scale, is_causal=True,
+                                            local_window_size=local, implementation=impl)
+    return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window, scale)
 
 
 def _cudnn_problem(q_btnh, segments: bool = False) -> str:
@@ -433,17 +494,24 @@ def _cudnn_problem(q_btnh, segments: bool = False) -> str:
                                    segments=segments)
 
 
-def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window: int = 0):
+def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window=0, scale: float | None = None,
+                     softcap: float = 0.0):
     """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal.
     `segment_ids` (B, T), self-attention of packed rows only (start 0, S = T): keys of the query's
     own segment only. `window` > 0: keys less than `window` positions back only (the KV cache keeps
-    every position and masks the older ones: it is not cut to the window)."""
+    every position and masks the older ones: it is not cut to the window); a traced window of 0 is
+    none. `scale`: the scores' factor (None: head_dim ** -0.5); `softcap` > 0: scores soft-capped
+    (soft_cap) before the mask."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
-    scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * H**-0.5
+    scale = H**-0.5 if scale is None else scale
+    scores_bkgts = soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * scale, softcap)
     back_ts = (start + jnp.arange(T))[:, None] - jnp.arange(k_bskh.shape[1])[None, :]
-    causal_ts = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
+    if isinstance(window, jax.Array):
+        causal_ts = (back_ts >= 0) & ((window == 0) | (back_ts < window))
+    else:
+        causal_ts = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
     if segment_ids is not None:  # and the same segment: (B, 1, 1, T, S)
         same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
         scores_bkgts = jnp.where(causal_ts & same_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)
@@ -454,17 +522,19 @@ def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window: in
     return o_btkgh.reshape(B, T, N, H)
 
 
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def _swiglu(gate, up):
-    """silu(gate) * up, recomputed in the backward pass from gate and up: autodiff saved four more
-    (B, T, mlp) tensors (the sigmoid, the silu, ...) under remat none."""
-    return jax.nn.silu(gate) * up
+@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2,))
+def _gated(gate, up, activation: str = "silu"):
+    """act(gate) * up (SwiGLU, or GeGLU with tanh-approximate GELU), recomputed in the backward pass from
+    gate and up: autodiff saved four more (B, T, mlp) tensors (the sigmoid, the silu, ...) under remat
+    none."""
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return act * up
 
 
 def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
-    h_btd = constrain(rms_norm(x_btd, p["mlp_norm"], cfg.norm_eps), (BATCH, LENGTH, EMBED))  # as in attention
+    h_btd = constrain(norm(cfg, x_btd, p["mlp_norm"]), (BATCH, LENGTH, EMBED))  # as in attention
     # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
     w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
     gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))
-    hidden_btf = constrain(_swiglu(gate_up_btsf[:, :, 0], gate_up_btsf[:, :, 1]), (BATCH, LENGTH, MLP))
+    hidden_btf = constrain(_gated(gate_up_btsf[:, :, 0], gate_up_btsf[:, :, 1], cfg.mlp_activation), (BATCH, LENGTH, MLP))
     return jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype))

@@ -1,8 +1,7 @@
-"""Hugging Face Llama-family folders (config.json + *.safetensors) to shard's parameters and back.
+"""Hugging Face model folders (config.json + *.safetensors) to shard's parameters and back.
 
-Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral) is a set of config features of the one decoder, read
-from config.json's `model_type`; every key of config.json that changes the math is mapped to a model
-key or refused by name. Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
+The families and their config.json keys are shard/run/hf_config.py's; this module maps the tensors.
+Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
 heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
 layout, so no permutation of q/k is needed.
 """
@@ -15,185 +14,18 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from shard.config.train import is_positive_number
 from shard.errors import ShardError, first_line
 from shard.paths import current_umask
 from shard.config.model import ModelConfig
+from shard.run.hf_config import (FAMILIES, SUPPORTED_TYPES, config_from_hf, config_to_hf,  # noqa: F401 - the API
+                                 family_of)
 
-# model_type -> the architecture transformers loads, the features it turns on (ModelConfig fields),
-# transformers' defaults for keys a config.json may leave out where they differ from Llama's, the
-# bias switches its config reads (Qwen2's q/k/v biases are always there; it reads no switch), and
-# whether its sliding window is read (Mistral, Mixtral: always; Qwen: only with use_sliding_window,
-# per layer, which shard refuses).
-FAMILIES = {
-    "llama": {"architecture": "LlamaForCausalLM", "features": {}, "defaults": {},
-              "bias_keys": ("attention_bias", "mlp_bias")},
-    "qwen2": {"architecture": "Qwen2ForCausalLM", "features": {"qkv_bias": True},
-              "defaults": {"num_key_value_heads": 32}, "bias_keys": ()},
-    "qwen3": {"architecture": "Qwen3ForCausalLM", "features": {"qk_norm": True},
-              "defaults": {"num_key_value_heads": 32, "head_dim": 128}, "bias_keys": ("attention_bias",)},
-    "mistral": {"architecture": "MistralForCausalLM", "features": {},
-                "defaults": {"num_key_value_heads": 8, "sliding_window": 4096}, "bias_keys": (), "window": True},
-    "mixtral": {"architecture": "MixtralForCausalLM", "features": {"moe_routing": "dropless"},
-                "defaults": {"num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
-                             "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
-                "bias_keys": (), "window": True},
-}
-SUPPORTED_TYPES = tuple(FAMILIES)
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
 
 
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model folder: one with a config.json."""
     return (Path(path) / "config.json").is_file()
-
-
-def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
-    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED_TYPES:
-        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
-    rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
-    if not isinstance(rope, dict):
-        raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
-    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
-    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
-    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
-        scaling = legacy or rope
-        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
-                         "Llama 3's (llama3) are")
-    family = FAMILIES[kind]
-    theta = rope.get("rope_theta", hf.get("rope_theta")) or family["defaults"].get("rope_theta", 10000.0)
-    # transformers reads rope_scaling before rope_parameters
-    given = legacy or rope
-    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
-    scaling = {}
-    if llama3 is not None:
-        keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
-                "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
-        missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
-        if missing:
-            raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
-                             f"{llama3.get(missing[0])!r}")
-        scaling = {k: float(llama3[v]) for k, v in keys.items()}
-        if not scaling["rope_original_context"].is_integer():
-            raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
-                             f"{llama3['original_max_position_embeddings']!r}")
-        scaling["rope_original_context"] = int(scaling["rope_original_context"])
-    for flag in family["bias_keys"]:
-        if hf.get(flag):
-            where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
-            raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
-    if not family.get("window") and hf.get("use_sliding_window"):
-        raise ShardError(f"use_sliding_window=true is not supported for {kind}: its window applies to the layers "
-                         f"from max_window_layers on, and shard's sliding_window is every layer's "
-                         f"(sliding_window={hf.get('sliding_window')!r})")
-    window = hf.get("sliding_window", family["defaults"].get("sliding_window")) if family.get("window") else None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
-    moe = {}
-    if kind == "mixtral":
-        if hf.get("router_jitter_noise"):
-            raise ShardError(f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported: shard's router "
-                             "has no jitter noise")
-        keys = {"num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
-        for key, field in keys.items():
-            value = hf.get(key, family["defaults"][key])
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
-            moe[field] = value
-        coef = hf.get("router_aux_loss_coef", family["defaults"]["router_aux_loss_coef"])
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
-            raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
-        moe["aux_loss_weight"] = float(coef)
-    if hf.get("attention_dropout"):
-        raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if hf.get(k) is None]
-    if missing:
-        raise ShardError(f"config.json lacks {missing[0]!r}")
-    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
-             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
-             "num_key_value_heads": hf.get("num_key_value_heads") or family["defaults"].get("num_key_value_heads")
-             or hf["num_attention_heads"],
-             "intermediate_size": hf["intermediate_size"],
-             "head_dim": hf.get("head_dim") or family["defaults"].get("head_dim")}
-    for key, value in sizes.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
-    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or family["defaults"].get("rms_norm_eps", 1e-6)}
-    for key, value in numbers.items():
-        if not is_positive_number(value):
-            raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
-    heads = sizes["num_attention_heads"]
-    cfg = ModelConfig(
-        name=name, vocab_size=sizes["vocab_size"], d_model=sizes["hidden_size"],
-        n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=sizes["num_key_value_heads"],
-        head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
-        sliding_window=window or 0, **moe, **family["features"],
-    )
-    problems = cfg.validate()
-    if problems:
-        raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
-    return cfg
-
-
-def family_of(cfg: ModelConfig) -> str:
-    """The model_type of FAMILIES whose features are cfg's, or a ShardError where no family has them:
-    experts make Mixtral, a sliding window alone Mistral, q/k/v biases Qwen2, q/k norms Qwen3."""
-    if cfg.n_experts or cfg.sliding_window:
-        kind = "mixtral" if cfg.n_experts else "mistral"
-        extra = [f for f in ("qkv_bias", "qk_norm") if getattr(cfg, f)]
-        if extra:
-            raise ShardError(f"model {cfg.name} has {extra[0]} with {'experts' if cfg.n_experts else 'a sliding window'}"
-                             f", which no Hugging Face family export-hf writes has ({kind} has no {extra[0]})")
-        router = {"router_scores": "softmax", "router_normalize": True, "routed_scale": 1.0, "n_shared_experts": 0}
-        other = [f"{f}={getattr(cfg, f)!r}" for f, v in router.items() if cfg.n_experts and getattr(cfg, f) != v]
-        if other:
-            raise ShardError(f"model {cfg.name} has {other[0]}; Mixtral's router is a softmax renormalised over the "
-                             "chosen experts, with no shared experts (export-hf writes Mixtral folders only)")
-        return kind
-    for kind, family in FAMILIES.items():
-        if all(getattr(cfg, f) == bool(family["features"].get(f)) for f in ("qkv_bias", "qk_norm")):
-            return kind
-    raise ShardError(f"model {cfg.name} has both qkv_bias and qk_norm, which no Hugging Face family has; export-hf "
-                     "writes Llama, Qwen2 (qkv_bias) and Qwen3 (qk_norm) folders")
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json of a model of one of FAMILIES (family_of refuses what none of them holds). A
-    mixture of experts becomes Mixtral, which drops no token whatever cfg.moe_routing trained it with."""
-    kind = family_of(cfg)
-    # Qwen2 has no bias switches (its q/k/v biases are always on); Qwen3 has attention_bias alone
-    biases = {"llama": {"attention_bias": False, "mlp_bias": False}}.get(kind, {})
-    if kind == "qwen3":
-        biases = {"attention_bias": False}
-    windows = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False}}.get(
-        kind, {"sliding_window": cfg.sliding_window or None})
-    if kind == "mixtral":
-        windows |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
-                    "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0}
-    return {
-        "architectures": [FAMILIES[kind]["architecture"]], "model_type": kind, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
-        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu", **biases, **windows, "torch_dtype": "float32",
-        "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
-    } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
-
-
-def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
-    if not cfg.rope_scaling:
-        return {"rope_type": "default"}
-    return {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_context}
 
 
 def _layer_map(cfg: ModelConfig):
@@ -213,9 +45,13 @@ def _layer_map(cfg: ModelConfig):
     else:
         ffn = {k: (f"model.layers.{{}}.mlp.{k[2:]}_proj.weight", lambda w: w.T, lambda w: w.T)
                for k in ("w_gate", "w_up", "w_down")}
-    return family | ffn | {
+    norms = {"mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w)}
+    if cfg.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention, not before the MLP
+        norms = {k: (f"model.layers.{{}}.{n}.weight", lambda w: w, lambda w: w) for k, n in (
+            ("post_attn_norm", "post_attention_layernorm"), ("mlp_norm", "pre_feedforward_layernorm"),
+            ("post_mlp_norm", "post_feedforward_layernorm"))}
+    return family | ffn | norms | {
         "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
-        "mlp_norm": ("model.layers.{}.post_attention_layernorm.weight", lambda w: w, lambda w: w),
         "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
                lambda w: w.reshape(D, N * H).T),
         "wk": ("model.layers.{}.self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H),
@@ -237,7 +73,7 @@ def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
 def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
+    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
                  "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "bq": (q,), "bk": (kv,),
                  "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,), "router": (cfg.n_experts, D)}
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}

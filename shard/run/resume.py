@@ -136,7 +136,9 @@ def init_from_base(source: str) -> dict:
 # What a Hugging Face config.json decides of a model (shard.run.hf.config_from_hf); the rest is how to run it.
 HF_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
                    "tie_embeddings", "rope_theta", "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_context", "norm_eps", "qkv_bias", "qk_norm", "n_experts")
+                   "rope_original_context", "norm_eps", "qkv_bias", "qk_norm", "n_experts", "sliding_window",
+                   "global_every", "rope_local_theta", "query_scale", "attn_softcap", "final_softcap",
+                   "norm_plus_one", "sandwich_norms", "embed_scale", "mlp_activation")
 
 
 def check_hf_model_is_preset(source: str, hf_model: dict, name: str) -> None:

@@ -112,7 +112,9 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
     def stage_fn(layers, x_btd, extras_m=None):  # extras_m: the microbatch's packing_of arrays
-        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}))[0]
+        # this stage's first layer, which local and global layers alternating (Gemma) need
+        first = jax.lax.axis_index(STAGE) * jax.tree.leaves(layers)[0].shape[0] if cfg.windows_vary else 0
+        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}), first_layer=first)[0]
 
     def head_loss(head, y_btd, aux_m):
         return token_nll(llama.head_logits(cfg, head, y_btd), aux_m["targets"], aux_m["mask"])

@@ -1,0 +1,309 @@
+"""Hugging Face config.json to shard's ModelConfig and back, by family.
+
+Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Gemma 2, Gemma 3) is a set of config
+features of the one decoder, read from config.json's `model_type`; every key of config.json that
+changes the math is mapped to a model key or refused by name. shard/run/hf.py maps the tensors.
+"""
+
+import math
+
+from shard.config.model import ModelConfig
+from shard.config.train import is_positive_number
+from shard.errors import ShardError
+
+# model_type -> the architecture transformers loads, the features it turns on (ModelConfig fields),
+# transformers' defaults for keys a config.json may leave out where they differ from Llama's, the
+# bias switches its config reads (Qwen2's q/k/v biases are always there; it reads no switch), and
+# whether its sliding window is read (Mistral, Mixtral: always; Qwen: only with use_sliding_window,
+# per layer, which shard refuses).
+_GEMMA = {"norm_plus_one": True, "sandwich_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh"}
+FAMILIES = {
+    "llama": {"architecture": "LlamaForCausalLM", "features": {}, "defaults": {},
+              "bias_keys": ("attention_bias", "mlp_bias")},
+    "qwen2": {"architecture": "Qwen2ForCausalLM", "features": {"qkv_bias": True},
+              "defaults": {"num_key_value_heads": 32}, "bias_keys": ()},
+    "qwen3": {"architecture": "Qwen3ForCausalLM", "features": {"qk_norm": True},
+              "defaults": {"num_key_value_heads": 32, "head_dim": 128}, "bias_keys": ("attention_bias",)},
+    "mistral": {"architecture": "MistralForCausalLM", "features": {},
+                "defaults": {"num_key_value_heads": 8, "sliding_window": 4096}, "bias_keys": (), "window": True},
+    "mixtral": {"architecture": "MixtralForCausalLM", "features": {"moe_routing": "dropless"},
+                "defaults": {"num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                             "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+                "bias_keys": (), "window": True},
+    # Gemma 2 and the text model of Gemma 3: local and global layers by `layer_types` (every 2nd, every
+    # 6th global), GeGLU, (1 + w) norms around each sublayer, scaled embeddings, tied tables; Gemma 2
+    # soft-caps scores and logits, Gemma 3 normalises q and k and has a RoPE base per layer type.
+    "gemma2": {"architecture": "Gemma2ForCausalLM", "features": dict(_GEMMA),
+               "defaults": {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                            "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                            "final_logit_softcapping": 30.0, "global_every": 2},
+               "bias_keys": ("attention_bias",), "window": True, "gemma": True},
+    "gemma3_text": {"architecture": "Gemma3ForCausalLM", "features": _GEMMA | {"qk_norm": True},
+                    "defaults": {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                                 "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                                 "global_every": 6},
+                    "bias_keys": ("attention_bias",), "window": True, "gemma": True},
+}
+SUPPORTED_TYPES = tuple(FAMILIES)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
+    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
+    kind = hf.get("model_type")
+    if kind == "gemma3":
+        raise ShardError("model_type 'gemma3' is Gemma 3 with its vision tower, which shard does not build; the "
+                         "text-only models (gemma-3-1b, model_type gemma3_text) are supported")
+    if kind not in SUPPORTED_TYPES:
+        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
+    if not isinstance(rope, dict):
+        raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
+    gemma = _gemma_fields(kind, hf, rope) if FAMILIES[kind].get("gemma") else {}
+    if kind == "gemma3_text" and set(rope) <= set(_LAYER_TYPES) and rope:  # one table per layer type
+        rope = rope.get("full_attention") or {}
+    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
+    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
+    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
+        scaling = legacy or rope
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
+                         "Llama 3's (llama3) are")
+    family = FAMILIES[kind]
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or family["defaults"].get("rope_theta", 10000.0)
+    # transformers reads rope_scaling before rope_parameters
+    given = legacy or rope
+    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
+    scaling = {}
+    if llama3 is not None:
+        keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
+        missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
+        if missing:
+            raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
+                             f"{llama3.get(missing[0])!r}")
+        scaling = {k: float(llama3[v]) for k, v in keys.items()}
+        if not scaling["rope_original_context"].is_integer():
+            raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
+                             f"{llama3['original_max_position_embeddings']!r}")
+        scaling["rope_original_context"] = int(scaling["rope_original_context"])
+    for flag in family["bias_keys"]:
+        if hf.get(flag):
+            where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
+            raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
+    if not family.get("window") and hf.get("use_sliding_window"):
+        raise ShardError(f"use_sliding_window=true is not supported for {kind}: its window applies to the layers "
+                         f"from max_window_layers on, and shard's sliding_window is every layer's "
+                         f"(sliding_window={hf.get('sliding_window')!r})")
+    window = hf.get("sliding_window", family["defaults"].get("sliding_window")) if family.get("window") else None
+    if gemma and (not gemma["global_every"] or window is None):  # no layer is windowed
+        window, gemma["global_every"] = None, 0
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
+    moe = {}
+    if kind == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ShardError(f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported: shard's router "
+                             "has no jitter noise")
+        keys = {"num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
+        for key, field in keys.items():
+            value = hf.get(key, family["defaults"][key])
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+            moe[field] = value
+        coef = hf.get("router_aux_loss_coef", family["defaults"]["router_aux_loss_coef"])
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+            raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+        moe["aux_loss_weight"] = float(coef)
+    if hf.get("attention_dropout"):
+        raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
+        raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if hf.get(k) is None]
+    if missing:
+        raise ShardError(f"config.json lacks {missing[0]!r}")
+    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
+             "num_key_value_heads": hf.get("num_key_value_heads") or family["defaults"].get("num_key_value_heads")
+             or hf["num_attention_heads"],
+             "intermediate_size": hf["intermediate_size"],
+             "head_dim": hf.get("head_dim") or family["defaults"].get("head_dim")}
+    for key, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+    numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or family["defaults"].get("rms_norm_eps", 1e-6)}
+    for key, value in numbers.items():
+        if not is_positive_number(value):
+            raise ShardError(f"config.json: {key} must be a positive number, got {value!r}")
+    heads = sizes["num_attention_heads"]
+    cfg = ModelConfig(
+        name=name, vocab_size=sizes["vocab_size"], d_model=sizes["hidden_size"],
+        n_layers=sizes["num_hidden_layers"], n_heads=heads, n_kv_heads=sizes["num_key_value_heads"],
+        head_dim=sizes["head_dim"] or sizes["hidden_size"] // heads, mlp_dim=sizes["intermediate_size"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),
+        rope_theta=float(numbers["rope_theta"]), norm_eps=float(numbers["rms_norm_eps"]), **scaling,
+        sliding_window=window or 0, **moe, **family["features"], **gemma,
+    )
+    problems = cfg.validate()
+    if problems:
+        raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
+    return cfg
+
+
+def _gemma_fields(kind: str, hf: dict, rope: dict) -> dict:
+    """The ModelConfig fields of a Gemma 2 or Gemma 3 config.json beyond the common ones: which layers are
+    global (`layer_types`), the query scale, soft-caps and, for Gemma 3, the windowed layers' RoPE base."""
+    defaults = FAMILIES[kind]["defaults"]
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ShardError(f"hidden_activation {act!r} is not supported for {kind}; only gelu_pytorch_tanh (GeGLU "
+                         "with tanh-approximate GELU) is")
+    if hf.get("use_bidirectional_attention"):
+        raise ShardError("use_bidirectional_attention=true is not supported: shard's decoder is causal")
+    out = {}
+    layer_types = hf.get("layer_types")
+    n = hf.get("num_hidden_layers")
+    every = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", defaults["global_every"]))
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or not set(layer_types) <= set(_LAYER_TYPES) or len(layer_types) != n:
+            raise ShardError(f"config.json: layer_types must list sliding_attention or full_attention for each of "
+                             f"the {n} layers, got {layer_types!r}")
+        fulls = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        every = fulls[0] + 1 if fulls else 0
+        pattern = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        if not fulls:
+            every = n + 1  # every layer windowed: no global layer in the stack
+            pattern = layer_types
+        if layer_types != pattern and set(layer_types) != {"full_attention"}:
+            raise ShardError(f"config.json: layer_types {layer_types!r} is not every k-th layer global, the one "
+                             "pattern shard's model.global_every holds")
+        if set(layer_types) == {"full_attention"}:
+            every = 0
+    out["global_every"] = every if isinstance(every, int) and not isinstance(every, bool) else None
+    if out["global_every"] is None or out["global_every"] < 0:
+        raise ShardError(f"config.json: sliding_window_pattern must be a whole number of layers, got {every!r}")
+    for key, field in (("query_pre_attn_scalar", "query_scale"), ("attn_logit_softcapping", "attn_softcap"),
+                       ("final_logit_softcapping", "final_softcap")):
+        value = hf.get(key, defaults.get(key))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ShardError(f"config.json: {key} must be a positive number or null, got {value!r}")
+        out[field] = float(value or 0.0)
+    if kind == "gemma3_text":
+        local = hf.get("rope_local_base_freq", defaults["rope_local_base_freq"])
+        if set(rope) <= set(_LAYER_TYPES) and rope:
+            for layer_type, table in rope.items():
+                kind_of = table.get("rope_type", "default") if isinstance(table, dict) else table
+                if kind_of != "default":
+                    raise ShardError(f"rope scaling {table!r} of the {layer_type} layers is not supported; only "
+                                     "plain RoPE (rope_type default) is for gemma3_text")
+            local = (rope.get("sliding_attention") or {}).get("rope_theta", local)
+        if not is_positive_number(local):
+            raise ShardError(f"config.json: rope_local_base_freq must be a positive number, got {local!r}")
+        out["rope_local_theta"] = float(local)
+    return out
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The model_type of FAMILIES whose features are cfg's, or a ShardError where no family has them:
+    experts make Mixtral, a sliding window alone Mistral, q/k/v biases Qwen2, q/k norms Qwen3; Gemma's
+    norms around each sublayer Gemma 2, or with q/k norms Gemma 3."""
+    gemma_features = {f: getattr(cfg, f) for f in _GEMMA} | {
+        "rope_local_theta": cfg.rope_local_theta, "global_every": cfg.global_every, "attn_softcap": cfg.attn_softcap,
+        "final_softcap": cfg.final_softcap, "query_scale": cfg.query_scale}
+    if cfg.sandwich_norms:
+        kind = "gemma3_text" if cfg.qk_norm else "gemma2"
+        wrong = [f"{f}={getattr(cfg, f)!r}" for f, v in _GEMMA.items() if getattr(cfg, f) != v]
+        wrong += [f"{f}={getattr(cfg, f)!r}" for f in ("qkv_bias", "n_experts", "rope_scaling") if getattr(cfg, f)]
+        if kind == "gemma2" and cfg.rope_local_theta:
+            wrong.append(f"rope_local_theta={cfg.rope_local_theta!r}")
+        if wrong:
+            raise ShardError(f"model {cfg.name} has sandwich_norms with {wrong[0]}, which no Hugging Face family "
+                             f"export-hf writes has ({kind} has {', '.join(f'{k}={v!r}' for k, v in _GEMMA.items())})")
+        return kind
+    off = {"norm_plus_one": False, "embed_scale": False, "mlp_activation": "silu", "rope_local_theta": 0.0,
+           "global_every": 0, "attn_softcap": 0.0, "final_softcap": 0.0}
+    wrong = [f"{f}={gemma_features[f]!r}" for f, v in off.items() if gemma_features[f] != v]
+    if cfg.query_scale not in (0.0, cfg.head_dim):
+        wrong.append(f"query_scale={cfg.query_scale!r}")
+    if wrong:
+        raise ShardError(f"model {cfg.name} has {wrong[0]} without Gemma's sandwich_norms, which no Hugging Face "
+                         "family export-hf writes has")
+    if cfg.n_experts or cfg.sliding_window:
+        kind = "mixtral" if cfg.n_experts else "mistral"
+        extra = [f for f in ("qkv_bias", "qk_norm") if getattr(cfg, f)]
+        if extra:
+            raise ShardError(f"model {cfg.name} has {extra[0]} with {'experts' if cfg.n_experts else 'a sliding window'}"
+                             f", which no Hugging Face family export-hf writes has ({kind} has no {extra[0]})")
+        router = {"router_scores": "softmax", "router_normalize": True, "routed_scale": 1.0, "n_shared_experts": 0}
+        other = [f"{f}={getattr(cfg, f)!r}" for f, v in router.items() if cfg.n_experts and getattr(cfg, f) != v]
+        if other:
+            raise ShardError(f"model {cfg.name} has {other[0]}; Mixtral's router is a softmax renormalised over the "
+                             "chosen experts, with no shared experts (export-hf writes Mixtral folders only)")
+        return kind
+    for kind, family in FAMILIES.items():
+        if all(getattr(cfg, f) == bool(family["features"].get(f)) for f in ("qkv_bias", "qk_norm")):
+            return kind
+    raise ShardError(f"model {cfg.name} has both qkv_bias and qk_norm, which no Hugging Face family has; export-hf "
+                     "writes Llama, Qwen2 (qkv_bias) and Qwen3 (qk_norm) folders")
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json of a model of one of FAMILIES (family_of refuses what none of them holds). A
+    mixture of experts becomes Mixtral, which drops no token whatever cfg.moe_routing trained it with."""
+    kind = family_of(cfg)
+    if FAMILIES[kind].get("gemma"):
+        return _gemma_config_to_hf(cfg, kind)
+    # Qwen2 has no bias switches (its q/k/v biases are always on); Qwen3 has attention_bias alone
+    biases = {"llama": {"attention_bias": False, "mlp_bias": False}}.get(kind, {})
+    if kind == "qwen3":
+        biases = {"attention_bias": False}
+    windows = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False}}.get(
+        kind, {"sliding_window": cfg.sliding_window or None})
+    if kind == "mixtral":
+        windows |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+                    "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0}
+    return {
+        "architectures": [FAMILIES[kind]["architecture"]], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", **biases, **windows, "torch_dtype": "float32",
+        "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
+    } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
+
+
+def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
+    if not cfg.rope_scaling:
+        return {"rope_type": "default"}
+    return {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context}
+
+
+
+
+def _gemma_config_to_hf(cfg: ModelConfig, kind: str) -> dict:
+    """The config.json of a Gemma 2 or Gemma 3 text model."""
+    types = ["full_attention" if not w else "sliding_attention" for w in cfg.layer_windows()]
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope = full
+    if kind == "gemma3_text":
+        rope = {"full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
+    return {
+        "architectures": [FAMILIES[kind]["architecture"]], "model_type": kind, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp_dim,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope, "rms_norm_eps": cfg.norm_eps,
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "torch_dtype": "float32",
+        "query_pre_attn_scalar": _whole(cfg.query_scale or cfg.head_dim), "sliding_window": cfg.sliding_window or 4096,
+        "layer_types": types, "attn_logit_softcapping": cfg.attn_softcap or None,
+        "final_logit_softcapping": cfg.final_softcap or None, "max_position_embeddings": 8192,
+    }
+
+
+def _whole(x: float) -> int | float:
+    """x as an int where it is one (transformers' Gemma configs type query_pre_attn_scalar as int)."""
+    return int(x) if float(x).is_integer() else x

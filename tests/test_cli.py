@@ -114,7 +114,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path
         failed = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(run), "--compile-cache", "none")
     assert failed.exit_code == 2, failed.output
     assert "error: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating" in failed.output
-    assert not any(run.iterdir())  # nothing logged or saved: the files it wrote are gone
+    assert not run.exists()  # nothing logged or saved: the files it wrote, and the run dir it made, are gone
     fresh, own = tmp_path / "fresh", tmp_path / "own"  # a first start by --resume --allow-fresh, likewise
     own.mkdir()
     (own / "config.toml").write_text("steps = 3\n")
@@ -124,7 +124,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_the_retry_runs(tmp_path
             again = invoke("train", *TINY, "--mesh", "8x1", "--run-dir", str(where), "--compile-cache", "none",
                            "--resume", "--allow-fresh")
             assert again.exit_code == 2 and "error: out of memory" in again.output, again.output
-    assert not any(fresh.iterdir())
+    assert not fresh.exists()
     assert [f.name for f in own.iterdir()] == ["config.toml"]  # the user's own file is not removed
     ok = invoke("train", *TINY, "--mesh", "8x1", "--batch", "16", "--run-dir", str(run), "--compile-cache", "none")
     assert ok.exit_code == 0, ok.output

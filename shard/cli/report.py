@@ -5,11 +5,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shard.observe.console import console, err_console, human_bytes
+from shard.observe.console import console, err_console, human_bytes, table_console
 from shard.paths import check_outside_checkpoints
 
 
@@ -50,4 +49,4 @@ def _print_table(doc: dict) -> None:
         table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
                       "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
     # at least 120 columns, as plan's table: in 80 a column's heading shrank to "e"; paths are not markup
-    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 120)).print(table)
+    table_console(120).print(table)

@@ -3,6 +3,7 @@ loop with its observers, and say how the run ended."""
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from shard import config as config_mod
 from shard.errors import ShardError
 from shard.measure import profiling
 from shard.observe.console import console, err_console
-from shard.observe.progress import ConsoleProgress
+from shard.observe.progress import ConsoleProgress, compiling_line
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.resume import restore_source
 from shard.run.run_dir import compile_cache_dir, continue_command
@@ -177,7 +178,7 @@ class _Run:
         from shard.training.state import warmup_steps
 
         cfg, window = self.cfg, self.window
-        run = prepare(cfg, devices, restore=restore)
+        run = prepare(cfg, devices, restore=restore, compiling=compiling_line if self.main else nullcontext)
         if cfg.init_from and not run.start_step and restore is not None:
             _notice(f"initialised from {cfg.init_from}")
         if run.start_step:

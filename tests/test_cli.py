@@ -186,6 +186,16 @@ def test_inspect_13b_on_32_devices_from_shapes_alone(run_shard):
     assert 0 <= doc["opt_state_bytes_per_device"] - 2 * doc["params_bytes_per_device"] < 1024
 
 
+def test_help_shows_flags_as_flags_and_whole_phrases():
+    """A flag took `<bool>` in typer's help, and a docstring's line breaks broke eval's line mid-phrase."""
+    train_help = invoke("train", "--help").output
+    (resume,) = [line for line in train_help.splitlines() if "--resume " in line]
+    assert "<bool>" not in train_help and "continue the run" in resume
+    assert "<int>" in train_help  # options that take a value still say what
+    top = invoke("--help").output
+    assert "data (as its evaluations saw it) or --data." in top, top
+
+
 def test_inspect_table(run_shard):
     """Piped (not a terminal), the table is whole: no cell cut to fit 80 columns; 13B reads in billions."""
     r = run_shard("inspect", "--mesh", "8x4", "--model", "llama-13b")

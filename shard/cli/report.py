@@ -18,9 +18,11 @@ def report(
                                                        "(default: report/, or report-2/, ...; with --json, only when given)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ):
-    """Plots of loss and throughput (runs overlaid, resumes marked) and a table: model, layout, final loss,
-    tokens/s, MFU, memory, where each run resumed. An earlier report is never written over: a given --out must
-    be new or empty, and without one the report goes to report/ or the first free report-N/."""
+    """Plots of loss and throughput (runs overlaid, resumes marked) and a table of the runs.
+
+    The table: model, layout, final loss, tokens/s, MFU, memory, where each run resumed. An earlier report
+    is never written over: a given --out must be new or empty, and without one the report goes to report/
+    or the first free report-N/."""
     from shard.observe.report import check_empty_out, fresh_folder
     from shard.observe.report import report as make_report
 

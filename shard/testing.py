@@ -89,6 +89,35 @@ def fake_mesh(mesh: str = "2x4"):
     return build_mesh(parse_mesh(mesh), devices_for(mesh))
 
 
+AGREEMENT_SETS = {"steps": 4, "optimizer__warmup_steps": 0}
+AGREEMENT_ARGS = ["--steps", "4", "--set", "optimizer.warmup_steps=0"]  # the same, as `shard train` flags
+
+
+def agreement_config(mesh: str = "8x1", **sets) -> TrainConfig:
+    """tiny_config for runs that must agree (layouts, processes, microbatches): 4 steps and no warm-up, so
+    three updates reach the logged losses (a warm-up's first update has learning rate 0); compare
+    train_curves, whose grad_norm catches a gradient scaled by a constant, which clipping and AdamW hide
+    from the losses."""
+    return tiny_config(mesh, **(AGREEMENT_SETS | sets))
+
+
+def train_curves(cfg: TrainConfig) -> dict[str, list[float]]:
+    """Per-step loss and grad_norm of a short run (cfg.log_every should be 1)."""
+    from shard.training.loop import train
+
+    records = train(cfg, devices=devices_for(cfg.mesh.spec))
+    return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
+
+
+def assert_same_curves(got: dict, want: dict, rtol: float = 1e-5, err_msg: str = "") -> None:
+    """Two runs' train_curves (or the same keys read from metrics.jsonl) agree at every step."""
+    import numpy as np
+
+    assert set(got) == set(want) and len(got["loss"]) == len(want["loss"]), (got, want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=rtol, err_msg=f"{key} {err_msg}")
+
+
 def train_losses(cfg: TrainConfig) -> list[float]:
     """Per-step losses of a short run (cfg.log_every should be 1)."""
     from shard.training.loop import train

@@ -143,6 +143,7 @@ def test_train_simulates_the_devices_the_mesh_needs(run_shard, tmp_path):
     assert any((tmp_path / "cc").iterdir())  # the persistent compilation cache was written
     assert "simulating 16 CPU devices" in r.stderr
     assert "mesh data=4,model=4" in r.stdout
+    assert "compiling the train step…" in r.stdout.split("mesh data=4,model=4")[0]  # said before it compiles
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     record = json.loads(lines[-1])
     assert record["step"] == 2 and {"loss", "tokens_per_s", "step_time_s"} <= set(record)
@@ -185,10 +186,27 @@ def test_inspect_13b_on_32_devices_from_shapes_alone(run_shard):
     assert 0 <= doc["opt_state_bytes_per_device"] - 2 * doc["params_bytes_per_device"] < 1024
 
 
+def test_help_shows_flags_as_flags_and_whole_phrases():
+    """A flag took `<bool>` in typer's help, and a docstring's line breaks broke eval's line mid-phrase."""
+    train_help = invoke("train", "--help").output
+    (resume,) = [line for line in train_help.splitlines() if "--resume " in line]
+    assert "<bool>" not in train_help and "continue the run" in resume
+    assert "<int>" in train_help  # options that take a value still say what
+    top = invoke("--help").output
+    assert "data (as its evaluations saw it) or --data." in top, top
+
+
 def test_inspect_table(run_shard):
-    r = run_shard("inspect", "--mesh", "fsdp", "--model", "tiny")
+    """Piped (not a terminal), the table is whole: no cell cut to fit 80 columns; 13B reads in billions."""
+    r = run_shard("inspect", "--mesh", "8x4", "--model", "llama-13b")
     assert r.returncode == 0, r.stderr
-    assert "layers/wq" in r.stdout and "fsdp" in r.stdout and "optimizer state" in r.stdout
+    rows = {cells[0]: cells[1:] for line in r.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 5}
+    assert rows["layers/wq"] == ["40x5120x40x128", "layers, embed, heads, head_dim", "(None, None, model, None)",
+                                 "1000.00 MiB"]
+    assert rows["embed"] == ["32000x5120", "vocab, embed", "(model, None)", "156.25 MiB"]
+    assert len(rows) == 12  # every parameter, one row each
+    assert "13.02B parameters · per device: params 12.12 GiB, optimizer state 24.25 GiB" in r.stdout
 
 
 def test_a_cluster_is_not_expected_after_its_command(monkeypatch):

@@ -62,6 +62,7 @@ def test_vocab_follows_the_tokenizer_and_the_run_keeps_it(corpus, tmp_path):
     assert result.exit_code == 0, result.output
     assert "model.vocab_size 384: the tokenizer's 300 ids, padded up to a multiple of 128" in result.output
     assert "packed rows" in result.output and "tokenizer huggingface (300 ids, eos 0)" in result.output
+    assert "· 1 file, 600 documents, " in result.output  # what --data read
     saved = config_mod.resolve(config_mod.load_file(str(run / "config.toml")))
     assert saved.model.vocab_size == 384 and saved.data.packing == "packed"
     assert load_tokenizer(str(run / "tokenizer")).fingerprint == load_tokenizer(str(corpus / "tok")).fingerprint

@@ -1,5 +1,7 @@
 """Mesh descriptions: every accepted form, every preset file, and the errors."""
 
+import math
+
 import pytest
 
 from shard.errors import ShardError
@@ -23,7 +25,7 @@ def test_forms(spec, axes, shape):
 def test_every_preset_loads_and_fills_eight_devices(name):
     m = parse_mesh(name)
     shape = resolve_shape(m, 8)
-    assert len(shape) == len(m.axes)
+    assert len(shape) == len(m.axes) and math.prod(shape) == 8 and all(n >= 1 for n in shape), shape
     assert set(m.rules) >= {"batch", "embed", "heads", "kv_heads", "mlp", "vocab", "layers"}
 
 

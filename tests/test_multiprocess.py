@@ -19,7 +19,8 @@ import pytest
 
 from shard.training.loop import train
 from shard.observe.metrics import read_jsonl
-from shard.testing import devices_for, finish, free_ports, subprocess_env, tiny_config, xla_flags_for_tests
+from shard.testing import (AGREEMENT_ARGS, agreement_config, assert_same_curves, devices_for, finish, free_ports,
+                           subprocess_env, tiny_config, train_curves, xla_flags_for_tests)
 
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -48,6 +49,18 @@ def run_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
+def run_curves(run_dir: Path) -> dict[str, list[float]]:
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
+
+
+@pytest.fixture(scope="module")
+def agreed():
+    """Loss and grad_norm at every step of one process on 8 devices, 4 steps without warm-up
+    (shard.testing.agreement_config): what the plain multi-process runs must match."""
+    return train_curves(agreement_config("2x4"))
+
+
 @pytest.fixture(scope="module")
 def reference():
     """Losses of one process on 8 devices, the numbers every multi-process run must match (layouts
@@ -55,7 +68,8 @@ def reference():
     out the tail of the data, so training reads other windows), the losses and held-out losses."""
     plain = train(tiny_config("2x4"), devices=devices_for("2x4"))
     evaluated = train(tiny_config("2x4", eval__every=1), devices=devices_for("2x4"))
-    return ([r["loss"] for r in plain], [r["loss"] for r in evaluated], [r["eval_loss"] for r in evaluated])
+    return ([r["loss"] for r in plain], [r["loss"] for r in evaluated], [r["eval_loss"] for r in evaluated],
+            [r["grad_norm"] for r in plain], [r["grad_norm"] for r in evaluated])
 
 
 # The words of gloo's connection banner, which the C++ library prints in every process from one thread
@@ -150,15 +164,15 @@ def test_processes_that_find_other_data_at_the_data_path_stop_at_once(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
-def test_two_processes_match_one(tmp_path, reference):
-    procs = explicit(2, [*TINY, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_ports()[0])
+def test_two_processes_match_one(tmp_path, agreed):
+    procs = explicit(2, [*TINY, *AGREEMENT_ARGS, "--mesh", "2x4", "--run-dir", "r"], tmp_path, free_ports()[0])
     (rc0, out0, err0), (rc1, out1, err1) = finish(procs)
     assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "mesh data=2,model=4 on 8 cpu device(s) in 2 processes" in out0
     assert "simulating 4 CPU devices in each of 2 processes" in err0
-    assert out1 == "" and "simulating" not in err1  # only process 0 prints
+    assert own_lines(out1) == [] and "simulating" not in err1  # only process 0 prints
     assert "Gloo" not in out0 + err0 + err1  # gloo's connection banner is dropped
-    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
+    assert_same_curves(run_curves(tmp_path / "r"), agreed)
 
 
 def test_a_checkpoint_one_process_cannot_read_is_set_aside_and_every_process_falls_back(tmp_path, reference):
@@ -182,12 +196,12 @@ def test_a_checkpoint_one_process_cannot_read_is_set_aside_and_every_process_fal
 
 
 @needs_mpi
-def test_mpiexec_detects_the_cluster(tmp_path, reference):
-    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, "--mesh", "2x4", "--run-dir", "r")],
+def test_mpiexec_detects_the_cluster(tmp_path, agreed):
+    r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, *AGREEMENT_ARGS, "--mesh", "2x4", "--run-dir", "r")],
                        cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "in 2 processes" in r.stdout and r.stdout.count("done:") == 1
-    np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[0], rtol=1e-5)
+    assert_same_curves(run_curves(tmp_path / "r"), agreed)
 
 
 @needs_mpi
@@ -223,6 +237,7 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
         assert f"resumed from step {resume_at}" in launch("--resume").stderr
     evaluated = "--eval-every" in extra
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[1 if evaluated else 0], rtol=1e-5)
+    np.testing.assert_allclose(run_curves(tmp_path / "r")["grad_norm"], reference[4 if evaluated else 3], rtol=1e-5)
     # MFU over the job's devices (it divided by one process's), and no memory figure where none is known
     from shard.config.model import mfu_flops_per_token
     from shard.config.model import PRESETS

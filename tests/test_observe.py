@@ -175,6 +175,38 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(here)
     r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["plots"] == [] and list(here.iterdir()) == []
+    # an earlier report is never written over: a given --out must be empty, and report/ is followed by report-2/
+    again = CliRunner().invoke(app, ["report", str(tmp_path / "a"), "--out", str(out)])
+    assert again.exit_code == 2 and f"--out {out} is not empty" in again.output, again.output
+    for folder in ("report", "report-2"):
+        r = CliRunner().invoke(app, ["report", str(tmp_path / "a")])
+        assert r.exit_code == 0 and f"plots: {folder}/loss_vs_step.png" in r.output, r.output
+    assert sorted(p.name for p in here.iterdir()) == ["report", "report-2"]
+
+
+def test_report_marks_where_a_run_resumed_and_on_which_layout(tmp_path):
+    run = tmp_path / "a"
+    _fake_run(run, "fsdp", [])
+    rec = lambda step, t, start, mesh: json.dumps({"step": step, "loss": 3.0 - step / 10, "tokens_per_s": 100.0,  # noqa: E731
+                                                   "time_s": t, "start_step": start, "mesh": mesh}) + "\n"
+    (run / "metrics.jsonl").write_text(rec(1, 1.0, 0, "data=8") + rec(2, 2.0, 0, "data=8") + rec(3, 1.0, 2, "data=8")
+                                       + rec(4, 2.0, 2, "data=8") + rec(5, 1.0, 4, "fsdp=8") + rec(6, 2.0, 4, "fsdp=8"))
+    r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output)["runs"][0]
+    assert row["model"] == "tiny" and row["resumes"] == [{"step": 3, "mesh": "data=8", "layout_changed": False},
+                                                         {"step": 5, "mesh": "fsdp=8", "layout_changed": True}]
+    r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out2")])
+    cells = _table_row(r.output, str(run))
+    assert cells["model"] == "tiny" and cells["resumed at"] == "3, 5 (on fsdp=8)", r.output
+
+
+def _table_row(output: str, run: str) -> dict:
+    """The report table's row of `run`, by column heading."""
+    split = lambda line: [c.strip() for c in line.strip().strip("│┃").split("│" if "│" in line else "┃")]  # noqa: E731
+    header = next(split(line) for line in output.splitlines() if "┃ run" in line)
+    row = next(split(line) for line in output.splitlines() if line.startswith("│ " + run))
+    return dict(zip(header, row))
 
 
 def test_a_resumed_run_is_read_as_it_trained():
@@ -400,7 +432,8 @@ def test_a_skipped_steps_nan_is_null_in_metrics_and_the_report_still_reads_it(tm
     assert json.loads(last, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))["loss"] is None
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
-    assert "│ -" in r.output or " - " in r.output
+    cells = _table_row(r.output, str(run))
+    assert cells["final loss"] == "-" and cells["steps"] == "2", r.output  # the null loss, not a number
 
 
 def test_writers_hold_nothing_open_until_the_run_starts(tmp_path):

@@ -174,3 +174,14 @@ def test_mixture_globs_are_relative_to_its_file_and_mixtures_do_not_nest(tmp_pat
     nested.write_text('[[sources]]\npath = "mix.toml"\nweight = 1\n')
     with pytest.raises(ShardError, match="is a mixture itself"):
         read_mixture(str(nested))
+
+
+def test_the_summary_says_how_many_files_and_documents_were_read(tmp_path):
+    for name, text in (("a.txt", "x" * 100), ("b.txt", "y" * 60)):
+        (tmp_path / name).write_text(text)
+    folder = sample_dataset(str(tmp_path), 256, 16, 0)
+    assert folder.describe() == "2 files, 161 tokens in 10 windows"  # with a separator between files
+    ends = np.array([5, 12, 30])
+    one = _shuffled(PackedSource(np.arange(30, dtype=np.int32), pack(ends, 16)), 0, 16,
+                    Corpus(np.arange(30), ends, "x.jsonl", files=1))
+    assert one.describe().startswith("1 file, 3 documents, 30 tokens in ")

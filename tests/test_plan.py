@@ -1,6 +1,7 @@
 """`shard plan`, `shard inspect --compiled` and `shard bench collectives` from the command line."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -223,7 +224,19 @@ def test_inspect_compiled_json():
 def test_inspect_compiled_table():
     r = invoke("inspect", "--mesh", "2x4", "--model", "tiny", "--compiled", "--batch", "8", "--seq", "32")
     assert r.exit_code == 0, r.output
-    assert "efficiency" in r.output and "axis model" in r.output and "memory per device" in r.output
+    out = r.output
+    rows = [cells for line in out.splitlines() if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 6]
+    model = [c for c in rows if c[1] == "model"]
+    assert {c[0] for c in model} == {"all-reduce"} and all(int(c[3]) > 0 for c in model)  # tensor parallel
+    assert {c[1] for c in rows} == {"model", "data"}
+    unit = {"B": 1, "KiB": 2**10, "MiB": 2**20}
+    size = lambda text: float(text.split()[0]) * unit[text.split()[1]]  # noqa: E731
+    for axis, cells in (("model", model), ("data", [c for c in rows if c[1] == "data"])):
+        said = re.search(rf"^axis {axis}: moved ([\d.]+ \w+), analytic minimum [\d.]+ \w+, efficiency [\d.]+$",
+                         out, re.M)
+        assert said and size(said[1]) == pytest.approx(sum(size(c[4]) for c in cells), abs=6), out  # the rows' sum
+    assert re.search(r"^memory per device [\d.]+ [KM]iB \(arguments [\d.]+ [KM]iB \+ temporaries .* model FLOPs/device "
+                     r"[\d.e+]+ \(XLA's cost analysis", out, re.M), out  # one line, not cut at 80 columns
 
 
 def test_bench_collectives_json():

@@ -161,3 +161,16 @@ def test_a_first_start_the_full_disk_stops_names_the_file_and_leaves_no_run_dir(
     claim.forget_unstarted()
     claim.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sp_presets_start_up_line_says_sequence_parallelism_is_on():
+    from shard.observe.progress import sequence_parallel
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+
+    def said(mesh):
+        return sequence_parallel(make_layout(tiny_config(mesh), parse_mesh(mesh), devices_for(mesh)))
+
+    assert said("sp") == " · sequence parallel: norms and residual adds split along length on model=2"
+    assert said("tp") == ""

@@ -11,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from shard.cluster.launch import ClusterSpec, detect, spec
 from shard.errors import ShardError
 from shard.observe.metrics import read_jsonl
-from shard.testing import free_ports, tiny_config, train_losses, xla_flags_for_tests
+from shard.testing import AGREEMENT_ARGS, agreement_config, assert_same_curves, free_ports, train_curves, xla_flags_for_tests
 
 SLURM_BINARIES = ("srun", "slurmctld", "slurmd", "munged", "sinfo")
 
@@ -100,14 +99,15 @@ def test_srun_two_processes_match_one(slurm, tmp_path):
     # JAX derives srun's coordinator port from the job id, and job ids restart at 1 in every test
     # cluster: a free port (JAX_COORDINATOR_PORT), so an earlier run's lingering service is not met.
     env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), JAX_COORDINATOR_PORT=str(free_ports()[0]))
-    args = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
+    args = ["--model", "tiny", *AGREEMENT_ARGS, "--batch", "8", "--seq", "32", "--log-every", "1", "--mesh", "2x4",
             "--run-dir", "r"]
     r = subprocess.run(["srun", "-n", "2", "-O", "-K", "-I30", sys.executable, "-u", "-m", "shard", "train", *args],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "in 2 processes" in r.stdout and r.stdout.count("done:") == 1  # srun exits 0 even if no task ran
-    losses = [rec["loss"] for rec in read_jsonl(tmp_path / "r" / "metrics.jsonl")]
-    np.testing.assert_allclose(losses, train_losses(tiny_config("2x4")), rtol=1e-5)
+    records = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert_same_curves({key: [rec[key] for rec in records] for key in ("loss", "grad_norm")},
+                       train_curves(agreement_config("2x4")))
 
 
 def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):

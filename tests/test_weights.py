@@ -61,6 +61,13 @@ def test_text_prompt_streams_text(imported):
     r = invoke("generate", "--checkpoint", imported, "--prompt", "def f", "--max-new-tokens", 5,
                "--temperature", 0.7, "--top-k", 20, "--mesh", "8x1")
     assert r.exit_code == 0 and r.output.startswith("def f"), r.output
+    # after the echo, the text of the very tokens sampled (bytes here): the same sampling as ids
+    ids = invoke("generate", "--checkpoint", imported, "--prompt-ids", ",".join(str(b) for b in b"def f"),
+                 "--max-new-tokens", 5, "--temperature", 0.7, "--top-k", 20, "--ids", "--mesh", "8x1")
+    assert ids.exit_code == 0, ids.output
+    sampled = [int(t) for t in ids.output.split()]
+    assert len(sampled) == 5
+    assert r.output.rstrip("\n") == "def f" + bytes(sampled).decode("utf-8", errors="replace"), (r.output, sampled)
 
 
 def test_export_gives_back_the_same_tensors(imported, hf_dir, tmp_path):

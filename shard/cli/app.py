@@ -119,6 +119,25 @@ app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
 
 
+def _help_in_paragraphs(typer_app: typer.Typer) -> None:
+    """typer's help keeps a docstring's line breaks, so a command's line broke where its source did ("as
+    its evaluations saw / it"): each paragraph becomes one line, which the help then wraps to the terminal."""
+    for info in typer_app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None) or ""
+        info.help = "\n\n".join(" ".join(p.split()) for p in re.split(r"\n\s*\n", doc.strip()))
+    for group in typer_app.registered_groups:
+        _help_in_paragraphs(group.typer_instance)
+
+
+def _flag_type(self, ctx):
+    """typer's help showed a flag's type (`--resume <bool>`), though a flag takes no value."""
+    return None if self.is_flag or self.count else _option_type(self, ctx)
+
+
+_help_in_paragraphs(app)
+_option_type, typer.core.TyperOption.display_type_rich = typer.core.TyperOption.display_type_rich, _flag_type
+
+
 def main() -> None:
     """The CLI without the huge-page restart (shard.cli.entry:main, the `shard` command, does that first)."""
     app()

@@ -10,7 +10,7 @@ import typer
 from shard.cli.options import CheckpointArg, CheckpointOpt, checkpoint_given, host_jax
 from shard import config as config_mod
 from shard.errors import ShardError
-from shard.observe.console import console
+from shard.observe.console import console, param_count
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, written_whole
 
 
@@ -49,7 +49,7 @@ def import_hf(
             ckpts.wait()
         finally:
             ckpts.close()
-    console.print(f"imported {hf_dir} ({model_cfg.num_params() / 1e6:,.1f}M parameters) into {out}; "
+    console.print(f"imported {hf_dir} ({param_count(model_cfg.num_params())} parameters) into {out}; "
                   f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
 
 

@@ -5,12 +5,11 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices
 from shard import config as config_mod
-from shard.observe.console import console, human_bytes
+from shard.observe.console import console, human_bytes, param_count, table_console
 from shard.sharding.mesh import parse_mesh
 
 
@@ -62,10 +61,10 @@ def _print_params(doc: dict, model: str) -> None:
                                for e in r["partition_spec"]) + ")"
         table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
                       human_bytes(r["bytes_per_device"]))
-    console.print(table)
-    console.print(f"{doc['param_count'] / 1e6:,.2f}M parameters · per device: params "
+    table_console().print(table)
+    console.print(f"{param_count(doc['param_count'])} parameters · per device: params "
                   f"{human_bytes(doc['params_bytes_per_device'])}, optimizer state "
-                  f"{human_bytes(doc['opt_state_bytes_per_device'])}")
+                  f"{human_bytes(doc['opt_state_bytes_per_device'])}", soft_wrap=True)
 
 
 def _print_compiled(doc: dict) -> None:
@@ -76,7 +75,7 @@ def _print_compiled(doc: dict) -> None:
     for r in doc["collectives"]:
         table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], f"{'<=' if r['upper_bound'] else ''}{r['count']}",
                       human_bytes(r["bytes_per_device"]), human_bytes(r["compiled_bytes_per_device"]))
-    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 110)).print(table)
+    table_console(110).print(table)
     if bounded:
         console.print("<=: in a conditional's branches (the 1F1B schedule's switch), counted as if every branch ran "
                       "on every call: an upper bound", soft_wrap=True)
@@ -84,11 +83,12 @@ def _print_compiled(doc: dict) -> None:
     for axis, eff in doc["communication_efficiency"].items():
         console.print(f"axis {axis}: moved {moved(axis)}, analytic minimum "
                       f"{human_bytes(doc['minimum_bytes_per_axis'].get(axis, 0))}, efficiency {eff:.3f}"
-                      + (" (a lower bound)" if axis in bounded else ""))
+                      + (" (a lower bound)" if axis in bounded else ""), soft_wrap=True)
     for axis, parallelism in doc["unmodelled_axes"].items():
-        console.print(f"axis {axis}: moved {moved(axis)}, no analytic minimum ({parallelism} has no formula yet)")
+        console.print(f"axis {axis}: moved {moved(axis)}, no analytic minimum ({parallelism} has no formula yet)",
+                      soft_wrap=True)
     m = doc["memory"]
     console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
                   f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "
                   f"model FLOPs/device {doc['model_flops_per_device']:.3g} (XLA's cost analysis: "
-                  f"{doc['flops_per_device']:.3g}, counting each loop body once, so one scanned layer)")
+                  f"{doc['flops_per_device']:.3g}, counting each loop body once, so one scanned layer)", soft_wrap=True)

@@ -5,13 +5,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import PlanSetOpt
 from shard import config as config_mod
 from shard.errors import ShardError
-from shard.observe.console import console, param_count, short_bytes
+from shard.observe.console import console, param_count, short_bytes, table_console
 
 _MOE_NOT_PLANNED = ("a mixture of experts is planned over data, fsdp and expert axes only: tensor and context "
                     "parallel have no formula for its layers")
@@ -93,4 +92,4 @@ def _print_table(candidates: list) -> None:
                              no_wrap=True, min_width=max(len(r[i]) for r in [columns, *rows]))
     for row in rows:
         table.add_row(*row)
-    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 150)).print(table)
+    table_console(150).print(table)

@@ -5,26 +5,33 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from shard.observe.console import console, err_console, human_bytes
+from shard.observe.console import console, err_console, human_bytes, table_console
 from shard.paths import check_outside_checkpoints
 
 
 def report(
     run_dirs: Annotated[list[str], typer.Argument(help="run directories to compare")],
-    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go (default: report/; with --json, "
-                                                       "only when given)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="where the PNGs go, a new or empty folder "
+                                                       "(default: report/, or report-2/, ...; with --json, only when given)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ):
-    """Plots of loss and throughput (runs overlaid) and a table: layout, final loss, tokens/s, MFU, memory."""
+    """Plots of loss and throughput (runs overlaid, resumes marked) and a table of the runs.
+
+    The table: model, layout, final loss, tokens/s, MFU, memory, where each run resumed. An earlier report
+    is never written over: a given --out must be new or empty, and without one the report goes to report/
+    or the first free report-N/."""
+    from shard.observe.report import check_empty_out, fresh_folder
     from shard.observe.report import report as make_report
 
     if out is not None:
         check_outside_checkpoints(out)
-    doc = make_report(run_dirs, out if out is not None or as_json else Path("report"))  # --json: stdout only
+        check_empty_out(out)
+    elif not as_json:  # --json alone: stdout only
+        out = fresh_folder(Path("report"))
+    doc = make_report(run_dirs, out)
     if as_json:
         print(json.dumps(doc, indent=1))
         return
@@ -41,13 +48,16 @@ def report(
 
 def _print_table(doc: dict) -> None:
     table = Table(title="runs")
-    for col in ("run", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device"):
+    for col in ("run", "model", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device",
+                "resumed at"):
         table.add_column(col, overflow="fold")  # run paths whole, never "/tmp/ru…"
     for r in doc["runs"]:
         mem = human_bytes(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
             if r["peak_memory_bytes"] is not None else "-"
         loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-        table.add_row(r["run"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
-                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem)
+        resumed = ", ".join(f"{x['step']}" + (f" (on {x['mesh']})" if x["layout_changed"] else "")
+                            for x in r["resumes"]) or "-"
+        table.add_row(r["run"], r["model"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
+                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem, resumed)
     # at least 120 columns, as plan's table: in 80 a column's heading shrank to "e"; paths are not markup
-    Console(highlight=False, emoji=False, markup=False, width=max(console.width, 120)).print(table)
+    table_console(120).print(table)

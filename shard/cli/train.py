@@ -3,6 +3,7 @@ loop with its observers, and say how the run ended."""
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,7 @@ from shard import config as config_mod
 from shard.errors import ShardError
 from shard.measure import profiling
 from shard.observe.console import console, err_console
-from shard.observe.progress import ConsoleProgress
+from shard.observe.progress import ConsoleProgress, compiling_line
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.resume import restore_source
 from shard.run.run_dir import compile_cache_dir, continue_command
@@ -183,7 +184,8 @@ class _Run:
         reference = None  # a resumed DPO run's reference: the weights it started from
         if cfg.task == "dpo" and cfg.init_from:
             reference = restore_source(None, False, False, cfg.init_from, cfg.seed, _notice)
-        run = prepare(cfg, devices, restore=restore, reference=reference)
+        run = prepare(cfg, devices, restore=restore, reference=reference,
+                      compiling=compiling_line if self.main else nullcontext)
         if cfg.init_from and not run.start_step and restore is not None:
             _notice(f"initialised from {cfg.init_from}")
         if run.start_step:

@@ -80,9 +80,11 @@ class Samples:
 
     loss_masked = False  # its batches carry a `loss_mask` (fine-tuning: shard.data.finetune)
 
-    def __init__(self, source, order, seq_len: int | None = None):  # order: a grain.MapDataset of row indices, or None
+    def __init__(self, source, order, seq_len: int | None = None, *, files: int | None = None,
+                 documents: int | None = None):  # order: a grain.MapDataset of row indices, or None
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
         self.seq_len = seq_len if seq_len is not None else getattr(source, "seq_len", None)
+        self.files, self.documents = files, documents  # what was read, where known
 
     @property
     def windows(self) -> int | None:
@@ -100,13 +102,16 @@ class Samples:
         return None if held is None else int(held.size)
 
     def describe(self) -> str:
-        """`1,234,567 tokens in 9,645 packed rows (98.7% filled)` for start-up summaries."""
+        """`3 files, 1,200 documents, 1,234,567 tokens in 9,645 packed rows (98.7% filled)` for start-up
+        summaries (files and documents where they are known)."""
         if self.windows is None:
             return "synthetic tokens"
+        read = "".join(f"{n:,} {word}{'s' if n != 1 else ''}, " for n, word in
+                       ((self.files, "file"), (self.documents, "document")) if n is not None)
         if self.packed:
-            return (f"{self.tokens:,} tokens in {self.windows:,} packed rows "
+            return (f"{read}{self.tokens:,} tokens in {self.windows:,} packed rows "
                     f"({self.source.plan.efficiency:.1%} filled)")
-        return f"{self.tokens:,} tokens in {self.windows:,} windows"
+        return f"{read}{self.tokens:,} tokens in {self.windows:,} windows"
 
     def __getitem__(self, i: int):
         rows = self.rows(i, i + 1)
@@ -189,14 +194,16 @@ def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdo
         plan = pack(corpus.document_ends, seq_len)
         if not plan.rows:
             raise ShardError(f"data {corpus.label} holds no document of 2 tokens or more: nothing to pack")
-        return _shuffled(PackedSource(corpus.tokens, plan), seed, seq_len)
-    return _shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len)
+        return _shuffled(PackedSource(corpus.tokens, plan), seed, seq_len, corpus)
+    return _shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len, corpus)
 
 
-def _shuffled(source, seed: int, seq_len: int) -> Samples:
+def _shuffled(source, seed: int, seq_len: int, corpus=None) -> Samples:
     import grain  # here, not at the top: synthetic data never needs it
 
-    return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(), seq_len)
+    ends = getattr(corpus, "document_ends", None)
+    return Samples(source, grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat(), seq_len,
+                   files=getattr(corpus, "files", None), documents=None if ends is None else len(ends))
 
 
 def data_summary(cfg, samples) -> str:

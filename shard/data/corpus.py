@@ -30,6 +30,7 @@ class Corpus:
     tokens: object  # 1-D: np.ndarray, np.memmap or shard.data.sources.TokenParts
     document_ends: np.ndarray | None  # int64 end offset of each document; None: unknown (token arrays, bytes)
     label: str
+    files: int | None = None  # the source files read (None: a token store, a saved dataset)
 
     def split(self, share: float, seq_len: int, packed: bool) -> tuple["Corpus", "Corpus"]:
         """(kept, held out): the last `share` of the corpus, cut on a document boundary when packed (at
@@ -56,7 +57,7 @@ class Corpus:
         ends = None
         if self.document_ends is not None:
             ends = self.document_ends[(self.document_ends > start) & (self.document_ends <= stop)] - start
-        return Corpus(self.tokens[start:stop], ends, self.label)
+        return Corpus(self.tokens[start:stop], ends, self.label, self.files)
 
 
 def is_token_source(path: str) -> bool:
@@ -120,17 +121,19 @@ def open_corpus(path: str, *, vocab_size: int, tokenizer: str, text_field: str, 
         if packing == "packed":
             raise ShardError(f"data.packing=packed needs document boundaries, and the token arrays of {label} have "
                              "none: prepare the text with `shard data prepare` (a token store) or use packing=concat")
-        return Corpus(load_tokens(path, vocab_size), None, label)
+        return Corpus(load_tokens(path, vocab_size), None, label, _file_count(path))
     if reads_as_bytes(path, tokenizer, packing):
-        return Corpus(load_tokens(path, vocab_size), None, label)
+        return Corpus(load_tokens(path, vocab_size), None, label, _file_count(path))
     from shard.data.store import TokenStore, cached_store, is_store
 
     spec = tokenizer_spec(path, tokenizer)
     tok = load_tokenizer(spec)
     check_tokenizer_fits(tok, spec, vocab_size)
+    files = None
     if is_store(path):
         store_path = Path(path)
     else:
+        files = _file_count(path)
         if cache_dir is None:
             raise ShardError(f"data {label} must be prepared into a token store first, and data.cache is 'none': "
                              "run `shard data prepare` and give its --out as --data")
@@ -138,7 +141,17 @@ def open_corpus(path: str, *, vocab_size: int, tokenizer: str, text_field: str, 
     store = TokenStore.open(store_path)
     store.check_tokenizer(tok)
     store.check_vocab(vocab_size)
-    return Corpus(store.tokens, np.asarray(store.document_ends, np.int64), label)
+    return Corpus(store.tokens, np.asarray(store.document_ends, np.int64), label, files)
+
+
+def _file_count(path: str) -> int | None:
+    """How many files a data path reads (None: a saved dataset, whose files are not the user's)."""
+    if path != EMBEDDED and _is_dataset_folder(Path(path)):
+        return None
+    try:
+        return len(source_files(path)[0])
+    except ShardError:
+        return None
 
 
 def check_tokenizer_fits(tok, spec: str, vocab_size: int) -> None:

@@ -8,6 +8,13 @@ console = Console(highlight=False, emoji=False, markup=False)
 err_console = Console(stderr=True, highlight=False, emoji=False)
 
 
+def table_console(min_width: int = 0) -> Console:
+    """A console for a table on stdout: on a terminal its width (at least `min_width`); piped or redirected,
+    wide enough that no name or shape is cut (rich would otherwise assume 80 columns)."""
+    width = max(console.width, min_width) if console.is_terminal else 10_000
+    return Console(highlight=False, emoji=False, markup=False, width=width)
+
+
 def human_bytes(n: float) -> str:
     """Bytes in binary units: 512 B, 3.20 MiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

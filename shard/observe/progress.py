@@ -1,6 +1,7 @@
 """`shard train`'s terminal output: the start-up summary, a progress bar (one plain line per logged step
 when the output is a file: a batch job's log), and the closing line."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.markup import escape
@@ -8,6 +9,28 @@ from rich.markup import escape
 from shard.observe.console import console, err_console, human_bytes, param_count
 from shard.errors import ShardError
 from shard.training.observer import Observer
+
+
+@contextmanager
+def compiling_line():
+    """`compiling the train step…` while the step compiles (15-50 s for a big model on a cold cache): on a
+    terminal with the time elapsed so far, in a log file as one line (the summary then says how long)."""
+    if not console.is_terminal:
+        console.print("compiling the train step…", soft_wrap=True)
+        yield
+        return
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("compiling the train step…"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        progress.add_task("compile", total=None)
+        yield
+
+
+def sequence_parallel(layout) -> str:
+    """` · sequence parallel (...)` where the residual stream is split along length, else ''."""
+    axes = layout.describe_axes("res_length")
+    return f" · sequence parallel: norms and residual adds split along length on {axes}" if axes else ""
 
 
 class ConsoleProgress(Observer):
@@ -44,7 +67,7 @@ class ConsoleProgress(Observer):
         peak = run.compiled_memory.get("total")
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
-            f"mesh {mesh} on {where}"
+            f"mesh {mesh} on {where}" + sequence_parallel(run.layout)
             + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
             + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "

@@ -34,7 +34,8 @@ def load_run(run_dir: str) -> dict:
     mesh = rename_mesh_file(str(cfg.get("mesh", {}).get("spec", "?")), lambda path: path.name)
     trained, latest_start = as_trained(complete)
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
-            "records": trained, "latest_start": latest_start, "skipped_lines": skipped,
+            "records": trained, "latest_start": latest_start, "resumes": resumes(complete, trained),
+            "skipped_lines": skipped,
             "config_problem": config_problem}  # the model and layout are then shown as "?"
 
 
@@ -51,14 +52,35 @@ def as_trained(records: list[dict]) -> tuple[list[dict], int]:
     offset, last = 0.0, None
     latest = records[0]["step"]
     for r in records:
-        if last is not None and (r.get("start_step") != last.get("start_step") or r["time_s"] < last["time_s"]
-                                 or r["step"] <= last["step"]):  # a new start
+        if _new_start(last, r):
             offset, latest = by_step[last["step"]]["time_s"], r["step"]
             cut = r.get("start_step", r["step"] - 1)  # the checkpoint it resumed from
             by_step = {s: rec for s, rec in by_step.items() if s <= cut}
         by_step[r["step"]] = {**r, "time_s": r["time_s"] + offset}
         last = r
     return [by_step[s] for s in sorted(by_step)], latest
+
+
+def _new_start(last: dict | None, r: dict) -> bool:
+    """Whether record `r` begins another start of the run than `last`, the record before it."""
+    return last is not None and (r.get("start_step") != last.get("start_step") or r["time_s"] < last["time_s"]
+                                 or r["step"] <= last["step"])
+
+
+def resumes(records: list[dict], trained: list[dict]) -> list[dict]:
+    """Where a run resumed, among the starts that count (as_trained): the first step each such start
+    logged, its mesh (records carry it since shard wrote `mesh`; None before) and whether that mesh
+    differs from the start before."""
+    out, last, mesh = [], None, None
+    for r in records:
+        if _new_start(last, r):
+            out.append({"step": r["step"], "mesh": r.get("mesh"),
+                        "layout_changed": r.get("mesh") is not None and mesh is not None and r.get("mesh") != mesh})
+        mesh, last = r.get("mesh", mesh), r
+    steps = {r["step"] for r in trained}
+    counted = [x for x in out if x["step"] in steps]
+    # a start that a later one replaced (the later one resumed from before it) left nothing to mark
+    return [x for i, x in enumerate(counted) if all(y["step"] > x["step"] for y in counted[i + 1:])]
 
 
 def summary_row(run: dict) -> dict:
@@ -74,7 +96,7 @@ def summary_row(run: dict) -> dict:
         "final_loss": recs[-1]["loss"], "median_tokens_per_s": statistics.median(tps),
         "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
-        "config_problem": run.get("config_problem"),
+        "config_problem": run.get("config_problem"), "resumes": run.get("resumes", []),
     }
 
 
@@ -89,14 +111,17 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
     if out.exists() and not out.is_dir():
         raise ShardError(f"--out {out} is a file; give a folder for the plots")
     out.mkdir(parents=True, exist_ok=True)
-    charts = [("loss_vs_step.png", "step", "loss"), ("loss_vs_time.png", "time_s", "loss"),
-              ("throughput_vs_step.png", "step", "tokens_per_s")]
+    charts = [("loss_vs_step.png", "step", "loss", "loss by step"), ("loss_vs_time.png", "time_s", "loss",
+              "loss by training time"), ("throughput_vs_step.png", "step", "tokens_per_s", "throughput by step")]
     paths = []
-    for name, x, y in charts:
+    for name, x, y, title in charts:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for run in runs:
             recs = run["records"]
-            ax.plot([r[x] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
+            (line,) = ax.plot([r[x] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
+            _mark_resumes(ax, run, x, line.get_color())
+        ax.set_title(title + (" (dotted: resumed; dashed: resumed on another layout)"
+                              if any(run.get("resumes") for run in runs) else ""), fontsize=10)
         ax.set_xlabel({"time_s": "time (s)"}.get(x, x))
         ax.set_ylabel({"tokens_per_s": "tokens/s"}.get(y, y))
         ax.grid(alpha=0.3)
@@ -111,6 +136,7 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         for run in balanced:
             recs = [r for r in run["records"] if r.get("expert_load_cv") is not None]
             ax.plot([r["step"] for r in recs], [r["expert_load_cv"] for r in recs], marker=".", label=run["name"])
+        ax.set_title("expert load balance by step", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("expert load cv (0: balanced)")
         ax.grid(alpha=0.3)
@@ -120,6 +146,36 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(out / "expert_load_vs_step.png")
     return paths
+
+
+def _mark_resumes(ax, run: dict, x: str, color) -> None:
+    """A vertical line where the run resumed: dotted, dashed where it resumed on another layout (its mesh
+    written beside)."""
+    at = {r["step"]: r[x] for r in run["records"]}
+    for resume in run.get("resumes", []):
+        where = at[resume["step"]]
+        changed = resume["layout_changed"]
+        ax.axvline(where, color=color, alpha=0.6, linestyle="--" if changed else ":")
+        if changed:
+            ax.annotate(resume["mesh"], (where, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                        va="top", ha="right", color=color)
+
+
+def fresh_folder(base: Path) -> Path:
+    """`base` when it is missing or empty, else the first of base-2, base-3, ... that is: an earlier
+    report is never written over."""
+    n, folder = 1, base
+    while folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    return folder
+
+
+def check_empty_out(out: Path) -> None:
+    """A given --out must be new or empty (as export's): an earlier report there is not written over."""
+    if out.is_dir() and any(out.iterdir()):
+        raise ShardError(f"--out {out} is not empty (an earlier report?); give a new or empty folder, or leave "
+                         "--out out to write a new report-N folder")
 
 
 def report(run_dirs: list[str], out: Path | None) -> dict:

@@ -88,6 +88,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
 
 def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
+    mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
     records: list[dict] = []
     start = last_time = time.perf_counter()
     first = last_step = run.at_step
@@ -129,6 +130,7 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
             "tokens_seen": run.tokens_seen(step),
             "time_s": now - start,
             "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
+            "mesh": mesh_name,  # this start's layout: shard report marks where it changed
             **device_memory(run),
         }
         if run.peak_flops:

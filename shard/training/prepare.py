@@ -4,6 +4,7 @@ data, the compiled step; under the MPI bridge, a local mesh per process. `prepar
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -76,10 +77,12 @@ class Run:
                 "bubble": bubble_fraction(stages, m)}
 
 
-def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None) -> Run:
+def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,
+            compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
     returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step.
-    `reference(spec)`: where a resumed DPO run reads its reference weights (shard.training.dpo)."""
+    `reference(spec)`: where a resumed DPO run reads its reference weights (shard.training.dpo).
+    `compiling()` is entered around the step's compile (a line that says so: it can take a minute)."""
     ctx = runtime.context()
     if cfg.eval.every:
         from shard.training.evaluate import eval_processes
@@ -107,9 +110,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-init") as pool:
         pending_init = pool.submit(make_init) if restore is None else None
-        t0 = time.perf_counter()
-        compiled = compile_step(cfg, layout, spec)
-        compile_s = time.perf_counter() - t0
+        with compiling():
+            t0 = time.perf_counter()
+            compiled = compile_step(cfg, layout, spec)
+            compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
     exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)

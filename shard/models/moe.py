@@ -104,6 +104,12 @@ def router_logits(h_btd: jax.Array, router_de: jax.Array) -> jax.Array:
     return jnp.einsum("btd,de->bte", h_btd.astype(jnp.float32), router_de.astype(jnp.float32))
 
 
+def z_loss(logits_bte: jax.Array) -> jax.Array:
+    """The router z-loss (ST-MoE): the mean over tokens of logsumexp(logits)^2, which grows with the
+    logits' size and so keeps them small (float32 softmaxes stay accurate)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_bte, axis=-1)))
+
+
 def router_probs(h_btd: jax.Array, router_de: jax.Array) -> jax.Array:
     return jax.nn.softmax(router_logits(h_btd, router_de), axis=-1)
 
@@ -285,11 +291,12 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
               bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
     """The MoE feed-forward of one layer on the normalised residual; returns its output, aux loss and
     counts: {"load": (E,) (token, choice) pairs routed to each expert, "dropped": those a capacity
-    dropped}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
+    dropped, "z": the router z-loss}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
     `dropless` with capacity routing: each expert has a slot for every token of the group (a token picks
     an expert once), so none is dropped, whatever the length: generation's prefill and decode steps then
     compute the same. Dropless routing (model.moe_routing) never drops one."""
-    scores_bte, probs_bte = router_scores(router_logits(h_btd, p["router"]), cfg)
+    logits_bte = router_logits(h_btd, p["router"])
+    scores_bte, probs_bte = router_scores(logits_bte, cfg)
     gates_btk, experts_btk = top_k_gates(scores_bte, cfg, bias_e)
     if cfg.moe_routing == "dropless":
         out_btd = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
@@ -301,4 +308,5 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
                                                 dropless, choose_bte)
     if cfg.n_shared_experts:
         out_btd = out_btd + shared_experts(h_btd, p, dtype)
+    counts["z"] = z_loss(logits_bte)
     return constrain(out_btd, (BATCH, RES_LENGTH, EMBED)), aux, counts

@@ -118,6 +118,10 @@ class Workload:
     # XLA's attention materialises the probabilities (N x T per token); cuDNN's flash attention keeps
     # only their normaliser.
     attention_probs: bool = True
+    # Under pipeline parallelism: "1f1b" runs the head on the last stage inside the schedule, so the
+    # weights outside the layers (the embedding, tied or not, and the final norm) take their gradient
+    # on two stages and are reduced over stage and data at once; GPipe runs the head on every stage
+    pipeline_schedule: str = "gpipe"
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -125,7 +129,8 @@ class Workload:
         compute = m.compute_dtype_on(platform)
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat,
-                   attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"))
+                   attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
+                   pipeline_schedule=cfg.pipeline.schedule)
 
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:
@@ -220,6 +225,10 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
     forward_passes = 1 if work.remat == "none" else 2
     lookup = stored_lookup(cfg, shape, work)
+    # 1F1B: the weights outside the layers are reduced over stage and data in one all-reduce, whose
+    # bytes the axes share in proportion to (n - 1), as the compiled step's are read (`Workload`)
+    head_stages = ({STAGE: shape.sizes[STAGE]} if shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule == "1f1b"
+                   else {})
     for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -243,6 +252,8 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in grad_axes if a not in gather and a not in local and a not in computed}
+        if not name.startswith("layers/"):
+            reduce |= head_stages
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))

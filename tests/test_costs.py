@@ -74,13 +74,14 @@ CASES = {
     "qwen3-1layer": ("qwen3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
-# the planner counts dropless routing's minimum, which the buffers' padding exceeds (test below)
+# dropless routing: the bytes agree; the memory model leaves out XLA:CPU's masked dense ragged_dot
+# (every expert on every row: 10.3 MB compiled against 5.0 predicted on `fine-ep`)
 DROPLESS_CASES = ("fine-ep", "fine-dp_fsdp_ep")
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long", "qwen2-1layer",
                "qwen3-1layer")  # for the FLOPs count only
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep", "dp_fsdp_ep")
-                    and k.count("-") == 1 and k not in DROPLESS_CASES]  # dropless: its own floors, below
+                    and k.count("-") == 1]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_an_efficiency_above_one_is_raised_as_a_bug():
     assert StepAnalysis([], {}, 0.0, 0.0, {"data": 100.05}, {}, {"data": 100.0}, "cpu").efficiency == {"data": 0.9995}
 
 
-@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES + DROPLESS_CASES])
+@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES])
 def test_planner_agrees_with_the_compiler(name, analysed):
     cfg, layout, a = analysed(name)
     shape = costs.LayoutShape.from_layout(layout)
@@ -132,7 +133,7 @@ def test_planner_agrees_with_the_compiler(name, analysed):
     assert set(predicted) == set(a.bytes_by_axes)
     for axis, moved in a.bytes_by_axes.items():
         assert predicted[axis] == pytest.approx(moved, rel=0.10), axis
-    if cfg.model.remat.startswith("dots"):
+    if cfg.model.remat.startswith("dots") or name in DROPLESS_CASES:
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
     memory = memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)
@@ -212,25 +213,29 @@ def test_tokens_reach_their_experts_by_all_to_all(analysed):
     assert "all-to-all" in kinds and "all-gather" not in kinds, kinds
 
 
-@pytest.mark.parametrize("name, floor", [("fine-ep", 0.78), ("fine-dp_fsdp_ep", 0.88)])
-def test_dropless_tokens_reach_their_experts_by_all_to_all(analysed, name, floor):
+@pytest.mark.parametrize("name", ["fine-ep", "fine-dp_fsdp_ep"])
+def test_dropless_tokens_reach_their_experts_by_all_to_all(analysed, name):
     """Dropless routing under expert parallel sends each token to every other device of the expert axis
-    (a static buffer for the worst case: N rows per source and destination) and the results back,
-    where balanced routing needs a token on (n-1)(1 - C(E-E/n, k)/C(E, k)) of them: 3 against 2.18 on
-    `ep` (n=4), 1 against 0.96 at expert=2 (docs/formulas.md). The figures pinned are those measured
-    (expert 0.786 and 0.884); before, the expert stacks were all-gathered instead (efficiency 0.53)."""
+    (static buffers drop nothing only with a slot per token and destination) with its k gates and ids,
+    and the results back: the static-shape minimum (costs.dropless_static_bytes), which the expert axis
+    moves at efficiency >= 0.95 (measured 0.999 on both; 0.945 and 0.926 while the router's scores were
+    all-gathered to be sorted, 0.53 while the expert stacks were). A ragged all-to-all, with balanced
+    routing, would send less (costs.dropless_ragged_bytes): 3 token copies against 2.18 on `ep`."""
     cfg, layout, a = analysed(name)
     m = cfg.model
     kinds = {c.kind for c in a.collectives if "expert" in c.axes}
     assert "all-to-all" in kinds, kinds
     stack = m.n_experts * m.d_model * m.mlp_dim * 4  # a whole (E, D, F) stack, f32
     assert not [c for c in a.collectives if c.kind == "all-gather" and c.result_bytes >= stack], a.collectives
-    assert a.efficiency["expert"] >= floor, (a.bytes_by_axes, a.minimum_bytes_by_axes)
-    assert a.efficiency["expert"] <= AT_MOST_ONE and min(a.efficiency.values()) >= 0.9 * floor, a.efficiency
+    assert not [c for c in a.collectives if c.kind == "all-gather" and "expert" in c.axes], a.collectives
+    for axis, value in a.efficiency.items():
+        assert 0.95 <= value <= AT_MOST_ONE, (axis, a.bytes_by_axes, a.minimum_bytes_by_axes)
     # the bound: each device sends all its N tokens (with their k gates) to each of the n devices
     n, tokens = layout.axis_sizes["expert"], cfg.data.batch * cfg.data.seq_len // 8
     sent = max(c.result_bytes for c in a.collectives if c.kind == "all-to-all")
     assert sent == n * tokens * (m.d_model + m.experts_per_token) * 4, sent
+    ragged = costs.dropless_ragged_bytes(m, n, tokens, 4)
+    assert ragged < costs.dropless_static_bytes(m, n, tokens, 4)
 
 
 def test_partial_gradients_in_two_all_reduces_count_once(analysed):

@@ -281,12 +281,9 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
     experts = shape.table(False).get(EXPERT, ())
     if cfg.n_experts and len(experts) == 1 and cfg.moe_routing == "dropless":
-        # each MoE layer sends a device's tokens to the other devices holding their experts and the
-        # results back, forward (again under remat) and their gradients backward
         n = shape.sizes[experts[0]]
         tokens = work.global_batch * work.seq_len / shape.token_ways()
-        rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
-        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * work.act_bytes)
+        add(experts[0], dropless_static_bytes(cfg, n, tokens, work.act_bytes, forward_passes))
     elif cfg.n_experts and len(experts) == 1:
         # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
         # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
@@ -300,6 +297,29 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
                     * cfg.head_dim * work.act_bytes)
         add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
     return out
+
+
+def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
+    """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
+    all-to-alls (`moe.expert_parallel_experts`), the minimum for buffers whose shape is fixed at compile
+    time and that drop nothing: any of a device's `tokens` tokens may choose an expert on any other
+    device, so each destination gets a slot for every token, (n-1) N rows leave a device each way. A row
+    carries the token (D) with its k gates and k expert ids (int32); the D-wide results come back.
+    Forward (again under remat): rows, ids and results; backward: the results' and the rows' gradients.
+    `dropless_ragged_bytes` gives what a ragged all-to-all would send with balanced routing."""
+    D, K, a = cfg.d_model, cfg.experts_per_token, act_bytes
+    forward = (D + K) * a + K * 4 + D * a
+    backward = D * a + (D + K) * a
+    return cfg.n_layers * (n - 1) * tokens * (forward_passes * forward + backward)
+
+
+def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
+    """What a ragged all-to-all (sized by the routing, no padding) would send instead of
+    `dropless_static_bytes` when routing is balanced: a token only to the devices holding one of its
+    experts (`dropless_remote_devices`), the D-wide token and result each way, forward and backward (ids
+    and gates left out: a lower bound)."""
+    rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
+    return cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * act_bytes
 
 
 def dropless_remote_devices(n_experts: int, k: int, n: int) -> float:

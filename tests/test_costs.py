@@ -77,13 +77,14 @@ CASES = {
     "gemma3-1layer": ("gemma3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
-# the planner counts dropless routing's minimum, which the buffers' padding exceeds (test below)
+# dropless routing: the bytes agree; the memory model leaves out XLA:CPU's masked dense ragged_dot
+# (every expert on every row: 10.3 MB compiled against 5.0 predicted on `fine-ep`)
 DROPLESS_CASES = ("fine-ep", "fine-dp_fsdp_ep")
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long", "qwen2-1layer",
                "qwen3-1layer", "gemma3-1layer")  # for the FLOPs count only
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep", "dp_fsdp_ep")
-                    and k.count("-") == 1 and k not in DROPLESS_CASES]  # dropless: its own floors, below
+                    and k.count("-") == 1]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,11 @@ def analysed():
     return get
 
 
+# An efficiency above 1 means the step moved less than the minimum: the minimum or the count is wrong.
+# StepAnalysis.efficiency raises on it; the tests bound it too.
+AT_MOST_ONE = 1.0 + 1e-3
+
+
 @pytest.mark.parametrize("name", EFFICIENCY_CASES)
 def test_communication_efficiency_is_at_least_0_9(name, analysed):
     _, layout, a = analysed(name)
@@ -108,10 +114,20 @@ def test_communication_efficiency_is_at_least_0_9(name, analysed):
     axes = {ax for ax, n in layout.axis_sizes.items() if n > 1}
     assert set(eff) == axes, (eff, a.bytes_by_axes)
     for axis, value in eff.items():
-        assert 0.9 <= value <= 1.1, (name, axis, value, a.bytes_by_axes, a.minimum_bytes_by_axes)
+        assert 0.9 <= value <= AT_MOST_ONE, (name, axis, value, a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
-@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES + DROPLESS_CASES])
+def test_an_efficiency_above_one_is_raised_as_a_bug():
+    """A step that moves less than the analytic minimum (1F1B's data axis read 1.037: the minimum left out
+    the head's reduction over stage), or nothing where the minimum is not 0 (read as inf), is a bug."""
+    for moved in (90.0, 0.0):
+        a = StepAnalysis([], {}, 0.0, 0.0, {"data": moved} if moved else {}, {}, {"data": 100.0}, "cpu")
+        with pytest.raises(AssertionError, match="less than its analytic minimum"):
+            a.efficiency  # noqa: B018
+    assert StepAnalysis([], {}, 0.0, 0.0, {"data": 100.05}, {}, {"data": 100.0}, "cpu").efficiency == {"data": 0.9995}
+
+
+@pytest.mark.parametrize("name", [k for k in CASES if k not in UNMODELLED_CASES + FLOPS_CASES])
 def test_planner_agrees_with_the_compiler(name, analysed):
     cfg, layout, a = analysed(name)
     shape = costs.LayoutShape.from_layout(layout)
@@ -120,7 +136,7 @@ def test_planner_agrees_with_the_compiler(name, analysed):
     assert set(predicted) == set(a.bytes_by_axes)
     for axis, moved in a.bytes_by_axes.items():
         assert predicted[axis] == pytest.approx(moved, rel=0.10), axis
-    if cfg.model.remat.startswith("dots"):
+    if cfg.model.remat.startswith("dots") or name in DROPLESS_CASES:
         return  # what the dots policies save is estimated 5-14% high (on the safe side): see formulas.md
     memory = memory_bytes(cfg.model, shape, work)
     assert memory["total"] == pytest.approx(a.memory["total"], rel=0.10), (memory, a.memory)
@@ -200,30 +216,34 @@ def test_tokens_reach_their_experts_by_all_to_all(analysed):
     assert "all-to-all" in kinds and "all-gather" not in kinds, kinds
 
 
-@pytest.mark.parametrize("name, floor", [("fine-ep", 0.78), ("fine-dp_fsdp_ep", 0.88)])
-def test_dropless_tokens_reach_their_experts_by_all_to_all(analysed, name, floor):
+@pytest.mark.parametrize("name", ["fine-ep", "fine-dp_fsdp_ep"])
+def test_dropless_tokens_reach_their_experts_by_all_to_all(analysed, name):
     """Dropless routing under expert parallel sends each token to every other device of the expert axis
-    (a static buffer for the worst case: N rows per source and destination) and the results back,
-    where balanced routing needs a token on (n-1)(1 - C(E-E/n, k)/C(E, k)) of them: 3 against 2.18 on
-    `ep` (n=4), 1 against 0.96 at expert=2 (docs/formulas.md). The figures pinned are those measured
-    (expert 0.786 and 0.884); before, the expert stacks were all-gathered instead (efficiency 0.53)."""
+    (static buffers drop nothing only with a slot per token and destination) with its k gates and ids,
+    and the results back: the static-shape minimum (costs.dropless_static_bytes), which the expert axis
+    moves at efficiency >= 0.95 (measured 0.999 on both; 0.945 and 0.926 while the router's scores were
+    all-gathered to be sorted, 0.53 while the expert stacks were). A ragged all-to-all, with balanced
+    routing, would send less (costs.dropless_ragged_bytes): 3 token copies against 2.18 on `ep`."""
     cfg, layout, a = analysed(name)
     m = cfg.model
     kinds = {c.kind for c in a.collectives if "expert" in c.axes}
     assert "all-to-all" in kinds, kinds
     stack = m.n_experts * m.d_model * m.mlp_dim * 4  # a whole (E, D, F) stack, f32
     assert not [c for c in a.collectives if c.kind == "all-gather" and c.result_bytes >= stack], a.collectives
-    assert a.efficiency["expert"] >= floor, (a.bytes_by_axes, a.minimum_bytes_by_axes)
-    assert a.efficiency["expert"] <= 1.0 and min(a.efficiency.values()) >= 0.9 * floor, a.efficiency
+    assert not [c for c in a.collectives if c.kind == "all-gather" and "expert" in c.axes], a.collectives
+    for axis, value in a.efficiency.items():
+        assert 0.95 <= value <= AT_MOST_ONE, (axis, a.bytes_by_axes, a.minimum_bytes_by_axes)
     # the bound: each device sends all its N tokens (with their k gates) to each of the n devices
     n, tokens = layout.axis_sizes["expert"], cfg.data.batch * cfg.data.seq_len // 8
     sent = max(c.result_bytes for c in a.collectives if c.kind == "all-to-all")
     assert sent == n * tokens * (m.d_model + m.experts_per_token) * 4, sent
+    ragged = costs.dropless_ragged_bytes(m, n, tokens, 4)
+    assert ragged < costs.dropless_static_bytes(m, n, tokens, 4)
 
 
 def test_partial_gradients_in_two_all_reduces_count_once(analysed):
     _, _, a = analysed("moe-dp")
-    assert a.efficiency["data"] == pytest.approx(1.0, abs=0.005)
+    assert 0.995 <= a.efficiency["data"] <= AT_MOST_ONE, a.efficiency
     assert any(c.compiled_as == "all-reduce (reassociable)" for c in a.collectives)
 
 
@@ -341,10 +361,13 @@ def test_pipeline_sums_data_parallel_gradients_once(name, analysed):
     and the schedule ends with one psum. Left to the partitioner, every backward tick all-reduced its
     layer gradient over data: 1F1B moved 17x the minimum (efficiency 0.057), GPipe 3.9x. 1F1B hands the
     tied embedding's head gradient out unreduced over data, so it meets the lookup's gradient in one add
-    (it read 0.801 while the schedule reduced it itself)."""
+    (it read 0.801 while the schedule reduced it itself), an all-reduce over stage x data whose bytes the
+    two axes share (data's minimum counted it over data alone: efficiency 1.037). Something must move
+    on data: an axis that moved nothing reads inf, which StepAnalysis raises."""
     _, _, a = analysed(name)
     assert "stage" in a.unmodelled_axes
-    assert a.efficiency["data"] >= 0.99, (a.bytes_by_axes, a.minimum_bytes_by_axes)
+    assert a.bytes_by_axes["data"] > 0
+    assert 0.99 <= a.efficiency["data"] <= AT_MOST_ONE, (a.bytes_by_axes, a.minimum_bytes_by_axes)
 
 
 
@@ -365,10 +388,15 @@ def test_pipeline_stages_pass_their_buffers_along_a_chain_not_a_ring(name, analy
 def test_the_compiled_step_follows_the_pipeline_config(analysed):
     """`inspect --compiled` compiles the configured schedule (it once compiled the default 1F1B for every
     config): GPipe passes activations on M + S - 1 forward and as many backward ticks, 1F1B on every one
-    of its 2(M + S - 1) ticks in both directions."""
-    permutes = {name: sum(c.count for c in analysed(name)[2].collectives if c.kind == "collective-permute")
-                for name in ("tiny-pp-1f1b", "tiny-pp-gpipe")}
-    assert permutes["tiny-pp-gpipe"] < permutes["tiny-pp-1f1b"], permutes
+    of its 2(M + S - 1) ticks in both directions. Each schedule's permutes run outside the `lax.switch`
+    that picks a tick's work, so none is counted as an upper bound."""
+    cfg, layout, _ = analysed("tiny-pp-1f1b")
+    S, M = layout.axis_sizes["stage"], cfg.pipeline.microbatches
+    ticks = {"tiny-pp-gpipe": 2 * (M + S - 1), "tiny-pp-1f1b": 2 * 2 * (M + S - 1)}
+    for name, expected in ticks.items():
+        permutes = [c for c in analysed(name)[2].collectives if c.kind == "collective-permute"]
+        assert sum(c.count for c in permutes) == expected, (name, S, M, permutes)
+        assert not any(c.in_branch for c in permutes), permutes
 
 
 def test_each_remat_policy_keeps_less_than_the_one_before():

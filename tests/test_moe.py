@@ -140,6 +140,22 @@ def test_capacity_with_room_for_every_token_equals_dropless():
     np.testing.assert_allclose(aux_c, aux, rtol=1e-6)
 
 
+def test_router_z_loss_is_the_mean_squared_logsumexp_and_trains_the_router():
+    cfg, p, h = _cfg(), _params(), _tokens()
+    logits = np.asarray(h, np.float64) @ np.asarray(p["router"], np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    z = moe.moe_block(h, p, cfg, jnp.float32)[2]["z"]
+    np.testing.assert_allclose(z, np.mean(lse**2), rtol=1e-5)
+    # weighted into the objective: the router's gradient changes, the next-token loss does not
+    base = dict(model__name="moe-tiny", model__moe_routing="dropless")
+    loss0, g0 = loss_and_grads(tiny_config("1x1", **base))
+    loss1, g1 = loss_and_grads(tiny_config("1x1", **base, model__router_z_loss_weight=0.1))
+    assert loss1 == loss0
+    assert not np.allclose(g1["layers"]["router"], g0["layers"]["router"])
+    # the last layer's experts come after every router: the z-loss does not reach them
+    np.testing.assert_array_equal(g1["layers"]["w_down"][-1], g0["layers"]["w_down"][-1])
+
+
 # --- layouts -------------------------------------------------------------------------------------------
 
 FINE = {"model__name": "moe-fine-tiny"}  # dropless, sigmoid top-4 of 16, one shared expert
@@ -153,7 +169,11 @@ def fine_reference():
 EXPERT_PARALLEL = ("ep", "data=2,fsdp=2,expert=2")  # the expert axis also splits the batch
 
 
-@pytest.mark.parametrize("mesh", ["8x1", "fsdp", *EXPERT_PARALLEL, "data=2,model=4", "sp"])
+# the expert axis beside tensor parallel (the experts' hidden dim split over model) and FSDP
+EXPERT_PARALLEL_PLUS = ("data=2,expert=2,model=2", "fsdp=2,expert=4")
+
+
+@pytest.mark.parametrize("mesh", ["8x1", "fsdp", *EXPERT_PARALLEL, *EXPERT_PARALLEL_PLUS, "data=2,model=4", "sp"])
 def test_dropless_training_agrees_across_layouts(mesh, fine_reference):
     loss, grads, hlo = loss_and_grads(tiny_config(mesh, **FINE), with_hlo=True)
     np.testing.assert_allclose(loss, fine_reference[0], rtol=1e-5)
@@ -178,6 +198,20 @@ def test_the_fine_grained_preset_trains_on_expert_parallel():
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
+def test_the_deepseek_twin_has_64_experts_top_6_and_2_shared_and_agrees_on_ep():
+    """DeepSeekMoE's fine-grained shape (deepseek-moe-16b) through its tiny twin: 64 routed experts top-6
+    and 2 shared; expert parallel (16 experts a device) gives the single device's loss and gradients."""
+    twin = PRESETS["deepseek-moe-tiny"]
+    full = PRESETS["deepseek-moe-16b"]
+    for cfg in (twin, full):
+        assert (cfg.n_experts, cfg.experts_per_token, cfg.n_shared_experts, cfg.moe_routing) == (64, 6, 2, "dropless")
+    ref_loss, ref_grads = loss_and_grads(tiny_config("1x1", model__name="deepseek-moe-tiny"))
+    loss, grads = loss_and_grads(tiny_config("ep", model__name="deepseek-moe-tiny"))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(r))))
+
+
 # --- bad configs ---------------------------------------------------------------------------------------
 
 
@@ -193,3 +227,21 @@ def test_bad_moe_configs_are_one_line_errors(items, message):
     with pytest.raises(ShardError, match=message) as e:
         c.resolve(c.parse_sets(items))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "moe-tiny", "--set", "model.experts_per_token=9"], "model.experts_per_token must be in 1..8, got 9"),
+    (["--model", "moe-tiny", "--mesh", "ep", "--set", "model.n_experts=6"],
+     "6 experts do not divide over the expert axis (4 ways)"),
+    (["--model", "tiny", "--set", "model.n_shared_experts=2"], "model.n_shared_experts=2 needs routed experts"),
+])
+def test_bad_moe_configs_exit_2_with_one_line(args, message, tmp_path):
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+
+    result = CliRunner().invoke(app, ["train", *args, "--steps", "1", "--batch", "8", "--seq", "32",
+                                      "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert "Traceback" not in result.output

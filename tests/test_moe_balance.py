@@ -25,7 +25,7 @@ from shard.training.state import state_spec
 from shard.training.step import expert_load_metrics, update_router_bias
 
 E, D, K = 8, 16, 2
-MOE_KEYS = ("aux_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped")
+MOE_KEYS = ("aux_loss", "router_z_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped")
 
 
 def _cfg(**sets):

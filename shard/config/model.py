@@ -113,6 +113,9 @@ class ModelConfig:
     experts_per_token: int = 2  # top-k routing
     capacity_factor: float = 1.25  # expert slots per group = ceil(k * tokens * factor / n_experts)
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer) added to the objective
+    # router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2, per layer, added with
+    # this weight (1e-3 in ST-MoE); keeps the router's logits small. 0: off (still logged)
+    router_z_loss_weight: float = 0.0
     # "capacity": slots per expert and sequence, tokens beyond them dropped (GShard); "dropless": tokens
     # sorted by expert through grouped matmuls (jax.lax.ragged_dot), none dropped (shard/models/moe.py)
     moe_routing: str = "capacity"
@@ -185,6 +188,8 @@ class ModelConfig:
                             f"{self.rope_high_freq_factor}, {self.rope_original_context}")
         if not 0 <= self.aux_loss_weight < math.inf:
             problems.append(f"model.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+        if not 0 <= self.router_z_loss_weight < math.inf:
+            problems.append(f"model.router_z_loss_weight must be >= 0, got {self.router_z_loss_weight}")
         if not 0 <= self.router_bias_update < math.inf:
             problems.append(f"model.router_bias_update must be 0 (off) or a positive rate, got {self.router_bias_update}")
         elif self.router_bias_update and not self.n_experts:
@@ -312,6 +317,17 @@ PRESETS: dict[str, ModelConfig] = {
     "moe-fine-tiny": ModelConfig(name="moe-fine-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
                                  head_dim=8, mlp_dim=32, n_experts=16, experts_per_token=4,
                                  n_shared_experts=1, moe_routing="dropless", router_scores="sigmoid"),
+    # DeepSeekMoE 16B's shape (fine-grained experts): 64 routed experts of width 1408, top-6 by a softmax
+    # kept as is (no renormalisation), 2 shared experts, dropless; every layer is a MoE layer (DeepSeekMoE's
+    # first is dense). Its tiny twin keeps the experts and the router, with tiny's attention and width.
+    "deepseek-moe-16b": ModelConfig(name="deepseek-moe-16b", vocab_size=102400, d_model=2048, n_layers=28,
+                                    n_heads=16, n_kv_heads=16, head_dim=128, mlp_dim=1408, tie_embeddings=False,
+                                    n_experts=64, experts_per_token=6, n_shared_experts=2, moe_routing="dropless",
+                                    router_normalize=False, aux_loss_weight=0.001),
+    "deepseek-moe-tiny": ModelConfig(name="deepseek-moe-tiny", d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
+                                     head_dim=8, mlp_dim=16, tie_embeddings=False, n_experts=64,
+                                     experts_per_token=6, n_shared_experts=2, moe_routing="dropless",
+                                     router_normalize=False, aux_loss_weight=0.001),
     # Llama 3.2 1B shape.
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
                             n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),

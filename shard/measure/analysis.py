@@ -16,6 +16,10 @@ from shard.sharding.rules import Layout
 from shard.training.compiled import compile_step, memory_of
 
 
+# rounding: an efficiency is reported to 4 places, and a few scalars (the loss, the token count) ride along
+EFFICIENCY_SLACK = 1e-3
+
+
 @dataclass(frozen=True)
 class StepAnalysis:
     """The compiled step's costs, per device per step."""
@@ -33,12 +37,18 @@ class StepAnalysis:
     @property
     def efficiency(self) -> dict[str, float]:
         """Analytic minimum / logical bytes moved, per mesh axis (1.0 where nothing moves); not for the
-        axes whose traffic the cost model leaves out."""
+        axes whose traffic the cost model leaves out. Never above 1 + EFFICIENCY_SLACK: a step that moves
+        less than the minimum (or nothing where the minimum is not 0) means the minimum or the count is
+        wrong, and is raised as the bug it is rather than reported."""
         out = {}
         for axis in sorted((set(self.bytes_by_axes) | set(self.minimum_bytes_by_axes)) - set(self.unmodelled_axes)):
             moved = self.bytes_by_axes.get(axis, 0.0)
             need = self.minimum_bytes_by_axes.get(axis, 0.0)
             out[axis] = round(need / moved, 4) if moved else (1.0 if not need else float("inf"))
+            if out[axis] > 1.0 + EFFICIENCY_SLACK:
+                raise AssertionError(f"axis {axis} moved {moved:,.0f} B per device, less than its analytic minimum "
+                                     f"{need:,.0f} B (efficiency {out[axis]}): the cost model (shard.measure.costs) "
+                                     "or the collective count (shard.measure.hlo) is wrong for this layout")
         return out
 
     def to_dict(self) -> dict:

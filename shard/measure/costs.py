@@ -118,6 +118,10 @@ class Workload:
     # XLA's attention materialises the probabilities (N x T per token); cuDNN's flash attention keeps
     # only their normaliser.
     attention_probs: bool = True
+    # Under pipeline parallelism: "1f1b" runs the head on the last stage inside the schedule, so the
+    # weights outside the layers (the embedding, tied or not, and the final norm) take their gradient
+    # on two stages and are reduced over stage and data at once; GPipe runs the head on every stage
+    pipeline_schedule: str = "gpipe"
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -125,7 +129,8 @@ class Workload:
         compute = m.compute_dtype_on(platform)
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat,
-                   attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"))
+                   attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
+                   pipeline_schedule=cfg.pipeline.schedule)
 
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:
@@ -220,6 +225,10 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
     forward_passes = 1 if work.remat == "none" else 2
     lookup = stored_lookup(cfg, shape, work)
+    # 1F1B: the weights outside the layers are reduced over stage and data in one all-reduce, whose
+    # bytes the axes share in proportion to (n - 1), as the compiled step's are read (`Workload`)
+    head_stages = ({STAGE: shape.sizes[STAGE]} if shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule == "1f1b"
+                   else {})
     for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -243,6 +252,8 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in grad_axes if a not in gather and a not in local and a not in computed}
+        if not name.startswith("layers/"):
+            reduce |= head_stages
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
@@ -270,12 +281,9 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
     experts = shape.table(False).get(EXPERT, ())
     if cfg.n_experts and len(experts) == 1 and cfg.moe_routing == "dropless":
-        # each MoE layer sends a device's tokens to the other devices holding their experts and the
-        # results back, forward (again under remat) and their gradients backward
         n = shape.sizes[experts[0]]
         tokens = work.global_batch * work.seq_len / shape.token_ways()
-        rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
-        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * work.act_bytes)
+        add(experts[0], dropless_static_bytes(cfg, n, tokens, work.act_bytes, forward_passes))
     elif cfg.n_experts and len(experts) == 1:
         # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
         # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
@@ -289,6 +297,29 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
                     * cfg.head_dim * work.act_bytes)
         add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
     return out
+
+
+def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
+    """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
+    all-to-alls (`moe.expert_parallel_experts`), the minimum for buffers whose shape is fixed at compile
+    time and that drop nothing: any of a device's `tokens` tokens may choose an expert on any other
+    device, so each destination gets a slot for every token, (n-1) N rows leave a device each way. A row
+    carries the token (D) with its k gates and k expert ids (int32); the D-wide results come back.
+    Forward (again under remat): rows, ids and results; backward: the results' and the rows' gradients.
+    `dropless_ragged_bytes` gives what a ragged all-to-all would send with balanced routing."""
+    D, K, a = cfg.d_model, cfg.experts_per_token, act_bytes
+    forward = (D + K) * a + K * 4 + D * a
+    backward = D * a + (D + K) * a
+    return cfg.n_layers * (n - 1) * tokens * (forward_passes * forward + backward)
+
+
+def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
+    """What a ragged all-to-all (sized by the routing, no padding) would send instead of
+    `dropless_static_bytes` when routing is balanced: a token only to the devices holding one of its
+    experts (`dropless_remote_devices`), the D-wide token and result each way, forward and backward (ids
+    and gates left out: a lower bound)."""
+    rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
+    return cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * act_bytes
 
 
 def dropless_remote_devices(n_experts: int, k: int, n: int) -> float:

@@ -150,7 +150,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
-        problems.append(f"memory {memory['total'] / GIB:.1f} > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
+        problems.append(f"memory {memory['total'] / GIB:.1f} GiB > {USABLE_HBM:.0%} of {hw.hbm_gib:g} GiB")
     comm = costs.comm_bytes(cfg, shape, work)
     comm = {a: comm[a] for a in sorted(comm, key=lambda a: list(sizes).index(a) if a in sizes else len(sizes))}
     spans = node_split(sizes, nodes)

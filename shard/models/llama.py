@@ -251,6 +251,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
     x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l))
     stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
+    if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
+        stats["z"] = jnp.sum(stats_l["z"])
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
 
 

@@ -82,10 +82,10 @@ def make_bridge_step(spec: StateSpec, layout: Layout, comm, microbatches: int = 
 
     def across(sums):
         """Gradients, loss, token count and the experts' loads summed over the processes; the MoE
-        auxiliary loss (a mean over each process's rows) averaged: summed, it was reported times the
-        process count."""
+        auxiliary loss and router z-loss (means over each process's rows) averaged: summed, they were
+        reported times the process count."""
         grads, nll, count, moe = allreduce_tree(sums, comm, bucket_bytes)
-        return grads, nll, count, moe | {"aux": moe["aux"] / processes}
+        return grads, nll, count, moe | {k: moe[k] / processes for k in ("aux", "z") if k in moe}
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)  # every key of the batch, packed rows' included

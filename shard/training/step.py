@@ -97,12 +97,14 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     when the mesh has stages. `router_bias`: the state's balancing bias (model.router_bias_update)."""
     cfg = spec.model
     aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
+    z_w = cfg.router_z_loss_weight if cfg.n_experts else 0.0
 
     def plain(params, mb, router_bias=None):
         mb, zigzag = context_order(mb, layout, cfg)
         logits, moe = llama.forward(cfg, params, mb["inputs"], zigzag, **packing_of(mb), router_bias=router_bias)
         nll, count = token_nll(logits, mb["targets"], target_mask(mb))
-        return nll + aux_w * moe["aux"] * count, (nll, count, moe)
+        router_loss = aux_w * moe["aux"] + (z_w * moe["z"] if z_w else 0.0)
+        return nll + router_loss * count, (nll, count, moe)
 
     if pipeline_stages(layout) == 1:
         return plain
@@ -175,9 +177,10 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 moe_zeros = {"aux": scalar}
                 if spec.model is not None and spec.model.n_experts:
                     L, E = spec.model.n_layers, spec.model.n_experts
-                    moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32)}
+                    moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
+                                  "z": scalar}
                 (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
-                moe = moe | {"aux": moe["aux"] / microbatches}
+                moe = moe | {k: moe[k] / microbatches for k in ("aux", "z") if k in moe}
         return grads, nll, count, moe
 
     def apply(state, grads, nll, count, moe, args):
@@ -193,6 +196,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         new_state = {"step": state["step"] + 1}
         if spec.model is not None and spec.model.n_experts:
             metrics["aux_loss"] = moe["aux"] / spec.model.n_layers  # per layer; 1 when experts are balanced
+            if "z" in moe:  # not through the pipeline
+                metrics["router_z_loss"] = moe["z"] / spec.model.n_layers  # per layer
             if "load" in moe:  # not through the pipeline (MoE is not pipelined)
                 metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity")
         if "router_bias" in state:

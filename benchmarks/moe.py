@@ -1,0 +1,92 @@
+"""Mixture of experts on 8 simulated devices: step time and tokens/s of dropless routing (grouped matmuls)
+against the capacity form (capacity_factor 1.25) and a dense model of the same active parameters, on
+the `ep` (data=2, expert=4) and `fsdp` layouts; and the expert axis' all-to-all bytes per device per
+step against the static-shape minimum and what a ragged all-to-all would send with balanced routing
+(shard.measure.costs, docs/formulas.md).
+
+Times are medians of timed steps after a warm-up on simulated CPU devices, which share the host's
+cores (and the host may be shared with other work): they compare the forms' work on CPU, where
+`ragged_dot` lowers to a masked dense matmul over every expert, not GPU throughput.
+
+    python benchmarks/moe.py [--model moe-fine-tiny] [--steps 5] [--batch 16] [--seq 64]
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+from shard import config, prepare
+from shard.config.model import PRESETS
+from shard.measure import costs
+from shard.measure.analysis import analyze
+from shard.sharding.layout import make_layout
+from shard.sharding.mesh import parse_mesh
+
+
+def forms(model: str) -> dict[str, dict]:
+    """The --set items of each form: dropless, capacity 1.25, and a dense SwiGLU as wide as the k routed
+    experts plus the shared ones (the same active parameters but the router)."""
+    m = PRESETS[model]
+    dense_width = (m.experts_per_token + m.n_shared_experts) * m.mlp_dim
+    return {"dropless": {"model.moe_routing": "dropless"},
+            "capacity 1.25": {"model.moe_routing": "capacity", "model.capacity_factor": 1.25},
+            f"dense (mlp {dense_width})": {"model.n_experts": 0, "model.n_shared_experts": 0,
+                                          "model.router_bias_update": 0, "model.mlp_dim": dense_width}}
+
+
+def resolve(model: str, mesh: str, sets: dict, batch: int, seq: int):
+    items = [f"model.name={model}", f"mesh.spec={mesh}", f"data.batch={batch}", f"data.seq_len={seq}",
+             "data.path=synthetic", "steps=100", "optimizer.warmup_steps=1"]
+    return config.resolve(config.parse_sets(items + [f"{k}={v}" for k, v in sets.items()]))
+
+
+def time_steps(run, steps: int) -> float:
+    state, m = run.step_fn(run.state, run.stream.next())  # warm-up
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        batch = run.stream.next()
+        t0 = time.perf_counter()
+        state, m = run.step_fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="moe-fine-tiny")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=64)
+    a = p.parse_args()
+    print(f"{a.model}, batch {a.batch} x {a.seq}, 8 simulated CPU devices (shared cores: times are noisy)")
+    print(f"{'layout':<6} {'form':<18} {'step ms':>8} {'tokens/s':>9} {'a2a B/dev':>10} {'static min':>10} "
+          f"{'ragged min':>10}")
+    for mesh in ("ep", "fsdp"):
+        for label, sets in forms(a.model).items():
+            cfg = resolve(a.model, mesh, sets, a.batch, a.seq)
+            run = prepare(cfg)
+            t = time_steps(run, a.steps)
+            row = f"{mesh:<6} {label:<18} {t * 1e3:>8.1f} {a.batch * a.seq / t:>9,.0f}"
+            m = cfg.model
+            if mesh == "ep" and m.n_experts:
+                layout = make_layout(cfg, parse_mesh(cfg.mesh.spec))
+                moved = sum(c.logical_wire_bytes * c.count for c in analyze(cfg, layout).collectives
+                            if c.kind == "all-to-all")
+                n, tokens = layout.axis_sizes["expert"], a.batch * a.seq / layout.mesh.size
+                row += f" {moved:>10,.0f}"
+                if m.moe_routing == "dropless":
+                    row += (f" {costs.dropless_static_bytes(m, n, tokens, 4):>10,.0f}"
+                            f" {costs.dropless_ragged_bytes(m, n, tokens, 4):>10,.0f}")
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

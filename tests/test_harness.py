@@ -130,3 +130,29 @@ def test_bad_tasks_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "shard.training.harness")
     with pytest.raises(ShardError, match=r"pip install 'shard\[eval\]'"):
         import shard.training.harness  # noqa: F401
+
+
+def test_the_training_loop_logs_task_scores(exported, tmp_path):
+    from shard.data.tokenizers import load_tokenizer
+    from shard.training.loop import train
+
+    folder, task = exported
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((TEXT + "\n") * 40)
+    cfg = tiny_config("1x1", steps=2, data__path=str(corpus), data__tokenizer=str(folder),
+                      model__vocab_size=load_tokenizer(str(folder)).vocab_size, eval__harness_tasks=[str(task)],
+                      eval__harness_every=1, eval__harness_limit=2, checkpoint__every=2,
+                      checkpoint__best_metric="eval/tiny_mc/acc", checkpoint__best_mode="max")
+    records = train(cfg, devices=devices_for("1x1"))
+    assert [r["step"] for r in records if "eval/tiny_mc/acc" in r] == [1, 2]
+    assert all(0 <= r["eval/tiny_mc/acc"] <= 1 for r in records)
+
+
+def test_ranking_by_a_task_score_needs_the_tasks_at_every_save():
+    with pytest.raises(ShardError, match="needs eval.harness_tasks"):
+        tiny_config(checkpoint__best_metric="eval/tiny_mc/acc")
+    with pytest.raises(ShardError, match="not a multiple of eval.harness_every"):
+        tiny_config(checkpoint__best_metric="eval/t/acc", eval__harness_tasks=["t"], eval__harness_every=3,
+                    checkpoint__every=4)
+    with pytest.raises(ShardError, match="eval/<task>/<metric>"):
+        tiny_config(checkpoint__best_metric="eval/acc")

@@ -144,7 +144,7 @@ class ShardLM(TemplateLM):
         return text
 
 
-def task_specs(tasks: list[str]):
+def task_specs(tasks: list[str]) -> tuple:
     """(an lm_eval TaskManager, the tasks as simple_evaluate takes them): lm-eval task names, checked
     against its index, and task YAML files, read here (their folders join the manager's include_path,
     so a file's `include:` and group members resolve). An unknown name or a file that does not parse
@@ -179,16 +179,22 @@ def task_specs(tasks: list[str]):
     return manager, specs
 
 
-def run_tasks(lm: ShardLM, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
-              bootstrap_iters: int = 100_000) -> dict:
-    """lm-eval's results dict (results, configs, versions, n-shot, ...) for `tasks` on `lm`."""
-    import lm_eval
-
+def check_counts(num_fewshot: int | None, limit: int | None) -> None:
+    """--num-fewshot and --limit, before anything loads."""
     if limit is not None and limit < 1:
         raise ShardError(f"--limit must be positive (examples per task), got {limit}")
     if num_fewshot is not None and num_fewshot < 0:
         raise ShardError(f"--num-fewshot must be 0 or more, got {num_fewshot}")
-    manager, specs = task_specs(tasks)
+
+
+def run_tasks(lm: ShardLM, tasks, num_fewshot: int | None = None, limit: int | None = None,
+              bootstrap_iters: int = 100_000) -> dict:
+    """lm-eval's results dict (results, configs, versions, n-shot, ...) for `tasks` on `lm`: task
+    names and YAML files, or what `task_specs` made of them (read once, run many times)."""
+    import lm_eval
+
+    check_counts(num_fewshot, limit)
+    manager, specs = task_specs(tasks) if isinstance(tasks, list) else tasks
     results = lm_eval.simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters)
     if results is None:  # simple_evaluate's answer on processes other than its rank 0: shard's is 0 on all
@@ -249,14 +255,14 @@ class HarnessEvaluator:
 
     def __init__(self, cfg, run):
         self.cfg, self.best_metric = cfg, cfg.checkpoint.best_metric
-        task_specs(list(cfg.eval.harness_tasks))
+        self.tasks = task_specs(list(cfg.eval.harness_tasks))
         self.lm = ShardLM(Scorer(run.spec, run.layout, None, cfg.data.batch), data_tokenizer(cfg), cfg.data.seq_len)
 
     def __call__(self, params, router_bias=None) -> dict[str, float]:
         self.lm.scorer.params, self.lm.scorer.router_bias = params, router_bias
         self.lm._generator = None  # it holds the parameters it was built with
         limit = self.cfg.eval.harness_limit or None
-        found = scores(run_tasks(self.lm, list(self.cfg.eval.harness_tasks), limit=limit, bootstrap_iters=0))
+        found = scores(run_tasks(self.lm, self.tasks, limit=limit, bootstrap_iters=0))
         if self.best_metric.startswith("eval/") and self.best_metric not in found:
             raise ShardError(f"checkpoint.best_metric {self.best_metric} is not among the tasks' scores: "
                              f"{', '.join(sorted(found)) or 'none'}")

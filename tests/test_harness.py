@@ -6,6 +6,7 @@ device and on a sharded mesh. Offline: the task's data is a file the test writes
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,33 @@ def test_ranking_by_a_task_score_needs_the_tasks_at_every_save():
                     checkpoint__every=4)
     with pytest.raises(ShardError, match="eval/<task>/<metric>"):
         tiny_config(checkpoint__best_metric="eval/acc")
+
+
+def test_shard_eval_tasks_writes_the_results_json(exported, run_shard):
+    folder, task = exported
+    result = run_shard("eval", str(folder), "--tasks", str(task), "--limit", "2", "--batch", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["results"]["tiny_mc"]["sample_len"] == 2
+    written = json.loads(Path(out["file"]).read_text())
+    assert written["results"]["tiny_mc"]["acc,none"] == out["results"]["tiny_mc"]["acc,none"]
+    assert out["file"].startswith(str(folder / "eval"))
+    bad = run_shard("eval", str(folder), "--tasks", str(task), "--limit", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --limit must be positive (examples per task), got 0"
+
+
+def test_weights_without_a_tokenizer_read_bytes_said_once(tmp_path):
+    from flax import nnx
+
+    from shard import models
+    from shard.config.model import PRESETS
+    from shard.run import hf
+    from shard.run.harness import harness_lm
+    from shard.sharding.mesh import parse_mesh
+
+    cfg = dataclasses.replace(PRESETS["tiny"], vocab_size=256)
+    hf.write_hf_dir(str(tmp_path), cfg, nnx.to_pure_dict(nnx.state(models.build(cfg))))
+    notices = []
+    lm = harness_lm(tmp_path, tiny_config("1x1"), parse_mesh("1x1"), devices_for("1x1"), 1, notice=notices.append)
+    assert len(notices) == 1 and "as bytes" in notices[0]
+    assert lm.tok_encode("hi") == [104, 105] and lm.prefix_token_id == 10

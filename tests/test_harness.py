@@ -97,7 +97,7 @@ def test_agrees_with_lm_eval_hf_backend(exported, reference, mesh):
     np.testing.assert_allclose(logliks, ref_logliks, rtol=1e-4)
 
 
-def test_rolling_loglikelihood_agrees_and_scores_are_named(exported, reference):
+def test_rolling_loglikelihood_and_greedy_generation_agree_and_scores_are_named(exported, reference):
     from lm_eval.api.instance import Instance
 
     from shard.training.harness import scores
@@ -107,6 +107,9 @@ def test_rolling_loglikelihood_agrees_and_scores_are_named(exported, reference):
     requests = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate([TEXT, "Water is wet."])]
     np.testing.assert_allclose(lm.loglikelihood_rolling(requests), reference[0].loglikelihood_rolling(requests),
                                rtol=1e-4)
+    generate = [Instance("generate_until", {}, ("The sky is", {"until": ["."], "max_gen_toks": 6}), 0)]
+    text = lm.generate_until(generate)
+    assert text == reference[0].generate_until(generate) and text[0]  # greedy: the same (non-empty) text
     (length,) = lm.scorer.shapes  # both texts in one batch, padded to a power of two
     assert length & (length - 1) == 0 and lm.scorer.real_tokens < lm.scorer.padded_tokens
     assert scores({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1,

@@ -112,7 +112,7 @@ def test_rolling_loglikelihood_and_greedy_generation_agree_and_scores_are_named(
     assert text == reference[0].generate_until(generate) and text[0]  # greedy: the same (non-empty) text
     (length,) = lm.scorer.shapes  # both texts in one batch, padded to a power of two
     assert length & (length - 1) == 0 and lm.scorer.real_tokens < lm.scorer.padded_tokens
-    assert scores({"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1,
+    assert scores({"results": {"t": {"alias": "t", "sample_len": 4, "acc,none": 0.5, "acc_stderr,none": 0.1,
                                      "exact_match,strict-match": 1.0}}}) == {
         "eval/t/acc": 0.5, "eval/t/exact_match_strict-match": 1.0}
 

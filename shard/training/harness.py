@@ -188,15 +188,19 @@ def check_counts(num_fewshot: int | None, limit: int | None) -> None:
 
 
 def run_tasks(lm: ShardLM, tasks, num_fewshot: int | None = None, limit: int | None = None,
-              bootstrap_iters: int = 100_000) -> dict:
+              bootstrap_iters: int = 100_000, seed_globals: bool = True) -> dict:
     """lm-eval's results dict (results, configs, versions, n-shot, ...) for `tasks` on `lm`: task
-    names and YAML files, or what `task_specs` made of them (read once, run many times)."""
+    names and YAML files, or what `task_specs` made of them (read once, run many times).
+    `seed_globals`: lm-eval seeds Python's, numpy's and torch's global generators, as its own runs
+    do; off inside training, whose state is not lm-eval's to reset (few-shot sampling stays seeded)."""
     import lm_eval
 
     check_counts(num_fewshot, limit)
     manager, specs = task_specs(tasks) if isinstance(tasks, list) else tasks
+    seeds = {} if seed_globals else {"random_seed": None, "numpy_random_seed": None, "torch_random_seed": None}
     results = lm_eval.simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters)
+                                      task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters,
+                                      **seeds)
     if results is None:  # simple_evaluate's answer on processes other than its rank 0: shard's is 0 on all
         raise ShardError("lm-eval returned no results")
     return results
@@ -208,11 +212,11 @@ def scores(results: dict) -> dict[str, float]:
     out = {}
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
-            metric, _, filt = key.partition(",")
-            if metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, int | float):
+            metric, comma, filt = key.partition(",")  # "acc,none"; "alias", "sample_len" are not metrics
+            if not comma or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             if math.isfinite(value):
-                out[f"eval/{task}/{metric if filt in ('', 'none') else f'{metric}_{filt}'}"] = float(value)
+                out[f"eval/{task}/{metric if filt == 'none' else f'{metric}_{filt}'}"] = float(value)
     return out
 
 
@@ -262,7 +266,7 @@ class HarnessEvaluator:
         self.lm.scorer.params, self.lm.scorer.router_bias = params, router_bias
         self.lm._generator = None  # it holds the parameters it was built with
         limit = self.cfg.eval.harness_limit or None
-        found = scores(run_tasks(self.lm, self.tasks, limit=limit, bootstrap_iters=0))
+        found = scores(run_tasks(self.lm, self.tasks, limit=limit, bootstrap_iters=0, seed_globals=False))
         if self.best_metric.startswith("eval/") and self.best_metric not in found:
             raise ShardError(f"checkpoint.best_metric {self.best_metric} is not among the tasks' scores: "
                              f"{', '.join(sorted(found)) or 'none'}")

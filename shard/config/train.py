@@ -100,7 +100,8 @@ class CheckpointConfig:
     every: int = 1000
     keep: int = 3  # keep the newest K complete checkpoints
     # also keep the `keep_best` best checkpoints by this metric: "loss" or "grad_norm" (the step's), or
-    # "eval_loss" (the held-out loss: saves must fall on evaluations)
+    # "eval_loss" (the held-out loss: saves must fall on evaluations), or a benchmark score
+    # "eval/<task>/<metric>" (eval.harness_tasks: saves must fall on their evaluations; best_mode max)
     best_metric: str = ""
     best_mode: str = "min"  # min | max
     keep_best: int = 1
@@ -126,13 +127,20 @@ class EvalConfig:
 
     The held-out windows come from `path` when given (a file or folder, like data.path); otherwise they
     are the last `holdout` share of data.path's windows, which training then never reads (synthetic
-    data: fresh random tokens, seed + 1)."""
+    data: fresh random tokens, seed + 1).
+
+    `harness_tasks`: lm-evaluation-harness tasks (names, task YAML files; the `eval` extra) scored
+    every `harness_every` steps (0: at the last step only) and at the last step, on `harness_limit`
+    examples per task (0: all); logged as eval/<task>/<metric>."""
 
     every: int = 0
     batches: int = 2
     processes: int = 0
     path: str = ""
     holdout: float = 0.05
+    harness_tasks: tuple[str, ...] = ()
+    harness_every: int = 0
+    harness_limit: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,11 +215,14 @@ class TrainConfig:
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
         if self.checkpoint.best_mode not in ("min", "max"):
             problems.append(f"checkpoint.best_mode must be min or max, got {self.checkpoint.best_mode!r}")
-        if self.checkpoint.best_metric and self.checkpoint.best_metric not in METRIC_NAMES:
-            problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)}, "
-                            f"got {self.checkpoint.best_metric!r}")
-        if self.checkpoint.best_metric == "eval_loss":
+        best = self.checkpoint.best_metric
+        if best and best not in METRIC_NAMES and not is_harness_metric(best):
+            problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)} or eval/<task>/<metric> "
+                            f"(eval.harness_tasks), got {best!r}")
+        if best == "eval_loss":
             problems.extend(_eval_ranking_problems(self.checkpoint, self.eval))
+        if is_harness_metric(best):
+            problems.extend(_harness_ranking_problems(self.checkpoint, self.eval))
         if self.cluster.cross_host not in CROSS_HOST_MODES:
             problems.append(f"cluster.cross_host must be one of {', '.join(CROSS_HOST_MODES)}, "
                             f"got {self.cluster.cross_host!r}")
@@ -252,6 +263,23 @@ def _eval_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConfig)
     return []
 
 
+def is_harness_metric(name: str) -> bool:
+    """eval/<task>/<metric>: a benchmark score (eval.harness_tasks) rather than a step's or the held-out loss."""
+    parts = name.split("/")
+    return len(parts) == 3 and parts[0] == "eval" and all(parts[1:])
+
+
+def _harness_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConfig) -> list[str]:
+    """Ranking checkpoints by a benchmark score needs the tasks scored at every save."""
+    if not evaluation.harness_tasks:
+        return [f"checkpoint.best_metric {checkpoint.best_metric} needs eval.harness_tasks"]
+    if not evaluation.harness_every or checkpoint.every % evaluation.harness_every:
+        return [f"checkpoint.best_metric {checkpoint.best_metric} needs the tasks scored at every save, but "
+                f"checkpoint.every ({checkpoint.every}) is not a multiple of eval.harness_every "
+                f"({evaluation.harness_every})"]
+    return []
+
+
 def is_positive_number(value) -> bool:
     """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
     return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
@@ -269,6 +297,7 @@ _RANGES = {
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
     "eval.holdout": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive): the share of data.path held out"),
+    "eval.harness_every": _NON_NEGATIVE, "eval.harness_limit": _NON_NEGATIVE,
     "mesh.simulate_devices": (lambda v: v >= 0, "positive (0: what the mesh needs)"),
     "optimizer.warmup_steps": _NON_NEGATIVE, "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "optimizer.weight_decay": _NON_NEGATIVE, "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -40,7 +40,8 @@ class JsonlWriter(Observer):
 
 
 class TensorBoardWriter(Observer):
-    """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events)."""
+    """Every numeric field of a record as a scalar `train/<field>` at its step (tensorboardX events); a
+    benchmark score as itself (eval/<task>/<metric>)."""
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
@@ -69,7 +70,8 @@ class TensorBoardWriter(Observer):
     def on_log(self, record: dict) -> None:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._w.add_scalar(f"train/{key}", value, record["step"])
+                # benchmark scores keep their own eval/<task>/<metric> names
+                self._w.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, record["step"])
         self._w.flush()
 
     def on_end(self, records: list[dict]) -> None:

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shard.cluster import exchange, runtime
-from shard.config.train import CheckpointConfig
+from shard.config.train import CheckpointConfig, is_harness_metric
 from shard.errors import ShardError
 from shard.paths import CHECKPOINTS_DIR, check_fresh_out, globless, remove_made_folders
 from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerprint
@@ -263,14 +263,16 @@ class SaveCheckpoints(Observer):
         self.every, self.best_metric = checkpoints.cfg.every, checkpoints.cfg.best_metric
         self.last_saved: int | None = None
         self.run = None  # the loop's Run, for the tokens seen at a step
-        self.evaluated: tuple[int, float] | None = None  # (step, eval loss) of the last evaluation logged
+        # ranked by an evaluation's figure (the held-out loss, a benchmark score), not by every step's
+        self.by_evaluation = self.best_metric == "eval_loss" or is_harness_metric(self.best_metric)
+        self.evaluated: tuple[int, float] | None = None  # (step, that figure) of the last evaluation logged
 
     def on_start(self, run) -> None:
         self.run = run
 
     def on_log(self, record: dict) -> None:
-        if "eval_loss" in record:
-            self.evaluated = record["step"], record["eval_loss"]
+        if self.by_evaluation and self.best_metric in record:
+            self.evaluated = record["step"], record[self.best_metric]
 
     def saves_at(self, step: int, final: bool) -> bool:
         """The loop checks every step up to a save for divergence first, so only good states are saved."""
@@ -280,8 +282,9 @@ class SaveCheckpoints(Observer):
         if not self.saves_at(step, final):
             return
         ranked = None
-        if self.best_metric == "eval_loss":  # {} (ranked last) between evaluations: None would be kept forever
-            ranked = {"eval_loss": self.evaluated[1]} if self.evaluated and self.evaluated[0] == step else {}
+        if self.by_evaluation:  # {} (ranked last) between evaluations: None would be kept forever
+            ranked = ({self.best_metric: self.evaluated[1]} if self.evaluated and self.evaluated[0] == step
+                      else {})
         elif self.best_metric:
             ranked = {self.best_metric: float(jax.device_get(metrics[self.best_metric]))}
         tokens = self.run.tokens_seen(step) if self.run is not None else None

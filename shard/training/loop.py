@@ -63,7 +63,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
         if not isinstance(o, Observer):
             raise TypeError(f"{type(o).__name__} is not a shard.training.observer.Observer: subclass it")
     run = run or prepare(cfg, devices)
-    evaluator = None
+    evaluator = harness = None
     waiting = []  # started and not yet ended, in the order they end: last started first
     try:
         for o in observers:
@@ -73,7 +73,11 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             from shard.training.evaluate import Evaluator
 
             evaluator = Evaluator(cfg, run)
-        records = _run_steps(cfg, run, observers, evaluator)
+        if cfg.eval.harness_tasks:
+            from shard.training.harness import HarnessEvaluator  # lm-eval, or a one-line error
+
+            harness = HarnessEvaluator(cfg, run)
+        records = _run_steps(cfg, run, observers, evaluator, harness)
         while waiting:
             waiting[-1].on_end(records)
             waiting.pop()
@@ -86,7 +90,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     return records
 
 
-def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
+def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator, harness=None) -> list[dict]:
     flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
     mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
     records: list[dict] = []
@@ -161,7 +165,10 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
         for o in observers:
             o.on_step(i, (state, metrics))
         evaluating = evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
-        logging = i % cfg.log_every == 0 or final or evaluating  # an evaluation is logged when it runs
+        every = cfg.eval.harness_every
+        benchmarking = harness is not None and (i == cfg.steps or bool(every) and i % every == 0)
+        # an evaluation is logged when it runs
+        logging = i % cfg.log_every == 0 or final or evaluating or benchmarking
         saving = saves(i, final)
         if logging or saving:
             steps = jax.device_get(pending)
@@ -184,6 +191,8 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator) -> list[dict]:
                 eval_loss = evaluator(state["params"], eval_stop, state.get("router_bias"))
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
+            if benchmarking:  # eval/<task>/<metric>
+                record.update(harness(state["params"], state.get("router_bias")))
             publish(record)
             last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
             filled_since = run.stream.filled_tokens

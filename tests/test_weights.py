@@ -250,7 +250,7 @@ def test_damaged_hf_folders_and_moe_export_are_refused(hf_dir, tmp_path):
                                   ("model.norm.weight", np.full(64, np.nan, np.float32), "holds NaN"),
                                   ("model.norm.weight", np.ones(64, np.int8), "float weights only")):
         with pytest.raises(ShardError, match=message):
-            hf.params_from_hf(good[1] | {name: tensor}, cfg)
+            hf.params_from_hf(dict(good[1]) | {name: tensor}, cfg)
     import ml_dtypes
 
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in good[1].items()}  # how most HF Llamas are published

@@ -9,6 +9,7 @@ layout, so no permutation of q/k is needed.
 import json
 import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -85,19 +86,52 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """shard's parameter tree from HF tensors; a missing tensor or a wrong shape is a ShardError."""
+def params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """shard's parameter tree (numpy) from HF tensors (a dict, or a folder's HFTensors); a missing tensor or
+    a wrong shape is a ShardError."""
+    import jax
+
+    return jax.tree.map(np.asarray, lazy_params_from_hf(tensors, cfg, dtype))
+
+
+class LazyParam:
+    """One of shard's parameters as HF tensors make it, read block by block when asked: `read(index)`
+    (a tuple of slices, one per dim, as jax.make_array_from_callback hands a device its shard) reads only
+    the HF tensors that block takes (a layer's, an expert's), one at a time, so placing a model into its
+    shardings holds one tensor beyond the shards (shard.run.weights.place). np.asarray reads it whole."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, read):
+        self.shape, self.dtype, self._read = tuple(shape), np.dtype(dtype), read
+        self._last = None  # (index, block): devices holding the same block (replicas) read it once
+
+    def read(self, index: tuple) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, np.asarray(self._read(index), self.dtype))
+        return self._last[1]
+
+    def forget(self) -> None:
+        self._last = None
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.asarray(self._read(tuple(slice(None) for _ in self.shape)), self.dtype)
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """shard's parameter tree of LazyParams over HF tensors (a dict, or a folder's HFTensors), after
+    checking every tensor's name, shape and dtype (from the files' headers: nothing is read); a tensor
+    holding NaN or infinite values is refused when it is read."""
     expected = _expected_hf_shapes(cfg)
     for name, shape in expected.items():
         if name not in tensors:
             raise ShardError(f"the checkpoint lacks tensor {name}")
-        if tuple(tensors[name].shape) != shape:
-            raise ShardError(f"tensor {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
-        if tensors[name].dtype.kind != "f" and tensors[name].dtype != ml_dtypes.bfloat16:
-            raise ShardError(f"tensor {name} is {tensors[name].dtype}; shard imports float weights only "
+        if _shape(tensors, name) != shape:
+            raise ShardError(f"tensor {name} has shape {_shape(tensors, name)}, the config implies {shape}")
+        kind = _dtype(tensors, name)
+        if kind.kind != "f" and kind != ml_dtypes.bfloat16:
+            raise ShardError(f"tensor {name} is {kind}; shard imports float weights only "
                              "(quantized checkpoints are not supported)")
-        if not np.all(np.isfinite(tensors[name])):
-            raise ShardError(f"tensor {name} holds NaN or infinite values")
     # A tied model may still carry lm_head, and older exports carry RoPE's inverse frequencies (recomputed).
     extra = sorted(n for n in set(tensors) - set(expected)
                    if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq"))
@@ -106,18 +140,48 @@ def params_from_hf(tensors: dict, cfg: ModelConfig, dtype=np.float32) -> dict:
                          f"({len(extra)} such); check num_hidden_layers and the model type")
 
     def get(name):
-        return np.asarray(tensors[name], dtype=dtype)
+        t = np.asarray(tensors[name], dtype=dtype)
+        if not np.all(np.isfinite(t)):
+            raise ShardError(f"tensor {name} holds NaN or infinite values")
+        return t
 
-    def layer(tmpl, to_shard, i):
-        found = [to_shard(get(n)) for n in _names(tmpl, i, cfg)]
-        return np.stack(found) if "{e}" in tmpl else found[0]
+    def stacked(tmpl, to_shard, shape):
+        def read(index):
+            layer_index, rest = index[0], index[1:]
+            if "{e}" in tmpl:  # one tensor per expert: read only the experts this block holds
+                return np.stack([np.stack([to_shard(get(n))[rest[1:]] for n in _names(tmpl, i, cfg)[rest[0]]])
+                                 for i in range(cfg.n_layers)[layer_index]])
+            return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in range(cfg.n_layers)[layer_index]])
+        return LazyParam((cfg.n_layers, *shape), dtype, read)
 
-    layers = {key: np.stack([layer(tmpl, to_shard, i) for i in range(cfg.n_layers)])
-              for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
-    params = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight"), "layers": layers}
+    def table(name, transpose: bool):  # (V, D) stored, padded to cfg.padded_vocab rows (columns transposed)
+        V, Vp, D = cfg.vocab_size, cfg.padded_vocab, cfg.d_model
+
+        def read(index):
+            rows, cols = (index[1], index[0]) if transpose else index
+            r = range(Vp)[rows]
+            block = np.zeros((len(r), len(range(D)[cols])), dtype)
+            real = range(r.start, min(r.stop, V), r.step) if r.step > 0 else r
+            if len(real):
+                block[: len(real)] = get(name)[real.start:real.stop:real.step, cols]
+            return block.T if transpose else block
+        return LazyParam((D, Vp) if transpose else (Vp, D), dtype, read)
+
+    layer_shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith("layers/")}
+    layers = {key: stacked(tmpl, to_shard, layer_shapes[key]) for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
+    final = LazyParam((cfg.d_model,), dtype, lambda index: get("model.norm.weight")[index])
+    params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final, "layers": layers}
     if not cfg.tie_embeddings:
-        params["unembed"] = get("lm_head.weight").T
-    return pad_vocab(params, cfg)
+        params["unembed"] = table("lm_head.weight", True)
+    return params
+
+
+def _shape(tensors, name: str) -> tuple[int, ...]:
+    return tensors.shape(name) if isinstance(tensors, HFTensors) else tuple(tensors[name].shape)
+
+
+def _dtype(tensors, name: str) -> np.dtype:
+    return tensors.dtype(name) if isinstance(tensors, HFTensors) else np.dtype(tensors[name].dtype)
 
 
 def pad_vocab(params: dict, cfg: ModelConfig) -> dict:
@@ -155,10 +219,10 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def read_hf_dir(path: str) -> tuple[dict, dict]:
-    """config.json and every tensor of the folder's safetensors files (sharded index or not)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+def read_hf_dir(path: str) -> tuple[dict, "HFTensors"]:
+    """config.json and the tensors of the folder's safetensors files (sharded index or not), as HFTensors:
+    the files' headers are read (names, shapes, dtypes), each tensor only when asked for."""
+    from safetensors import SafetensorError, safe_open
 
     root = Path(path)
     if not (root / "config.json").is_file():
@@ -174,7 +238,8 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise ShardError(f"{path} holds no .safetensors files")
-    tensors: dict = {}
+    where: dict[str, Path] = {}
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
     inside = root.resolve()
     for f in files:
         # the index names files of this folder only: not a path out of it, nor a link that leads out
@@ -184,10 +249,48 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
         if not (root / f).is_file():
             raise ShardError(f"{path}: the index names {f}, which is missing")
         try:
-            tensors.update(load_file(str(root / f)))
-        except SafetensorError as e:
-            raise ShardError(f"{root / f} is not a readable safetensors file ({e}); is it truncated?") from None
-    return hf_config, tensors
+            with safe_open(str(root / f), "numpy") as opened:
+                for name in opened.keys():  # noqa: SIM118 - safe_open is not iterable
+                    piece = opened.get_slice(name)
+                    where[name], header[name] = root / f, (tuple(piece.get_shape()), piece.get_dtype())
+        except (SafetensorError, OSError) as e:
+            raise ShardError(f"{root / f} is not a readable safetensors file ({first_line(e)}); is it "
+                             "truncated?") from None
+    return hf_config, HFTensors(where, header)
+
+
+class HFTensors(Mapping):
+    """The tensors of a model folder's safetensors files by name, each read from its file (memory-mapped)
+    when asked for; shapes and dtypes come from the files' headers without reading any tensor."""
+
+    _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+    def __init__(self, where: dict[str, Path], header: dict[str, tuple[tuple[int, ...], str]]):
+        self._where, self._header = where, header
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from safetensors import SafetensorError, safe_open
+
+        path = self._where[name]
+        try:
+            with safe_open(str(path), "numpy") as opened:
+                return opened.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ShardError(f"{path}: tensor {name} cannot be read ({first_line(e)}); is the file truncated?") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._header[name][0]
+
+    def dtype(self, name: str) -> np.dtype:
+        kind = self._header[name][1]
+        return np.dtype(self._DTYPES[kind]) if kind in self._DTYPES else np.dtype("V1")  # V: not a float
 
 
 def read_json(path: Path) -> dict:

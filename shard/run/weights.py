@@ -36,7 +36,8 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
     if is_hf_dir(path):
         hf_config, tensors = hf.read_hf_dir(str(path))
         cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf")
-        return cfg, hf.params_from_hf(tensors, cfg), None
+        # read tensor by tensor as `place` puts them on the devices: never the whole model twice on the host
+        return cfg, hf.lazy_params_from_hf(tensors, cfg), None
     if (Path(path) / "config.json").exists():
         raise ShardError(f"{Path(path) / 'config.json'} is not a file")
     from shard.run.checkpoint import read_model_state
@@ -79,10 +80,23 @@ def held_out_since(path: str | Path) -> int | None:
 
 
 def place(params: dict, spec: StateSpec) -> dict:
-    """Host params into the spec's parameter shardings, after checking every shape against the model."""
+    """Host params into the spec's parameter shardings, after checking every shape against the model.
+    Params read lazily (a Hugging Face folder's, shard.run.hf.LazyParam) are placed one at a time, each
+    device reading only its own shard of the HF tensors: the host holds the placed shards and one tensor
+    being read, not a second copy of the model."""
+    from shard.run.hf import LazyParam
+
     spec.check_params_fit(params, "the weights")
-    cast = jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params, spec.abstract["params"])
-    return jax.device_put(cast, spec.shardings["params"])
+
+    def put(x, a, sharding):
+        if not isinstance(x, LazyParam):
+            return jax.device_put(np.asarray(x, a.dtype), sharding)
+        placed = jax.make_array_from_callback(a.shape, sharding, lambda index: np.asarray(x.read(index), a.dtype))
+        x.forget()
+        return placed
+
+    return jax.tree.map(put, params, spec.abstract["params"], spec.shardings["params"],
+                        is_leaf=lambda x: isinstance(x, LazyParam))
 
 
 def state_from(params: dict, spec: StateSpec, seed: int, source: str):

@@ -30,7 +30,8 @@ from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.training.state import state_spec  # noqa: E402
 
 CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-                  "mixtral": "MixtralConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+                  "mixtral": "MixtralConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+                  "qwen3_moe": "Qwen3MoeConfig"}
 # Gemma: a local and a global layer, each with its own RoPE base (Gemma 3), a query scale that is not
 # head_dim's, and (Gemma 2) caps low enough that the logits and scores reach them
 _GEMMA_KEYS = {"sliding_window": 6, "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"],
@@ -39,6 +40,8 @@ _GEMMA_KEYS = {"sliding_window": 6, "query_pre_attn_scalar": 16, "layer_types": 
 # top 2, and a window too
 FAMILY_KEYS = {"mistral": {"sliding_window": 6},
                "mixtral": {"sliding_window": 6, "num_local_experts": 8, "num_experts_per_tok": 2},
+               "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                             "norm_topk_prob": True},
                "gemma2": _GEMMA_KEYS | {"attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0},
                "gemma3_text": _GEMMA_KEYS | {"rope_parameters": {
                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
@@ -90,12 +93,12 @@ def test_the_family_comes_from_model_type(family):
     model, _, cfg, params = family
     kind = model.config.model_type
     assert (cfg.qkv_bias, cfg.qk_norm) == {"qwen2": (True, False), "qwen3": (False, True),
-                                           "gemma3_text": (False, True)}.get(kind, (False, False))
+                                           "gemma3_text": (False, True), "qwen3_moe": (False, True)}.get(kind, (False, False))
     assert cfg.layer_windows() == ([6, 0] if kind.startswith("gemma") else [cfg.sliding_window] * 2)
     assert (cfg.attn_softcap, cfg.final_softcap) == ((3.0, 2.0) if kind == "gemma2" else (0.0, 0.0))
     assert cfg.rope_local_theta == (100.0 if kind == "gemma3_text" else 0.0)
-    assert cfg.sliding_window == (6 if kind in FAMILY_KEYS else 0)
-    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_routing) == ((8, 2, "dropless") if kind == "mixtral"
+    assert cfg.sliding_window == (6 if "sliding_window" in FAMILY_KEYS.get(kind, {}) else 0)
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_routing) == ((8, 2, "dropless") if kind in ("mixtral", "qwen3_moe")
                                                                        else (0, 2, "capacity"))
     assert (cfg.head_dim, cfg.n_heads * cfg.head_dim) == (8, 128) and cfg.d_model == 64
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
@@ -256,6 +259,16 @@ REAL = {
                    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
                    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
                    "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936},
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                      "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                      "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+                      "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+                      "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+                      "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+                      "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+                      "use_sliding_window": False, "vocab_size": 151936},
     # google/gemma-2-2b and google/gemma-3-1b-pt
     "gemma2-2b": {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
@@ -280,7 +293,8 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
     transformers' model (built on the meta device: no memory, no download)."""
     preset = PRESETS[name]
     assert dataclasses.replace(hf.config_from_hf(REAL[name]), name=name) == preset
-    for cfg in (preset, PRESETS[f"{name.split('.')[0].split('-')[0]}-tiny"]):
+    tiny = "qwen3-moe-tiny" if name == "qwen3-30b-a3b" else f"{name.split('.')[0].split('-')[0]}-tiny"
+    for cfg in (preset, PRESETS[tiny]):
         config_json = hf.config_to_hf(cfg)
         hf_cfg = getattr(transformers, CONFIG_CLASSES[config_json["model_type"]])(**config_json)
         with torch.device("meta"):
@@ -288,7 +302,8 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
         assert cfg.num_params() == sum(p.numel() for p in model.parameters()), cfg.name
     assert preset.num_params() == {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
                                    "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704,
-                                   "gemma2-2b": 2_614_341_888, "gemma3-1b": 999_885_952}[name]
+                                   "gemma2-2b": 2_614_341_888, "gemma3-1b": 999_885_952,
+                                   "qwen3-30b-a3b": 30_532_122_624}[name]
 
 
 @pytest.mark.parametrize("kind, change, message", [
@@ -301,9 +316,12 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
      "rope scaling .* of the full_attention layers is not supported"),
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number or null"),
     ("gemma2", {"model_type": "gemma3"}, "model_type 'gemma3' is Gemma 3 with its vision tower"),
-], ids=["exact-gelu", "bidirectional", "irregular-layers", "linear-rope", "negative-cap", "multimodal"])
+    ("qwen3_moe", {"mlp_only_layers": [0]}, r"decoder_sparse_step=1 with mlp_only_layers=\[0\] is not supported"),
+    ("qwen3_moe", {"num_experts": 0}, "num_experts must be a positive integer, got 0"),
+], ids=["exact-gelu", "bidirectional", "irregular-layers", "linear-rope", "negative-cap", "multimodal",
+        "qwen3-moe-dense-layers", "qwen3-moe-no-experts"])
 def test_what_gemma_cannot_be_is_refused_in_one_line(kind, change, message):
-    base = hf.config_to_hf(PRESETS[f"{kind[:6]}-tiny"])
+    base = hf.config_to_hf(PRESETS["qwen3-moe-tiny" if kind == "qwen3_moe" else f"{kind[:6]}-tiny"])
     with pytest.raises(ShardError, match=message) as e:
         hf.config_from_hf(base | change)
     assert "\n" not in str(e.value)

@@ -351,6 +351,15 @@ PRESETS: dict[str, ModelConfig] = {
                               mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
     "qwen3-tiny": ModelConfig(name="qwen3-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
                               mlp_dim=128, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    # Qwen3-30B-A3B: Qwen3 with 128 experts of width 768 in every layer, top 8, renormalised, dropless as
+    # transformers runs it; the tiny twin has 8 experts, top 2.
+    "qwen3-30b-a3b": ModelConfig(name="qwen3-30b-a3b", vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, mlp_dim=768, tie_embeddings=False, rope_theta=1e6,
+                                 norm_eps=1e-6, qk_norm=True, n_experts=128, experts_per_token=8,
+                                 aux_loss_weight=0.001, moe_routing="dropless"),
+    "qwen3-moe-tiny": ModelConfig(name="qwen3-moe-tiny", d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=8,
+                                  mlp_dim=32, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+                                  n_experts=8, experts_per_token=2, aux_loss_weight=0.001, moe_routing="dropless"),
     # Mistral 7B v0.1 (a 4096-token window) and Mixtral 8x7B v0.1 (its experts routed dropless, as
     # transformers runs them); the tiny twins' window (8) is shorter than the tests' sequences.
     "mistral-7b": ModelConfig(name="mistral-7b", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,

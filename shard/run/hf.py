@@ -39,7 +39,11 @@ def _layer_map(cfg: ModelConfig):
     if cfg.qk_norm:
         family |= {f"{x}_norm": (f"model.layers.{{}}.self_attn.{x}_norm.weight", lambda w: w, lambda w: w)
                    for x in "qk"}
-    if cfg.n_experts:  # Mixtral, as its checkpoints store it (transformers 5 fuses w1 and w3 on loading)
+    if cfg.n_experts and cfg.qk_norm:  # Qwen3-MoE, per expert as save_pretrained writes it
+        ffn = {"router": ("model.layers.{}.mlp.gate.weight", lambda w: w.T, lambda w: w.T)}
+        ffn |= {k: (f"model.layers.{{}}.mlp.experts.{{e}}.{k[2:]}_proj.weight", lambda w: w.T, lambda w: w.T)
+                for k in ("w_gate", "w_up", "w_down")}
+    elif cfg.n_experts:  # Mixtral, as its checkpoints store it (transformers 5 fuses w1 and w3 on loading)
         ffn = {"router": ("model.layers.{}.block_sparse_moe.gate.weight", lambda w: w.T, lambda w: w.T)}
         ffn |= {k: (f"model.layers.{{}}.block_sparse_moe.experts.{{e}}.{w}.weight", lambda w: w.T, lambda w: w.T)
                 for k, w in (("w_gate", "w1"), ("w_down", "w2"), ("w_up", "w3"))}

@@ -30,6 +30,12 @@ FAMILIES = {
                 "defaults": {"num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
                              "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
                 "bias_keys": (), "window": True},
+    # Qwen3's sparse models: Qwen3 (q/k norms) with a mixture of experts in every layer, a softmax router
+    # renormalised over the chosen experts where norm_topk_prob says so; transformers drops no token
+    "qwen3_moe": {"architecture": "Qwen3MoeForCausalLM", "features": {"qk_norm": True, "moe_routing": "dropless"},
+                  "defaults": {"num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                               "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "norm_topk_prob": False},
+                  "bias_keys": ("attention_bias",)},
     # Gemma 2 and the text model of Gemma 3: local and global layers by `layer_types` (every 2nd, every
     # 6th global), GeGLU, (1 + w) norms around each sublayer, scaled embeddings, tied tables; Gemma 2
     # soft-caps scores and logits, Gemma 3 normalises q and k and has a RoPE base per layer type.
@@ -114,6 +120,8 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
             raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
         moe["aux_loss_weight"] = float(coef)
+    if kind == "qwen3_moe":
+        moe = _qwen3_moe_fields(hf)
     if hf.get("attention_dropout"):
         raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if not gemma and hf.get("hidden_act", "silu") != "silu":
@@ -126,7 +134,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
              "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
              "num_key_value_heads": hf.get("num_key_value_heads") or family["defaults"].get("num_key_value_heads")
              or hf["num_attention_heads"],
-             "intermediate_size": hf["intermediate_size"],
+             "intermediate_size": hf["intermediate_size"] if kind != "qwen3_moe" else moe.pop("mlp_dim"),
              "head_dim": hf.get("head_dim") or family["defaults"].get("head_dim")}
     for key, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -148,6 +156,29 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if problems:
         raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
     return cfg
+
+
+def _qwen3_moe_fields(hf: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE config.json (every layer sparse, experts of
+    moe_intermediate_size; the dense intermediate_size then sizes nothing)."""
+    defaults = FAMILIES["qwen3_moe"]["defaults"]
+    sparse_step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if sparse_step != 1 or dense:
+        raise ShardError(f"decoder_sparse_step={sparse_step!r} with mlp_only_layers={dense!r} is not supported: "
+                         "shard's experts are in every layer (decoder_sparse_step 1, no mlp_only_layers)")
+    out = {}
+    for key, field in (("num_experts", "n_experts"), ("num_experts_per_tok", "experts_per_token"),
+                       ("moe_intermediate_size", "mlp_dim")):
+        # transformers 5 writes num_experts as num_local_experts
+        value = hf.get(key, hf.get("num_local_experts") if key == "num_experts" else None) or defaults.get(key)
+        value = hf.get(key, value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+        out[field] = value
+    coef = hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+        raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+    return out | {"aux_loss_weight": float(coef), "router_normalize": bool(hf.get("norm_topk_prob", False))}
 
 
 def _gemma_fields(kind: str, hf: dict, rope: dict) -> dict:
@@ -229,6 +260,13 @@ def family_of(cfg: ModelConfig) -> str:
     if wrong:
         raise ShardError(f"model {cfg.name} has {wrong[0]} without Gemma's sandwich_norms, which no Hugging Face "
                          "family export-hf writes has")
+    if cfg.n_experts and cfg.qk_norm and not cfg.sliding_window and not cfg.qkv_bias:
+        other = [f"{f}={getattr(cfg, f)!r}" for f, v in
+                 {"router_scores": "softmax", "routed_scale": 1.0, "n_shared_experts": 0}.items() if getattr(cfg, f) != v]
+        if other:
+            raise ShardError(f"model {cfg.name} has {other[0]}; Qwen3-MoE's router is a softmax over the experts, "
+                             "with no shared experts")
+        return "qwen3_moe"
     if cfg.n_experts or cfg.sliding_window:
         kind = "mixtral" if cfg.n_experts else "mistral"
         extra = [f for f in ("qkv_bias", "qk_norm") if getattr(cfg, f)]
@@ -258,8 +296,13 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     biases = {"llama": {"attention_bias": False, "mlp_bias": False}}.get(kind, {})
     if kind == "qwen3":
         biases = {"attention_bias": False}
-    windows = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False}}.get(
-        kind, {"sliding_window": cfg.sliding_window or None})
+    windows = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"use_sliding_window": False},
+               "qwen3_moe": {"use_sliding_window": False}}.get(kind, {"sliding_window": cfg.sliding_window or None})
+    if kind == "qwen3_moe":
+        biases = {"attention_bias": False}
+        windows |= {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+                    "moe_intermediate_size": cfg.mlp_dim, "norm_topk_prob": cfg.router_normalize,
+                    "router_aux_loss_coef": cfg.aux_loss_weight, "decoder_sparse_step": 1, "mlp_only_layers": []}
     if kind == "mixtral":
         windows |= {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
                     "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0}

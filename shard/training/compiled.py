@@ -12,7 +12,7 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
     from shard.training.state import state_spec
     from shard.training.step import abstract_batch, abstract_schedule_inputs, jit_train_step
 
-    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=cfg.data.packing == "packed")
     return jitted.lower(spec.abstract_with_shardings(), batch, abstract_schedule_inputs(spec, layout))

@@ -40,6 +40,22 @@ def grad_of_adapters(loss_fn):
     return fn
 
 
+def init_part(spec, seed: int, part: str) -> dict:
+    """The "adapters" or the "base" of a fresh init (`spec`'s model and LoRA, `seed`), created in their
+    shardings; what the other part would be is never computed."""
+    from flax import nnx
+
+    from shard import models
+
+    index = 0 if part == "adapters" else 1
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(models.build(spec.model, seed=seed, lora=spec.lora)))
+        return split(params)[index]
+
+    return jax.jit(init, out_shardings=split(spec.shardings["params"])[index])()
+
+
 def dropout_key(step: jax.Array) -> jax.Array:
     """The dropout masks' key at a train step (the same masks on every layout and after a resume)."""
     return jax.random.fold_in(jax.random.key(0x10BA), step)

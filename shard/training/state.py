@@ -68,14 +68,20 @@ class StateSpec:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, self.shardings
         )
 
-    def check_params_fit(self, params, source: str, hint: str = "") -> None:
+    def check_params_fit(self, params, source: str, hint: str = "", part: str = "all") -> None:
         """A ShardError naming the first parameter that `params` (a tree of anything with a shape: arrays
         or stored metadata) from `source` ("the weights", "checkpoint DIR") lacks, holds in another shape,
-        or holds beyond the model's; `hint` ends the messages about a missing or an extra one."""
+        or holds beyond the model's; `hint` ends the messages about a missing or an extra one. `part`:
+        "all" the params, under LoRA "adapters" or "base" alone."""
         def shapes(tree):
             return {path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-        have, wanted = shapes(params), shapes(self.abstract["params"])
+        wanted = self.abstract["params"]
+        if part != "all" and self.lora is not None:
+            from shard.training.lora import split
+
+            wanted = split(wanted)[0 if part == "adapters" else 1]
+        have, wanted = shapes(params), shapes(wanted)
         for name, shape in wanted.items():
             if name not in have:
                 raise ShardError(f"parameter {name} {shape} of the model is not in {source}{hint}")

@@ -145,6 +145,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
+    if cfg.lora.rank:
+        raise ShardError("LoRA (lora.rank) is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)
     local_devices = list(devices if devices is not None else jax.local_devices())
     dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)

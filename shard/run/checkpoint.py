@@ -131,7 +131,7 @@ class Checkpoints:
         if not runtime.writes_shared_files():
             return  # the MPI bridge: process 0 writes the replica every process holds
         meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml}
-        if has_adapters(state["params"]):  # LoRA: the adapters, and the base's checksums to check it by
+        if has_adapters(state.get("params")):  # LoRA: the adapters, and the base's checksums to check it by
             adapters, base = split(state["params"])
             meta[LORA_BASE_FINGERPRINT] = state_fingerprint(base)
             state = state | {"params": adapters}

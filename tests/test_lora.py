@@ -174,7 +174,7 @@ def test_peft_and_merged_exports_give_shards_logits(fine_tuned, tmp_path):
     assert np.abs(base_logits - want).max() > 1e-3
 
 
-def test_a_lora_checkpoint_needs_merge_and_its_base_unchanged(fine_tuned, tmp_path):
+def test_a_lora_checkpoint_is_refused_as_a_whole_model_and_its_base_is_checked(fine_tuned, tmp_path):
     from typer.testing import CliRunner
 
     from shard.cli.app import app
@@ -183,6 +183,18 @@ def test_a_lora_checkpoint_needs_merge_and_its_base_unchanged(fine_tuned, tmp_pa
     _, tmp, _, _ = fine_tuned
     result = CliRunner().invoke(app, ["export-hf", str(tmp / "run"), "--out", str(tmp_path / "plain")])
     assert result.exit_code == 2 and "--merge" in result.output
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.training.state import state_spec
+
+    plain = tiny_config("1x1")
+    spec = state_spec(plain.model, plain.optimizer, plain.steps, make_layout(plain, parse_mesh("1x1"), devices_for("1x1")))
+    ckpts = Checkpoints(tmp / "run" / CHECKPOINTS_DIR, read_only=True)
+    try:
+        with pytest.raises(ShardError, match="holds LoRA adapters, not a whole model"):
+            ckpts.restore_latest(spec)
+    finally:
+        ckpts.close()
     changed = tmp_path / "base"
     shutil.copytree(tmp / "base", changed)
     from safetensors.numpy import load_file, save_file

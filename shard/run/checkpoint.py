@@ -167,6 +167,10 @@ class Checkpoints:
     def _read(self, step: int, spec: StateSpec) -> dict:
         """orbax's restore of the state and meta items, which ends in a barrier of every process."""
         stored = self.stored_tree(step)
+        if has_adapters(stored["params"]) != (spec.lora is not None):
+            raise ShardError(f"checkpoint {self.path(step)} holds LoRA adapters, not a whole model: resume it with its "
+                             "[lora] settings" if spec.lora is None else f"checkpoint {self.path(step)} holds a whole "
+                             f"model, not LoRA adapters: start LoRA from it with --init-from in a new run dir")
         spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model"
                               + (" or without LoRA (lora.rank)" if spec.lora else ""), part="adapters")
         spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error

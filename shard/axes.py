@@ -15,9 +15,10 @@ LAYERS = "layers"  # L: stacked, scanned layers (split into pipeline stages when
 RES_LENGTH = "res_length"  # T in the residual stream (norms, residual adds): Megatron-SP shards it
 EXPERT = "expert"  # E: experts of a mixture-of-experts layer
 EXPERT_BATCH = "expert_batch"  # B once tokens are dispatched to experts: the batch axes less the expert axis
+LORA_RANK = "lora_rank"  # R: the rank of a LoRA adapter (A: in -> R, B: R -> out); replicated by default
 
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, RES_LENGTH, EXPERT,
-                EXPERT_BATCH)
+                EXPERT_BATCH, LORA_RANK)
 
 # The layouts the models constrain with the activation rules (shard/models/llama.py, the cast embedding tables
 # included; shard/models/moe.py): a rule table must give each a valid PartitionSpec (no mesh axis twice),

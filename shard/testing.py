@@ -154,7 +154,7 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
 
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
     check_batch(cfg, layout)
-    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     if params is None:
         params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.seed)))
     params = jax.device_put(params, spec.shardings["params"])

@@ -54,21 +54,57 @@ def import_hf(
 
 
 def export_hf(
-    out: Annotated[Path, typer.Option("--out", help="folder to write config.json and safetensors into")],
+    out: Annotated[Path | None, typer.Option("--out", help="folder to write config.json and safetensors into")] = None,
     checkpoint: CheckpointArg = None,
     checkpoint_opt: CheckpointOpt = None,
+    merge: Annotated[bool, typer.Option(
+        "--merge", help="a LoRA checkpoint: fold its adapters into the base weights and write a plain model")] = False,
+    lora_out: Annotated[Path | None, typer.Option(
+        "--lora-out", help="a LoRA checkpoint: write its adapters here in PEFT's format")] = None,
 ):
     """Write a checkpoint's model as a Hugging Face folder that transformers loads (Llama, Qwen2 or Qwen3, by
-    the model's features)."""
+    the model's features); a LoRA checkpoint's adapters merged into it (--merge) or for peft (--lora-out)."""
     checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
-    check_fresh_out(out)
+    if out is None and lora_out is None:
+        raise ShardError("export-hf needs --out DIR (the model) or --lora-out DIR (a LoRA checkpoint's adapters)")
+    if merge and out is None:
+        raise ShardError("--merge writes the merged model to --out DIR; give it")
+    for folder in (out, lora_out):
+        if folder is not None:
+            check_fresh_out(folder)
     host_jax()
     from shard.run import hf, weights
     from shard.run.tokenizer import copy_tokenizer
 
-    model_cfg, params = weights.load(checkpoint)
+    lora = _checkpoint_lora(checkpoint)
+    if (merge or lora_out) and not lora.rank:
+        raise ShardError(f"{checkpoint} holds no LoRA adapters (its run trained every weight): leave out "
+                         f"{'--merge' if merge else '--lora-out'}")
+    if lora.rank and out is not None and not merge:
+        raise ShardError(f"{checkpoint} holds LoRA adapters: --merge folds them into the base weights for --out, "
+                         "--lora-out DIR writes them for peft")
+    if lora_out is not None:
+        _, lora, _, adapters, base = weights.load_lora(checkpoint, base=False)
+        with written_whole(lora_out) as partial:
+            hf.write_peft_dir(partial, adapters, lora, base)
+        console.print(f"wrote {lora_out}/adapter_config.json and adapter_model.safetensors (rank {lora.rank}, "
+                      f"{', '.join(lora.targets)})", soft_wrap=True)
+        if out is None:
+            return
+    model_cfg, params = weights.load(checkpoint)  # a LoRA checkpoint's adapters folded in
     with written_whole(out) as partial:  # a full disk leaves nothing behind
         files = hf.write_hf_dir(str(partial), model_cfg, params, side=hf.side_files_of(checkpoint))
         tokenizer = copy_tokenizer(checkpoint, partial)  # the run's own, when the side files hold none
     console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)"
                   + (" and the run's tokenizer" if tokenizer else ""), soft_wrap=True)
+
+
+def _checkpoint_lora(checkpoint):
+    """The LoRA settings a checkpoint was trained with (rank 0: none, and for a Hugging Face folder)."""
+    from shard.run.weights import saved_run_config
+
+    try:
+        cfg = saved_run_config(checkpoint)
+    except ShardError:
+        return config_mod.LoraConfig()  # weights.load says what is wrong with it
+    return cfg.lora if cfg is not None else config_mod.LoraConfig()

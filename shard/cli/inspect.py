@@ -35,7 +35,7 @@ def inspect(
     from shard.training.state import state_spec
 
     layout = make_layout(cfg, mesh_spec, devices)
-    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout), layout)
+    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora), layout)
     doc["model"] = cfg.model.name
     if compiled:
         from shard.measure.analysis import analyze

@@ -8,10 +8,10 @@ rule tables (rules.py). `from shard import config` gives all of it:
 from shard.config.model import PRESETS, ModelConfig, field_names, mfu_flops_per_token
 from shard.config.resolve import differences, load_file, merge, nested, parse_sets, parse_value, resolve, to_toml
 from shard.config.train import (CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, GuardConfig, MeshConfig,
-                                ObserveConfig, OptimizerConfig, PipelineConfig, TrackingConfig, TrainConfig,
+                                LoraConfig, ObserveConfig, OptimizerConfig, PipelineConfig, TrackingConfig, TrainConfig,
                                 XlaConfig)
 
 __all__ = ["PRESETS", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "GuardConfig", "MeshConfig",
-           "ModelConfig", "ObserveConfig", "OptimizerConfig", "PipelineConfig", "TrackingConfig", "TrainConfig", "XlaConfig",
+           "LoraConfig", "ModelConfig", "ObserveConfig", "OptimizerConfig", "PipelineConfig", "TrackingConfig", "TrainConfig", "XlaConfig",
            "differences", "field_names", "load_file", "merge", "mfu_flops_per_token", "nested", "parse_sets",
            "parse_value", "resolve", "to_toml"]

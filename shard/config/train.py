@@ -157,6 +157,47 @@ class TrackingConfig:
 
 TRACKING_MODES = ("", "online", "offline", "disabled")
 
+# The weights LoRA adapts: every matrix of a dense layer (shard.models.llama.LAYER_AXES).
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (docs/finetuning.md): beside each targeted weight W of every layer, adapters A (in -> rank)
+    and B (rank -> out, zero at the start), and W x + (alpha / rank) * dropout(x) A B in its place; the
+    base weights are frozen and the optimizer holds the adapters alone. rank 0: off."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("wq", "wv")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        if not 0 <= self.rank < 2**31:
+            return [f"lora.rank must be 0 (off) or a positive rank below 2**31, got {self.rank}"]
+        out = []
+        if not 0 <= self.dropout < 1:
+            out.append(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.alpha < math.inf:
+            out.append(f"lora.alpha must be a positive number, got {self.alpha}")
+        if not self.rank:
+            return out
+        if not self.targets:
+            out.append(f"lora.targets names no weight; name some of {', '.join(LORA_TARGETS)}")
+        for t in self.targets:
+            if t not in LORA_TARGETS:
+                out.append(f"lora.targets: {t!r} names no weight LoRA adapts (one of {', '.join(LORA_TARGETS)})")
+            elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
+                out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
+                           "LoRA adapts the attention weights there (wq, wk, wv, wo)")
+        if len(set(self.targets)) != len(self.targets):
+            out.append(f"lora.targets names a weight twice: {', '.join(self.targets)}")
+        return out
+
 
 @dataclass(frozen=True)
 class DpoConfig:
@@ -186,6 +227,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -201,7 +243,7 @@ class TrainConfig:
     task: str = "pretrain"  # one of TASKS
 
     def validate(self) -> None:
-        problems = list(self.model.validate()) + _out_of_range(self)
+        problems = list(self.model.validate()) + _out_of_range(self) + self.lora.problems(self.model)
         if self.data.microbatches > 0 and self.data.batch % self.data.microbatches:
             problems.append(
                 f"data.batch ({self.data.batch}) must be a multiple of data.microbatches ({self.data.microbatches})"

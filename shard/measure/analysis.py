@@ -90,5 +90,13 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
         platform=layout.mesh.devices.flat[0].platform,
-        unmodelled_axes=costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
+        unmodelled_axes=_lora_unmodelled(cfg, layout) | costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
     )
+
+
+def _lora_unmodelled(cfg: TrainConfig, layout: Layout) -> dict[str, str]:
+    """Under LoRA every axis is unmodelled: the formulas count the gradients of every weight, and only
+    the adapters' are reduced (no minimum, so no efficiency, is claimed)."""
+    if not cfg.lora.rank:
+        return {}
+    return {a: "LoRA" for a, n in layout.mesh.shape.items() if n > 1}

@@ -29,9 +29,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
+from shard.models import lora as adapters
 from shard.models import moe
 from shard.errors import ShardError
 from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
+from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
 from shard.sharding.queries import (heads_split_alike, pin_looked_up, queries_split_like_keys,
                                    stored_lookup_split)
@@ -84,7 +86,9 @@ def _param(rngs: nnx.Rngs, shape, axes, std: float | None, dtype) -> nnx.Param:
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraConfig | None = None):
+        """`lora` (rank > 0): LoRA adapters beside its targets in every layer (shard.models.lora), made
+        after every base weight, so the base weights are those of a model without them."""
         self.cfg = cfg
         D, L, N, K, H, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                cfg.mlp_dim, cfg.padded_vocab)
@@ -109,10 +113,12 @@ class Llama(nnx.Module):
         layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
         if cfg.n_experts:
             layers |= moe.expert_params(rngs, cfg, out_std, _param)
-        self.layers = nnx.Dict(layers)
         self.final_norm = _param(rngs, (D,), (EMBED,), one, dt)
         if not cfg.tie_embeddings:
             self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
+        if lora is not None and lora.rank:
+            layers |= adapters.adapter_params(rngs, lora, shapes, LAYER_AXES, L, _param, dt)
+        self.layers = nnx.Dict(layers)
 
     def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0,
                  router_bias: jax.Array | None = None):
@@ -220,16 +226,19 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
 
     def block(x_btd, xs):
-        p, kv, bias_e, window = xs
+        p, kv, bias_e, window, key = xs
         cos, sin = cos_th, sin_th
         if local_rope is not None:
             cos, sin = (jnp.where(window > 0, a, b) for a, b in zip(local_rope, (cos_th, sin_th)))
         window = cfg.sliding_window if window is None else window
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
-        # the router (its softmax is float32) keep their dtype
+        # the router (its softmax is float32) keep their dtype; LoRA adapters as their base weights
         axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
+        axes = axes | {k: adapters.adapter_axes(k, LAYER_AXES) for k in p if adapters.is_adapter(k)}
         p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
              for k, v in p.items()}
+        if key is not None:
+            p["dropout_key"] = key
         attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
@@ -249,7 +258,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
     if router_bias is not None:  # chooses experts only: no gradient
         router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
-    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l))
+    keys = adapters.dropout_keys(jax.tree.leaves(layers)[0].shape[0])  # LoRA dropout while training
+    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l, keys))
     stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
@@ -390,7 +400,8 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
         o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=window, scale=scale,
                                   softcap=cfg.attn_softcap)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    return jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype)), kv
+    out_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype))
+    return adapters.with_delta(out_btd, o_btnh, p, "wo", p.get("dropout_key")), kv
 
 
 def _qkv(h_btd, p, dtype):
@@ -402,8 +413,15 @@ def _qkv(h_btd, p, dtype):
     they are. Where kv heads are split otherwise (replicated by `rules.kv_heads=none` while heads are
     split), grouping would move weights between devices (collective permutes, which deadlock inside
     the 1F1B pipeline's per-stage branches), so three einsums run instead. The biases of qkv_bias
-    (`bq`, `bk`, `bv`) are grouped as their weights are.
+    (`bq`, `bk`, `bv`) are grouped as their weights are. LoRA adapters add their terms to q, k and v.
     """
+    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype)
+    key = p.get("dropout_key")
+    return tuple(adapters.with_delta(y, h_btd, p, name, key)
+                 for y, name in ((q_btnh, "wq"), (k_btkh, "wk"), (v_btkh, "wv")))
+
+
+def _qkv_base(h_btd, p, dtype):
     D, N, H = p["wq"].shape
     K = p["wk"].shape[1]
     if not heads_split_alike():
@@ -538,5 +556,9 @@ def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
     # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
     w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
     gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))
-    hidden_btf = constrain(_gated(gate_up_btsf[:, :, 0], gate_up_btsf[:, :, 1], cfg.mlp_activation), (BATCH, LENGTH, MLP))
-    return jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype))
+    key = p.get("dropout_key")  # LoRA
+    gate_btf = adapters.with_delta(gate_up_btsf[:, :, 0], h_btd, p, "w_gate", key)
+    up_btf = adapters.with_delta(gate_up_btsf[:, :, 1], h_btd, p, "w_up", key)
+    hidden_btf = constrain(_gated(gate_btf, up_btf, cfg.mlp_activation), (BATCH, LENGTH, MLP))
+    return adapters.with_delta(jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype)), hidden_btf, p,
+                               "w_down", key)

@@ -69,6 +69,8 @@ class ConsoleProgress(Observer):
         console.print(
             f"mesh {mesh} on {where}" + sequence_parallel(run.layout)
             + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
+            + (f" · LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} ({param_count(_trained(run))} "
+               "params trained)" if run.spec.lora is not None else "")
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
             + (f" · pipeline {p['schedule']}, {p['stages']} stages x {p['microbatches']} microbatches, "
                f"bubble {p['bubble']:.1%}" if (p := run.pipeline) else "")
@@ -136,3 +138,12 @@ class ConsoleProgress(Observer):
             every = " (every one of them: no update was applied)" if last["skipped_steps"] >= ran else ""
             err_console.print(f"[yellow]guard.action=skip dropped the update of {last['skipped_steps']} of the "
                               f"{ran} steps run{every}[/yellow]", soft_wrap=True)
+
+
+def _trained(run) -> int:
+    """The parameters the optimizer updates (under LoRA, the adapters)."""
+    import math
+
+    import jax
+
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(run.spec.trainable(run.spec.abstract["params"])))

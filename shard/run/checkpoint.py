@@ -4,7 +4,9 @@ Layout: `RUN_DIR/checkpoints/<step>/state` is the train-state pytree ({"step", "
 "router_bias" where MoE balancing uses one)
 written by orbax's StandardCheckpointHandler, each process writing the shards it holds;
 `RUN_DIR/checkpoints/<step>/meta` is JSON: the data position (a global sample index), the seed, the
-resolved config, a checksum per array (state_fingerprint) and the tokens trained on. orbax writes a step into
+resolved config, a checksum per array (state_fingerprint) and the tokens trained on. A LoRA run's params
+are its adapters alone: the base weights are its config's init_from (or its seed's init), and their
+checksums are kept in meta, so a restore reads them from there and checks them. orbax writes a step into
 `<step>.orbax-checkpoint-tmp` and renames it once every process has finished, so a directory named by
 a bare step number is complete and anything else is a save that never finished. Restore reads each
 array straight into the shardings of the mesh at hand.
@@ -33,9 +35,11 @@ from shard.run.orbax_quiet import absl_quiet, configure_orbax
 from shard.run.read_failures import BAD, MACHINE, error_line, read_outcomes
 from shard.run.step_meta import meta_problem
 from shard.sharding.rules import path_str
+from shard.training.lora import has_adapters, merge, split
 from shard.training.state import StateSpec, placed_router_bias
 from shard.training.observer import Observer
 
+LORA_BASE_FINGERPRINT = "lora_base_fingerprint"  # a LoRA checkpoint's meta: its base weights' checksums
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
 STATE, META = "state", "meta"
@@ -127,8 +131,12 @@ class Checkpoints:
         so the caller may donate them to the next step."""
         if not runtime.writes_shared_files():
             return  # the MPI bridge: process 0 writes the replica every process holds
-        meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml,
-                "fingerprint": state_fingerprint(state)}
+        meta = {"step": step, "data_position": int(position), "seed": seed, "config": config_toml}
+        if has_adapters(state.get("params")):  # LoRA: the adapters, and the base's checksums to check it by
+            adapters, base = split(state["params"])
+            meta[LORA_BASE_FINGERPRINT] = state_fingerprint(base)
+            state = state | {"params": adapters}
+        meta["fingerprint"] = state_fingerprint(state)
         if tokens_seen is not None:
             meta["tokens_seen"] = int(tokens_seen)
         if held_out_since is not None:
@@ -158,14 +166,20 @@ class Checkpoints:
 
     def restore(self, step: int, spec: StateSpec) -> Restored:
         """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
-        return self._checked(step, self._read(step, spec))
+        return self._checked(step, self._read(step, spec), spec)
 
     def _read(self, step: int, spec: StateSpec) -> dict:
         """orbax's restore of the state and meta items, which ends in a barrier of every process."""
         stored = self.stored_tree(step)
-        spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model")
+        if has_adapters(stored["params"]) != (spec.lora is not None):
+            raise ShardError(f"checkpoint {self.path(step)} holds LoRA adapters, not a whole model: resume it with its "
+                             "[lora] settings" if spec.lora is None else f"checkpoint {self.path(step)} holds a whole "
+                             f"model, not LoRA adapters: start LoRA from it with --init-from in a new run dir")
+        spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model"
+                              + (" or without LoRA (lora.rank)" if spec.lora else ""), part="adapters")
         spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error
         target = spec.abstract_with_shardings()
+        target["params"] = spec.trainable(target["params"])  # LoRA: the adapters
         # the MoE router bias (model.router_bias_update): a checkpoint saved without it starts it at
         # zero; one saved with it, restored where balancing is off, leaves it out
         fresh_bias = "router_bias" in target and "router_bias" not in stored
@@ -182,8 +196,9 @@ class Checkpoints:
             out[STATE].pop("router_bias", None)
         return out
 
-    def _checked(self, step: int, out: dict) -> Restored:
-        """What was read, checked: a data position, and each array's checksum against the saved one."""
+    def _checked(self, step: int, out: dict, spec: StateSpec) -> Restored:
+        """What was read, checked: a data position, and each array's checksum against the saved one;
+        a LoRA run's adapters joined by their base weights."""
         meta = out[META]
         if problem := meta_problem(meta, step):  # read as unreadable: restore_latest sets it aside
             raise ValueError(problem)
@@ -192,11 +207,27 @@ class Checkpoints:
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
         if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
+        if spec.lora is not None:
+            out[STATE]["params"] = merge(out[STATE]["params"], self._lora_base(step, meta, spec))
         tokens, since = meta.get("tokens_seen"), meta.get("held_out_since")
         return Restored(step=step, state=out[STATE], position=int(meta["data_position"]), seed=int(meta["seed"]),
                         config_toml=meta["config"], path=self.path(step),
                         tokens_seen=None if tokens is None else int(tokens),
                         held_out_since=None if since is None else int(since))
+
+    def _lora_base(self, step: int, meta: dict, spec: StateSpec) -> dict:
+        """The base weights of a LoRA checkpoint in the spec's shardings, checked against its checksums."""
+        from shard import tomlfiles
+        from shard.run.weights import placed_base
+
+        saved = tomlfiles.parse(meta["config"], f"the config saved with checkpoint {self.path(step)}")
+        base = placed_base(saved, spec, str(self.path(step)))
+        if isinstance(meta.get(LORA_BASE_FINGERPRINT), dict) and (
+                bad := first_mismatch(meta[LORA_BASE_FINGERPRINT], state_fingerprint(base))):
+            where = saved.get("init_from") or f"the init of seed {saved.get('seed', 0)}"
+            raise ShardError(f"the base weights of LoRA checkpoint {self.path(step)} ({where}) are not those its "
+                             f"adapters were trained on ({bad} differs)")
+        return base
 
     def restore_latest(self, spec: StateSpec) -> Restored:
         """The newest complete checkpoint that reads back; unreadable ones are set aside (renamed to
@@ -211,7 +242,7 @@ class Checkpoints:
             try:
                 out = self._read(step, spec)
                 reading = False  # past orbax's closing barrier: the checks fail alike on every process
-                restored = self._checked(step, out)
+                restored = self._checked(step, out, spec)
             except ShardError:
                 raise
             except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...

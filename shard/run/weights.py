@@ -9,7 +9,7 @@ import numpy as np
 
 from shard.config.resolve import resolve
 from shard import tomlfiles
-from shard.config.train import TrainConfig
+from shard.config.train import LoraConfig, TrainConfig
 from shard.errors import ShardError
 from shard.run.hf import is_hf_dir
 from shard.config.model import ModelConfig
@@ -43,14 +43,70 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
     from shard.run.checkpoint import read_model_state
 
     read, config_toml, _ = read_model_state(path, router_bias=router_bias)
-    # only the model is read: the run's other settings (ranges checked by newer versions) don't matter here
+    cfg, lora, saved = _saved_model(config_toml, path)
+    if lora.rank:  # adapters alone: folded into the base weights they were trained on
+        from shard.training.lora import fold, merge
+
+        return cfg, fold(merge(read["params"], lora_base(path, saved, cfg, lora)), lora), read.get("router_bias")
+    # a checkpoint saved before the tables were padded (shard.config.model.VOCAB_MULTIPLE) holds vocab_size rows
+    return cfg, hf.pad_vocab(read["params"], cfg), read.get("router_bias")
+
+
+def _saved_model(config_toml: str, path) -> tuple[ModelConfig, LoraConfig, dict]:
+    """The model and LoRA settings of a checkpoint's saved config, and the config as read."""
+    # only these are read: the run's other settings (ranges checked by newer versions) don't matter here
     saved = tomlfiles.parse(config_toml, f"the config saved with checkpoint {path}")
     if not isinstance(saved.get("model"), dict):  # the defaults would build another model than the weights'
         raise ShardError(f"checkpoint {path} holds no model config (it was saved without one: pass "
                          "config_toml=shard.config.to_toml(cfg) to Checkpoints.save)")
-    cfg = resolve({"model": saved["model"]}).model
-    # a checkpoint saved before the tables were padded (shard.config.model.VOCAB_MULTIPLE) holds vocab_size rows
-    return cfg, hf.pad_vocab(read["params"], cfg), read.get("router_bias")
+    resolved = resolve({"model": saved["model"], "lora": saved.get("lora", {})})
+    return resolved.model, resolved.lora, saved
+
+
+def load_lora(path: str | Path, base: bool = True) -> tuple[ModelConfig, LoraConfig, dict | None, dict, str]:
+    """(model config, LoRA settings, base params (None without `base`), adapters, the run's init_from) of
+    a LoRA checkpoint, on the host (numpy); a ShardError for a checkpoint without adapters."""
+    if is_hf_dir(path):
+        raise ShardError(f"{path} is a Hugging Face folder, not a LoRA checkpoint of shard's")
+    from shard.run.checkpoint import read_params
+
+    adapters, config_toml, _ = read_params(path)
+    cfg, lora, saved = _saved_model(config_toml, path)
+    if not lora.rank:
+        raise ShardError(f"checkpoint {path} holds no LoRA adapters (its run trained every weight, lora.rank 0)")
+    return (cfg, lora, lora_base(path, saved, cfg, lora) if base else None, adapters,
+            str(saved.get("init_from", "")))
+
+
+def lora_base(path, saved: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
+    """The base weights a LoRA checkpoint's adapters were trained on, on the host: its run's init_from,
+    or the fresh init of its seed where it had none; checked against the fingerprint saved with it."""
+    from shard.run.checkpoint import LORA_BASE_FINGERPRINT, find_checkpoint, saved_meta
+    from shard.run.checksums import first_mismatch, host_fingerprint
+    from shard.sharding.rules import path_str
+
+    init_from, seed = str(saved.get("init_from", "")), int(saved.get("seed", 0))
+    if init_from:
+        if not Path(init_from).exists():
+            raise ShardError(f"the base weights of LoRA checkpoint {path} ({init_from}, its init_from) are gone")
+        _, base = load(init_from)
+    else:
+        from flax import nnx
+
+        from shard import models
+
+        base = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg, seed=seed))))
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(cfg.param_dtype)  # as the run held them, and fingerprinted them
+    base = jax.tree.map(lambda x: np.asarray(x, dtype), base)
+    directory, step = find_checkpoint(path)
+    saved_fp = saved_meta(directory / str(step)).get(LORA_BASE_FINGERPRINT)
+    read = {path_str(p): [host_fingerprint(x), str(x.dtype)] for p, x in jax.tree_util.tree_flatten_with_path(base)[0]}
+    if isinstance(saved_fp, dict) and (bad := first_mismatch(saved_fp, read)):
+        raise ShardError(f"the base weights of LoRA checkpoint {path} ({init_from or f'the init of seed {seed}'}) "
+                         f"are not those its adapters were trained on ({bad} differs)")
+    return base
 
 
 def saved_run_config(path: str | Path) -> TrainConfig | None:
@@ -79,14 +135,19 @@ def held_out_since(path: str | Path) -> int | None:
     return since if isinstance(since, int) and not isinstance(since, bool) and since >= 0 else None
 
 
-def place(params: dict, spec: StateSpec) -> dict:
-    """Host params into the spec's parameter shardings, after checking every shape against the model.
-    Params read lazily (a Hugging Face folder's, shard.run.hf.LazyParam) are placed one at a time, each
-    device reading only its own shard of the HF tensors: the host holds the placed shards and one tensor
-    being read, not a second copy of the model."""
+def place(params: dict, spec: StateSpec, part: str = "all") -> dict:
+    """Host params into the spec's parameter shardings, after checking every shape against the model;
+    `part` "base": the base weights of a LoRA spec alone. Params read lazily (a Hugging Face folder's,
+    shard.run.hf.LazyParam) are placed one at a time, each device reading only its own shard of the HF
+    tensors: the host holds the placed shards and one tensor being read, not a second copy of the model."""
     from shard.run.hf import LazyParam
 
-    spec.check_params_fit(params, "the weights")
+    spec.check_params_fit(params, "the weights", part=part)
+    abstract, shardings = spec.abstract["params"], spec.shardings["params"]
+    if part == "base" and spec.lora is not None:
+        from shard.training.lora import split
+
+        abstract, shardings = split(abstract)[1], split(shardings)[1]
 
     def put(x, a, sharding):
         if not isinstance(x, LazyParam):
@@ -95,8 +156,20 @@ def place(params: dict, spec: StateSpec) -> dict:
         x.forget()
         return placed
 
-    return jax.tree.map(put, params, spec.abstract["params"], spec.shardings["params"],
-                        is_leaf=lambda x: isinstance(x, LazyParam))
+    return jax.tree.map(put, params, abstract, shardings, is_leaf=lambda x: isinstance(x, LazyParam))
+
+
+def placed_base(saved: dict, spec: StateSpec, source: str) -> dict:
+    """The base weights of a LoRA run (its saved config `saved`: init_from, or the init of its seed) in
+    the spec's shardings, for a resume: its adapters are all its checkpoints hold."""
+    init_from = str(saved.get("init_from", ""))
+    if not init_from:
+        from shard.training.lora import init_part
+
+        return init_part(spec, int(saved.get("seed", 0)), "base")
+    if not Path(init_from).exists():
+        raise ShardError(f"the base weights of LoRA checkpoint {source} ({init_from}, its init_from) are gone")
+    return place(load(init_from)[1], spec, "base")
 
 
 def state_from(params: dict, spec: StateSpec, seed: int, source: str):
@@ -106,8 +179,13 @@ def state_from(params: dict, spec: StateSpec, seed: int, source: str):
 
     from shard.run.checkpoint import Restored
 
-    placed = place(params, spec)
-    opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(placed)
+    if spec.lora is not None:  # the weights are the frozen base; fresh adapters beside them
+        from shard.training.lora import init_part, merge
+
+        placed = merge(init_part(spec, seed, "adapters"), place(params, spec, "base"))
+    else:
+        placed = place(params, spec)
+    opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(spec.trainable(placed))
     step = jax.device_put(jnp.zeros((), jnp.int32), spec.shardings["step"])
     state = {"step": step, "params": placed, "opt_state": opt_state} | placed_router_bias(spec)
     return Restored(step=0, state=state, position=0,

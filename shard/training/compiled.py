@@ -12,7 +12,7 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
     from shard.training.state import state_spec
     from shard.training.step import abstract_batch, abstract_schedule_inputs, jit_train_step
 
-    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = spec or state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     packed = cfg.data.packing == "packed" or cfg.task == "sft"  # sft packs conversations
     batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=packed, loss_mask=cfg.task != "pretrain")
     state = spec.abstract_with_shardings()

@@ -93,7 +93,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
-    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     dataset, eval_data = _training_data(cfg)
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
@@ -157,6 +157,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
     if cfg.task == "dpo":
         raise ShardError("task dpo is not supported with --cross-host mpi yet; use --cross-host xla")
+    if cfg.lora.rank:
+        raise ShardError("LoRA (lora.rank) is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)
     local_devices = list(devices if devices is not None else jax.local_devices())
     dcn, ici = split_over_processes(mesh_spec, len(local_devices), ctx.size)
@@ -177,7 +179,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
         from shard.training.evaluate import eval_processes, eval_rows
 
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
-    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     dataset, eval_data = _training_data(cfg)
     init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)

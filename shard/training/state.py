@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import models
-from shard.config.train import OptimizerConfig
+from shard.config.train import LoraConfig, OptimizerConfig
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
 from shard.sharding.rules import Layout, like_params, logical_axes_of, param_shardings, path_str
@@ -37,6 +37,26 @@ class StateSpec:
     # as arguments, and the (tx, schedule) built from them, traced or not; none for a tx of one's own.
     schedule_args: dict = field(default_factory=dict)
     optimizer_from: Callable[[dict], tuple] | None = None
+    # LoRA (rank > 0): the params hold adapters beside the frozen base weights, and the optimizer state
+    # mirrors the adapters alone (shard.training.lora); None: every parameter is trained.
+    lora: LoraConfig | None = None
+
+    def trainable(self, params):
+        """The part of a params tree (arrays, shardings, shapes) the optimizer updates: the adapters
+        under LoRA, else the whole tree."""
+        if self.lora is None:
+            return params
+        from shard.training.lora import split
+
+        return split(params)[0]
+
+    def with_trainable(self, params, trained):
+        """`params` with its `trainable` part replaced by `trained`."""
+        if self.lora is None:
+            return trained
+        from shard.training.lora import merge, split
+
+        return merge(trained, split(params)[1])
 
     def optimizer(self, args: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """(tx, schedule) with the schedule's numbers `args` (inside the step: its traced arguments)."""
@@ -48,14 +68,20 @@ class StateSpec:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, self.shardings
         )
 
-    def check_params_fit(self, params, source: str, hint: str = "") -> None:
+    def check_params_fit(self, params, source: str, hint: str = "", part: str = "all") -> None:
         """A ShardError naming the first parameter that `params` (a tree of anything with a shape: arrays
         or stored metadata) from `source` ("the weights", "checkpoint DIR") lacks, holds in another shape,
-        or holds beyond the model's; `hint` ends the messages about a missing or an extra one."""
+        or holds beyond the model's; `hint` ends the messages about a missing or an extra one. `part`:
+        "all" the params, under LoRA "adapters" or "base" alone."""
         def shapes(tree):
             return {path_str(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-        have, wanted = shapes(params), shapes(self.abstract["params"])
+        wanted = self.abstract["params"]
+        if part != "all" and self.lora is not None:
+            from shard.training.lora import split
+
+            wanted = split(wanted)[0 if part == "adapters" else 1]
+        have, wanted = shapes(params), shapes(wanted)
         for name, shape in wanted.items():
             if name not in have:
                 raise ShardError(f"parameter {name} {shape} of the model is not in {source}{hint}")
@@ -128,10 +154,15 @@ def optimizer_with(opt: OptimizerConfig, args: dict):
     return tx, schedule
 
 
-def _init_fn(model_cfg: ModelConfig, tx, seed: int):
+def _init_fn(model_cfg: ModelConfig, tx, seed: int, lora: LoraConfig | None = None):
     def init():
-        params = nnx.to_pure_dict(nnx.state(models.build(model_cfg, seed=seed)))
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        params = nnx.to_pure_dict(nnx.state(models.build(model_cfg, seed=seed, lora=lora)))
+        trained = params
+        if lora is not None:
+            from shard.training.lora import split
+
+            trained = split(params)[0]
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(trained)}
         if model_cfg.router_bias:
             state["router_bias"] = router_bias_init(model_cfg)
         return state
@@ -169,12 +200,15 @@ def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:
 
 
 def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, layout: Layout, *,
-               tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None) -> StateSpec:
+               tx: optax.GradientTransformation | None = None, schedule: optax.Schedule | None = None,
+               lora: LoraConfig | None = None) -> StateSpec:
     """Shapes, logical axes and shardings of the whole train state, without allocating it. The
     optimizer is `make_optimizer(opt, total_steps)`'s, or an optax `tx` of one's own with the
     `schedule` its learning rate follows (what the step reports as `lr`); its state is sharded like
-    the parameters it mirrors."""
-    abstract_model = nnx.eval_shape(lambda: models.build(model_cfg))
+    the parameters it mirrors. `lora` with a rank: adapters beside the base weights, which are frozen
+    (the optimizer state mirrors the adapters alone)."""
+    lora = lora if lora is not None and lora.rank else None
+    abstract_model = nnx.eval_shape(lambda: models.build(model_cfg, lora=lora))
     graphdef, model_state = nnx.split(abstract_model)
     logical = logical_axes_of(model_state, layout.regex_rules)
     args, optimizer_from = {}, None
@@ -185,7 +219,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     elif schedule is None:
         raise ShardError("state_spec: an optimizer of one's own (tx) needs the schedule its learning rate "
                          "follows (optax.constant_schedule(lr) for a constant one)")
-    abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0))
+    abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0, lora))
     p_shardings = param_shardings(abstract["params"], logical, layout)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     shardings = {
@@ -195,7 +229,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     }
     if "router_bias" in abstract:
         shardings["router_bias"] = replicated
-    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from)
+    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from, lora)
 
 
 # The init runs once, so on CPU it is compiled without LLVM's optimisations: the same numbers, in a
@@ -207,7 +241,7 @@ def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):
     """The compiled init: call it to create parameters and optimizer state in their shardings."""
     if spec.model is not None and model_cfg != spec.model:  # params of other shapes than the spec's
         raise ShardError("init: the model config differs from the one the state spec was built with")
-    lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed), out_shardings=spec.shardings).lower()
+    lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed, spec.lora), out_shardings=spec.shardings).lower()
     on_cpu = next(iter(jax.tree.leaves(spec.shardings))).mesh.devices.flat[0].platform == "cpu"
     return lowered.compile(compiler_options=_CPU_INIT_COMPILER_OPTIONS if on_cpu else None)
 

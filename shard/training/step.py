@@ -14,9 +14,11 @@ from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
 from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
 from shard.errors import ShardError
 from shard.models import llama
+from shard.models.lora import adapting
 from shard.parallel import pipeline
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.rules import Layout, activation_layout
+from shard.training import lora
 from shard.training.state import StateSpec
 
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -156,7 +158,10 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
     """
     skip_bad = guard is not None and guard.action == "skip"
-    grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
+    if spec.lora is None:
+        grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
+    else:  # gradients of the adapters alone: the base weights are frozen
+        grad_fn = lora.grad_of_adapters(make_loss_fn(spec, layout, pipe))
 
     def grad_sums(params, batch, router_bias=None):
         with activation_layout(layout):
@@ -171,8 +176,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                     return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n,
                             jax.tree.map(jnp.add, moe_acc, moe)), None
 
-                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                zeros = jax.lax.with_sharding_constraint(zeros, spec.shardings["params"])
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), spec.trainable(params))
+                zeros = jax.lax.with_sharding_constraint(zeros, spec.trainable(spec.shardings["params"]))
                 scalar = jnp.zeros((), jnp.float32)
                 moe_zeros = {"aux": scalar}
                 if spec.model is not None and spec.model.n_experts:
@@ -189,8 +194,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         loss, grad_norm = nll / count, optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        updates, opt_state = tx.update(grads, state["opt_state"], spec.trainable(params))
+        new_params = spec.with_trainable(params, optax.apply_updates(spec.trainable(params), updates))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
                    "tokens": count}
         new_state = {"step": state["step"] + 1}
@@ -261,7 +266,8 @@ def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard
     grad_sums, apply = make_step_parts(spec, layout, microbatches, guard, pipe)
 
     def step(state, batch, args):
-        return apply(state, *grad_sums(state["params"], batch, state.get("router_bias")), args)
+        with adapting(spec.lora, lora.dropout_key(state["step"])):
+            return apply(state, *grad_sums(state["params"], batch, state.get("router_bias")), args)
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)  # every key of the batch, with or without PACKING_KEYS
@@ -300,7 +306,7 @@ def make_eval_step(spec: StateSpec, layout: Layout):
     (model.router_bias_update), so evaluation routes as training does; None (an empty tree to the jit)
     leaves the program as it is without one."""
     def evaluate(params, batch, router_bias):
-        with activation_layout(layout):
+        with activation_layout(layout), adapting(spec.lora):
             batch, zigzag = context_order(batch, layout, spec.model)
             logits = llama.forward(spec.model, params, batch["inputs"], zigzag, **packing_of(batch),
                                    router_bias=router_bias)[0]

@@ -175,6 +175,23 @@ def test_sft_then_dpo_from_its_checkpoint(files, tmp_path):
     assert "reward margin" in dpo.output
 
 
+def test_dpo_with_lora_takes_the_base_as_its_reference(files, tmp_path):
+    """With LoRA the reference is the base weights with the adapters left out (no second copy): the first
+    step starts at it (B is zero: loss log 2, margin 0), and once the adapters have moved the policy
+    differs from it (margin not 0), which a reference that kept the adapters would never show."""
+    sft = CliRunner().invoke(app, ["train", "--task", "sft", "--data", str(files / "chats.jsonl"), *TINY,
+                                   "--steps", "1", "--run-dir", str(tmp_path / "sft")])
+    assert sft.exit_code == 0, sft.output
+    dpo = CliRunner().invoke(app, ["train", "--task", "dpo", "--data", str(files / "pairs.jsonl"), *TINY,
+                                   "--steps", "3", "--init-from", str(tmp_path / "sft" / "checkpoints" / "1"),
+                                   "--set", "lora.rank=4", "--set", "lora.targets=wq,wv,w_up",
+                                   "--set", "optimizer.lr=1e-2", "--run-dir", str(tmp_path / "dpo")])
+    assert dpo.exit_code == 0, dpo.output
+    records = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    assert records[0]["loss"] == pytest.approx(np.log(2), abs=1e-6) and records[0]["reward_margin"] == 0
+    assert abs(records[-1]["reward_margin"]) > 1e-4, records
+
+
 @pytest.mark.parametrize("task,rows,message", [
     ("sft", [{"messages": [{"role": "user", "content": "hi"}]}], "line 1: a conversation without an assistant turn"),
     ("sft", [{"text": "hi"}], "line 1 has no 'messages'"),

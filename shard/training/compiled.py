@@ -20,7 +20,8 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
         from shard.training.dpo import jit_dpo_step
 
         jitted = jit_dpo_step(spec, layout, cfg.dpo.beta, cfg.guard)
-        return jitted.lower(state, batch, abstract_schedule_inputs(spec, layout), state["params"])
+        frozen = {} if cfg.lora.rank else state["params"]  # with LoRA the reference is the state's base
+        return jitted.lower(state, batch, abstract_schedule_inputs(spec, layout), frozen)
     jitted = jit_train_step(spec, layout, cfg.data.microbatches, cfg.guard, cfg.pipeline)
     return jitted.lower(state, batch, abstract_schedule_inputs(spec, layout))
 

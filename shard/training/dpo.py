@@ -15,7 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shard.config.train import GuardConfig
 from shard.errors import ShardError
 from shard.models import llama
+from shard.models.lora import adapting
 from shard.sharding.rules import Layout, activation_layout
+from shard.training import lora
 from shard.training.state import StateSpec, compile_init
 from shard.training.step import (batch_sharding, context_order, make_step_parts, packing_of, pipeline_stages,
                                  schedule_inputs, target_mask)
@@ -46,10 +48,12 @@ def dpo_terms(policy_b: jax.Array, reference_b: jax.Array, beta: float) -> tuple
 
 
 def reference_params(state: dict, frozen: dict) -> dict:
-    """The reference model's weights: the frozen copy of the weights the run started from. (Where the
-    trained weights are adapters over frozen base weights, the reference is the base alone, read
-    from `state`, and no copy is needed.)"""
-    return frozen
+    """The reference model's weights: the frozen copy of the weights the run started from; with LoRA
+    (`frozen` empty) the base weights of the state with the adapters left out, so the run holds no
+    second copy of the model."""
+    if frozen:
+        return frozen
+    return lora.split(state["params"])[1]
 
 
 def jit_dpo_step(spec: StateSpec, layout: Layout, beta: float, guard: GuardConfig | None = None):
@@ -59,31 +63,37 @@ def jit_dpo_step(spec: StateSpec, layout: Layout, beta: float, guard: GuardConfi
         raise ShardError("task dpo does not run through a pipeline (a mesh with a stage axis) yet; use another mesh")
     cfg = spec.model
     _, apply = make_step_parts(spec, layout, 1, guard)
+    adapters = spec.lora is not None and bool(spec.lora.rank)
 
     def loss_fn(params, batch, reference_b, router_bias):
         policy_b, moe = sequence_logps(cfg, layout, params, batch, router_bias)
         loss, metrics = dpo_terms(policy_b, reference_b, beta)
         return loss, (metrics, moe)
 
+    grad_fn = lora.grad_of_adapters(loss_fn) if adapters else jax.value_and_grad(loss_fn, has_aux=True)
+
     def step(state, batch, args, frozen):
         router_bias = state.get("router_bias")
-        with activation_layout(layout):
+        with activation_layout(layout), adapting(spec.lora, lora.dropout_key(state["step"])):
             reference_b, _ = sequence_logps(cfg, layout, reference_params(state, frozen), batch, router_bias)
             reference_b = jax.lax.stop_gradient(reference_b)
-            (loss, (metrics, moe)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state["params"], batch, reference_b, router_bias)
+            (loss, (metrics, moe)), grads = grad_fn(state["params"], batch, reference_b, router_bias)
         pairs = jnp.asarray(batch["inputs"].shape[0] // 2, jnp.float32)
         new_state, out = apply(state, grads, loss, pairs, moe, args)
         return new_state, out | metrics
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(spec.shardings, batch_sharding(layout), replicated, spec.shardings["params"]),
+    frozen_shardings = {} if adapters else spec.shardings["params"]
+    return jax.jit(step, in_shardings=(spec.shardings, batch_sharding(layout), replicated, frozen_shardings),
                    out_shardings=(spec.shardings, replicated), donate_argnums=0)
 
 
 def frozen_reference(spec: StateSpec, state: dict, start_step: int, seed: int, reference=None) -> dict:
     """The reference weights of a DPO run: at its first step a copy of the weights it starts from; on a
-    resume `reference(spec)` (the init_from weights, as a Restored), else the seed's fresh init."""
+    resume `reference(spec)` (the init_from weights, as a Restored), else the seed's fresh init; with LoRA
+    none ({}): the reference is the state's own base weights (`reference_params`)."""
+    if spec.lora is not None and spec.lora.rank:
+        return {}
     if start_step == 0:
         return jax.tree.map(lambda x: x.copy(), state["params"])  # its own buffers: the state is donated
     if reference is not None:

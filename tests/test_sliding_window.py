@@ -75,20 +75,24 @@ def test_cudnn_is_handed_the_window(monkeypatch):
     assert seen == {"is_causal": True, "local_window_size": (WINDOW - 1, 0), "implementation": "cudnn", "scale": None}
 
 
-def test_kv_cache_decoding_equals_the_full_forward():
-    """Prefill a few tokens, then decode one at a time past the window: each step's logits are the full
-    forward's at that position (the cache masks positions older than the window)."""
+@pytest.mark.parametrize("prefill", [3, 7])
+def test_kv_cache_decoding_equals_the_full_forward(prefill):
+    """Prefill a prompt shorter or longer than the window, then decode one at a time past it: each
+    step's logits are the full forward's at that position. The cache holds the window alone (4 of the
+    12 positions), each new position written over the one that left the window."""
     cfg = dataclasses.replace(PRESETS["tiny"], sliding_window=4, compute_dtype="float32")
     model = models.build(cfg)
     tokens = jax.random.randint(jax.random.key(1), (1, 12), 0, cfg.vocab_size)
     full = model(tokens)
     cache = llama.init_cache(cfg, 1, 12)
-    logits, cache = model(tokens[:, :3], cache, 0)
+    assert cache["k"].shape == (cfg.n_layers, 1, 4, cfg.n_kv_heads, cfg.head_dim)
+    logits, cache = model(tokens[:, :prefill], cache, 0)
     steps = [logits]
-    for t in range(3, 12):
+    for t in range(prefill, 12):
         logits, cache = model(tokens[:, t:t + 1], cache, t)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
+    assert llama.init_cache(dataclasses.replace(cfg, sliding_window=16), 1, 12)["k"].shape[2] == 12
     params = nnx.to_pure_dict(nnx.state(model))
     unwindowed = llama.forward(dataclasses.replace(cfg, sliding_window=0), params, tokens)[0]
     np.testing.assert_allclose(unwindowed[:, :4], full[:, :4], atol=1e-5)

@@ -321,8 +321,12 @@ CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
-    """An empty KV cache: k and v of shape (L, B, max_len, K, H) in the compute dtype."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    """An empty KV cache: k and v of shape (L, B, S, K, H) in the compute dtype; S is max_len, or where
+    every layer has the same window shorter than that (Mistral), the window: a rolling cache
+    (`rolling_cache`) that keeps the last `sliding_window` positions only. Layers whose windows differ
+    (Gemma's local and global) keep every position, the older ones masked."""
+    rolling = cfg.sliding_window and not cfg.windows_vary and cfg.sliding_window < max_len
+    shape = (cfg.n_layers, batch, cfg.sliding_window if rolling else max_len, cfg.n_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, compute_dtype(cfg)), "v": jnp.zeros(shape, compute_dtype(cfg))}
 
 
@@ -394,6 +398,8 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     if kv is None:
         o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
                                   cfg.attn_softcap)
+    elif rolling_cache(cfg, kv):
+        o_btnh, kv = rolling_attention(q_btnh, k_btkh, v_btkh, kv, start, cfg.sliding_window, scale, cfg.attn_softcap)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
@@ -514,20 +520,46 @@ def _cudnn_problem(q_btnh, segments: bool = False) -> str:
                                    segments=segments)
 
 
+def rolling_cache(cfg: ModelConfig, kv: dict) -> bool:
+    """Whether a cache slice is init_cache's rolling one: as long as the window every layer has."""
+    return bool(cfg.sliding_window) and not cfg.windows_vary and kv["k"].shape[1] == cfg.sliding_window
+
+
+def rolling_attention(q_btnh, k_btkh, v_btkh, kv: dict, start, window: int, scale, softcap: float):
+    """Attention of T new tokens at positions start.. over a rolling cache of the last `window` positions
+    (slot j holds the latest position before start that is j modulo the window) and over themselves;
+    then the last min(T, window) of them written into their slots. Returns (output, updated cache)."""
+    W, T = kv["k"].shape[1], q_btnh.shape[1]
+    slots = jnp.arange(W)
+    held_s = start - 1 - jnp.mod(start - 1 - slots, W)  # negative: a slot not written yet
+    key_pos = jnp.concatenate([jnp.where(held_s >= 0, held_s, -(2**30)), start + jnp.arange(T)])
+    k_bskh = jnp.concatenate([kv["k"], k_btkh.astype(kv["k"].dtype)], axis=1)
+    v_bskh = jnp.concatenate([kv["v"], v_btkh.astype(kv["v"].dtype)], axis=1)
+    o_btnh = cached_attention(q_btnh, k_bskh, v_bskh, start, window=window, scale=scale, softcap=softcap,
+                              key_positions=key_pos)
+    n = min(T, W)  # the newest n: older ones of a long prompt fall out of the window anyway
+    idx = jnp.mod(start + T - n + jnp.arange(n), W)
+    kv = {"k": kv["k"].at[:, idx].set(k_btkh[:, T - n:].astype(kv["k"].dtype)),
+          "v": kv["v"].at[:, idx].set(v_btkh[:, T - n:].astype(kv["v"].dtype))}
+    return o_btnh, kv
+
+
 def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window=0, scale: float | None = None,
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, key_positions=None):
     """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal.
     `segment_ids` (B, T), self-attention of packed rows only (start 0, S = T): keys of the query's
     own segment only. `window` > 0: keys less than `window` positions back only (the KV cache keeps
     every position and masks the older ones: it is not cut to the window); a traced window of 0 is
     none. `scale`: the scores' factor (None: head_dim ** -0.5); `softcap` > 0: scores soft-capped
-    (soft_cap) before the mask."""
+    (soft_cap) before the mask. `key_positions` (S,): the keys' positions where they are not 0..S-1
+    (a rolling cache's)."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
     scale = H**-0.5 if scale is None else scale
     scores_bkgts = soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * scale, softcap)
-    back_ts = (start + jnp.arange(T))[:, None] - jnp.arange(k_bskh.shape[1])[None, :]
+    key_s = jnp.arange(k_bskh.shape[1]) if key_positions is None else key_positions
+    back_ts = (start + jnp.arange(T))[:, None] - key_s[None, :]
     if isinstance(window, jax.Array):
         causal_ts = (back_ts >= 0) & ((window == 0) | (back_ts < window))
     else:

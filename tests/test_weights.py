@@ -42,8 +42,15 @@ def imported(hf_dir, tmp_path_factory):
     return out
 
 
-def test_import_writes_a_resumable_checkpoint(imported):
+def test_import_writes_the_weights_alone(imported):
+    """A checkpoint of the weights without an optimizer state (which would triple what the import holds):
+    --init-from starts a fresh one; --resume says so in one line."""
     assert (imported / "config.toml").is_file() and (imported / "checkpoints" / "0" / "state").is_dir()
+    r = invoke("train", "--resume", "--run-dir", imported, "--steps", 1, "--mesh", "8x1")
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds weights only (no optimizer state: import-hf writes them so); train from them " \
+        "with --init-from" in errors[0] and "Traceback" not in r.output, r.output
 
 
 def test_generate_from_the_import_and_from_the_folder_agree(imported, hf_dir):

@@ -28,6 +28,9 @@ def import_hf(
         raise ShardError(f"{hf_dir} {what}: give a Hugging Face Llama folder (config.json and *.safetensors)")
     check_fresh_out(out)
     tcfg, mesh_spec, devices = host_jax("1x1")
+    import jax
+    import numpy as np
+
     from shard.run import hf, weights
     from shard.run.checkpoint import Checkpoints
     from shard.sharding.layout import make_layout
@@ -37,7 +40,10 @@ def import_hf(
     tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
     layout = make_layout(tcfg, mesh_spec, devices[:1])
     spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
-    restored = weights.state_from(params, spec, tcfg.seed, str(hf_dir))
+    # the weights alone, placed tensor by tensor: an optimizer state would triple what the import holds,
+    # and a fine-tune (--init-from) starts a fresh one anyway
+    state = {"step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
+             "params": weights.place(params, spec)}
     globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
@@ -45,7 +51,7 @@ def import_hf(
         (partial / "config.toml").write_text(config_toml)
         hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
         try:
-            ckpts.save(0, restored.state, position=0, seed=tcfg.seed, config_toml=config_toml)
+            ckpts.save(0, state, position=0, seed=tcfg.seed, config_toml=config_toml)
             ckpts.wait()
         finally:
             ckpts.close()

@@ -177,6 +177,9 @@ class Checkpoints:
                              f"model, not LoRA adapters: start LoRA from it with --init-from in a new run dir")
         spec.check_params_fit(stored["params"], f"checkpoint {self.path(step)}", "; it was saved from a different model"
                               + (" or without LoRA (lora.rank)" if spec.lora else ""), part="adapters")
+        if "opt_state" not in stored:  # import-hf's: the weights alone
+            raise ShardError(f"checkpoint {self.path(step)} holds weights only (no optimizer state: import-hf writes "
+                             "them so); train from them with --init-from in a new run dir")
         spec.check_opt_state_fits(stored["opt_state"], f"checkpoint {self.path(step)}")  # not set aside: a caller's error
         target = spec.abstract_with_shardings()
         target["params"] = spec.trainable(target["params"])  # LoRA: the adapters

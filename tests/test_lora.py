@@ -50,10 +50,11 @@ def test_only_the_adapters_train_and_the_optimizer_holds_them_alone(reference):
     assert len({round(r["loss"], 6) for r in records}) == 3
 
 
-@pytest.mark.parametrize("mesh", ["fsdp", "2x4"])
+@pytest.mark.parametrize("mesh", ["fsdp", "2x4", "sp"])
 def test_losses_and_grad_norms_match_single_device(mesh, reference):
     """The adapters name their base weights' logical axes: FSDP shards them on embed, tensor parallel on
-    heads and mlp, and the losses and gradient norms are one device's."""
+    heads and mlp, and the losses and gradient norms are one device's, with sequence and context
+    parallelism too (the dropout masks are drawn per layer from the step, whatever the layout)."""
     _, ref_records, _, _ = reference
     _, records, _, run = lora_run(mesh)
     for key in ("loss", "grad_norm"):
@@ -62,8 +63,18 @@ def test_losses_and_grad_norms_match_single_device(mesh, reference):
     if mesh == "2x4":  # model=4: B of wq split over heads like wq; A of wo over heads like wo's input
         assert specs["wq_lora_b"].spec[2] == "model" and specs["wo_lora_a"].spec[1] == "model"
         assert specs["wq_lora_a"].spec[2] is None  # lora_rank: replicated
-    else:  # fsdp: embed, the input of wq's A and the output of wo's B
+    elif mesh == "fsdp":  # embed, the input of wq's A and the output of wo's B
         assert specs["wq_lora_a"].spec[1] == "fsdp" and specs["wo_lora_b"].spec[2] == "fsdp"
+
+
+def test_context_parallel_lora_matches_single_device():
+    """Under context parallelism the sequence runs in ring attention's zig-zag order, so dropout would
+    draw its masks over other token orders (the same distribution, not the same draw): without dropout
+    the losses and gradient norms are one device's."""
+    ref = lora_run("1x1", lora__dropout=0.0)[1]
+    records = lora_run("cp", lora__dropout=0.0)[1]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in records], [r[key] for r in ref], rtol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("sets, message", [

@@ -86,6 +86,10 @@ class ModelConfig:
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
     remat: str = "none"
+    # The loss's head in chunks of this many sequence positions, so only one chunk's logits exist at a
+    # time (shard.models.xent); 0: the whole logits at once; -1 (auto): chunks of at most 8 MiB of
+    # float32 logits per device, none where the whole logits are no bigger.
+    loss_chunk: int = -1
     # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
     attention: str = "auto"
     # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
@@ -119,6 +123,8 @@ class ModelConfig:
             )
         if not 0 <= self.sliding_window < 2**31:
             problems.append(f"model.sliding_window must be 0 (off) or a number of tokens, got {self.sliding_window}")
+        if not -1 <= self.loss_chunk < 2**31:
+            problems.append(f"model.loss_chunk must be -1 (auto), 0 (off) or positions per chunk, got {self.loss_chunk}")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),

@@ -7,8 +7,7 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import ModelConfig
-from shard.models.xent import CHUNK_LOGITS_BYTES, loss_chunks
+from shard.config.model import CHUNK_LOGITS_BYTES, CHUNK_MIN_TOKENS, ModelConfig, loss_chunks
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import activation_layout
@@ -79,4 +78,5 @@ def test_auto_chunks_keep_each_chunks_logits_within_the_budget():
     assert loss_chunks(ModelConfig(vocab_size=256), 8, 32) == 1  # small logits: not chunked
     n = loss_chunks(ModelConfig(vocab_size=128256), 1, 2048)
     assert 2048 % n == 0 and 2048 // n * 128256 * 4 <= CHUNK_LOGITS_BYTES
+    assert loss_chunks(ModelConfig(vocab_size=128256), 4, 2048) == 2048 // CHUNK_MIN_TOKENS * 4
     assert loss_chunks(ModelConfig(vocab_size=32000, loss_chunk=0), 8, 256) == 1

@@ -325,6 +325,34 @@ def matmul_params(cfg: ModelConfig) -> int:
     return n
 
 
+# Auto chunking of the loss (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most
+# this big; logits that fit are not chunked (shard.models.xent).
+CHUNK_LOGITS_BYTES = 8 * 2**20
+CHUNK_MIN_TOKENS = 64  # per device: smaller chunks' matmuls waste the machine more than they save
+
+
+def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
+                vocab_ways: int = 1) -> int:
+    """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
+    `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
+    off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
+    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device."""
+    if cfg.loss_chunk == 0 or seq_len <= 1:
+        return 1
+    if cfg.loss_chunk > 0:
+        return max(1, seq_len // cfg.loss_chunk)
+    local_t = seq_len // max(length_ways, 1)
+    rows = max(batch // max(batch_ways, 1), 1)
+    per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
+    n = 1
+    for k in range(1, local_t + 1):
+        if local_t % k == 0 and (local_t // k) * rows >= CHUNK_MIN_TOKENS:
+            n = k
+            if local_t // k * per_position <= CHUNK_LOGITS_BYTES:
+                break
+    return n
+
+
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The one MFU definition shard reports: 6N per token (N: parameters in matmuls, with a mixture of
     experts' k routed experts, not all of them) plus causal attention counted at half, 6 L T N H per

@@ -23,14 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from shard.axes import BATCH, EMBED, LENGTH, VOCAB
-from shard.config.model import ModelConfig
+from shard.config.model import ModelConfig, loss_chunks
 from shard.models import llama
 from shard.sharding.rules import active_layout, constrain
-
-# Auto chunking (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most this big;
-# logits that fit are not chunked.
-CHUNK_LOGITS_BYTES = 8 * 2**20
-
 
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     """Summed next-token cross-entropy over unmasked positions, and their count (float32).
@@ -54,23 +49,6 @@ def _auto_ways(logical: str) -> int:
     inner = jax.sharding.get_abstract_mesh()
     manual = set(inner.manual_axes) if not inner.empty else set()
     return math.prod(layout.axis_sizes[a] for a in layout.mesh_axes(logical) if a not in manual)
-
-
-def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
-                vocab_ways: int = 1) -> int:
-    """How many chunks the sequence's positions are taken in (1: the whole logits at once).
-    model.loss_chunk > 0 is the positions per chunk; 0 is off; -1 (auto) the fewest chunks whose float32
-    logits stay within CHUNK_LOGITS_BYTES per device, each chunk a whole number of positions per device."""
-    if cfg.loss_chunk == 0 or seq_len <= 1:
-        return 1
-    if cfg.loss_chunk > 0:
-        return max(1, seq_len // cfg.loss_chunk)
-    local_t = seq_len // max(length_ways, 1)
-    per_position = max(batch // max(batch_ways, 1), 1) * cfg.padded_vocab / max(vocab_ways, 1) * 4
-    for n in range(1, local_t + 1):
-        if local_t % n == 0 and local_t // n * per_position <= CHUNK_LOGITS_BYTES:
-            return n
-    return local_t
 
 
 def head_nll(cfg: ModelConfig, params: dict, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array,

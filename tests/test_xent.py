@@ -72,13 +72,14 @@ def test_chunked_loss_and_gradients_match_the_whole_logits(name):
 
 
 def test_auto_chunks_keep_each_chunks_logits_within_the_budget():
-    cfg = ModelConfig(vocab_size=32000)
-    assert loss_chunks(cfg, 8, 256, batch_ways=8) == 4  # 1 x 256 x 32000 x 4 B = 31 MiB: 4 chunks of 64
-    assert loss_chunks(cfg, 8, 256, batch_ways=2, vocab_ways=4) == 4
+    cfg = ModelConfig(vocab_size=32000, d_model=256)
+    assert loss_chunks(cfg, 8, 256, batch_ways=2, vocab_ways=4) == 4  # 4 x 256 x 8000 x 4 B = 31 MiB: 4 of 64
+    # 256 tokens per device for an embedding of 256: the weight-gradient sum would cost what chunks save
+    assert loss_chunks(cfg, 8, 256, batch_ways=8) == 1
     assert loss_chunks(ModelConfig(vocab_size=256), 8, 32) == 1  # small logits: not chunked
     n = loss_chunks(ModelConfig(vocab_size=32000), 4, 2048)  # 16 positions x 4 rows x 32000 x 4 B: 8 MiB
     assert 2048 % n == 0 and 2048 // n * 4 * 32000 * 4 <= CHUNK_LOGITS_BYTES < 2048 // n * 8 * 32000 * 4
     # chunks of no fewer than CHUNK_MIN_TOKENS tokens, even above the budget (llama-1b's vocab)
-    assert loss_chunks(ModelConfig(vocab_size=128256), 1, 2048) == 2048 // CHUNK_MIN_TOKENS
-    assert loss_chunks(ModelConfig(vocab_size=128256), 4, 2048) == 2048 // CHUNK_MIN_TOKENS * 4
+    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 2048 // CHUNK_MIN_TOKENS * 4
+    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 1, 2048) == 1  # 2048 tokens, D 2048
     assert loss_chunks(ModelConfig(vocab_size=32000, loss_chunk=0), 8, 256) == 1

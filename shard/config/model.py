@@ -329,6 +329,11 @@ def matmul_params(cfg: ModelConfig) -> int:
 # this big; logits that fit are not chunked (shard.models.xent).
 CHUNK_LOGITS_BYTES = 8 * 2**20
 CHUNK_MIN_TOKENS = 64  # per device: smaller chunks' matmuls waste the machine more than they save
+# Auto chunks only where a device holds this many tokens per embedding dim at least: the chunks keep a
+# float32 D x V weight-gradient sum, which costs what they save at about one token per dim (compiled, the
+# CPU reference config at fsdp=8 in bf16 with full remat, 256 tokens of D 256: 117 -> 129 MiB chunked;
+# at fsdp=2,model=4, 1024 tokens: 100 -> 53 MiB).
+CHUNK_MIN_TOKENS_PER_D = 2
 
 
 def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
@@ -336,13 +341,16 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1,
     """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
     `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
     off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
-    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device."""
+    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device, and none
+    where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per embedding dim."""
     if cfg.loss_chunk == 0 or seq_len <= 1:
         return 1
     if cfg.loss_chunk > 0:
         return max(1, seq_len // cfg.loss_chunk)
     local_t = seq_len // max(length_ways, 1)
     rows = max(batch // max(batch_ways, 1), 1)
+    if local_t * rows < CHUNK_MIN_TOKENS_PER_D * cfg.d_model:
+        return 1  # the chunks' float32 sum of the head weight's gradient (D x V) would cost what they save
     per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
     n = 1
     for k in range(1, local_t + 1):

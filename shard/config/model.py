@@ -82,7 +82,8 @@ class ModelConfig:
     # Sliding-window attention (Mistral): a token attends to itself and the sliding_window - 1 tokens
     # before it (transformers' convention: query position - key position < sliding_window); 0: off.
     sliding_window: int = 0
-    # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
+    # "auto": bfloat16 on accelerators, float32 on CPU: exact enough for runs compared across layouts, and
+    # on the CPU reference config no slower than bfloat16 with full remat (benchmarks/side_by_side.py).
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
     remat: str = "none"

@@ -16,7 +16,7 @@ Launch to first step: from starting the process to the first line of its metrics
 step 1 ends). Steady tokens/s: the median over steps 3.. (every step is logged). Peak RSS: the process's
 own (all 8 simulated devices live in it). Model FLOP/s: tokens/s x shard's MFU count per token (6N plus
 causal attention, `mfu_flops_per_token`), as a share of a 2048 x 2048 matmul's rate in the step's dtype,
-timed in this process with every core (the same cores the step runs on). MaxText's side runs only where
+timed in this process with every core (the same cores the step runs on) just before each run. MaxText's side runs only where
 MaxText is installed; otherwise the benchmark says it is absent.
 """
 
@@ -142,12 +142,15 @@ def main():
     for _ in range(args.repeats):
         for mesh in meshes:
             for variant in variants:
+                # the matmul rate just before each run: on a shared machine it moves with the load
+                near = matmul_rates(repeats=3)
                 with tempfile.TemporaryDirectory() as tmp:
-                    results.setdefault((mesh, variant), []).append(run(mesh, variant, steps, Path(tmp)))
+                    r = run(mesh, variant, steps, Path(tmp))
+                results.setdefault((mesh, variant), []).append(r | {"matmul": near[step_dtype(variant)]})
     for (mesh, variant), rs in results.items():
         tps = [r["tokens_per_s"] for r in rs]
         dtype = step_dtype(variant)
-        shares = [t * per_token / rates[dtype] * 100 for t in tps]
+        shares = [r["tokens_per_s"] * per_token / r["matmul"] * 100 for r in rs]
         print(f"{mesh} {variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
               f"steady {_range(tps, ',.0f')} tokens/s (median of steps 3-{steps}), "
               f"peak RSS {_range([r['peak_rss_mib'] for r in rs], ',.0f')} MiB, "

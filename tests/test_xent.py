@@ -83,3 +83,18 @@ def test_auto_chunks_keep_each_chunks_logits_within_the_budget():
     assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 2048 // CHUNK_MIN_TOKENS * 4
     assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 1, 2048) == 1  # 2048 tokens, D 2048
     assert loss_chunks(ModelConfig(vocab_size=32000, loss_chunk=0), 8, 256) == 1
+
+
+def test_evaluation_in_chunks_matches_the_whole_logits():
+    """The eval step runs the chunked loss forward only (the custom VJP's primal, no gradient pass)."""
+    from shard.training.step import make_eval_step
+
+    out = []
+    for chunk in (0, 8):
+        cfg = tiny_config("2x4", model__loss_chunk=chunk, model__vocab_size=1000, model__tie_embeddings=False)
+        layout = make_layout(cfg, parse_mesh("2x4"), devices_for("2x4"))
+        spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+        params = jax.device_put(nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=0))), spec.shardings["params"])
+        batch = jax.device_put(_packed_batch(cfg), batch_sharding(layout))
+        out.append(jax.device_get(make_eval_step(spec, layout)(params, batch)))
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5)

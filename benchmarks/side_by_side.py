@@ -1,40 +1,61 @@
-"""Benchmark 4's three figures for shard on the side-by-side CPU configuration (reference_cpu.toml):
-launch to the end of the first step, steady tokens/s and peak memory, per mesh. Each run is a fresh
-`shard train` process, started as a user starts it, with an empty compile cache.
+"""The side-by-side CPU configuration (reference_cpu.toml: the untied 20.6M model, seq 256, global batch 8,
+8 simulated devices), per mesh and per variant: launch to the end of the first step, steady tokens/s,
+peak RSS, and model FLOP/s as a share of the matmul rate this machine reaches. Each run is a fresh
+`shard train` process, started as a user starts it, with an empty compile cache; runs are interleaved
+(every mesh and variant once, then again) and each figure is reported as the range over the repeats.
 
-    python benchmarks/side_by_side.py [--mesh fsdp=8 --mesh fsdp=2,model=4] [--steps 12]
+    python benchmarks/side_by_side.py [--mesh fsdp=8 --mesh fsdp=2,model=4] [--steps 12] [--repeats 2]
+        [--variant defaults --variant bf16-remat --variant no-hugepages]
+
+Variants: `defaults` (shard's CPU defaults), `bf16-remat` (bfloat16 compute, full remat), `fp32`
+(float32 compute, no remat), `no-hugepages` (the defaults without the one host-side setting shard applies,
+glibc's huge pages for malloc: GLIBC_TUNABLES=glibc.malloc.hugetlb=0; shard sets no thread counts, XLA:CPU
+uses every core).
 
 Launch to first step: from starting the process to the first line of its metrics.jsonl (written when
-step 1 ends). Steady tokens/s: the median over steps 3.. (every step is logged). Peak memory: the
-process's peak RSS (all 8 simulated devices live in it) and XLA's compiled estimate per device.
+step 1 ends). Steady tokens/s: the median over steps 3.. (every step is logged). Peak RSS: the process's
+own (all 8 simulated devices live in it). Model FLOP/s: tokens/s x shard's MFU count per token (6N plus
+causal attention, `mfu_flops_per_token`), as a share of a 2048 x 2048 matmul's rate in the step's dtype,
+timed in this process with every core (the same cores the step runs on) just before each run. MaxText's side runs only where
+MaxText is installed; otherwise the benchmark says it is absent.
 """
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 from shard import read_jsonl
 
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
+VARIANTS = {
+    "defaults": ([], {}),
+    "bf16-remat": (["model.compute_dtype=bfloat16", "model.remat=full"], {}),
+    "fp32": (["model.compute_dtype=float32", "model.remat=none"], {}),
+    "no-hugepages": ([], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}),
+}
 
 
 def _records(path: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
-def run(mesh: str, steps: int, workdir: Path) -> dict:
+def run(mesh: str, variant: str, steps: int, workdir: Path) -> dict:
+    sets, env = VARIANTS[variant]
     run_dir = workdir / "run"
     cmd = [sys.executable, "-m", "shard", "train", "--config", str(CONFIG), "--mesh", mesh, "--steps", str(steps),
            "--log-every", "1", "--run-dir", str(run_dir), "--compile-cache", str(workdir / "cache")]
+    cmd += [a for s in sets for a in ("--set", s)]
     first = None
     with open(workdir / "output.txt", "w") as out:
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env={**os.environ, **env})
         while True:  # wait4 gives this child's own peak RSS
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
@@ -45,23 +66,96 @@ def run(mesh: str, steps: int, workdir: Path) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         tail = (workdir / "output.txt").read_text()[-2000:]
-        raise SystemExit(f"{mesh}: shard train exited {proc.returncode}:\n{tail}")
+        raise SystemExit(f"{mesh} {variant}: shard train exited {proc.returncode}:\n{tail}")
     records = _records(run_dir / "metrics.jsonl")
     return {"first_step_s": first, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[2:]),
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "compiled_bytes": records[-1]["mem_peak_bytes"]}
+            "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def matmul_rates(n: int = 2048, repeats: int = 10) -> dict[str, float]:
+    """FLOP/s of an n x n matmul in float32 and bfloat16 on this process's CPU device (the best of
+    `repeats`, after a warm-up)."""
+    import jax
+    import jax.numpy as jnp
+
+    rates = {}
+    for dtype in ("float32", "bfloat16"):
+        a = jnp.ones((n, n), dtype)
+        f = jax.jit(lambda x, y: x @ y)
+        f(a, a).block_until_ready()
+        best = min(_timed(f, a) for _ in range(repeats))
+        rates[dtype] = 2 * n**3 / best
+    return rates
+
+
+def _timed(f, a) -> float:
+    t0 = time.perf_counter()
+    f(a, a).block_until_ready()
+    return time.perf_counter() - t0
+
+
+def flops_per_token() -> tuple[float, int]:
+    """shard's MFU count per token of the reference model, and its sequence length."""
+    from shard.config.model import ModelConfig, PRESETS, mfu_flops_per_token
+
+    doc = tomllib.loads(CONFIG.read_text())
+    fields = {k: v for k, v in doc["model"].items() if k != "name"}
+    base = PRESETS.get(doc["model"].get("name", "small"), ModelConfig())
+    cfg = ModelConfig(**{**vars(base), **fields})
+    return mfu_flops_per_token(cfg, doc["data"]["seq_len"]), doc["data"]["seq_len"]
+
+
+def step_dtype(variant: str) -> str:
+    """The compute dtype a variant's step runs in on CPU."""
+    sets = dict(s.split("=", 1) for s in VARIANTS[variant][0])
+    if "model.compute_dtype" in sets:
+        return sets["model.compute_dtype"]
+    from shard.config.model import ModelConfig
+
+    doc = tomllib.loads(CONFIG.read_text())
+    return ModelConfig(compute_dtype=doc["model"].get("compute_dtype", "auto")).compute_dtype_on("cpu")
+
+
+def _range(values, fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if lo == hi else f"{format(lo, fmt)}-{format(hi, fmt)}"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mesh", action="append", help="mesh to run (repeatable); default fsdp=8 and fsdp=2,model=4")
+    ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
+                    help="repeatable; default: defaults and bf16-remat")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    for mesh in args.mesh or ["fsdp=8", "fsdp=2,model=4"]:
-        with tempfile.TemporaryDirectory() as tmp:
-            r = run(mesh, max(args.steps, 4), Path(tmp))
-        print(f"{mesh}: launch to first step {r['first_step_s']:.1f} s, steady {r['tokens_per_s']:,.0f} tokens/s "
-              f"(median of steps 3-{max(args.steps, 4)}), peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB, "
-              f"{r['compiled_bytes'] / 2**20:.0f} MiB per device (compiled)", flush=True)
+    meshes, variants = args.mesh or ["fsdp=8", "fsdp=2,model=4"], args.variant or ["defaults", "bf16-remat"]
+    steps = max(args.steps, 4)
+    if importlib.util.find_spec("MaxText") is None:
+        print("MaxText: not installed here, so its side is absent; shard's figures follow", flush=True)
+    rates = matmul_rates()
+    per_token, seq = flops_per_token()
+    print(f"matmul 2048x2048 on this CPU: float32 {rates['float32'] / 1e9:.0f} GFLOP/s, "
+          f"bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s; model {per_token / 1e6:.1f} MFLOP per token "
+          f"(seq {seq})", flush=True)
+    results: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.repeats):
+        for mesh in meshes:
+            for variant in variants:
+                # the matmul rate just before each run: on a shared machine it moves with the load
+                near = matmul_rates(repeats=3)
+                with tempfile.TemporaryDirectory() as tmp:
+                    r = run(mesh, variant, steps, Path(tmp))
+                results.setdefault((mesh, variant), []).append(r | {"matmul": near[step_dtype(variant)]})
+    for (mesh, variant), rs in results.items():
+        tps = [r["tokens_per_s"] for r in rs]
+        dtype = step_dtype(variant)
+        shares = [r["tokens_per_s"] * per_token / r["matmul"] * 100 for r in rs]
+        print(f"{mesh} {variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
+              f"steady {_range(tps, ',.0f')} tokens/s (median of steps 3-{steps}), "
+              f"peak RSS {_range([r['peak_rss_mib'] for r in rs], ',.0f')} MiB, "
+              f"model {_range([t * per_token / 1e9 for t in tps], '.0f')} GFLOP/s = {_range(shares, '.0f')}% of "
+              f"the {dtype} matmul rate ({len(rs)} runs)", flush=True)
 
 
 if __name__ == "__main__":

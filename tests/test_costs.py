@@ -41,6 +41,10 @@ CASES = {
     # more table rows than tokens: the FSDP lookup reads the stored table (tied, and untied: not gathered)
     "tiny-fsdp-vocab4k": ("tiny", "fsdp", {"model__vocab_size": 4096}),
     "tiny-fsdp-vocab4k-untied": ("tiny", "fsdp", {"model__vocab_size": 4096, "model__tie_embeddings": False}),
+    # the loss in chunks of positions (shard.models.xent): one chunk's logits at a time
+    "tiny-dp-vocab4k-chunked": ("tiny", "8x1", {"model__vocab_size": 4096, "model__loss_chunk": 4}),
+    "tiny-fsdp_tp-vocab4k-chunked": ("tiny", "fsdp_tp:4x2", {"model__vocab_size": 4096, "model__loss_chunk": 4,
+                                                            "model__tie_embeddings": False}),
     "small-dp": ("small", "8x1", {}),
     "small-fsdp": ("small", "fsdp", {}),
     "small-tp": ("small", "1x4", {}),  # 4 kv heads: tensor parallel up to 4
@@ -85,6 +89,7 @@ FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-lo
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",
                                                              "cp_tp", "ep", "dp_fsdp_ep")
                     and k.count("-") == 1]
+EFFICIENCY_CASES += [k for k in CASES if k.endswith("-chunked")]  # the head's gradient reduced once, not per chunk
 
 
 @pytest.fixture(scope="module")

@@ -102,10 +102,15 @@ class ModelConfig:
     sandwich_norms: bool = False
     embed_scale: bool = False
     mlp_activation: str = "silu"  # the gated MLP's gate: SwiGLU (silu) or GeGLU with tanh-approximate GELU
-    # "auto": bfloat16 on accelerators, float32 on CPU (XLA:CPU emulates bf16 matmuls slowly).
+    # "auto": bfloat16 on accelerators, float32 on CPU: exact enough for runs compared across layouts, and
+    # on the CPU reference config no slower than bfloat16 with full remat (benchmarks/side_by_side.py).
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
     remat: str = "none"
+    # The loss's head in chunks of this many sequence positions, so only one chunk's logits exist at a
+    # time (shard.models.xent); 0: the whole logits at once; -1 (auto): chunks of at most 8 MiB of
+    # float32 logits per device, none where the whole logits are no bigger.
+    loss_chunk: int = -1
     # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
     attention: str = "auto"
     # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
@@ -155,6 +160,8 @@ class ModelConfig:
                             f"{self.mlp_activation!r}")
         elif self.mlp_activation != "silu" and self.n_experts:
             problems.append(f"model.mlp_activation={self.mlp_activation} can't apply to experts: they are SwiGLU")
+        if not -1 <= self.loss_chunk < 2**31:
+            problems.append(f"model.loss_chunk must be -1 (auto), 0 (off) or positions per chunk, got {self.loss_chunk}")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
@@ -408,6 +415,42 @@ def matmul_params(cfg: ModelConfig) -> int:
     n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
     if cfg.n_experts:
         n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+    return n
+
+
+# Auto chunking of the loss (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most
+# this big; logits that fit are not chunked (shard.models.xent).
+CHUNK_LOGITS_BYTES = 8 * 2**20
+CHUNK_MIN_TOKENS = 64  # per device: smaller chunks' matmuls waste the machine more than they save
+# Auto chunks only where a device holds this many tokens per embedding dim at least: the chunks keep a
+# float32 D x V weight-gradient sum, which costs what they save at about one token per dim (compiled, the
+# CPU reference config at fsdp=8 in bf16 with full remat, 256 tokens of D 256: 117 -> 129 MiB chunked;
+# at fsdp=2,model=4, 1024 tokens: 100 -> 53 MiB).
+CHUNK_MIN_TOKENS_PER_D = 2
+
+
+def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
+                vocab_ways: int = 1) -> int:
+    """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
+    `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
+    off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
+    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device, and none
+    where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per embedding dim."""
+    if cfg.loss_chunk == 0 or seq_len <= 1:
+        return 1
+    if cfg.loss_chunk > 0:
+        return max(1, seq_len // cfg.loss_chunk)
+    local_t = seq_len // max(length_ways, 1)
+    rows = max(batch // max(batch_ways, 1), 1)
+    if local_t * rows < CHUNK_MIN_TOKENS_PER_D * cfg.d_model:
+        return 1  # the chunks' float32 sum of the head weight's gradient (D x V) would cost what they save
+    per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
+    n = 1
+    for k in range(1, local_t + 1):
+        if local_t % k == 0 and (local_t // k) * rows >= CHUNK_MIN_TOKENS:
+            n = k
+            if local_t // k * per_position <= CHUNK_LOGITS_BYTES:
+                break
     return n
 
 

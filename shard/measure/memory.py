@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shard.axes import EMBED, HEADS, LENGTH, MLP, VOCAB
-from shard.config.model import ModelConfig
+from shard.axes import BATCH, EMBED, HEADS, LENGTH, MLP, VOCAB
+from shard.config.model import ModelConfig, loss_chunks
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
@@ -23,6 +23,11 @@ ACT_PER_D = 9.0  # residual-stream-wide tensors (x, normed x, attention and MLP 
 ACT_PER_F = 7.0  # gate, up, hidden (silu(gate) is recomputed)
 ACT_PER_PROBS = 3.25  # attention scores / probabilities, N x T (N with flash attention)
 LOGITS_COPIES = 1.5  # float32 logits and their gradient, V per token (the target picked by a gather)
+# The loss in chunks (model.loss_chunk, shard.models.xent): one chunk's float32 logits and their gradient,
+# V per token of the chunk, and the head weight's float32 gradient sum, D x V, of which XLA's buffers
+# hold about half beyond what the unchunked head holds (fitted on tiny, vocab 4096, DP and FSDP x TP).
+CHUNK_LOGITS_COPIES = 1.5
+CHUNK_WEIGHT_GRAD = 0.5
 OPT_TEMP_COPIES = 0.94  # optimizer-step temporaries (clipped gradient, update), parameter-sized
 ACT_PER_RING_TICK = 2.0  # ring attention: per tick, the output accumulator (N x H) and the key/value blocks held (2 K x H)
 # qk_norm (Qwen3): the queries' and keys' norm in float32 keeps its input and output and RoPE's input,
@@ -68,8 +73,19 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
         layers = cfg.n_layers * (per_layer + ring)
     else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
         layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
-    logits = LOGITS_COPIES * cfg.padded_vocab / shape.degree(VOCAB) * 4
-    return tokens * (layers + logits)
+    return tokens * layers + logits_bytes(cfg, shape, work)
+
+
+def logits_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Bytes the loss's head holds at once per device: the whole float32 logits and their gradient, or
+    in chunks (`loss_chunks`) one chunk's and the float32 sum of the head weight's gradient."""
+    tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
+    vocab = cfg.padded_vocab / shape.degree(VOCAB)
+    n = loss_chunks(cfg, work.global_batch // work.microbatches, work.seq_len, shape.degree(BATCH),
+                    shape.degree(LENGTH), shape.degree(VOCAB))
+    if n == 1:
+        return tokens * LOGITS_COPIES * vocab * 4
+    return tokens / n * CHUNK_LOGITS_COPIES * vocab * 4 + CHUNK_WEIGHT_GRAD * cfg.d_model * vocab * 4
 
 
 def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:

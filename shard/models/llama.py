@@ -145,11 +145,21 @@ def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool =
     order (`zigzag_positions` for the context-parallel ways of the active layout), and so are the logits.
     `segment_ids`, `positions`: (B, T) of packed rows (module docstring), in the tokens' order.
     `router_bias` (L, E): the balancing bias experts are chosen by (model.router_bias_update)."""
+    x_btd, table, moe_stats = forward_hidden(cfg, params, tokens_bt, zigzag, segment_ids, positions, router_bias)
+    return head_logits(cfg, params, x_btd, table), moe_stats
+
+
+def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False,
+                   segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                   router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, dict]:
+    """`forward` up to the head: the residual stream after the last layer, the tied table the head is to
+    share with the lookup (`tied_table`; None otherwise) and the MoE statistics. The loss runs the head
+    itself, in chunks (shard.models.xent)."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
     x_btd, moe_stats = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
                                   positions=positions, router_bias=router_bias)
-    return head_logits(cfg, params, x_btd, table), moe_stats
+    return x_btd, table, moe_stats
 
 
 def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:

@@ -104,3 +104,21 @@ def test_ring_attention_refuses_a_window():
                                          "attention has no sliding window") as e:
         train_losses(tiny_config("cp", model__sliding_window=4))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prefill", [3, 11])
+def test_gemma_local_layers_cache_the_window_alone(prefill):
+    """Gemma's local layers (every other one here) keep a rolling cache of their window, the global ones
+    every position; decoding past the window gives the full forward's logits at every position."""
+    cfg = dataclasses.replace(PRESETS["gemma3-tiny"], compute_dtype="float32")  # window 8, 4 layers
+    model = models.build(cfg)
+    tokens = jax.random.randint(jax.random.key(2), (1, 20), 0, cfg.vocab_size)
+    full = model(tokens)
+    cache = llama.init_cache(cfg, 1, 20)
+    assert (cache["k_local"].shape[:3], cache["k"].shape[:3]) == ((2, 1, 8), (2, 1, 20))
+    logits, cache = model(tokens[:, :prefill], cache, 0)
+    steps = [logits]
+    for t in range(prefill, 20):
+        logits, cache = model(tokens[:, t:t + 1], cache, t)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=2e-5)

@@ -268,12 +268,36 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
     if router_bias is not None:  # chooses experts only: no gradient
         router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
+    if cache is not None and "k_local" in cache:  # local layers in a rolling cache of their own
+        return _unrolled_with_split_cache(cfg, block, layers, x_btd, cache, router_bias)
     keys = adapters.dropout_keys(jax.tree.leaves(layers)[0].shape[0])  # LoRA dropout while training
     x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l, keys))
     stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
+
+
+def _unrolled_with_split_cache(cfg: ModelConfig, block, layers: dict, x_btd, cache: dict, router_bias):
+    """Generation for layers whose windows differ (Gemma): the layers one after another (a scan needs one
+    cache shape), each local layer reading and writing its rolling cache of the window ("k_local",
+    "v_local"), each global one the whole context ("k", "v"); init_cache makes both."""
+    new = {"": [], "_local": []}
+    aux = jnp.zeros((), jnp.float32)
+    for i, window in enumerate(cfg.layer_windows()):
+        part = "_local" if window else ""
+        j = len(new[part])
+        kv = {"k": cache["k" + part][j], "v": cache["v" + part][j]}
+        p = jax.tree.map(lambda a, i=i: a[i], layers)
+        bias = None if router_bias is None else router_bias[i]
+        x_btd, (stats, kv) = block(x_btd, (p, kv, bias, window, None))
+        aux = aux + stats["aux"]
+        new[part].append(kv)
+    out = {}
+    for part, kvs in new.items():
+        for name in ("k", "v"):
+            out[name + part] = jnp.stack([kv[name] for kv in kvs]) if kvs else cache[name + part]
+    return x_btd, {"aux": aux}, out
 
 
 def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None) -> jax.Array:
@@ -333,11 +357,22 @@ CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     """An empty KV cache: k and v of shape (L, B, S, K, H) in the compute dtype; S is max_len, or where
     every layer has the same window shorter than that (Mistral), the window: a rolling cache
-    (`rolling_cache`) that keeps the last `sliding_window` positions only. Layers whose windows differ
-    (Gemma's local and global) keep every position, the older ones masked."""
-    rolling = cfg.sliding_window and not cfg.windows_vary and cfg.sliding_window < max_len
-    shape = (cfg.n_layers, batch, cfg.sliding_window if rolling else max_len, cfg.n_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, compute_dtype(cfg)), "v": jnp.zeros(shape, compute_dtype(cfg))}
+    (`rolling_cache`) that keeps the last `sliding_window` positions only. Where local and global layers
+    alternate (Gemma) and the window is shorter than max_len, the global layers' k and v (max_len) and
+    the local layers' "k_local" and "v_local" (the window) are two stacks."""
+    window, dtype = cfg.sliding_window, compute_dtype(cfg)
+    rolling = 0 < window < max_len
+
+    def stack(layers, length):
+        shape = (layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        return jnp.zeros(shape, dtype)
+
+    if rolling and cfg.windows_vary:
+        local = sum(1 for w in cfg.layer_windows() if w)
+        return {"k": stack(cfg.n_layers - local, max_len), "v": stack(cfg.n_layers - local, max_len),
+                "k_local": stack(local, window), "v_local": stack(local, window)}
+    length = window if rolling else max_len
+    return {"k": stack(cfg.n_layers, length), "v": stack(cfg.n_layers, length)}
 
 
 def norm(cfg: ModelConfig, x, scale):
@@ -408,8 +443,8 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     if kv is None:
         o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
                                   cfg.attn_softcap)
-    elif rolling_cache(cfg, kv):
-        o_btnh, kv = rolling_attention(q_btnh, k_btkh, v_btkh, kv, start, cfg.sliding_window, scale, cfg.attn_softcap)
+    elif rolling_cache(kv, window):
+        o_btnh, kv = rolling_attention(q_btnh, k_btkh, v_btkh, kv, start, window, scale, cfg.attn_softcap)
     else:
         kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
               "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
@@ -530,9 +565,9 @@ def _cudnn_problem(q_btnh, segments: bool = False) -> str:
                                    segments=segments)
 
 
-def rolling_cache(cfg: ModelConfig, kv: dict) -> bool:
-    """Whether a cache slice is init_cache's rolling one: as long as the window every layer has."""
-    return bool(cfg.sliding_window) and not cfg.windows_vary and kv["k"].shape[1] == cfg.sliding_window
+def rolling_cache(kv: dict, window) -> bool:
+    """Whether a layer's cache slice is init_cache's rolling one: as long as its (static) window."""
+    return isinstance(window, int) and window > 0 and kv["k"].shape[1] == window
 
 
 def rolling_attention(q_btnh, k_btkh, v_btkh, kv: dict, start, window: int, scale, softcap: float):

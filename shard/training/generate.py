@@ -83,7 +83,7 @@ class Generator:
                 logits, cache = nnx.merge(graphdef, params)(tokens, cache, start, router_bias)
             return logits[:, -1], cache
 
-        cache_shardings = {"k": self.cache_sharding, "v": self.cache_sharding}
+        cache_shardings = dict.fromkeys(jax.eval_shape(lambda: init_cache(model_cfg, 1, max_len)), self.cache_sharding)
         self._forward = jax.jit(forward, out_shardings=(replicated, cache_shardings), donate_argnums=2)
         self._sample = jax.jit(sample, static_argnums=2)
 

@@ -79,11 +79,14 @@ CASES = {
     # Gemma: sandwich norms, GeGLU, soft-caps, local and global layers (the einsum attention)
     "gemma2-fsdp_tp": ("gemma2-tiny", "fsdp_tp:4x2", {}),
     "gemma3-1layer": ("gemma3-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    # Mistral: a window shorter than the sequence; Mixtral: its experts, dropless, split over `expert`
+    "mistral-fsdp_tp": ("mistral-tiny", "fsdp_tp:4x2", {}),
+    "mixtral-ep": ("mixtral-tiny", "ep", {}),
 }
 UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe")  # an axis without a formula (unmodelled_axes)
 # dropless routing: the bytes agree; the memory model leaves out XLA:CPU's masked dense ragged_dot
 # (every expert on every row: 10.3 MB compiled against 5.0 predicted on `fine-ep`)
-DROPLESS_CASES = ("fine-ep", "fine-dp_fsdp_ep")
+DROPLESS_CASES = ("fine-ep", "fine-dp_fsdp_ep", "mixtral-ep")
 FLOPS_CASES = ("tiny-1layer", "tiny-1layer-untied", "moe-1layer", "moe-1layer-long", "qwen2-1layer",
                "qwen3-1layer", "gemma3-1layer")  # for the FLOPs count only
 EFFICIENCY_CASES = [k for k in CASES if k.split("-")[1] in ("dp", "fsdp", "tp", "dp_tp", "dp_fsdp", "dp_fsdp_tp", "cp",

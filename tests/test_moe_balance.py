@@ -154,7 +154,8 @@ def test_a_tiny_moe_run_balances_logs_the_load_and_checkpoints_the_bias(tmp_path
         spec_off = state_spec(off, cfg.optimizer, cfg.steps, layout)
         plain = ckpts.restore(4, spec_off)
         assert "router_bias" not in plain.state
-        ckpts.save(10, plain.state, position=plain.position, seed=cfg.seed, config_toml=plain.config_toml)
+        at_10 = plain.state | {"step": jax.device_put(np.int32(10), plain.state["step"].sharding)}  # as step 10 holds
+        ckpts.save(10, at_10, position=plain.position, seed=cfg.seed, config_toml=plain.config_toml)
         ckpts.wait()
         again = ckpts.restore(10, spec)
         np.testing.assert_array_equal(np.asarray(again.state["router_bias"]), np.zeros((2, 8), np.float32))

@@ -19,7 +19,8 @@ def import_hf(
         help="a local Hugging Face Llama, Qwen2 or Qwen3 folder (config.json + *.safetensors)")],
     out: Annotated[Path, typer.Option("--out", help="run dir to create with the imported checkpoint")],
 ):
-    """Import a Hugging Face Llama-family model as a shard checkpoint (step 0, fresh optimizer state)."""
+    """Import a Hugging Face model (any family shard builds) as a shard checkpoint of its weights, read tensor by
+    tensor; fine-tune it with --init-from."""
     from shard.run.hf import is_hf_dir
 
     if not is_hf_dir(hf_dir):
@@ -68,8 +69,8 @@ def export_hf(
     lora_out: Annotated[Path | None, typer.Option(
         "--lora-out", help="a LoRA checkpoint: write its adapters here in PEFT's format")] = None,
 ):
-    """Write a checkpoint's model as a Hugging Face folder that transformers loads (Llama, Qwen2 or Qwen3, by
-    the model's features); a LoRA checkpoint's adapters merged into it (--merge) or for peft (--lora-out)."""
+    """Write a checkpoint's model as a Hugging Face folder that transformers loads (the family its features make);
+    a LoRA checkpoint's adapters merged into it (--merge) or for peft (--lora-out)."""
     checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
     if out is None and lora_out is None:
         raise ShardError("export-hf needs --out DIR (the model) or --lora-out DIR (a LoRA checkpoint's adapters)")

@@ -319,7 +319,7 @@ class BatchStream:
             return jax.make_array_from_callback(shape, self.sharding, callback)
 
         keys = ("inputs", "targets", "mask") + (("segment_ids", "positions") if self.packed else ())
-        keys += ("loss_mask",) if self.dataset.loss_masked else ()
+        keys += ("loss_mask",) if getattr(self.dataset, "loss_masked", False) else ()
         batch = {k: make(k) for k in keys}
         if self.packed:  # every process counts the whole global batch's tokens (each holds the plan)
             self.filled_tokens += self.dataset.filled(self.position, self.position + self.global_batch)

@@ -117,6 +117,9 @@ class LazyParam:
     def forget(self) -> None:
         self._last = None
 
+    def __getitem__(self, index):
+        return np.asarray(self)[index]
+
     def __array__(self, dtype=None, copy=None):
         whole = np.asarray(self._read(tuple(slice(None) for _ in self.shape)), self.dtype)
         return whole if dtype is None else whole.astype(dtype)

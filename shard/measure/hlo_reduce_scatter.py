@@ -37,6 +37,8 @@ def _fused(ins: Instr, comps: dict[str, Computation]) -> Computation | None:
 def _passes(ins: Instr, comps: dict[str, Computation]) -> bool:
     return ins.opcode in _PASS_THROUGH or _fused(ins, comps) is not None
 
+_MOVES = ("bitcast", "copy", "reshape", "transpose", "slice", "convert")  # values moved or cast, not combined
+
 
 def _readers(comp: Computation, name: str, tuple_index: int | None, seen: set | None = None,
              comps: dict[str, Computation] | None = None):
@@ -56,12 +58,28 @@ def _readers(comp: Computation, name: str, tuple_index: int | None, seen: set | 
                 if idx and int(idx.group(1)) == tuple_index:
                     out.extend(_follow(comp, ins, seen, comps))
             elif _passes(ins, comps):
+                fused = _fused(ins, comps)
                 if seen is not None:
-                    fused = _fused(ins, comps)
-                    seen |= {(fused.name, i) for i in fused.instrs} if fused else {(comp.name, ins.name)}
-                out.extend(_follow(comp, ins, seen, comps))
+                    seen |= _direct_adds(fused, fused.params[pos]) if fused else {(comp.name, ins.name)}
+                # past arithmetic, an add sums more than the all-reduced values: not AllReduceReassociate's
+                moves = fused is None and ins.opcode in _MOVES or fused and all(
+                    i.opcode in (*_MOVES, "parameter") for i in fused.instrs.values())
+                out.extend(_follow(comp, ins, seen if moves else None, comps))
             else:
                 out.append((ins, pos))
+    return out
+
+
+def _direct_adds(comp: Computation, name: str) -> set[tuple[str, str]]:
+    """The adds that take `name` as it is, through layout ops and converts only (an add of two all-reduced
+    values, each converted back to bf16, in one fusion): the add AllReduceReassociate would rewrite."""
+    out: set = set()
+    for ins in comp.instrs.values():
+        if name in ins.operands:
+            if ins.opcode == "add":
+                out.add((comp.name, ins.name))
+            elif ins.opcode in _MOVES:
+                out |= _direct_adds(comp, ins.name)
     return out
 
 
@@ -154,6 +172,22 @@ def narrowed_to(comp: Computation, name: str, tuple_index: int | None,
         return bool(readers)
 
     return found.pop() if visit(comp, name, tuple_index) and len(found) == 1 else None
+
+
+def _widened_from(comp: Computation, name: str, comps: dict[str, Computation]) -> str | None:
+    """The type `name` was converted up from, through layout ops and into the fusion that makes it."""
+    ins = comp.instrs.get(name)
+    while ins is not None:
+        if ins.opcode == "convert":
+            src = comp.instrs.get(ins.operands[0])
+            return re.match(r"[a-z0-9]+", src.shape).group(0) if src is not None else None
+        if ins.opcode in ("bitcast", "copy", "reshape", "transpose"):
+            ins = comp.instrs.get(ins.operands[0])
+        elif ins.opcode == "fusion" and (fused := comps.get(next(iter(called(ins.attrs, "calls")), ""))):
+            comp, ins = fused, fused.instrs[fused.order[-1]]
+        else:
+            return None
+    return None
 
 
 def program_bytes(comp: Computation, name: str, tuple_index: int | None, shape: str,

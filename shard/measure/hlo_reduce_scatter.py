@@ -43,7 +43,8 @@ _MOVES = ("bitcast", "copy", "reshape", "transpose", "slice", "convert")  # valu
 def _readers(comp: Computation, name: str, tuple_index: int | None, seen: set | None = None,
              comps: dict[str, Computation] | None = None):
     """Final readers (instruction, operand position) of `name` (element `tuple_index` of it, if a tuple),
-    looking through _PASS_THROUGH ops and fusions of them; every pass-through op visited is added to `seen`."""
+    looking through _PASS_THROUGH ops and fusions of them. The adds met before anything else combines the
+    value (only moved or cast on the way: the add of two all-reduced values) are added to `seen`."""
     comps = comps or {}
     out = []
     for ins in comp.instrs.values():
@@ -172,22 +173,6 @@ def narrowed_to(comp: Computation, name: str, tuple_index: int | None,
         return bool(readers)
 
     return found.pop() if visit(comp, name, tuple_index) and len(found) == 1 else None
-
-
-def _widened_from(comp: Computation, name: str, comps: dict[str, Computation]) -> str | None:
-    """The type `name` was converted up from, through layout ops and into the fusion that makes it."""
-    ins = comp.instrs.get(name)
-    while ins is not None:
-        if ins.opcode == "convert":
-            src = comp.instrs.get(ins.operands[0])
-            return re.match(r"[a-z0-9]+", src.shape).group(0) if src is not None else None
-        if ins.opcode in ("bitcast", "copy", "reshape", "transpose"):
-            ins = comp.instrs.get(ins.operands[0])
-        elif ins.opcode == "fusion" and (fused := comps.get(next(iter(called(ins.attrs, "calls")), ""))):
-            comp, ins = fused, fused.instrs[fused.order[-1]]
-        else:
-            return None
-    return None
 
 
 def program_bytes(comp: Computation, name: str, tuple_index: int | None, shape: str,

@@ -64,7 +64,8 @@ class StepAnalysis:
             "communication_efficiency": self.efficiency,
             "unmodelled_axes": self.unmodelled_axes,
             "efficiency_basis": "logical collectives (CPU all-reduce+slice counted as reduce-scatter, "
-                                "add of two all-reduces as one), ring algorithm bytes on the wire",
+                                "add of two all-reduces as one, bf16 the backend widened to f32 as bf16), "
+                                "ring algorithm bytes on the wire",
             "flops_per_device": self.flops,
             "model_flops_per_device": self.model_flops,
         }

@@ -4,7 +4,8 @@ Pure text processing (no JAX): `collectives(text, axis_names, axis_sizes)` reads
 every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute, including the async
 `-start` forms, combined ones too (the matching `-done` is not counted again), with its mesh axes
 (hlo_groups) and how many times it runs (hlo_text). A CPU reduce-scatter (hlo_reduce_scatter) is
-reported as compiled (`all-reduce`) and as the logical collective (`reduce-scatter`).
+reported as compiled (`all-reduce`) and as the logical collective (`reduce-scatter`); one XLA:CPU widened
+(a bf16 gradient reduced in f32) is counted on the program's type, and its `compiled_as` says so.
 
 Bytes on the wire per device follow the ring algorithms nccl-tests assumes: all-reduce 2(n-1)/n x S,
 all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S x the share
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 from shard.measure.costs import axis_share, wire_bytes
 from shard.measure.hlo_groups import devices_over, group_axes, groups_of, permute_pairs
-from shard.measure.hlo_reduce_scatter import split_reduce_scatter
-from shard.measure.hlo_text import array_bytes, multiplicities, parse_module, tuple_elements
+from shard.measure.hlo_reduce_scatter import program_bytes, split_reduce_scatter
+from shard.measure.hlo_text import array_bytes, element_shapes, multiplicities, parse_module, tuple_elements
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -31,13 +32,14 @@ class Collective:
 
     name: str
     kind: str  # the logical collective: all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
-    compiled_as: str  # the op in the HLO; "all-reduce+dynamic-slice" for a CPU reduce-scatter
+    compiled_as: str  # the op in the HLO; "all-reduce+dynamic-slice" for a CPU reduce-scatter, with
+    # ", bf16 widened to f32" where the backend reduced the program's bf16 in f32
     axes: tuple[str, ...]  # mesh axes the group spans (empty: one device, no traffic)
     group_size: int
     count: int  # executions per step (loop trip counts applied)
     result_bytes: int  # the buffer the op produces (for a CPU reduce-scatter: the full all-reduce)
     wire_bytes: float  # bytes one device sends per execution, as compiled
-    logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective
+    logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective (its dtype)
     in_branch: bool = False  # in a conditional's branch: `count` is an upper bound (see multiplicities)
     logical_axes: tuple[str, ...] | None = None  # the logical collective's axes, where not `axes` (folded)
 
@@ -83,17 +85,23 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             if kind == "all-reduce" and n > 1:
                 split = split_reduce_scatter(comp, ins, n, by_name, summed, axes, continued, axis_names, axis_sizes)
                 for (logical, compiled_as, m, over), part in split.items():
-                    total = sum(part)
+                    total, moved = sum(s for s, _ in part), sum(s for _, s in part)  # compiled, program's dtype
                     k = devices_over(over, axis_names, axis_sizes)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
-                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, total, k, m),
+                                          wire_bytes("all-reduce", total, n), _logical_bytes(logical, moved, k, m),
                                           comp.name in in_branch, None if over == axes else over))
                 continue
-            total = sum(sizes)
+            total, moved, note = sum(sizes), sum(sizes), ""
+            if not ins.opcode.endswith("-start"):  # widened by the backend: the program moves its own type
+                shapes = element_shapes(ins.shape)
+                read = [program_bytes(comp, ins.name, i if len(shapes) > 1 else None, s, by_name)
+                        for i, s in enumerate(shapes)]
+                moved = sum(b for b, _ in read) * (n if kind == "reduce-scatter" else 1)
+                note = next((t for _, t in read if t), "")
             w = wire_bytes(kind, total, n)
-            if pairs:  # one sender a pair
-                w *= min(len(pairs), n_devices) / n_devices
-            out.append(Collective(ins.name, kind, ins.opcode, axes, n, count, total, w, w, comp.name in in_branch))
+            share = min(len(pairs), n_devices) / n_devices if pairs else 1.0  # permute: one sender a pair
+            out.append(Collective(ins.name, kind, ins.opcode + note, axes, n, count, total, w * share,
+                                  wire_bytes(kind, moved, n) * share, comp.name in in_branch))
     return out
 
 

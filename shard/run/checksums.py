@@ -20,7 +20,10 @@ def state_fingerprint(state) -> dict[str, list]:
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     first = leaves[0][1].sharding if leaves and isinstance(leaves[0][1], jax.Array) else None
     replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
-    sums = np.asarray(_fingerprints(replicated)(state).addressable_data(0))
+    # one leaf at a time: XLA:CPU materialises each leaf's weighted bits before summing them, and in one
+    # program every leaf's at once (a second copy of the state: 1 GiB of temporaries for a 1 GiB state)
+    one = _fingerprint(replicated)
+    sums = [np.asarray(one(x).addressable_data(0)) for _, x in leaves]
     return {path_str(p): [int(c), str(x.dtype)] for (p, x), c in zip(leaves, sums, strict=True)}
 
 
@@ -45,7 +48,7 @@ def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
 
 
 @functools.cache
-def _fingerprints(out_sharding):
+def _fingerprint(out_sharding):
     import jax.numpy as jnp
 
     def one(x):
@@ -61,4 +64,4 @@ def _fingerprints(out_sharding):
             stride *= bits.shape[d]
         return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
 
-    return jax.jit(lambda state: jnp.stack([one(x) for x in jax.tree.leaves(state)]), out_shardings=out_sharding)
+    return jax.jit(one, out_shardings=out_sharding)

@@ -67,12 +67,13 @@ def test_losses_and_grad_norms_match_single_device(mesh, reference):
         assert specs["wq_lora_a"].spec[1] == "fsdp" and specs["wo_lora_b"].spec[2] == "fsdp"
 
 
-def test_context_parallel_lora_matches_single_device():
-    """Under context parallelism the sequence runs in ring attention's zig-zag order, so dropout would
-    draw its masks over other token orders (the same distribution, not the same draw): without dropout
-    the losses and gradient norms are one device's."""
-    ref = lora_run("1x1", lora__dropout=0.0)[1]
-    records = lora_run("cp", lora__dropout=0.0)[1]
+@pytest.mark.parametrize("mesh", ["cp", "stage=2,data=4"])
+def test_context_and_pipeline_parallel_lora_match_single_device(mesh):
+    """Under context parallelism the sequence runs in ring attention's zig-zag order, and pipeline stages
+    draw dropout masks per stage, so dropout would draw other masks (the same distribution, not the
+    same draw): without dropout the losses and gradient norms are one device's."""
+    ref = lora_run("1x1", lora__dropout=0.0, data__batch=16)[1]
+    records = lora_run(mesh, lora__dropout=0.0, data__batch=16)[1]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in ref], rtol=1e-5, err_msg=key)
 

@@ -48,7 +48,8 @@ def import_hf(
     globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint)
+        # a quarter GB written at a time: orbax's default buffers every chunk at once, a second copy
+        ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint, write_concurrent_gb=0.25)
         (partial / "config.toml").write_text(config_toml)
         hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
         try:

@@ -66,7 +66,10 @@ class Checkpoints:
     and restore of the newest readable complete checkpoint into any mesh."""
 
     def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
-                 notice: Callable[[str], None] | None = None, read_only: bool = False):
+                 notice: Callable[[str], None] | None = None, read_only: bool = False,
+                 write_concurrent_gb: float | None = None):
+        """`write_concurrent_gb`: the most bytes (GB) orbax writes at once; None its default (96), which
+        buffers a whole model's chunks at once (import-hf bounds it: a second copy of what it imports)."""
         self.directory = globless(Path(directory).absolute())
         if not read_only and self.directory.is_dir() and not os.access(self.directory, os.W_OK):
             # before any step runs: a save would fail only after the steps since the last checkpoint
@@ -91,7 +94,8 @@ class Checkpoints:
             # with no metrics on disk at all (written before shard recorded them) are kept.
             keep.append(policies.BestN(get_metric_fn=value, reverse=cfg.best_mode == "min", n=cfg.keep_best))
         configure_orbax()
-        handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        limit = {} if write_concurrent_gb is None else {"save_concurrent_gb": write_concurrent_gb}
+        handlers = {STATE: ocp.StandardCheckpointHandler(**limit), META: ocp.JsonCheckpointHandler()}
         with absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,

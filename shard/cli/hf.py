@@ -2,6 +2,7 @@
 and from shard checkpoints."""
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -48,8 +49,11 @@ def import_hf(
     globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        # a quarter GB written at a time: orbax's default buffers every chunk at once, a second copy
-        ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint, write_concurrent_gb=0.25)
+        # a quarter GB written at a time, or the largest tensor: orbax's default buffers every chunk at
+        # once (a second copy), and refuses a tensor larger than its limit
+        largest = max(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(spec.abstract["params"]))
+        ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint,
+                            write_concurrent_gb=max(0.25, 1.01 * largest / 1e9))
         (partial / "config.toml").write_text(config_toml)
         hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
         try:

@@ -19,7 +19,6 @@ or fails.
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -38,30 +37,15 @@ WORDS = TEXT.split(" ")
 
 def write_task(folder: Path, questions: int, seed: int = 0) -> Path:
     """A multiple-choice task YAML over a JSONL of `questions` questions; returns the YAML's path."""
+    from shard.testing import multiple_choice_task
+
     rng = random.Random(seed)
-    with open(folder / "mc.jsonl", "w") as f:
-        for _ in range(questions):
-            question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
-            choices = [" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
-                       for _ in range(rng.randint(2, 4))]
-            f.write(json.dumps({"question": question, "choices": choices, "answer": 0}) + "\n")
-    task = folder / "bench_mc.yaml"
-    task.write_text(f"""task: bench_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / "mc.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
-    return task
+    rows = []
+    for _ in range(questions):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
+        choices = [" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(2, 4))]
+        rows.append({"question": question, "choices": choices, "answer": 0})
+    return multiple_choice_task(folder, "bench_mc", rows)
 
 
 def run(lm, task) -> tuple[float, list[float], float]:

@@ -14,8 +14,6 @@ of T over M and the measured bubble is 1 - c M / T(M).
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,6 +23,7 @@ import numpy as np
 
 from shard import config, prepare
 from shard.parallel import pipeline
+from shard.testing import median_step_seconds
 
 # (label, mesh, extra --set keys, model override)
 LAYOUTS = [
@@ -48,21 +47,6 @@ def resolve(model: str, mesh: str, sets: dict, batch: int, seq: int):
     return config.resolve(config.parse_sets(items))
 
 
-def time_steps(run, steps: int) -> float:
-    state = run.state
-    state, m = run.step_fn(state, run.stream.next())  # warm-up
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        batch = run.stream.next()
-        t0 = time.perf_counter()
-        state, m = run.step_fn(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    run.state = state
-    return statistics.median(times)
-
-
 def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "") -> None:
     print(f"{'model':<9} {'layout':<40} {'step MiB/dev':>12} {'params MiB/dev':>14} {'step ms':>9} {'loss':>7}")
     for model in models:
@@ -75,7 +59,7 @@ def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "")
                 sets.setdefault("pipeline.microbatches", 4)
             cfg = resolve(name, mesh, sets, batch, seq)
             run = prepare(cfg)
-            ms = time_steps(run, steps) * 1e3
+            ms = median_step_seconds(run, steps) * 1e3
             mem = run.compiled_memory
             params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(run.state["params"]))
             loss = float(run.step_fn(run.state, run.stream.next())[1]["loss"])
@@ -94,7 +78,7 @@ def bubble(model: str, steps: int, rows_per_micro: int, seq: int, micro=(2, 4, 8
             cfg = resolve(model, "pipeline", {"pipeline.schedule": kind, "pipeline.microbatches": m},
                           rows_per_micro * 4 * m, seq)
             run = prepare(cfg)
-            times.append(time_steps(run, steps))
+            times.append(median_step_seconds(run, steps))
             temps.append(run.compiled_memory["temporaries"])
         c = np.polyfit(np.array(micro, float), np.array(times), 1)[0]
         for m, t, temp in zip(micro, times, temps):

@@ -13,13 +13,10 @@ cores (and the host may be shared with other work): they compare the forms' work
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax
 
 from shard import config, prepare
 from shard.config.model import PRESETS
@@ -27,6 +24,7 @@ from shard.measure import costs
 from shard.measure.analysis import analyze
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
+from shard.testing import median_step_seconds
 
 
 def forms(model: str) -> dict[str, dict]:
@@ -46,19 +44,6 @@ def resolve(model: str, mesh: str, sets: dict, batch: int, seq: int):
     return config.resolve(config.parse_sets(items + [f"{k}={v}" for k, v in sets.items()]))
 
 
-def time_steps(run, steps: int) -> float:
-    state, m = run.step_fn(run.state, run.stream.next())  # warm-up
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(steps):
-        batch = run.stream.next()
-        t0 = time.perf_counter()
-        state, m = run.step_fn(state, batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="moe-fine-tiny")
@@ -73,7 +58,7 @@ def main() -> None:
         for label, sets in forms(a.model).items():
             cfg = resolve(a.model, mesh, sets, a.batch, a.seq)
             run = prepare(cfg)
-            t = time_steps(run, a.steps)
+            t = median_step_seconds(run, a.steps)
             row = f"{mesh:<6} {label:<18} {t * 1e3:>8.1f} {a.batch * a.seq / t:>9,.0f}"
             m = cfg.model
             if mesh == "ep" and m.n_experts:

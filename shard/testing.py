@@ -170,3 +170,52 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
     compiled = jax.jit(f).lower(params, batch).compile()
     out = jax.device_get(compiled(params, batch))
     return (*out, compiled.as_text()) if with_hlo else out
+
+
+def median_step_seconds(run, steps: int) -> float:
+    """The median wall time of `steps` train steps of a prepared `run` (shard.prepare), after one warm-up
+    step; the run keeps the state they leave (its old one was donated)."""
+    import statistics
+    import time
+
+    import jax
+
+    state, m = run.step_fn(run.state, run.stream.next())  # warm-up
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        batch = run.stream.next()
+        t0 = time.perf_counter()
+        state, m = run.step_fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    run.state = state
+    return statistics.median(times)
+
+
+def multiple_choice_task(folder, name: str, rows: list[dict]):
+    """An lm-evaluation-harness task YAML `folder/<name>.yaml` over a JSONL file of `rows` ({"question",
+    "choices", "answer"}) beside it, scored by accuracy; returns the YAML's path."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = folder / f"{name}.yaml"
+    task.write_text(f"""task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+    return task

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from shard.errors import ShardError  # noqa: E402
-from shard.testing import devices_for, tiny_config  # noqa: E402
+from shard.testing import devices_for, multiple_choice_task, tiny_config  # noqa: E402
 
 QUESTIONS = [("The sky is", [" blue", " green", " loud"], 0), ("Two plus two is", [" four", " five"], 0),
              ("Cats like to", [" sleep", " swim", " fly", " bark"], 0), ("Water is", [" wet", " dry"], 1)]
@@ -42,22 +42,7 @@ def exported(tmp_path_factory):
     cfg = dataclasses.replace(PRESETS["tiny"], vocab_size=tok.vocab_size, compute_dtype="float32")
     params = nnx.to_pure_dict(nnx.state(models.build(cfg, seed=1)))
     hf.write_hf_dir(str(folder), cfg, params)
-    data = root / "mc.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
-    task = root / "tiny_mc.yaml"
-    task.write_text(f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-""")
+    task = multiple_choice_task(root, "tiny_mc", [{"question": q, "choices": c, "answer": a} for q, c, a in QUESTIONS])
     return folder, task
 
 

@@ -36,7 +36,9 @@ from shard import read_jsonl
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
 VARIANTS = {
     "defaults": ([], {}),
+    "bf16": (["model.compute_dtype=bfloat16", "model.remat=none"], {}),
     "bf16-remat": (["model.compute_dtype=bfloat16", "model.remat=full"], {}),
+    "bf16-remat-chunked": (["model.compute_dtype=bfloat16", "model.remat=full", "model.loss_chunk=64"], {}),
     "fp32": (["model.compute_dtype=float32", "model.remat=none"], {}),
     "no-hugepages": ([], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}),
 }

@@ -57,11 +57,13 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict:
 
 
 def tiny_config(mesh: str = "8x1", **sets) -> TrainConfig:
-    """The tiny model on `mesh`, 3 steps of batch 8 x 32; `sets` are --set style keys with '__' for '.'.
+    """The tiny model on `mesh`, 3 steps of batch 8 x 32, in float32 without remat whatever the machine's
+    CPU (another model named in `sets` too); `sets` are --set style keys with '__' for '.'.
 
     >>> tiny_config("2x4", data__batch=16, model__n_kv_heads=4)
     """
-    overrides = {"model": {"name": "tiny"}, "mesh": {"spec": mesh}, "steps": 3, "log_every": 1,
+    overrides = {"model": {"name": "tiny", "compute_dtype": "float32", "remat": "none"}, "mesh": {"spec": mesh},
+                 "steps": 3, "log_every": 1,
                  "data": {"batch": 8, "seq_len": 32}}
     items = [f"{k.replace('__', '.')}={_toml(v)}" for k, v in sets.items()]
     return resolve(merge(overrides, parse_sets(items)))

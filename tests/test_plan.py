@@ -121,9 +121,9 @@ def test_the_best_command_trains_the_model_that_was_planned():
     command trained the preset), and a remat policy given is the only one planned."""
     r = invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.n_layers=8", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["best"].endswith(" --seq 2048 --set model.n_layers=8")
+    assert json.loads(r.stdout)["best"].endswith(" --seq 2048 --set model.n_layers=8 --set model.remat=none")
     table = invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.n_layers=8")
-    assert "--seq 2048 --set model.n_layers=8\n" in table.output  # whole, on one line
+    assert "--seq 2048 --set model.n_layers=8 --set model.remat=none\n" in table.output  # whole, on one line
     pinned = json.loads(invoke("plan", "--model", "llama-1b", "--devices", "8", "--set", "model.remat=full",
                                "--json").stdout)
     assert {c["remat"] for c in pinned["layouts"]} == {"full"} and pinned["best"].endswith("--set model.remat=full")

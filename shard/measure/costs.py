@@ -128,7 +128,7 @@ class Workload:
         m = cfg.model
         compute = m.compute_dtype_on(platform)
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
-                   cfg.data.microbatches, m.remat,
+                   cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
                    pipeline_schedule=cfg.pipeline.schedule)
 

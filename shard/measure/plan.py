@@ -83,7 +83,7 @@ class Candidate:
         (model changes), passed on so the command trains the model that was planned."""
         cmd = f"shard train --model {model} --mesh {self.mesh_spec()} --batch {batch} --seq {seq}"
         cmd += "".join(f" --set {shlex.quote(item)}" for item in sets)
-        return cmd + (f" --set model.remat={self.remat}" if self.remat != "none" else "")
+        return cmd + f" --set model.remat={self.remat}"  # named: "auto" differs by machine
 
     def to_dict(self) -> dict:
         return {
@@ -139,9 +139,10 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     """Predicted costs of one layout on this hardware."""
     import dataclasses
 
+    platform = "cpu" if hw.name == "cpu" else "gpu"
+    remat = dataclasses.replace(cfg, remat=remat).remat_on(platform)  # "auto" as it runs there
     cfg = dataclasses.replace(cfg, remat=remat)
     shape = costs.LayoutShape.of(**sizes)
-    platform = "cpu" if hw.name == "cpu" else "gpu"
     compute = cfg.compute_dtype_on(platform)
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,

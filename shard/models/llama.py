@@ -264,8 +264,10 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             ffn_btd = norm(cfg, ffn_btd, p["post_mlp_norm"])
         return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (stats, kv)
 
-    if cfg.remat != "none":
-        block = jax.checkpoint(block, policy=_REMAT[cfg.remat], prevent_cse=False)
+    # remat is for training: generating (a cache) saves nothing for a backward pass, and a checkpointed
+    # block would trace the split cache's static windows
+    if cache is None and (remat := cfg.remat_on(jax.default_backend())) != "none":
+        block = jax.checkpoint(block, policy=_REMAT[remat], prevent_cse=False)
     if router_bias is not None:  # chooses experts only: no gradient
         router_bias = jax.lax.stop_gradient(router_bias.astype(jnp.float32))
     if cache is not None and "k_local" in cache:  # local layers in a rolling cache of their own

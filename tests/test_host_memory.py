@@ -60,3 +60,40 @@ def test_the_command_restarts_before_the_cli_imports():
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["shard"] == "shard.cli.entry:main"
+
+
+def test_release_freed_memory_hands_held_heap_back_to_the_kernel():
+    """Freed blocks below the top of malloc's heap stay in the RSS until malloc_trim returns them."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(2048)]  # 128 MiB in blocks below the mmap threshold
+    for b in blocks:
+        ctypes.memset(b, 1, 64 << 10)  # touched: in the RSS
+    pin = libc.malloc(64 << 10)  # above them, so freeing them leaves no free top for malloc to trim itself
+    for b in blocks:
+        libc.free(b)
+    held = _rss_kib()
+    assert host_memory.release_freed_memory()
+    released = held - _rss_kib()
+    libc.free(pin)
+    assert released > 64 << 10, released  # at least half of the 128 MiB (in KiB)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_bf16_matmul_cpus_are_read_from_the_cpu_flags(tmp_path):
+    from shard.hardware import cpu_has_bf16_matmul
+
+    flags = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {}\n\n"
+    (tmp_path / "bf16").write_text(flags.format("avx512_bf16"))
+    (tmp_path / "amx").write_text(flags.format("amx_tile amx_bf16"))
+    (tmp_path / "plain").write_text(flags.format("avx512vnni"))
+    assert cpu_has_bf16_matmul(str(tmp_path / "bf16")) and cpu_has_bf16_matmul(str(tmp_path / "amx"))
+    assert not cpu_has_bf16_matmul(str(tmp_path / "plain"))
+    assert not cpu_has_bf16_matmul(str(tmp_path / "missing"))  # macOS, Windows: float32 stays the default

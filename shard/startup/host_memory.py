@@ -10,6 +10,9 @@ glibc reads its tunables once, when the process starts, so `shard` re-executes i
 tunable added, before anything heavy is imported. A user who sets `glibc.malloc.hugetlb` in
 GLIBC_TUNABLES (to 0 to keep glibc's default) is left alone, and so is a machine where it cannot help:
 not Linux, an older glibc, or transparent huge pages set to `always` (already on) or `never` (off).
+
+Compiling a step frees hundreds of MiB that malloc keeps in its arenas, counted in the process's RSS
+until reused: `release_freed_memory` hands them back once the step is compiled.
 """
 
 import os
@@ -63,3 +66,19 @@ def reexec_with_huge_pages() -> None:
         os.execve(sys.executable, [sys.executable, *argv[1:]], {**os.environ, "GLIBC_TUNABLES": tunables})
     except OSError:
         return  # cannot re-execute (an unusual interpreter setup): run as we are
+
+
+def release_freed_memory() -> bool:
+    """Give the memory malloc holds free back to the kernel (glibc's malloc_trim), once a large transient
+    use is over: compiling a step leaves hundreds of MiB freed but held in malloc's arenas, which count
+    in the process's RSS until reused (the CPU reference config on fsdp=8: peak RSS 1,999 MiB without,
+    1,695 with). False where the C library has no malloc_trim (not glibc)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

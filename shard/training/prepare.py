@@ -20,6 +20,7 @@ from shard.errors import ShardError
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh, split_over_processes
 from shard.sharding.rules import Layout
+from shard.startup.host_memory import release_freed_memory
 from shard.training.state import StateSpec, compile_init, init_state, state_spec
 from shard.training.step import batch_sharding, check_batch, pipeline_stages, with_schedule
 
@@ -115,6 +116,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
             compiled = compile_step(cfg, layout, spec)
             compile_s = time.perf_counter() - t0
         init = pending_init.result() if pending_init is not None else None
+    release_freed_memory()  # what compiling freed, back to the kernel: held by malloc, it stays in the RSS
     exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)

@@ -136,13 +136,27 @@ def random_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((batch, seq_len), np.float32)}
 
 
-def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bool = False):
+def packed_batch(cfg: TrainConfig) -> dict:
+    """random_batch for cfg with packed rows: two documents and three positions of padding per row."""
+    import numpy as np
+
+    b = random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, cfg.seed)
+    T = cfg.data.seq_len
+    seg = np.ones((cfg.data.batch, T), np.int32)
+    seg[:, T // 3:] = 2
+    seg[:, T - 3:] = 0
+    pos = np.where(seg == 2, np.arange(T) - T // 3, np.arange(T)).astype(np.int32)
+    return b | {"mask": (seg > 0).astype(np.float32), "segment_ids": seg, "positions": pos}
+
+
+def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bool = False,
+                   packed: bool = False):
     """Mean loss and the gradients of the (summed) training objective for one random batch on cfg's layout
     (pipelined when the mesh has stages), from the given (or freshly initialised) params.
 
     Compiles only the loss and its gradient, no optimizer or sharded init, so layout tests stay fast.
     `with_hlo` also returns the compiled HLO text (to check which collectives a layout uses).
-    """
+    `packed`: the batch's rows packed (`packed_batch`)."""
     import jax
     from flax import nnx
 
@@ -160,8 +174,9 @@ def loss_and_grads(cfg: TrainConfig, params: dict | None = None, *, with_hlo: bo
     if params is None:
         params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.seed)))
     params = jax.device_put(params, spec.shardings["params"])
-    batch = jax.device_put(random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, cfg.seed),
-                           batch_sharding(layout))
+    batch = packed_batch(cfg) if packed else random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size,
+                                                          cfg.seed)
+    batch = jax.device_put(batch, batch_sharding(layout))
     loss_fn = make_loss_fn(spec, layout, cfg.pipeline)
 
     def f(p, b):

@@ -11,20 +11,9 @@ from shard.config.model import CHUNK_LOGITS_BYTES, CHUNK_MIN_TOKENS, ModelConfig
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import activation_layout
-from shard.testing import devices_for, random_batch, tiny_config
+from shard.testing import devices_for, packed_batch, random_batch, tiny_config
 from shard.training.state import state_spec
 from shard.training.step import batch_sharding, check_batch, make_loss_fn
-
-
-def _packed_batch(cfg) -> dict:
-    """A random batch with masked positions and packed rows (two documents and padding per row)."""
-    b = random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, cfg.seed)
-    T = cfg.data.seq_len
-    seg = np.ones((cfg.data.batch, T), np.int32)
-    seg[:, T // 3:] = 2
-    seg[:, T - 3:] = 0
-    pos = np.where(seg == 2, np.arange(T) - T // 3, np.arange(T)).astype(np.int32)
-    return b | {"mask": (seg > 0).astype(np.float32), "segment_ids": seg, "positions": pos}
 
 
 def _objective_and_grads(cfg, packed: bool):
@@ -33,7 +22,7 @@ def _objective_and_grads(cfg, packed: bool):
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.seed)))
     params = jax.device_put(params, spec.shardings["params"])
-    batch = _packed_batch(cfg) if packed else random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size)
+    batch = packed_batch(cfg) if packed else random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size)
     batch = jax.device_put(batch, batch_sharding(layout))
     loss_fn = make_loss_fn(spec, layout, cfg.pipeline)
 
@@ -98,6 +87,6 @@ def test_evaluation_in_chunks_matches_the_whole_logits():
         layout = make_layout(cfg, parse_mesh("2x4"), devices_for("2x4"))
         spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
         params = jax.device_put(nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=0))), spec.shardings["params"])
-        batch = jax.device_put(_packed_batch(cfg), batch_sharding(layout))
+        batch = jax.device_put(packed_batch(cfg), batch_sharding(layout))
         out.append(jax.device_get(make_eval_step(spec, layout)(params, batch)))
     np.testing.assert_allclose(out[1], out[0], rtol=1e-5)

@@ -122,6 +122,12 @@ class ModelConfig:
     loss_chunk: int = -1
     # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
     attention: str = "auto"
+    # XLA's attention (and the einsum one of soft-capped scores or windows that differ by layer) takes its
+    # queries in chunks of at most this many, each chunk's exact softmax over all keys, recomputed in the
+    # backward pass, so only one chunk's scores exist at a time (shard.models.llama.query_chunked);
+    # 0: all queries at once; -1 (auto): chunks of at most 256 MiB of float32 scores per device, none
+    # where the whole scores are no bigger. cuDNN's flash attention and ring attention need none.
+    attention_chunk: int = -1
     # Mixture of experts (0 = dense): every layer's FFN becomes n_experts SwiGLU experts and a router.
     n_experts: int = 0
     experts_per_token: int = 2  # top-k routing
@@ -171,6 +177,9 @@ class ModelConfig:
             problems.append(f"model.mlp_activation={self.mlp_activation} can't apply to experts: they are SwiGLU")
         if not -1 <= self.loss_chunk < 2**31:
             problems.append(f"model.loss_chunk must be -1 (auto), 0 (off) or positions per chunk, got {self.loss_chunk}")
+        if not -1 <= self.attention_chunk < 2**31:
+            problems.append(f"model.attention_chunk must be -1 (auto), 0 (off) or queries per chunk, got "
+                            f"{self.attention_chunk}")
         if self.head_dim % 2:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
@@ -472,6 +481,31 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1,
             if local_t // k * per_position <= CHUNK_LOGITS_BYTES:
                 break
     return n
+
+
+# Auto chunking of XLA's attention (model.attention_chunk = -1) keeps one chunk's float32 scores per device
+# at most this big; scores that fit are not chunked. llama-1b at batch 4 x 2048 on one device has 2 GiB of
+# scores per layer: 8 chunks of 256 queries.
+ATTENTION_CHUNK_SCORES_BYTES = 256 * 2**20
+ATTENTION_CHUNK_MIN_QUERIES = 128  # smaller chunks' matmuls waste the machine more than they save
+
+
+def attention_chunks(setting: int, seq_len: int, rows: int, heads: int, keys: int | None = None) -> int:
+    """How many chunks of contiguous queries XLA's attention takes a sequence's `seq_len` in (1: all at
+    once), for `rows` sequences and `heads` query heads per device attending to `keys` keys (seq_len by
+    default). `setting` is model.attention_chunk: > 0 the most queries per chunk, 0 off, -1 (auto) the
+    fewest chunks whose float32 scores stay within ATTENTION_CHUNK_SCORES_BYTES per device, none under
+    ATTENTION_CHUNK_MIN_QUERIES queries. Chunks are equal: their number divides seq_len, each chunk as
+    long as that allows up to the most."""
+    if setting == 0 or seq_len <= 1:
+        return 1
+    queries = setting
+    if setting < 0:
+        per_query = rows * heads * (keys or seq_len) * 4
+        if seq_len * per_query <= ATTENTION_CHUNK_SCORES_BYTES:
+            return 1
+        queries = max(ATTENTION_CHUNK_SCORES_BYTES // per_query, ATTENTION_CHUNK_MIN_QUERIES)
+    return next(n for n in range(1, seq_len + 1) if seq_len % n == 0 and seq_len // n <= queries)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 from shard.axes import BATCH, EMBED, HEADS, LENGTH, MLP, VOCAB
-from shard.config.model import ModelConfig, loss_chunks
+from shard.config.model import ModelConfig, attention_chunks, loss_chunks
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
@@ -64,16 +64,31 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
         ffn = ACT_PER_F * F
     qk_norm = ACT_PER_QK_NORM * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim / m if cfg.qk_norm else 0.0
     sandwich = ACT_PER_SANDWICH_D * D if cfg.sandwich_norms else 0.0
-    per_layer = (ACT_PER_D * D + ffn + ACT_PER_PROBS * cfg.n_heads * keys / m + qk_norm + sandwich) * work.act_bytes
+    scores = ACT_PER_PROBS * cfg.n_heads * keys / m * work.act_bytes
     if cfg.attn_softcap:
-        per_layer += SOFTCAP_SCORE_COPIES * cfg.n_heads * keys / m * 4
+        scores += SOFTCAP_SCORE_COPIES * cfg.n_heads * keys / m * 4
+    # attention in chunks of queries (model.attention_chunk) keeps no scores for the backward pass: one
+    # chunk's exist at a time, in one layer's forward or backward
+    chunks = query_chunks(cfg, shape, work)
+    per_layer = (ACT_PER_D * D + ffn + qk_norm + sandwich) * work.act_bytes + (scores if chunks == 1 else 0.0)
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":
         layers = cfg.n_layers * (per_layer + ring)
     else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
         layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
-    return tokens * layers + logits_bytes(cfg, shape, work)
+    one_chunk = tokens / chunks * scores if chunks > 1 else 0.0
+    return tokens * layers + one_chunk + logits_bytes(cfg, shape, work)
+
+
+def query_chunks(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> int:
+    """The chunks of queries the model's attention takes (`attention_chunks`, shard.models.llama): 1 where
+    no scores are materialised (flash attention) or ring attention runs (context parallel)."""
+    probs = work.attention_probs or bool(cfg.attn_softcap) or cfg.windows_vary
+    if shape.degree(LENGTH) > 1 or not probs:
+        return 1
+    rows = max(work.global_batch // work.microbatches // shape.degree(BATCH), 1)
+    return attention_chunks(cfg.attention_chunk, work.seq_len, rows, max(cfg.n_heads // shape.degree(HEADS), 1))
 
 
 def logits_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
@@ -92,7 +107,7 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     """Elements per token one layer keeps for the backward pass beyond its input under the remat policy:
     "full" nothing; "dots_no_batch" the projections' outputs (q/k/v, attention output, gate/up, down);
     "dots" also attention's two batched matmuls (scores and the weighted values) where XLA's attention
-    runs (cuDNN's is not a matmul to JAX)."""
+    runs whole (cuDNN's is not a matmul to JAX; a chunk of queries is recomputed, `query_chunks`)."""
     m = shape.degree(HEADS)
     projections = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m + 2 * cfg.d_model \
         + 2 * cfg.mlp_dim / shape.degree(MLP) * ffn_slots(cfg, work.seq_len)
@@ -100,7 +115,7 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
         return projections
     if work.remat == "dots":
         n = shape.degree(LENGTH)
-        probs = work.attention_probs or n > 1
+        probs = (work.attention_probs or n > 1) and query_chunks(cfg, shape, work) == 1  # chunks: recomputed
         return projections + (cfg.n_heads * (scored_keys(cfg, work.seq_len, n) + cfg.head_dim) / m if probs else 0.0)
     return 0.0
 

@@ -32,10 +32,10 @@ from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, 
 from shard.models import lora as adapters
 from shard.models import moe
 from shard.errors import ShardError
-from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem
+from shard.config.model import ModelConfig, attention_backend, attention_chunks, cudnn_attention_problem
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import context_axes, ring_attention, zigzag_positions
-from shard.sharding.queries import (heads_split_alike, pin_looked_up, queries_split_like_keys,
+from shard.sharding.queries import (auto_ways, heads_split_alike, pin_looked_up, queries_split_like_keys,
                                    stored_lookup_split)
 from shard.sharding.rules import active_layout, constrain
 
@@ -444,7 +444,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     if kv is None:
         o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
-                                  cfg.attn_softcap)
+                                  cfg.attn_softcap, cfg.attention_chunk)
     elif rolling_cache(kv, window):
         o_btnh, kv = rolling_attention(q_btnh, k_btkh, v_btkh, kv, start, window, scale, cfg.attn_softcap)
     else:
@@ -495,7 +495,7 @@ def _qkv_base(h_btd, p, dtype):
 
 
 def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, segment_ids=None, window=0,
-                     scale: float | None = None, softcap: float = 0.0):
+                     scale: float | None = None, softcap: float = 0.0, chunk: int = 0):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
     (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
@@ -517,7 +517,11 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
     `scale`: the scores' factor (None: head_dim ** -0.5). A window that differs by layer (a traced
     `window`, Gemma's local and global layers) or soft-capped scores (`softcap`, Gemma 2) run the
     einsum version, which takes both (jax.nn.dot_product_attention takes neither); so does "cudnn"
-    by name refuse them."""
+    by name refuse them.
+
+    `chunk` (model.attention_chunk: queries per chunk, -1 auto, 0 off): XLA's attention and the einsum
+    version take the queries in chunks (`query_chunked`), so one chunk's scores exist at a time; cuDNN's
+    and ring attention hold no scores, and "reference" runs whole."""
     special = isinstance(window, jax.Array) or softcap
     if axes := context_axes():
         what = ("model.attn_softcap" if softcap else "a window of some layers (model.global_every)"
@@ -538,12 +542,17 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
         if impl == "cudnn":
             raise ShardError("model.attention=cudnn can't run here: soft-capped scores or windows that differ by "
                              "layer (Gemma) run the einsum attention; use auto")
-        return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window, scale, softcap)
+        return query_chunked(lambda q, at, seg_q: cached_attention(q, k_bskh, v_bskh, at, seg_q, window, scale,
+                                                                   softcap, key_segment_ids=segment_ids),
+                             q_btnh, segment_ids, _query_chunks(q_btnh, chunk))
     if impl in ("auto", "cudnn"):
         problem = _cudnn_problem(q_btnh, segments=segment_ids is not None)
         if impl == "cudnn" and problem:
             raise ShardError(f"model.attention=cudnn can't run here: {problem}; use auto or xla")
         impl = attention_backend(impl, problem)
+    if impl == "xla" and (n := _query_chunks(q_btnh, chunk)) > 1:
+        return query_chunked(lambda q, at, seg_q: _xla_attention_at(q, k_bskh, v_bskh, at, seg_q, segment_ids,
+                                                                    window, scale), q_btnh, segment_ids, n)
     if impl in ("cudnn", "xla"):
         local = (window - 1, 0) if window else None
         if segment_ids is not None:
@@ -553,6 +562,48 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, scale=scale, is_causal=True,
                                             local_window_size=local, implementation=impl)
     return cached_attention(q_btnh, k_bskh, v_bskh, 0, segment_ids, window, scale)
+
+
+def _query_chunks(q_btnh, chunk: int) -> int:
+    """attention_chunks for these queries under the active layout (rows and heads per device)."""
+    B, T, N, _ = q_btnh.shape
+    return attention_chunks(chunk, T, max(B // auto_ways(BATCH), 1), max(N // auto_ways(HEADS), 1))
+
+
+def query_chunked(attend, q_btnh, segment_ids, n: int):
+    """attend(q, start, seg_q) over `n` contiguous chunks of the queries, one after another: chunk i is
+    q (B, T/n, N, H) at positions start = i T/n.., with its segment ids seg_q (B, T/n) (None without
+    packed rows), and attends to all the keys, its softmax exact. Each chunk is recomputed in the
+    backward pass (jax.checkpoint), so the forward and the backward hold one chunk's scores at a time,
+    not (B, N, T, T) of them; the price is the scores' matmul and softmax once more. n = 1: attend itself."""
+    if n <= 1:
+        return attend(q_btnh, 0, segment_ids)
+    B, T, N, H = q_btnh.shape
+    c = T // n
+    q_nbtnh = jnp.moveaxis(q_btnh.reshape(B, n, c, N, H), 1, 0)  # (chunks, batch, T/n, heads, head_dim)
+    seg_nbt = None if segment_ids is None else jnp.moveaxis(segment_ids.reshape(B, n, c), 1, 0)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one(xs):
+        i, q, seg_q = xs
+        q = constrain(q, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return constrain(attend(q, i * c, seg_q), (BATCH, LENGTH, HEADS, HEAD_DIM))
+
+    o_nbtnh = jax.lax.map(one, (jnp.arange(n), q_nbtnh, seg_nbt))
+    return jnp.moveaxis(o_nbtnh, 0, 1).reshape(B, T, N, H)
+
+
+def _xla_attention_at(q_btnh, k_bskh, v_bskh, start, seg_q, segment_ids, window, scale):
+    """XLA's attention (jax.nn.dot_product_attention) of queries at positions start.. over keys at
+    0..S-1: causal, within `window` (0: none) and, with packed rows, the query's own segment (`seg_q` of
+    the queries, `segment_ids` of the keys), as one boolean mask; the same scores, softmax and masked
+    value as its is_causal and local_window_size give the whole sequence."""
+    back_ts = (start + jnp.arange(q_btnh.shape[1]))[:, None] - jnp.arange(k_bskh.shape[1])[None, :]
+    allowed_ts = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
+    mask = allowed_ts[None, None]  # (1, 1, T, S)
+    if seg_q is not None:
+        mask = mask & (seg_q[:, :, None] == segment_ids[:, None, :])[:, None]  # (B, 1, T, S)
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=mask, scale=scale, implementation="xla")
 
 
 def _cudnn_problem(q_btnh, segments: bool = False) -> str:
@@ -592,14 +643,15 @@ def rolling_attention(q_btnh, k_btkh, v_btkh, kv: dict, start, window: int, scal
 
 
 def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window=0, scale: float | None = None,
-                     softcap: float = 0.0, key_positions=None):
+                     softcap: float = 0.0, key_positions=None, key_segment_ids=None):
     """Grouped-query attention of queries at positions start.. over keys at positions 0..S-1, causal.
     `segment_ids` (B, T), self-attention of packed rows only (start 0, S = T): keys of the query's
     own segment only. `window` > 0: keys less than `window` positions back only (the KV cache keeps
     every position and masks the older ones: it is not cut to the window); a traced window of 0 is
     none. `scale`: the scores' factor (None: head_dim ** -0.5); `softcap` > 0: scores soft-capped
     (soft_cap) before the mask. `key_positions` (S,): the keys' positions where they are not 0..S-1
-    (a rolling cache's)."""
+    (a rolling cache's). `key_segment_ids` (B, S): the keys' segments where the queries are a chunk of
+    the row (`query_chunked`); None: `segment_ids`."""
     B, T, N, H = q_btnh.shape
     K = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
@@ -612,7 +664,7 @@ def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window=0, 
     else:
         causal_ts = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
     if segment_ids is not None:  # and the same segment: (B, 1, 1, T, S)
-        same_bts = segment_ids[:, :, None] == segment_ids[:, None, :]
+        same_bts = segment_ids[:, :, None] == (segment_ids if key_segment_ids is None else key_segment_ids)[:, None, :]
         scores_bkgts = jnp.where(causal_ts & same_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)
     else:
         scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)

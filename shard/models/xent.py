@@ -16,7 +16,6 @@ order.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,8 @@ import numpy as np
 from shard.axes import BATCH, EMBED, LENGTH, VOCAB
 from shard.config.model import ModelConfig, loss_chunks
 from shard.models import llama
-from shard.sharding.rules import active_layout, constrain
+from shard.sharding.queries import auto_ways
+from shard.sharding.rules import constrain
 
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     """Summed next-token cross-entropy over unmasked positions, and their count (float32).
@@ -40,24 +40,13 @@ def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
     return jnp.sum((logz_bt - target_bt) * mask_bt), jnp.sum(mask_bt)
 
 
-def _auto_ways(logical: str) -> int:
-    """How many ways the active layout splits `logical` over mesh axes still automatic here (inside the
-    pipeline's shard_map some are manual: their shares are already local)."""
-    layout = active_layout()
-    if layout is None:
-        return 1
-    inner = jax.sharding.get_abstract_mesh()
-    manual = set(inner.manual_axes) if not inner.empty else set()
-    return math.prod(layout.axis_sizes[a] for a in layout.mesh_axes(logical) if a not in manual)
-
-
 def head_nll(cfg: ModelConfig, params: dict, x_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array,
              table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The head on the residual stream and the summed next-token loss with its token count, as
     `token_nll(llama.head_logits(...))`, in `loss_chunks` chunks of positions. Tied: through the
     compute-layout table (`table`, when given)."""
     B, T = targets_bt.shape
-    n = loss_chunks(cfg, B, T, _auto_ways(BATCH), _auto_ways(LENGTH), _auto_ways(VOCAB))
+    n = loss_chunks(cfg, B, T, auto_ways(BATCH), auto_ways(LENGTH), auto_ways(VOCAB))
     if n <= 1:
         return token_nll(llama.head_logits(cfg, params, x_btd, table), targets_bt, mask_bt)
     dtype = llama.compute_dtype(cfg)
@@ -68,7 +57,7 @@ def head_nll(cfg: ModelConfig, params: dict, x_btd: jax.Array, targets_bt: jax.A
     else:
         w = llama.compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         subscripts, w_axes = "btd,dv->btv", (EMBED, VOCAB)
-    p = _auto_ways(BATCH)
+    p = auto_ways(BATCH)
     p = p if B % p == 0 else 1
     return _chunked_nll(cfg, n, p, subscripts, w_axes, x_btd, w, targets_bt, mask_bt.astype(jnp.float32))
 

@@ -3,6 +3,8 @@ the stored table, the layout its rows are pinned to, and whether heads, kv heads
 alike. Mesh axes stay here, beside `constrain`, so the model code names logical axes only.
 """
 
+import math
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -44,3 +46,14 @@ def queries_split_like_keys() -> bool:
     layout = active_layout()
     return layout is None or (
         layout.spec((BATCH, LENGTH, HEADS, HEAD_DIM)) == layout.spec((BATCH, LENGTH, KV_HEADS, HEAD_DIM)))
+
+
+def auto_ways(logical: str) -> int:
+    """How many ways the active layout splits `logical` over mesh axes still automatic here (inside the
+    pipeline's shard_map some are manual: their shares are already local); 1 outside a layout."""
+    layout = active_layout()
+    if layout is None:
+        return 1
+    inner = jax.sharding.get_abstract_mesh()
+    manual = set(inner.manual_axes) if not inner.empty else set()
+    return math.prod(layout.axis_sizes[a] for a in layout.mesh_axes(logical) if a not in manual)

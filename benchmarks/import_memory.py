@@ -30,7 +30,9 @@ GB = 1e9
 # Llama 3.2 3B's dimensions (tied tables), for a model past what the presets hold between 1B and 7B
 EXTRA_SHAPES = {"llama-3b": dict(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
                                  head_dim=128, mlp_dim=8192, rope_theta=500000.0)}
-RUNTIME = ("from shard.cli.options import host_jax; host_jax('1x1'); "
+# as a `shard` command starts: glibc's huge pages for malloc where the CLI turns them on, then JAX
+RUNTIME = ("from shard.startup.host_memory import reexec_with_huge_pages; reexec_with_huge_pages(); "
+           "from shard.cli.options import host_jax; host_jax('1x1'); "
            "import jax.numpy as jnp, orbax.checkpoint, shard.run.weights, shard.training.state; "
            "jnp.zeros(8).block_until_ready()")
 
@@ -136,8 +138,8 @@ def main():
                 ("generate (checkpoint)", [*shard_cmd, "generate", str(out), *prompt])]
         for name, cmd in runs:
             rss, seconds = peak_rss(cmd, work / f"{name.split()[0]}-{len(name)}.txt")
-            print(f"{name:22s} peak RSS {rss:6.2f} GB  ({rss - runtime:+.2f} GB over the runtime; "
-                  f"bound + runtime {shards + largest + runtime:.2f})  {seconds:.0f} s")
+            print(f"{name:22s} peak RSS {rss:6.2f} GB = runtime + shards {rss - runtime - shards:+.2f} GB "
+                  f"(bound: + {largest:.2f})  {seconds:.0f} s")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -286,6 +286,9 @@ class HFTensors(Mapping):
     def __len__(self) -> int:
         return len(self._where)
 
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self._where
+
     def __getitem__(self, name: str) -> np.ndarray:
         from safetensors import SafetensorError, safe_open
 

@@ -109,8 +109,11 @@ def main():
         args.shape = args.hf_dir.name
     else:
         cfg = model_config(args.shape)
-    placed = [math.prod(s) * 4 for _, s, _ in cfg.param_shapes()]  # float32, the tables padded
-    shards, largest = sum(placed) / GB, max(placed) / GB
+    from shard.run.hf import expected_hf_shapes
+
+    # float32 as placed: the tables padded; the largest tensor is an HF one (a layer's, an expert's) or a table
+    shards = sum(math.prod(s) * 4 for _, s, _ in cfg.param_shapes()) / GB
+    largest = max(cfg.padded_vocab * cfg.d_model, *map(math.prod, expected_hf_shapes(cfg).values())) * 4 / GB
     work = args.workdir / args.shape
     if work.exists():
         raise SystemExit(f"{work} exists: remove it or give another --workdir")
@@ -127,10 +130,10 @@ def main():
                                          text=True).stdout)
             files = args.files
         print(f"{args.shape}: {cfg.num_params() / 1e9:.2f}B parameters, {on_disk / GB:.2f} GB in {files} "
-              f"safetensors files ({time.monotonic() - t0:.0f} s to write)")
+              f"safetensors files ({time.monotonic() - t0:.0f} s to write)", flush=True)
         runtime, _ = peak_rss([sys.executable, "-c", RUNTIME], work / "runtime.txt")
         print(f"bound: shards {shards:.2f} GB + largest tensor {largest:.2f} GB (float32) = "
-              f"{shards + largest:.2f} GB, + runtime {runtime:.2f} GB = {shards + largest + runtime:.2f} GB")
+              f"{shards + largest:.2f} GB, + runtime {runtime:.2f} GB = {shards + largest + runtime:.2f} GB", flush=True)
         shard_cmd = [sys.executable, "-m", "shard"]
         prompt = ["--prompt-ids", "1,2,3", "--max-new-tokens", str(args.tokens), "--temperature", "0", "--ids"]
         runs = [("import-hf", [*shard_cmd, "import-hf", str(hf_dir), "--out", str(out)]),
@@ -139,7 +142,7 @@ def main():
         for name, cmd in runs:
             rss, seconds = peak_rss(cmd, work / f"{name.split()[0]}-{len(name)}.txt")
             print(f"{name:22s} peak RSS {rss:6.2f} GB = runtime + shards {rss - runtime - shards:+.2f} GB "
-                  f"(bound: + {largest:.2f})  {seconds:.0f} s")
+                  f"(bound: + {largest:.2f})  {seconds:.0f} s", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

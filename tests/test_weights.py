@@ -111,6 +111,36 @@ def test_fine_tune_from_imported_weights_on_another_mesh(imported, tmp_path):
     assert abs(float(fresh_nll) - float(nll)) > 1e-3 * float(nll)
 
 
+@pytest.mark.parametrize("model,mesh", [("tiny", "stage=2,fsdp=2,model=2"), ("moe-tiny", "data=2,expert=2,model=2")])
+def test_a_lazy_stack_is_placed_one_hf_tensor_at_a_time_as_the_whole_stack_would_be(model, mesh):
+    """A layer- or expert-stacked param of a Hugging Face folder goes onto the devices one HF tensor at a
+    time (the host never holds a stack), into the same arrays and shardings as numpy's whole stack,
+    where the stacked dims are themselves sharded (pipeline stages, experts)."""
+    from shard.run.weights import place
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+    from shard.training.state import state_spec
+
+    cfg = tiny_config(mesh, model__name=model, model__n_layers=4)  # two layers a stage: a device's shard is a stack
+    spec = state_spec(cfg.model, cfg.optimizer, 1, make_layout(cfg, parse_mesh(mesh), devices_for(mesh)))
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s, np.float32) for n, s in hf.expected_hf_shapes(cfg.model).items()}
+    lazy = hf.lazy_params_from_hf(tensors, cfg.model)
+    stacks = {k: x for k, x in lazy["layers"].items() if x.tensor_dims}
+    assert {x.tensor_dims for x in stacks.values()} == ({1, 2} if model == "moe-tiny" else {1})
+    blocks = []
+    for x in stacks.values():
+        x._read = lambda index, read=x._read, k=x.tensor_dims: blocks.append(index[:k]) or read(index)
+    placed = place(lazy, spec)
+    assert blocks and all(s.start is not None and s.stop - s.start == 1 for index in blocks for s in index), blocks
+    whole = place(jax.tree.map(np.asarray, lazy, is_leaf=lambda x: isinstance(x, hf.LazyParam)), spec)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(placed)[0], jax.tree.leaves(whole)):
+        assert got.sharding == want.sharding, path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
+    assert placed["layers"]["w_up"].sharding.spec[:2] == (("stage", "fsdp") if model == "tiny" else (None, "expert"))
+
+
 def test_a_hugging_face_folder_takes_a_presets_name_only_where_it_is_that_model(hf_dir, tmp_path):
     """Its model is named after the folder; --model may name the preset it is, and nothing else."""
     other = invoke("train", "--init-from", hf_dir, "--model", "tiny", "--steps", 1, "--run-dir", tmp_path / "a")

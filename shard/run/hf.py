@@ -75,7 +75,8 @@ def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
     return [tmpl.format(layer)]
 
 
-def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a model of `cfg` is made of: name -> shape."""
     D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
@@ -102,10 +103,13 @@ class LazyParam:
     """One of shard's parameters as HF tensors make it, read block by block when asked: `read(index)`
     (a tuple of slices, one per dim, as jax.make_array_from_callback hands a device its shard) reads only
     the HF tensors that block takes (a layer's, an expert's), one at a time, so placing a model into its
-    shardings holds one tensor beyond the shards (shard.run.weights.place). np.asarray reads it whole."""
+    shardings holds one tensor beyond the shards (shard.run.weights.place). np.asarray reads it whole.
+    `tensor_dims`: how many leading dims pick an HF tensor (a layer-stacked param 1, an expert-stacked
+    one 2, a table 0): `place` puts such a param one HF tensor at a time."""
 
-    def __init__(self, shape: tuple[int, ...], dtype, read):
+    def __init__(self, shape: tuple[int, ...], dtype, read, tensor_dims: int = 0):
         self.shape, self.dtype, self._read = tuple(shape), np.dtype(dtype), read
+        self.tensor_dims = tensor_dims
         self._last = None  # (index, block): devices holding the same block (replicas) read it once
 
     def read(self, index: tuple) -> np.ndarray:
@@ -129,7 +133,7 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
     """shard's parameter tree of LazyParams over HF tensors (a dict, or a folder's HFTensors), after
     checking every tensor's name, shape and dtype (from the files' headers: nothing is read); a tensor
     holding NaN or infinite values is refused when it is read."""
-    expected = _expected_hf_shapes(cfg)
+    expected = expected_hf_shapes(cfg)
     for name, shape in expected.items():
         if name not in tensors:
             raise ShardError(f"the checkpoint lacks tensor {name}")
@@ -159,7 +163,7 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
                 return np.stack([np.stack([to_shard(get(n))[rest[1:]] for n in _names(tmpl, i, cfg)[rest[0]]])
                                  for i in range(cfg.n_layers)[layer_index]])
             return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in range(cfg.n_layers)[layer_index]])
-        return LazyParam((cfg.n_layers, *shape), dtype, read)
+        return LazyParam((cfg.n_layers, *shape), dtype, read, tensor_dims=2 if "{e}" in tmpl else 1)
 
     def table(name, transpose: bool):  # (V, D) stored, padded to cfg.padded_vocab rows (columns transposed)
         V, Vp, D = cfg.vocab_size, cfg.padded_vocab, cfg.d_model
@@ -281,6 +285,9 @@ class HFTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self._where
 
     def __getitem__(self, name: str) -> np.ndarray:
         from safetensors import SafetensorError, safe_open

@@ -2,10 +2,12 @@
 Hugging Face Llama folder, read on the host, then placed into a mesh's shardings. Serves
 `shard generate`, `shard eval`, `shard train --init-from`, `shard import-hf` and `shard export-hf`."""
 
+import functools
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.config.resolve import resolve
 from shard import tomlfiles
@@ -152,11 +154,63 @@ def place(params: dict, spec: StateSpec, part: str = "all") -> dict:
     def put(x, a, sharding):
         if not isinstance(x, LazyParam):
             return jax.device_put(np.asarray(x, a.dtype), sharding)
-        placed = jax.make_array_from_callback(a.shape, sharding, lambda index: np.asarray(x.read(index), a.dtype))
+        if x.tensor_dims and isinstance(sharding, NamedSharding):
+            placed = _place_by_tensor(x, a, sharding)
+        else:
+            placed = jax.make_array_from_callback(a.shape, sharding, lambda index: np.asarray(x.read(index), a.dtype))
         x.forget()
         return placed
 
     return jax.tree.map(put, params, abstract, shardings, is_leaf=lambda x: isinstance(x, LazyParam))
+
+
+def _place_by_tensor(x, a, sharding: NamedSharding) -> jax.Array:
+    """A param stacked over HF tensors (layers, experts: x.tensor_dims leading dims) placed one HF tensor
+    at a time: its sharded zeros, then each tensor's block written in place (the zeros donated), so the
+    host holds the param's shards and one tensor being read, never the stack of a device's shard."""
+    k = x.tensor_dims
+    spec = (*sharding.spec, *(None,) * (len(a.shape) - len(sharding.spec)))
+    block_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[k:]))
+    key = (tuple(a.shape), np.dtype(a.dtype), sharding, k)
+    placed = _zeros(*key[:3])()
+    for at in np.ndindex(*a.shape[:k]):
+        lead = tuple(slice(i, i + 1) for i in at)
+        block = jax.make_array_from_callback(
+            a.shape[k:], block_sharding,
+            lambda index, lead=lead: np.asarray(x.read(lead + index), a.dtype)[(0,) * k])
+        placed = _write_block(*key)(placed, block, np.asarray(at, np.int32))
+        x.forget()
+    return placed
+
+
+@functools.cache
+def _zeros(shape: tuple, dtype: np.dtype, sharding: NamedSharding):
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _write_block(shape: tuple, dtype: np.dtype, sharding: NamedSharding, k: int):
+    """(stack, block, at) -> the stack with `block` at its leading index `at` (k ints), the stack donated
+    and updated in place on each device; the leading dims may be sharded (pipeline stages, experts): a
+    device whose shard does not hold `at` writes back what it holds."""
+    spec = (*sharding.spec, *(None,) * (len(shape) - len(sharding.spec)))
+
+    def local(stack, block, at):
+        starts, inside = [], True
+        for d in range(k):
+            offset = 0 if spec[d] is None else jax.lax.axis_index(spec[d]) * stack.shape[d]
+            inside = inside & (at[d] >= offset) & (at[d] < offset + stack.shape[d])
+            starts.append(jax.numpy.clip(at[d] - offset, 0, stack.shape[d] - 1))
+        starts += [jax.numpy.int32(0)] * (stack.ndim - k)
+        block = block.reshape((1,) * k + block.shape)
+        held = jax.lax.dynamic_slice(stack, starts, block.shape)
+        return jax.lax.dynamic_update_slice(stack, jax.numpy.where(inside, block, held), starts)
+
+    specs = (PartitionSpec(*spec), PartitionSpec(*spec[k:]), PartitionSpec())
+    return jax.jit(jax.shard_map(local, mesh=sharding.mesh, in_specs=specs, out_specs=specs[0], check_vma=False),
+                   donate_argnums=0)
 
 
 def placed_base(saved: dict, spec: StateSpec, source: str) -> dict:

@@ -5,12 +5,14 @@ peak RSS, and model FLOP/s as a share of the matmul rate this machine reaches. E
 (every mesh and variant once, then again) and each figure is reported as the range over the repeats.
 
     python benchmarks/side_by_side.py [--mesh fsdp=8 --mesh fsdp=2,model=4] [--steps 12] [--repeats 2]
-        [--variant defaults --variant bf16-remat --variant no-hugepages]
+        [--variant defaults --variant fp32 --variant no-hugepages --variant no-trim]
 
-Variants: `defaults` (shard's CPU defaults), `bf16-remat` (bfloat16 compute, full remat), `fp32`
-(float32 compute, no remat), `no-hugepages` (the defaults without the one host-side setting shard applies,
-glibc's huge pages for malloc: GLIBC_TUNABLES=glibc.malloc.hugetlb=0; shard sets no thread counts, XLA:CPU
-uses every core).
+Variants: `defaults` (shard's CPU defaults: on a CPU with bfloat16 matmul instructions, bfloat16 with full
+remat), `bf16-remat` (bfloat16 compute, full remat), `bf16-dots` (bfloat16, remat keeping the projections'
+outputs: dots_no_batch), `bf16` (bfloat16, no remat), `fp32` (float32 compute, no remat: the CPU defaults
+before), and the defaults without each host-side setting shard applies: `no-hugepages` (glibc's huge pages
+for malloc off: GLIBC_TUNABLES=glibc.malloc.hugetlb=0) and `no-trim` (the memory freed by the compile kept
+by malloc: SHARD_RELEASE_FREED_MEMORY=0). shard sets no thread counts; XLA:CPU uses every core.
 
 Launch to first step: from starting the process to the first line of its metrics.jsonl (written when
 step 1 ends). Steady tokens/s: the median over steps 3.. (every step is logged). Peak RSS: the process's
@@ -36,11 +38,12 @@ from shard import read_jsonl
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
 VARIANTS = {
     "defaults": ([], {}),
-    "bf16": (["model.compute_dtype=bfloat16", "model.remat=none"], {}),
     "bf16-remat": (["model.compute_dtype=bfloat16", "model.remat=full"], {}),
-    "bf16-remat-chunked": (["model.compute_dtype=bfloat16", "model.remat=full", "model.loss_chunk=64"], {}),
+    "bf16-dots": (["model.compute_dtype=bfloat16", "model.remat=dots_no_batch"], {}),
+    "bf16": (["model.compute_dtype=bfloat16", "model.remat=none"], {}),
     "fp32": (["model.compute_dtype=float32", "model.remat=none"], {}),
     "no-hugepages": ([], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}),
+    "no-trim": ([], {"SHARD_RELEASE_FREED_MEMORY": "0"}),
 }
 
 
@@ -127,11 +130,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mesh", action="append", help="mesh to run (repeatable); default fsdp=8 and fsdp=2,model=4")
     ap.add_argument("--variant", action="append", choices=sorted(VARIANTS),
-                    help="repeatable; default: defaults and bf16-remat")
+                    help="repeatable; default: defaults and fp32")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    meshes, variants = args.mesh or ["fsdp=8", "fsdp=2,model=4"], args.variant or ["defaults", "bf16-remat"]
+    meshes, variants = args.mesh or ["fsdp=8", "fsdp=2,model=4"], args.variant or ["defaults", "fp32"]
     steps = max(args.steps, 4)
     if importlib.util.find_spec("MaxText") is None:
         print("MaxText: not installed here, so its side is absent; shard's figures follow", flush=True)

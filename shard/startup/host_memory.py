@@ -72,8 +72,11 @@ def release_freed_memory() -> bool:
     """Give the memory malloc holds free back to the kernel (glibc's malloc_trim), once a large transient
     use is over: compiling a step leaves hundreds of MiB freed but held in malloc's arenas, which count
     in the process's RSS until reused (the CPU reference config on fsdp=8: peak RSS 1,999 MiB without,
-    1,695 with). False where the C library has no malloc_trim (not glibc)."""
+    1,695 with). False where the C library has no malloc_trim (not glibc), or SHARD_RELEASE_FREED_MEMORY=0."""
     import ctypes
+
+    if os.environ.get("SHARD_RELEASE_FREED_MEMORY", "1") == "0":
+        return False
 
     try:
         trim = ctypes.CDLL(None).malloc_trim

@@ -344,14 +344,14 @@ def test_axes_without_formulas_claim_no_minimum():
     ("auto", "cpu", 64, True),
 ])
 def test_planned_memory_follows_the_attention_that_runs(attention, platform, head_dim, probs):
-    cfg = tiny_config("8x1", model__attention=attention, model__head_dim=head_dim)
+    cfg = tiny_config("8x1", model__attention=attention, model__head_dim=head_dim, model__compute_dtype="auto")
     assert costs.Workload.from_config(cfg, platform).attention_probs is probs
 
 
 def test_xla_attention_plans_more_memory_than_flash_attention_on_gpus():
     shape = costs.LayoutShape.of(data=8)
     total = {a: memory_bytes(cfg.model, shape, costs.Workload.from_config(cfg, "gpu"))["total"]
-             for a in ("auto", "xla") for cfg in [tiny_config("8x1", model__attention=a)]}
+             for a in ("auto", "xla") for cfg in [tiny_config("8x1", model__attention=a, model__compute_dtype="auto")]}
     assert total["xla"] > total["auto"]
 
 
@@ -364,9 +364,9 @@ def test_the_planner_times_flash_attention_at_the_causal_half_and_without_its_pr
     assert costs.model_flops(cfg, 1024, 256, flash=True) < costs.model_flops(cfg, 1024, 256)
     shape = costs.LayoutShape.of(data=8)
     probs = {a: probs_hbm_bytes(cfg, shape, costs.Workload.from_config(c, "gpu"))
-             for a in ("auto", "xla") for c in [tiny_config("8x1", model__attention=a)]}
+             for a in ("auto", "xla") for c in [tiny_config("8x1", model__attention=a, model__compute_dtype="auto")]}
     assert probs["auto"] == 0 < probs["xla"]
-    ring = tiny_config("8x1", model__attention="auto")
+    ring = tiny_config("8x1", model__attention="auto", model__compute_dtype="auto")
     assert probs_hbm_bytes(ring.model, costs.LayoutShape.of(data=4, context=2),
                                  costs.Workload.from_config(ring, "gpu")) > 0
 

@@ -452,6 +452,27 @@ def test_a_fingerprint_sees_one_flipped_bit_and_not_the_sharding_and_the_host_ag
         assert host_fingerprint(np.asarray(leaf), block=16) == state_fingerprint({"a": leaf})["a"][0], leaf.dtype
 
 
+def test_a_sharded_fingerprint_sums_each_shard_in_slices_and_agrees_with_the_host():
+    """Each device sums its own shard, a few rows at a time (the last slice moved back and masked), at its
+    global positions: the same checksum as the host's for leaves split on the leading dim, on two axes,
+    and replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from shard.run.checksums import host_fingerprint, state_fingerprint
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    rng = np.random.default_rng(1)
+    leaves = {"stack": (rng.standard_normal((10, 8, 3)).astype(np.float32), P("data", "model")),
+              "rows": (rng.standard_normal((16, 3)).astype(jax.numpy.bfloat16), P(("data", "model"))),
+              "replicated": (np.arange(35, dtype=np.int32).reshape(7, 5), P()),
+              "scalar": (np.int32(7), P())}
+    state = {k: jax.device_put(x, NamedSharding(mesh, spec)) for k, (x, spec) in leaves.items()}
+    want = {k: [host_fingerprint(np.asarray(x)), str(x.dtype)] for k, (x, _) in leaves.items()}
+    assert state_fingerprint(state, slice_elements=12) == want  # (5, 2, 3) shards: slices of 2 rows
+    assert state_fingerprint(state) == want
+
+
 def test_a_corrupt_checkpoint_is_one_line_on_the_command_line(reference, tmp_path):
     """generate reads the newest step: its error is one line, without orbax's closed-loop tracebacks."""
     ckpts, _, _ = _copy_checkpoints(reference, tmp_path)

@@ -228,14 +228,15 @@ def test_evaluation_and_generation_choose_experts_by_the_saved_bias(tmp_path):
     layout1 = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
     spec = state_spec(model_cfg, cfg.optimizer, 1, layout1)
     prompt, n = [5, 17, 99, 3, 42, 7, 11], 6
-    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout1, max_len=len(prompt) + n,
+    placed = weights.place(params, spec)  # read from the checkpoint into the mesh's shardings
+    gen = Generator(model_cfg, spec.graphdef, placed, layout1, max_len=len(prompt) + n,
                     router_bias=place_router_bias(saved_bias, spec))
     tokens = gen.generate(prompt, n, Sampling(temperature=0))
     roomy = dataclasses.replace(model_cfg, capacity_factor=model_cfg.n_experts / model_cfg.experts_per_token)
     seq = list(prompt)
     for _ in range(n):
-        logits = llama.forward(roomy, params, jnp.asarray([seq]), router_bias=jnp.asarray(bias))[0]
+        logits = llama.forward(roomy, placed, jnp.asarray([seq]), router_bias=jnp.asarray(bias))[0]
         seq.append(int(jnp.argmax(logits[0, -1])))
     assert tokens == seq[len(prompt):]
-    plain = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout1, max_len=len(prompt) + n)
+    plain = Generator(model_cfg, spec.graphdef, placed, layout1, max_len=len(prompt) + n)
     assert plain.generate(prompt, n, Sampling(temperature=0)) != tokens  # the bias chose other experts

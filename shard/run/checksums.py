@@ -2,6 +2,7 @@
 checkpoint and compared when it is read back, so damaged data is not trained on."""
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -10,20 +11,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shard.sharding.rules import path_str
 
 
-def state_fingerprint(state) -> dict[str, list]:
+def state_fingerprint(state, slice_elements: int = 1 << 22) -> dict[str, list]:
     """`{leaf path: [checksum, dtype]}` of a (sharded) state, computed where the arrays are: a leaf's
     checksum is the sum of its bit patterns weighted by odd multipliers of their position, modulo 2**32.
     Any one flipped bit changes it, and it does not depend on the sharding (integer sums are exact in
     any order). Saved with each checkpoint and compared on restore, for the leaves read back in the dtype
     they were saved in: a stored chunk damaged in a way that still decompresses is caught instead of
-    trained on."""
+    trained on. Each device sums its own shard `slice_elements` at a time (rows of its leading dim; 16 MB
+    of uint32 by default), so the sum holds no temporary the size of a leaf."""
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    first = leaves[0][1].sharding if leaves and isinstance(leaves[0][1], jax.Array) else None
-    replicated = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else None
-    # one leaf at a time: XLA:CPU materialises each leaf's weighted bits before summing them, and in one
-    # program every leaf's at once (a second copy of the state: 1 GiB of temporaries for a 1 GiB state)
-    one = _fingerprint(replicated)
-    sums = [np.asarray(one(x).addressable_data(0)) for _, x in leaves]
+    # one leaf at a time, each its own small program: a sum of every leaf in one would hold them all
+    sums = [np.asarray(_leaf_fingerprint(x, slice_elements).addressable_data(0)) for _, x in leaves]
     return {path_str(p): [int(c), str(x.dtype)] for (p, x), c in zip(leaves, sums, strict=True)}
 
 
@@ -47,21 +45,73 @@ def host_fingerprint(x: np.ndarray, block: int = 1 << 24) -> int:
     return total
 
 
+def _leaf_fingerprint(x, slice_elements: int) -> jax.Array:
+    """One leaf's checksum as a replicated uint32, computed where the leaf is: a NamedSharding's shards
+    each on their own device (nothing gathered), their sums added over the mesh axes that split it."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and isinstance(sharding, NamedSharding):
+        return _sharded(sharding.mesh, sharding.spec, x.ndim, slice_elements)(x)
+    return _whole(slice_elements)(x)
+
+
 @functools.cache
-def _fingerprint(out_sharding):
+def _sharded(mesh, spec: PartitionSpec, ndim: int, slice_elements: int):
+    """The checksum of a leaf of `ndim` dims sharded by `spec` over `mesh`: each device sums its own block
+    at its global element positions, then one exact uint32 sum over the axes that split the leaf."""
+    dims = [() if a is None else (a,) if isinstance(a, str) else tuple(a)
+            for a in (*spec, *(None,) * (ndim - len(spec)))]
+    split = tuple(a for axes in dims for a in axes)
+
+    def local(block):
+        offsets = [jax.lax.axis_index(axes) * n if axes else 0 for axes, n in zip(dims, block.shape, strict=True)]
+        whole = tuple(n * math.prod(mesh.shape[a] for a in axes) for axes, n in zip(dims, block.shape, strict=True))
+        total = _block_sum(block, offsets, whole, slice_elements)
+        return jax.lax.psum(total, split) if split else total
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(*spec), out_specs=PartitionSpec(),
+                                 check_vma=False))
+
+
+@functools.cache
+def _whole(slice_elements: int):
+    """The checksum of a leaf on one device (or a host array): its block is the whole of it."""
+    return jax.jit(lambda x: _block_sum(x, [0] * x.ndim, x.shape, slice_elements))
+
+
+def _block_sum(block, offsets, shape, slice_elements: int) -> jax.Array:
+    """Σ bits * (2 * global flat index + 1) mod 2**32 over a block of a leaf of global `shape` starting
+    at `offsets` (ints or traced), `slice_elements` at a time (rows of the leading dim; a leaf of 8-byte
+    elements is summed as uint32 pairs, a last dim of 2 as the host's view)."""
     import jax.numpy as jnp
 
-    def one(x):
-        x = jnp.asarray(x)
+    def bits(x):
         if x.dtype == jnp.bool_:
-            bits = x.astype(jnp.uint32)
-        else:
-            unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: a last dim of 2
-        index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
-        for d in reversed(range(bits.ndim)):
-            index = index + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d) * jnp.uint32(stride % (1 << 32))
-            stride *= bits.shape[d]
-        return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+            return x.astype(jnp.uint32)
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
-    return jax.jit(one, out_shardings=out_sharding)
+    wide = block.dtype.itemsize == 8
+    shape, offsets = (*shape, 2) if wide else tuple(shape), [*offsets, 0] if wide else list(offsets)
+    strides = [math.prod(shape[d + 1:]) % (1 << 32) for d in range(len(shape))]
+    if block.ndim == 0 or block.size == 0:
+        return bits(block).sum(dtype=jnp.uint32)
+    row_shape = (*block.shape[1:], 2) if wide else block.shape[1:]
+    # the position of each element of a row (every dim but the first), a row's worth of uint32
+    inner = jnp.zeros(row_shape, jnp.uint32)
+    for d in range(1, len(shape)):
+        at = jax.lax.broadcasted_iota(jnp.uint32, row_shape, d - 1) + jnp.asarray(offsets[d], jnp.uint32)
+        inner = inner + at * jnp.uint32(strides[d])
+    n = block.shape[0]
+    rows = max(1, min(n, slice_elements // max(1, math.prod(row_shape))))
+
+    def add(i, total):
+        start = jnp.minimum(i * rows, n - rows)  # the last slice moved back to end at n: its rows counted
+        part = jax.lax.dynamic_slice_in_dim(block, start, rows)  # before (below i * rows) are masked out
+        row = start + jnp.arange(rows, dtype=jnp.int32)
+        fresh = (row >= i * rows).reshape((rows,) + (1,) * len(row_shape))
+        lead = (row.astype(jnp.uint32) + jnp.asarray(offsets[0], jnp.uint32)) * jnp.uint32(strides[0])
+        index = lead.reshape((rows,) + (1,) * len(row_shape)) + inner
+        weighted = jnp.where(fresh, bits(part) * (2 * index + 1), jnp.uint32(0))
+        return total + weighted.sum(dtype=jnp.uint32)
+
+    return jax.lax.fori_loop(0, -(-n // rows), add, jnp.uint32(0))

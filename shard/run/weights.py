@@ -19,7 +19,8 @@ from shard.training.state import StateSpec, placed_router_bias
 
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(model config, params as numpy) from a shard checkpoint or a Hugging Face folder."""
+    """(model config, params) from a shard checkpoint or a Hugging Face folder: numpy arrays, or params read
+    when asked (shard.run.hf.LazyParam: np.asarray reads one; `place` puts them into their shardings)."""
     return _load(path, router_bias=False)[:2]
 
 
@@ -42,16 +43,22 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
         return cfg, hf.lazy_params_from_hf(tensors, cfg), None
     if (Path(path) / "config.json").exists():
         raise ShardError(f"{Path(path) / 'config.json'} is not a file")
-    from shard.run.checkpoint import read_model_state
+    from shard.run.checkpoint import StoredModel
 
-    read, config_toml, _ = read_model_state(path, router_bias=router_bias)
-    cfg, lora, saved = _saved_model(config_toml, path)
+    stored = StoredModel(path)
+    cfg, lora, saved = _saved_model(stored.config, path)
+    bias = stored.read({"router_bias": stored.tree["router_bias"]})["router_bias"] \
+        if router_bias and "router_bias" in stored.tree else None
     if lora.rank:  # adapters alone: folded into the base weights they were trained on
         from shard.training.lora import fold, merge
 
-        return cfg, fold(merge(read["params"], lora_base(path, saved, cfg, lora)), lora), read.get("router_bias")
-    # a checkpoint saved before the tables were padded (shard.config.model.VOCAB_MULTIPLE) holds vocab_size rows
-    return cfg, hf.pad_vocab(read["params"], cfg), read.get("router_bias")
+        adapters = stored.read({"params": stored.tree["params"]})["params"]
+        return cfg, fold(merge(adapters, lora_base(path, saved, cfg, lora)), lora), bias
+    if stored.tree["params"]["embed"].shape[0] != cfg.padded_vocab:
+        # saved before the tables were padded (shard.config.model.VOCAB_MULTIPLE): vocab_size rows, padded here
+        return cfg, hf.pad_vocab(stored.read({"params": stored.tree["params"]})["params"], cfg), bias
+    # read as `place` puts them into their shardings: never the whole model on the host
+    return cfg, stored.lazy_params(), bias
 
 
 def _saved_model(config_toml: str, path) -> tuple[ModelConfig, LoraConfig, dict]:
@@ -141,7 +148,9 @@ def place(params: dict, spec: StateSpec, part: str = "all") -> dict:
     """Host params into the spec's parameter shardings, after checking every shape against the model;
     `part` "base": the base weights of a LoRA spec alone. Params read lazily (a Hugging Face folder's,
     shard.run.hf.LazyParam) are placed one at a time, each device reading only its own shard of the HF
-    tensors: the host holds the placed shards and one tensor being read, not a second copy of the model."""
+    tensors: the host holds the placed shards and one tensor being read, not a second copy of the model;
+    a shard checkpoint's (shard.run.checkpoint.StoredParam) are read by orbax straight into them."""
+    from shard.run.checkpoint import StoredParam
     from shard.run.hf import LazyParam
 
     spec.check_params_fit(params, "the weights", part=part)
@@ -150,6 +159,9 @@ def place(params: dict, spec: StateSpec, part: str = "all") -> dict:
         from shard.training.lora import split
 
         abstract, shardings = split(abstract)[1], split(shardings)[1]
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, LazyParam))
+    if leaves and all(isinstance(x, StoredParam) and x.source is leaves[0].source for x in leaves):
+        return leaves[0].source.place(params, shardings, jax.tree.map(lambda a: a.dtype, abstract))
 
     def put(x, a, sharding):
         if not isinstance(x, LazyParam):

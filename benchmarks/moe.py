@@ -8,7 +8,7 @@ Times are medians of timed steps after a warm-up on simulated CPU devices, which
 cores (and the host may be shared with other work): they compare the forms' work on CPU, where
 `ragged_dot` lowers to a masked dense matmul over every expert, not GPU throughput.
 
-    python benchmarks/moe.py [--model moe-fine-tiny] [--steps 5] [--batch 16] [--seq 64]
+    python benchmarks/moe.py [--model moe-fine-tiny] [--steps 5] [--batch 16] [--seq 64] [--layouts ep,fsdp]
 """
 
 import argparse
@@ -50,11 +50,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layouts", default="ep,fsdp", help="comma-separated: ep, fsdp")
     a = p.parse_args()
     print(f"{a.model}, batch {a.batch} x {a.seq}, 8 simulated CPU devices (shared cores: times are noisy)")
     print(f"{'layout':<6} {'form':<18} {'step ms':>8} {'tokens/s':>9} {'a2a B/dev':>10} {'static min':>10} "
           f"{'ragged min':>10}")
-    for mesh in ("ep", "fsdp"):
+    for mesh in a.layouts.split(","):
         for label, sets in forms(a.model).items():
             cfg = resolve(a.model, mesh, sets, a.batch, a.seq)
             run = prepare(cfg)

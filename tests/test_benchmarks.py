@@ -1,6 +1,6 @@
 """The GPU benchmarks' scripts, run small on CPU: a lent GPU gets one prepared call (benchmarks/gpu.sh),
 so a script that broke here would waste it. They print figures; only their running and the shape of
-their lines are checked, never a figure."""
+their lines are checked (and the all-to-all bytes against their analytic minimum), never a time."""
 
 import re
 import subprocess
@@ -49,3 +49,17 @@ def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_c
     # as gpu.sh runs it: the big model's two cases only
     out = run("compile_time.py", "--big", "tiny", "--seq", "32", "--batch", "8", "--meshes", "none", cwd=tmp_path)
     assert "from the persistent cache" in out and "device(s)" not in out, out
+
+
+def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
+    out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", cwd=tmp_path, devices=8)
+    lines = out.splitlines()
+    assert lines[1].split() == ["layout", "form", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
+                                "ragged", "min"], out
+    rows = {re.sub(r"\s+", " ", line[7:25].strip()): line[25:].split() for line in lines[2:]}
+    assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)"] and all(line.startswith("ep ") for line in lines[2:]), out
+    bytes_ = {form: [int(v.replace(",", "")) for v in cells[2:]] for form, cells in rows.items()}
+    moved, static, ragged = bytes_["dropless"]
+    assert static <= moved <= 1.05 * static and ragged < static, out  # dropless: at the static-shape minimum
+    assert len(bytes_["capacity 1.25"]) == 1 and bytes_["capacity 1.25"][0] > 0, out
+    assert bytes_["dense (mlp 160)"] == [], out  # no experts, no all-to-all

@@ -122,6 +122,9 @@ class Workload:
     # weights outside the layers (the embedding, tied or not, and the final norm) take their gradient
     # on two stages and are reduced over stage and data at once; GPipe runs the head on every stage
     pipeline_schedule: str = "gpipe"
+    # XLA:CPU lowers `ragged_dot` (dropless routing) to a dense matmul over every expert of masked rows,
+    # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
+    masked_ragged_dot: bool = False
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -130,7 +133,7 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule)
+                   pipeline_schedule=cfg.pipeline.schedule, masked_ragged_dot=platform == "cpu")
 
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:

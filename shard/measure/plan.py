@@ -146,7 +146,8 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     compute = cfg.compute_dtype_on(platform)
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
-                          attention_probs=costs.keeps_attention_probs(cfg, platform, compute))
+                          attention_probs=costs.keeps_attention_probs(cfg, platform, compute),
+                          masked_ragged_dot=platform == "cpu")
     problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = memory_bytes(cfg, shape, work)

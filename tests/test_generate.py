@@ -1,5 +1,6 @@
 """Generation: the KV-cache path equals the full forward, and the mesh does not change the tokens."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +103,14 @@ def test_bad_prompts(single):
     # an array (what ByteTokenizer.encode returns) is a prompt: "truth value of an array is ambiguous"
     assert gen.generate(np.asarray(PROMPT), 3, Sampling(temperature=0)) == gen.generate(PROMPT, 3, Sampling(temperature=0))
     np.testing.assert_equal(len(gen.generate(PROMPT, 3, Sampling(temperature=1.0), seed=1)), 3)
+
+
+def test_generation_and_evaluation_compute_in_float32_on_any_cpu():
+    """bfloat16 pays on a CPU only in training with full remat: inference keeps the float32 weights'
+    math and holds no bf16 copy of them."""
+    from shard.config.model import PRESETS
+
+    assert PRESETS["small"].for_inference("cpu").compute_dtype == "float32"
+    assert PRESETS["small"].for_inference("gpu").compute_dtype == "auto"  # bfloat16 there
+    pinned = dataclasses.replace(PRESETS["small"], compute_dtype="bfloat16")
+    assert pinned.for_inference("cpu").compute_dtype == "bfloat16"  # asked for by name

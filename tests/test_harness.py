@@ -25,15 +25,6 @@ QUESTIONS = [("The sky is", [" blue", " green", " loud"], 0), ("Two plus two is"
 TEXT = " ".join(q + c for q, cs, _ in QUESTIONS for c in cs) + " The quick brown fox jumps over the lazy dog."
 
 
-@pytest.fixture(autouse=True)
-def _float32_as_on_a_cpu_without_bf16_matmuls(monkeypatch):
-    """A Hugging Face folder's config computes in "auto": float32 here, as on a CPU without bfloat16
-    matmuls, to agree with PyTorch's float32."""
-    from shard.config import model
-
-    monkeypatch.setattr(model, "_cpu_bf16", lambda: False)
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A random-init tiny model with a byte-level BPE, written as export-hf writes a Hugging Face folder,

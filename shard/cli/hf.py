@@ -29,19 +29,16 @@ def import_hf(
             "has a config.json that is not a file" if (hf_dir / "config.json").exists() else "holds no config.json"
         raise ShardError(f"{hf_dir} {what}: give a Hugging Face Llama folder (config.json and *.safetensors)")
     check_fresh_out(out)
-    tcfg, mesh_spec, devices = host_jax("1x1")
+    tcfg, _, devices = host_jax("1x1", simulate_devices=IMPORT_CPU_DEVICES)
     import jax
     import numpy as np
 
     from shard.run import hf, weights
     from shard.run.checkpoint import Checkpoints
-    from shard.sharding.layout import make_layout
-    from shard.training.state import state_spec
 
     model_cfg, params = weights.load(hf_dir)
     tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
-    layout = make_layout(tcfg, mesh_spec, devices[:1])
-    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
+    spec = _import_spec(tcfg, devices)
     # the weights alone, placed tensor by tensor: an optimizer state would triple what the import holds,
     # and a fine-tune (--init-from) starts a fresh one anyway
     state = {"step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
@@ -49,9 +46,10 @@ def import_hf(
     globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        # a quarter GB written at a time, or the largest tensor: orbax's default buffers every chunk at
-        # once (a second copy), and refuses a tensor larger than its limit
-        largest = max(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(spec.abstract["params"]))
+        # a quarter GB written at a time, or the largest shard: orbax's default buffers every chunk at
+        # once (a second copy), and refuses a shard larger than its limit
+        largest = max(math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize for a, sharding in
+                      zip(jax.tree.leaves(spec.abstract["params"]), jax.tree.leaves(spec.shardings["params"])))
         ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint,
                             write_concurrent_gb=max(0.25, 1.01 * largest / 1e9))
         (partial / "config.toml").write_text(config_toml)
@@ -63,6 +61,32 @@ def import_hf(
             ckpts.close()
     console.print(f"imported {hf_dir} ({param_count(model_cfg.num_params())} parameters) into {out}; "
                   f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
+
+
+# An import on CPU spreads the weights over this many simulated devices (fsdp) while it writes them: orbax
+# writes, and a restore decodes, one device's shard at a time, so a layer stack is stored in 8 chunks
+# and neither the write nor a later read holds a whole stack beside the shards.
+IMPORT_CPU_DEVICES = 8
+
+
+def _import_spec(tcfg, devices):
+    """The state spec an import writes through: fsdp over the CPU devices (8, or the most of 4, 2 that
+    divide the model's dims), or one device on an accelerator."""
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.training.state import state_spec
+
+    ways = (IMPORT_CPU_DEVICES, 4, 2) if devices[0].platform == "cpu" else ()
+    for n in (*(w for w in ways if w <= len(devices)), 1):
+        mesh_spec = parse_mesh(f"fsdp={n}" if n > 1 else "1x1")
+        try:
+            layout = make_layout(tcfg, mesh_spec, devices[:n])
+            spec = state_spec(tcfg.model, tcfg.optimizer, 1, layout)
+            return spec
+        except ShardError:
+            if n == 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def export_hf(

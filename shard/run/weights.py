@@ -25,10 +25,12 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
 
 
 def load_with_router_bias(path: str | Path) -> tuple[ModelConfig, dict, np.ndarray | None]:
-    """As `load`, and the MoE balancing bias (L, E) the checkpoint's experts were chosen by
-    (model.router_bias_update), for evaluation and generation to choose as training did; None for a
-    Hugging Face folder and a checkpoint saved without one."""
-    return _load(path, router_bias=True)
+    """As `load`, for evaluation and generation: the config as they run it (ModelConfig.for_inference on
+    this backend), and the MoE balancing bias (L, E) the checkpoint's experts were chosen by
+    (model.router_bias_update), to choose as training did; None for a Hugging Face folder and a
+    checkpoint saved without one."""
+    cfg, params, bias = _load(path, router_bias=True)
+    return cfg.for_inference(jax.default_backend()), params, bias
 
 
 def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.ndarray | None]:

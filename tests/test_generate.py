@@ -1,6 +1,7 @@
 """Generation: the KV-cache path equals the full forward, and the mesh does not change the tokens."""
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np

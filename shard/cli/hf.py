@@ -72,21 +72,22 @@ IMPORT_CPU_DEVICES = 8
 def _import_spec(tcfg, devices):
     """The state spec an import writes through: fsdp over the CPU devices (8, or the most of 4, 2 that
     divide the model's dims), or one device on an accelerator."""
+    ways = (IMPORT_CPU_DEVICES, 4, 2) if devices[0].platform == "cpu" else ()
+    for n in (w for w in ways if w <= len(devices)):
+        try:
+            return _spec_on(tcfg, devices, n)
+        except ShardError:
+            continue  # a dim n does not divide: fewer devices
+    return _spec_on(tcfg, devices, 1)
+
+
+def _spec_on(tcfg, devices, n: int):
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.training.state import state_spec
 
-    ways = (IMPORT_CPU_DEVICES, 4, 2) if devices[0].platform == "cpu" else ()
-    for n in (*(w for w in ways if w <= len(devices)), 1):
-        mesh_spec = parse_mesh(f"fsdp={n}" if n > 1 else "1x1")
-        try:
-            layout = make_layout(tcfg, mesh_spec, devices[:n])
-            spec = state_spec(tcfg.model, tcfg.optimizer, 1, layout)
-            return spec
-        except ShardError:
-            if n == 1:
-                raise
-    raise AssertionError("unreachable")
+    layout = make_layout(tcfg, parse_mesh(f"fsdp={n}" if n > 1 else "1x1"), devices[:n])
+    return state_spec(tcfg.model, tcfg.optimizer, 1, layout)
 
 
 def export_hf(

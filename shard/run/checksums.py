@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.sharding.rules import path_str
+from shard.sharding.rules import mesh_axes_of, path_str, spec_entries
 
 
 def state_fingerprint(state, slice_elements: int = 1 << 22) -> dict[str, list]:
@@ -58,8 +58,7 @@ def _leaf_fingerprint(x, slice_elements: int) -> jax.Array:
 def _sharded(mesh, spec: PartitionSpec, ndim: int, slice_elements: int):
     """The checksum of a leaf of `ndim` dims sharded by `spec` over `mesh`: each device sums its own block
     at its global element positions, then one exact uint32 sum over the axes that split the leaf."""
-    dims = [() if a is None else (a,) if isinstance(a, str) else tuple(a)
-            for a in (*spec, *(None,) * (ndim - len(spec)))]
+    dims = [mesh_axes_of(a) for a in spec_entries(spec, ndim)]
     split = tuple(a for axes in dims for a in axes)
 
     def local(block):

@@ -14,6 +14,7 @@ from shard import tomlfiles
 from shard.config.train import LoraConfig, TrainConfig
 from shard.errors import ShardError
 from shard.run.hf import is_hf_dir
+from shard.sharding.rules import spec_entries
 from shard.config.model import ModelConfig
 from shard.training.state import StateSpec, placed_router_bias
 
@@ -183,7 +184,7 @@ def _place_by_tensor(x, a, sharding: NamedSharding) -> jax.Array:
     at a time: its sharded zeros, then each tensor's block written in place (the zeros donated), so the
     host holds the param's shards and one tensor being read, never the stack of a device's shard."""
     k = x.tensor_dims
-    spec = (*sharding.spec, *(None,) * (len(a.shape) - len(sharding.spec)))
+    spec = spec_entries(sharding.spec, len(a.shape))
     block_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[k:]))
     key = (tuple(a.shape), np.dtype(a.dtype), sharding, k)
     placed = _zeros(*key[:3])()
@@ -209,7 +210,7 @@ def _write_block(shape: tuple, dtype: np.dtype, sharding: NamedSharding, k: int)
     """(stack, block, at) -> the stack with `block` at its leading index `at` (k ints), the stack donated
     and updated in place on each device; the leading dims may be sharded (pipeline stages, experts): a
     device whose shard does not hold `at` writes back what it holds."""
-    spec = (*sharding.spec, *(None,) * (len(shape) - len(sharding.spec)))
+    spec = spec_entries(sharding.spec, len(shape))
 
     def local(stack, block, at):
         starts, inside = [], True

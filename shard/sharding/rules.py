@@ -108,12 +108,17 @@ def mesh_axes_of(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entries(spec: PartitionSpec, ndim: int) -> tuple:
+    """A PartitionSpec's entry for each of `ndim` dims (None past its end, where it leaves dims whole)."""
+    return (*spec, *(None,) * (ndim - len(spec)))
+
+
 def check_divisible(what: str, shape: tuple[int, ...], logical_axes, spec: PartitionSpec, mesh,
                     param_rules: Rules | None = None) -> None:
     """Each sharded dimension must split evenly; say which tensor, dimension and mesh axes if not, and
     the `--set` that replicates the dimension (in param_rules when a rule there placed it)."""
     sizes = dict(mesh.shape)
-    for dim, (n, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+    for dim, (n, entry) in enumerate(zip(shape, spec_entries(spec, len(shape)))):
         axes = mesh_axes_of(entry)
         if not axes:
             continue

@@ -1,8 +1,9 @@
 """Mixture of experts on 8 simulated devices: step time and tokens/s of dropless routing (grouped matmuls)
 against the capacity form (capacity_factor 1.25) and a dense model of the same active parameters, on
 the `ep` (data=2, expert=4) and `fsdp` layouts; and the expert axis' all-to-all bytes per device per
-step against the static-shape minimum and what a ragged all-to-all would send with balanced routing
-(shard.measure.costs, docs/formulas.md).
+step against the static-shape minimum, what a ragged all-to-all sends with balanced routing, and what it
+sends on the step's own routing (the `expert_rows_sent` metric; shard.measure.costs, docs/formulas.md).
+XLA:CPU has no ragged all-to-all: the bytes moved here are the padded exchange's.
 
 Times are medians of timed steps after a warm-up on simulated CPU devices, which share the host's
 cores (and the host may be shared with other work): they compare the forms' work on CPU, where
@@ -54,7 +55,7 @@ def main() -> None:
     a = p.parse_args()
     print(f"{a.model}, batch {a.batch} x {a.seq}, 8 simulated CPU devices (shared cores: times are noisy)")
     print(f"{'layout':<6} {'form':<18} {'step ms':>8} {'tokens/s':>9} {'a2a B/dev':>10} {'static min':>10} "
-          f"{'ragged min':>10}")
+          f"{'ragged min':>10} {'ragged routed':>13}")
     for mesh in a.layouts.split(","):
         for label, sets in forms(a.model).items():
             cfg = resolve(a.model, mesh, sets, a.batch, a.seq)
@@ -69,8 +70,11 @@ def main() -> None:
                 n, tokens = layout.axis_sizes["expert"], a.batch * a.seq / layout.mesh.size
                 row += f" {moved:>10,.0f}"
                 if m.moe_routing == "dropless":
+                    run.state, metrics = run.step_fn(run.state, run.stream.next())
+                    rows = float(metrics["expert_rows_sent"]) / layout.mesh.size  # a token device's, all layers
                     row += (f" {costs.dropless_static_bytes(m, n, tokens, 4):>10,.0f}"
-                            f" {costs.dropless_ragged_bytes(m, n, tokens, 4):>10,.0f}")
+                            f" {costs.dropless_ragged_bytes(m, n, tokens, 4):>10,.0f}"
+                            f" {costs.dropless_ragged_bytes(m, n, tokens, 4, rows=rows):>13,.0f}")
             print(row, flush=True)
 
 

@@ -126,3 +126,12 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
     return any(_BF16_CPU_FLAGS & set(line.partition(":")[2].split())
                for line in text.splitlines() if line.startswith("flags"))
+
+
+# Platforms whose XLA backend lowers `ragged-all-to-all` (XLA:CPU's thunk emitter rejects the opcode:
+# jax-ml/jax#34755); dropless routing's tokens move by it there (shard.parallel.ragged)
+RAGGED_ALL_TO_ALL_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+
+
+def lowers_ragged_all_to_all(platform: str) -> bool:
+    return platform in RAGGED_ALL_TO_ALL_PLATFORMS

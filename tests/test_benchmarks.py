@@ -55,11 +55,12 @@ def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
     out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", cwd=tmp_path, devices=8)
     lines = out.splitlines()
     assert lines[1].split() == ["layout", "form", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
-                                "ragged", "min"], out
+                                "ragged", "min", "ragged", "routed"], out
     rows = {re.sub(r"\s+", " ", line[7:25].strip()): line[25:].split() for line in lines[2:]}
     assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)"] and all(line.startswith("ep ") for line in lines[2:]), out
     bytes_ = {form: [int(v.replace(",", "")) for v in cells[2:]] for form, cells in rows.items()}
-    moved, static, ragged = bytes_["dropless"]
+    moved, static, ragged, routed = bytes_["dropless"]
     assert static <= moved <= 1.05 * static and ragged < static, out  # dropless: at the static-shape minimum
+    assert 0 < routed < static, out  # a ragged all-to-all on this step's routing
     assert len(bytes_["capacity 1.25"]) == 1 and bytes_["capacity 1.25"][0] > 0, out
     assert bytes_["dense (mlp 160)"] == [], out  # no experts, no all-to-all

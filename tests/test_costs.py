@@ -253,12 +253,13 @@ def test_tokens_reach_their_experts_by_all_to_all(analysed):
 
 @pytest.mark.parametrize("name", ["fine-ep", "fine-dp_fsdp_ep"])
 def test_dropless_tokens_reach_their_experts_by_all_to_all(analysed, name):
-    """Dropless routing under expert parallel sends each token to every other device of the expert axis
-    (static buffers drop nothing only with a slot per token and destination) with its k gates and ids,
-    and the results back: the static-shape minimum (costs.dropless_static_bytes), which the expert axis
-    moves at efficiency >= 0.95 (measured 0.999 on both; 0.945 and 0.926 while the router's scores were
-    all-gathered to be sorted, 0.53 while the expert stacks were). A ragged all-to-all, with balanced
-    routing, would send less (costs.dropless_ragged_bytes): 3 token copies against 2.18 on `ep`."""
+    """Dropless routing under expert parallel on XLA:CPU pads its ragged exchange: each token goes to
+    every other device of the expert axis (static buffers drop nothing only with a slot per token and
+    destination) with its k gates and ids, and the results back: the static-shape minimum
+    (costs.dropless_static_bytes), which the expert axis moves at efficiency >= 0.95 (measured 0.999 on
+    both; 0.945 and 0.926 while the router's scores were all-gathered to be sorted, 0.53 while the
+    expert stacks were). The ragged all-to-all of GPUs and TPUs, with balanced routing, sends less
+    (costs.dropless_ragged_bytes): 2.18 token copies against 3 on `ep`."""
     cfg, layout, a = analysed(name)
     m = cfg.model
     kinds = {c.kind for c in a.collectives if "expert" in c.axes}
@@ -493,3 +494,16 @@ def test_the_reference_workload_in_bf16_reads_its_layout_right(run_shard):
                       data__batch=64, data__seq_len=2048)
     planned = memory_bytes(cfg.model, costs.LayoutShape.of(data=2, fsdp=8, model=2), costs.Workload.from_config(cfg, "cpu"))
     assert 0.75 < planned["total"] / out["memory"]["total"] < 1.0, (planned, out["memory"])
+
+
+def test_the_expert_axis_minimum_is_the_ragged_exchange_where_the_platform_has_one():
+    """GPUs and TPUs move dropless routing's tokens by ragged all-to-all (the rows routed), XLA:CPU by the
+    padded exchange: the planner's and inspect's minimum for the expert axis follows the platform."""
+    cfg = tiny_config("ep", model__name="moe-fine-tiny", data__batch=16)
+    shape = costs.LayoutShape.of(data=2, expert=4)
+    m, tokens = cfg.model, 16 * cfg.data.seq_len / 8
+    minimum = {p: costs.comm_bytes(m, shape, costs.Workload.from_config(cfg, p))["expert"] for p in ("cpu", "gpu", "tpu")}
+    static, ragged = costs.dropless_static_bytes(m, 4, tokens, 4), costs.dropless_ragged_bytes(m, 4, tokens, 4)
+    assert ragged < static
+    assert minimum["cpu"] - static == pytest.approx(minimum["gpu"] - ragged) == pytest.approx(minimum["tpu"] - ragged)
+    assert costs.dropless_ragged_bytes(m, 4, tokens, 4, rows=2 * tokens) == 2 * tokens * costs.dropless_row_bytes(m, 4)

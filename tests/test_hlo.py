@@ -232,3 +232,25 @@ def test_collectives_in_a_conditionals_branches_are_marked_as_an_upper_bound():
     assert sum(c.count for c in items) == 18 and all(c.axes == ("model",) and c.in_branch for c in items), items
     assert all(r["upper_bound"] for r in hlo.summarize(items))
     assert not any(c.in_branch for c in hlo.collectives(HAND_WRITTEN, AXES, SIZES))  # a while body is exact
+
+
+RAGGED = """HloModule r, is_scheduled=true
+
+ENTRY %main (rows: f32[24,10], out: f32[24,10], offsets: s32[4], sizes: s32[4]) -> f32[24,10] {
+  %rows = f32[24,10]{1,0} parameter(0)
+  %out = f32[24,10]{1,0} parameter(1)
+  %offsets = s32[4]{0} parameter(2)
+  %sizes = s32[4]{0} parameter(3)
+  ROOT %ra2a = f32[24,10]{1,0} ragged-all-to-all(%rows, %out, %offsets, %sizes, %offsets, %sizes), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}
+}
+"""
+
+
+def test_a_ragged_all_to_all_counts_as_an_all_to_all_of_its_receive_buffer_and_a_bound():
+    """GPUs and TPUs exchange dropless routing's tokens by ragged all-to-all (shard.parallel.ragged): it
+    was not counted at all. Its receive buffer holds the worst case, so it is an upper bound."""
+    (c,) = hlo.collectives(RAGGED, AXES, SIZES)
+    assert (c.kind, c.compiled_as, c.axes, c.count) == ("all-to-all", "ragged-all-to-all", ("model",), 1)
+    assert c.wire_bytes == pytest.approx(3 / 4 * 24 * 10 * 4) and c.upper_bound
+    assert [r["upper_bound"] for r in hlo.summarize([c])] == [True]
+    assert not any(c.upper_bound for c in hlo.collectives(HAND_WRITTEN, AXES, SIZES))

@@ -13,7 +13,8 @@ from shard import config as c
 from shard.config.model import PRESETS
 from shard.errors import ShardError
 from shard.models import moe
-from shard.testing import loss_and_grads, tiny_config, train_losses
+from shard.testing import devices_for, loss_and_grads, tiny_config
+from shard.training.loop import train
 
 E, D, F, B, T = 8, 16, 12, 2, 6
 ROUTERS = {  # name: router settings
@@ -193,9 +194,16 @@ def assert_tokens_move_to_the_experts(hlo: str, cfg):
     assert not {f"{E},{D},{F}", f"{E},{F},{D}"} & set(gathered), gathered
 
 
-def test_the_fine_grained_preset_trains_on_expert_parallel():
-    losses = train_losses(tiny_config("ep", **FINE))
-    assert len(losses) == 3 and all(np.isfinite(losses))
+def test_the_fine_grained_preset_trains_on_expert_parallel_and_counts_the_rows_it_sends():
+    cfg = tiny_config("ep", **FINE)
+    records = train(cfg, devices=devices_for("ep"))
+    assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+    # each token to at most the e-1 other devices of the expert axis, once, in every layer; random
+    # routing of 4 choices over 4 devices sends most tokens to some (about 2.2 on average)
+    e, m = 4, cfg.model
+    tokens = cfg.data.batch * cfg.data.seq_len
+    for r in records:
+        assert tokens * m.n_layers <= r["expert_rows_sent"] <= (e - 1) * tokens * m.n_layers, r
 
 
 def test_the_deepseek_twin_has_64_experts_top_6_and_2_shared_and_agrees_on_ep():

@@ -71,14 +71,15 @@ def _print_compiled(doc: dict) -> None:
     table = Table(title=f"collectives per step (batch {doc['batch']}x{doc['seq_len']}, {doc['platform']})")
     for col in ("kind", "mesh axes", "compiled as", "count", "bytes/device", "as compiled"):
         table.add_column(col, justify="right" if col in ("count", "bytes/device", "as compiled") else "left")
-    bounded = {a for r in doc["collectives"] if r["upper_bound"] for a in r["axes"]}  # counted as if every branch ran
+    bounded = {a for r in doc["collectives"] if r["upper_bound"] for a in r["axes"]}  # see the "<=" note below
     for r in doc["collectives"]:
         table.add_row(r["kind"], "+".join(r["axes"]), r["compiled_as"], f"{'<=' if r['upper_bound'] else ''}{r['count']}",
                       human_bytes(r["bytes_per_device"]), human_bytes(r["compiled_bytes_per_device"]))
     table_console(110).print(table)
     if bounded:
-        console.print("<=: in a conditional's branches (the 1F1B schedule's switch), counted as if every branch ran "
-                      "on every call: an upper bound", soft_wrap=True)
+        console.print("<=: an upper bound: in a conditional's branches (the 1F1B schedule's switch), counted as if "
+                      "every branch ran on every call, or a ragged all-to-all counted by its receive buffer (it "
+                      "sends only the rows routed)", soft_wrap=True)
     moved = lambda axis: ("at most " if axis in bounded else "") + human_bytes(doc["bytes_per_axis"].get(axis, 0))  # noqa: E731
     for axis, eff in doc["communication_efficiency"].items():
         console.print(f"axis {axis}: moved {moved(axis)}, analytic minimum "

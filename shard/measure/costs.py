@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem, matmul_params
+from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import axes_table, balanced_ring, stored_lookup_axes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -125,6 +126,9 @@ class Workload:
     # XLA:CPU lowers `ragged_dot` (dropless routing) to a dense matmul over every expert of masked rows,
     # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
     masked_ragged_dot: bool = False
+    # GPUs and TPUs move dropless routing's tokens by ragged all-to-all, which sends the rows routed;
+    # XLA:CPU pads each exchange to the worst case (shard.parallel.ragged)
+    ragged_exchange: bool = False
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -133,7 +137,8 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule, masked_ragged_dot=platform == "cpu")
+                   pipeline_schedule=cfg.pipeline.schedule, masked_ragged_dot=platform == "cpu",
+                   ragged_exchange=lowers_ragged_all_to_all(platform))
 
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:
@@ -286,7 +291,8 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     if cfg.n_experts and len(experts) == 1 and cfg.moe_routing == "dropless":
         n = shape.sizes[experts[0]]
         tokens = work.global_batch * work.seq_len / shape.token_ways()
-        add(experts[0], dropless_static_bytes(cfg, n, tokens, work.act_bytes, forward_passes))
+        exchange = dropless_ragged_bytes if work.ragged_exchange else dropless_static_bytes
+        add(experts[0], exchange(cfg, n, tokens, work.act_bytes, forward_passes))
     elif cfg.n_experts and len(experts) == 1:
         # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
         # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
@@ -302,27 +308,35 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     return out
 
 
-def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
-    """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
-    all-to-alls (`moe.expert_parallel_experts`), the minimum for buffers whose shape is fixed at compile
-    time and that drop nothing: any of a device's `tokens` tokens may choose an expert on any other
-    device, so each destination gets a slot for every token, (n-1) N rows leave a device each way. A row
-    carries the token (D) with its k gates and k expert ids (int32); the D-wide results come back.
-    Forward (again under remat): rows, ids and results; backward: the results' and the rows' gradients.
-    `dropless_ragged_bytes` gives what a ragged all-to-all would send with balanced routing."""
+def dropless_row_bytes(cfg: ModelConfig, act_bytes: int, forward_passes: int = 1) -> float:
+    """Bytes one token row costs a step each time dropless routing sends it to another device of the
+    expert axis (`moe.expert_parallel_experts`): the token (D) with its k gates, its k expert ids (int32)
+    and the D-wide result back, forward (again under remat); the result's and the row's gradients
+    backward."""
     D, K, a = cfg.d_model, cfg.experts_per_token, act_bytes
     forward = (D + K) * a + K * 4 + D * a
     backward = D * a + (D + K) * a
-    return cfg.n_layers * (n - 1) * tokens * (forward_passes * forward + backward)
+    return forward_passes * forward + backward
 
 
-def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
-    """What a ragged all-to-all (sized by the routing, no padding) would send instead of
-    `dropless_static_bytes` when routing is balanced: a token only to the devices holding one of its
-    experts (`dropless_remote_devices`), the D-wide token and result each way, forward and backward (ids
-    and gates left out: a lower bound)."""
-    rows = tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
-    return cfg.n_layers * 2 * (forward_passes + 1) * rows * cfg.d_model * act_bytes
+def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
+    """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
+    all-to-alls (XLA:CPU, `shard.parallel.ragged`'s padded exchange), the minimum for buffers whose
+    shape is fixed at compile time and that drop nothing: any of a device's `tokens` tokens may choose
+    an expert on any other device, so each destination gets a slot for every token, (n-1) N rows leave
+    a device each way. `dropless_ragged_bytes` gives what a ragged all-to-all sends."""
+    return cfg.n_layers * (n - 1) * tokens * dropless_row_bytes(cfg, act_bytes, forward_passes)
+
+
+def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1,
+                          rows: float | None = None) -> float:
+    """What a ragged all-to-all (GPU, TPU: sized by the routing, no padding) sends instead of
+    `dropless_static_bytes`: a token only to the other devices holding one of its experts, with
+    balanced routing `dropless_remote_devices` of them a token in every layer; or `rows`, the rows one
+    device sent over all layers as counted (the `expert_rows_sent` metric over the token devices)."""
+    if rows is None:
+        rows = cfg.n_layers * tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
+    return rows * dropless_row_bytes(cfg, act_bytes, forward_passes)
 
 
 def dropless_remote_devices(n_experts: int, k: int, n: int) -> float:

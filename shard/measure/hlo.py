@@ -9,7 +9,9 @@ reported as compiled (`all-reduce`) and as the logical collective (`reduce-scatt
 
 Bytes on the wire per device follow the ring algorithms nccl-tests assumes: all-reduce 2(n-1)/n x S,
 all-gather (n-1)/n x S_out, reduce-scatter (n-1)/n x S_in, all-to-all (n-1)/n x S, permute S x the share
-of devices that send (a pipeline's chain of stages: (S-1)/S; a ring: 1), a device's average.
+of devices that send (a pipeline's chain of stages: (S-1)/S; a ring: 1), a device's average. A ragged
+all-to-all (GPU, TPU) is an all-to-all of its receive buffer: an upper bound, since it sends only the
+rows routed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class Collective:
     logical_axes: tuple[str, ...] | None = None  # the logical collective's axes, where not `axes` (folded)
 
     @property
+    def upper_bound(self) -> bool:
+        """The bytes or count are a bound: a conditional's branches counted as if each ran, or a ragged
+        all-to-all counted by its receive buffer (it sends only the rows routed, known at run time)."""
+        return self.in_branch or self.compiled_as.startswith("ragged-all-to-all")
+
+    @property
     def over(self) -> tuple[str, ...]:
         """Mesh axes of the logical collective."""
         return self.axes if self.logical_axes is None else self.logical_axes
@@ -51,6 +59,8 @@ class Collective:
 
 def _base_kind(opcode: str) -> str | None:
     op = opcode.removesuffix("-start")
+    if op == "ragged-all-to-all":  # GPU, TPU: sized by the routing at run time (shard.parallel.ragged)
+        return "all-to-all"
     return op if op in KINDS else None
 
 
@@ -127,7 +137,7 @@ def summarize(items: list[Collective]) -> list[dict]:
                                      "count": 0, "bytes_per_device": 0.0, "compiled_bytes_per_device": 0.0,
                                      "upper_bound": False})
         row["count"] += c.count
-        row["upper_bound"] |= c.in_branch
+        row["upper_bound"] |= c.upper_bound
         row["bytes_per_device"] += c.logical_wire_bytes * c.count
         row["compiled_bytes_per_device"] += c.wire_bytes * c.count
     rows = sorted(table.values(), key=lambda r: (-r["bytes_per_device"], r["kind"]))

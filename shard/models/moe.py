@@ -18,11 +18,15 @@ two layouts with an all-to-all. Mesh axes never appear here.
 
 Dropless routing runs per device: inside a `jax.shard_map` that is manual over the mesh axes splitting
 the tokens, each device sorts its own tokens and multiplies them by every expert (weights split over
-`expert` are gathered at the boundary, as FSDP gathers a weight): no tokens move between devices.
+an axis that holds the same tokens are gathered at the boundary, as FSDP gathers a weight). Under
+expert parallel (`ep`: the expert axis also splits the tokens) the experts stay split and each token
+goes to the devices holding its experts by a ragged all-to-all (`expert_parallel_experts`).
 
 Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp, K experts per
 token, N tokens, M = N K (token, choice) pairs, S shared experts' hidden width.
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LAYERS, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
+from shard.hardware import lowers_ragged_all_to_all
+from shard.parallel.ragged import ragged_all_to_all
 from shard.sharding.rules import active_layout, constrain
 
 
@@ -206,50 +212,64 @@ def _expert_axes(token_axes: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_down_efd,
-                            axes: tuple[str, ...]) -> jax.Array:
+                            axes: tuple[str, ...], padded: bool) -> tuple[jax.Array, jax.Array]:
     """Dropless routing with the experts split over the manual mesh `axes` (this device holds E/n of
-    them): tokens go to the devices that hold their experts by all-to-all, run there through
-    `grouped_experts` on the local experts, and come back combined by the reverse all-to-all.
+    them): each token goes once to each device that holds one of its k experts, with its k expert ids
+    and gates, by a ragged all-to-all (`shard.parallel.ragged`); there `grouped_experts` runs the
+    choices that device holds and their gated sum comes back by the reverse one, summed per token.
 
-    The all-to-all's buffers have static shapes, so they are sized for the dropless worst case: every
-    one of a device's N tokens may choose an expert on any one device. A token is sent to a device
-    once, however many of its k experts live there (with its k expert ids and gates; the destination
-    uses the choices it holds and returns their gated sum), so the bound is N rows per (source,
-    destination): no token can overflow it, nothing is dropped, and each direction moves
-    (n-1)/n * n * N rows, i.e. n/k times the k copies of a token that a ragged all-to-all would send
-    (XLA:CPU implements none). That is all of a device's tokens to every device: an all-gather by
-    all-to-all, written this way so that a ragged all-to-all or a tighter bound can take its place."""
+    The send buffer is destination-major: the tokens bound for device j (at most N) are rows
+    start_j .. start_j + send_j, in token order. On a receiver, source i's rows land at i N, so its
+    buffers hold every source's every token (n N rows, the dropless worst case) and rows no source
+    filled carry no expert. With a ragged all-to-all only the rows sent move: about N r per device
+    each way, r the other devices a token's experts live on (`costs.dropless_remote_devices`).
+    `padded` (XLA:CPU, which has none): each slice moves padded to N rows, (n-1) N a device each way.
+    Returns the output (N, D) and the rows this device sent to others (float32), the ragged count."""
     N, K = experts_nk.shape
     n = jax.lax.psum(1, axes)
     local = w_gate_edf.shape[0]  # experts on this device
-    # (n, N, .): the rows for each destination; a destination ignores the choices it does not hold
-    rows_jnc = jnp.broadcast_to(jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1), (n, N, x_nd.shape[-1] + K))
-    ids_jnk = jnp.broadcast_to(experts_nk.astype(jnp.int32), (n, N, K))
-    rows_jnc = jax.lax.all_to_all(rows_jnc, axes, 0, 0)  # now (source, N, .): what each source sent here
-    ids_jnk = jax.lax.all_to_all(ids_jnk, axes, 0, 0)
-    x_md, g_mk = rows_jnc[..., :-K].reshape(n * N, -1), rows_jnc[..., -K:].reshape(n * N, K)
-    ids_mk = ids_jnk.reshape(n * N, K) - jax.lax.axis_index(axes) * local
+    me = jax.lax.axis_index(axes)
+    to_jn = jnp.any((experts_nk // local)[None] == jnp.arange(n)[:, None, None], axis=-1)  # token n goes to j
+    send_j = jnp.sum(to_jn, axis=1, dtype=jnp.int32)
+    start_j = jnp.cumsum(send_j) - send_j
+    row_jn = jnp.where(to_jn, start_j[:, None] + jnp.cumsum(to_jn, axis=1) - 1, n * N)
+    token_r = jnp.full((n * N,), N, jnp.int32).at[row_jn.reshape(-1)].set(
+        jnp.tile(jnp.arange(N, dtype=jnp.int32), n), mode="drop")  # the token of each send row; N: none
+    rows_nc = jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1)
+    rows_rc = jnp.take(rows_nc, token_r, axis=0, mode="fill", fill_value=0)
+    ids_rk = jnp.take(experts_nk.astype(jnp.int32), token_r, axis=0, mode="fill", fill_value=-1)
+    recv_i = jax.lax.all_to_all(send_j, axes, 0, 0, tiled=True)  # rows each source sends here
+    slot_j = jnp.full((n,), me * N, jnp.int32)  # where this device's rows go on each destination
+    exchange = partial(ragged_all_to_all, axis_name=axes, max_send=N, padded=padded)
+    got_mc = exchange(rows_rc, jnp.zeros_like(rows_rc), start_j, send_j, slot_j, recv_i)
+    ids_mk = exchange(ids_rk, jnp.full_like(ids_rk, -1), start_j, send_j, slot_j, recv_i) - me * local
     mine_mk = (ids_mk >= 0) & (ids_mk < local)
-    # choices held elsewhere get group `local`, past the last group: sorted to the end, ragged_dot
-    # leaves them zero, and their gate is zero
-    y_md = grouped_experts(x_md, jnp.where(mine_mk, ids_mk, local), jnp.where(mine_mk, g_mk, 0),
-                           w_gate_edf, w_up_edf, w_down_efd)
-    y_jnd = jax.lax.all_to_all(y_md.reshape(n, N, -1), axes, 0, 0)  # (destination, N, D), back home
-    return jnp.sum(y_jnd, axis=0)
+    # choices held elsewhere (and empty rows) get group `local`, past the last group: sorted to the end,
+    # ragged_dot leaves them zero, and their gate is zero
+    y_md = grouped_experts(got_mc[:, :-K], jnp.where(mine_mk, ids_mk, local),
+                           jnp.where(mine_mk, got_mc[:, -K:], 0), w_gate_edf, w_up_edf, w_down_efd)
+    home_i = jax.lax.all_to_all(start_j, axes, 0, 0, tiled=True)  # where source i's rows came from there
+    back_rd = exchange(y_md, jnp.zeros_like(y_md), jnp.arange(n, dtype=jnp.int32) * N, recv_i, home_i, send_j)
+    sent = (jnp.sum(send_j) - send_j[me]).astype(jnp.float32)
+    return jax.ops.segment_sum(back_rd, token_r, num_segments=N), sent  # row N (no token) is dropped
 
 
-def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> jax.Array:
-    """The routed experts' output (B, T, D), no token dropped, each device on its own tokens."""
+def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> tuple[jax.Array, jax.Array]:
+    """The routed experts' output (B, T, D), no token dropped, each device on its own tokens, and the
+    token rows sent to other devices of the expert axis (all devices; 0 without expert parallel)."""
     D, K = h_btd.shape[-1], experts_btk.shape[-1]
     weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
     batch, length = _token_axes()
     experts = _expert_axes(batch + length) if batch or length else ()
+    padded = bool(experts) and not lowers_ragged_all_to_all(active_layout().mesh.devices.flat[0].platform)
 
     def local(h_btd, gates_btk, experts_btk, *w):
         b, t = h_btd.shape[:2]
         args = (h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K), gates_btk.reshape(b * t, K), *w)
-        out_nd = expert_parallel_experts(*args, experts) if experts else grouped_experts(*args)
-        return out_nd.reshape(b, t, D)
+        if not experts:
+            return grouped_experts(*args).reshape(b, t, D), jnp.zeros((), jnp.float32)
+        out_nd, sent = expert_parallel_experts(*args, experts, padded)
+        return out_nd.reshape(b, t, D), jax.lax.psum(sent, batch + length)
 
     if not batch and not length:
         return local(h_btd, gates_btk, experts_btk, *weights)
@@ -260,7 +280,7 @@ def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> jax.Array
     # at the boundary, their gradients reduced back: every device runs every expert on its own tokens.
     w_spec = P(experts) if experts else P()
     fn = jax.shard_map(local, mesh=active_layout().mesh, in_specs=(spec, spec, spec, w_spec, w_spec, w_spec),
-                       out_specs=spec, axis_names=set(batch + length))
+                       out_specs=(spec, P()), axis_names=set(batch + length))
     return fn(h_btd, gates_btk, experts_btk, *weights)
 
 
@@ -282,7 +302,8 @@ def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: Mod
     cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
     # route() chooses as top_k does: by the probs, which order experts as the scores do
     dispatch_btec, combine_btec, aux, load_e = route(probs_bte, cfg.experts_per_token, cap, choose_bte, True)
-    counts = {"load": load_e, "dropped": B * T * cfg.experts_per_token - jnp.sum(dispatch_btec)}
+    counts = {"load": load_e, "dropped": B * T * cfg.experts_per_token - jnp.sum(dispatch_btec),
+              "sent": jnp.zeros((), jnp.float32)}
     if (cfg.router_scores, cfg.router_normalize, cfg.routed_scale) != ("softmax", True, 1.0):
         # route's gates are the chosen probs renormalised; top_k_gates gives the others
         gates_bte = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts_btk, E, dtype=jnp.float32), gates_btk)
@@ -304,7 +325,8 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
               bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
     """The MoE feed-forward of one layer on the normalised residual; returns its output, aux loss and
     counts: {"load": (E,) (token, choice) pairs routed to each expert, "dropped": those a capacity
-    dropped, "z": the router z-loss}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
+    dropped, "sent": the token rows dropless routing sent to other devices of the expert axis (what a
+    ragged all-to-all moves each way), "z": the router z-loss}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
     `dropless` with capacity routing: each expert has a slot for every token of the group (a token picks
     an expert once), so none is dropped, whatever the length: generation's prefill and decode steps then
     compute the same. Dropless routing (model.moe_routing) never drops one."""
@@ -312,9 +334,10 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
     scores_bte, probs_bte = router_scores(logits_bte, cfg)
     gates_btk, experts_btk = top_k_gates(scores_bte, cfg, bias_e)
     if cfg.moe_routing == "dropless":
-        out_btd = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
+        out_btd, sent = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
         aux = balance_loss(experts_btk, probs_bte)
-        counts = {"load": expert_load(experts_btk, cfg.n_experts), "dropped": jnp.zeros((), jnp.float32)}
+        counts = {"load": expert_load(experts_btk, cfg.n_experts), "dropped": jnp.zeros((), jnp.float32),
+                  "sent": sent}
     else:
         choose_bte = None if bias_e is None else scores_bte + bias_e
         out_btd, aux, counts = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype,

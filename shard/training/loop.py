@@ -23,7 +23,8 @@ from shard.training.prepare import Run, prepare
 # simulated devices on 2 cores ("Termination timeout ... only 6 of them arrived", then an abort).
 MAX_STEPS_AHEAD = 2
 # A MoE model's step metrics copied into its records (shard.training.step: expert_load_metrics).
-MOE_METRICS = ("aux_loss", "router_z_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped")
+MOE_METRICS = ("aux_loss", "router_z_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped",
+               "expert_rows_sent")
 
 
 

@@ -83,7 +83,7 @@ def pipeline_stages(layout: Layout) -> int:
 def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = None):
     """`(params, batch, router_bias=None) -> (objective, (nll, count, moe))`: the summed next-token loss
     plus the weighted MoE auxiliary loss, and `moe` the model's MoE statistics (`llama.run_layers`:
-    "aux", and for a MoE model each layer's expert "load" and "dropped"); through the pipeline schedule
+    "aux", and for a MoE model each layer's expert "load", "dropped" and "sent"); through the pipeline schedule
     when the mesh has stages. `router_bias`: the state's balancing bias (model.router_bias_update)."""
     cfg = spec.model
     aux_w = cfg.aux_loss_weight if cfg.n_experts else 0.0
@@ -172,7 +172,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 if spec.model is not None and spec.model.n_experts:
                     L, E = spec.model.n_layers, spec.model.n_experts
                     moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
-                                  "z": scalar}
+                                  "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
                 (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
                 moe = moe | {k: moe[k] / microbatches for k in ("aux", "z") if k in moe}
         return grads, nll, count, moe
@@ -193,7 +193,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             if "z" in moe:  # not through the pipeline
                 metrics["router_z_loss"] = moe["z"] / spec.model.n_layers  # per layer
             if "load" in moe:  # not through the pipeline (MoE is not pipelined)
-                metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity")
+                metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
+                                               moe["sent"])
         if "router_bias" in state:
             new_state["router_bias"] = update_router_bias(state["router_bias"], moe["load"],
                                                           spec.model.router_bias_update)
@@ -210,16 +211,21 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     return grad_sums, apply
 
 
-def expert_load_metrics(load_le: jax.Array, dropped_l: jax.Array, capacity: bool) -> dict:
+def expert_load_metrics(load_le: jax.Array, dropped_l: jax.Array, capacity: bool,
+                        sent_l: jax.Array | None = None) -> dict:
     """Step metrics of the (token, choice) pairs each layer routed to each expert (L, E): the least and
     most loaded expert of any layer as a share of its layer's mean (1: balanced), and the coefficient of
-    variation over experts averaged over layers; with capacity routing the pairs dropped, all layers."""
+    variation over experts averaged over layers; with capacity routing the pairs dropped, all layers;
+    with dropless routing the token rows sent to other devices of the expert axis, all layers (`sent_l`:
+    what a ragged all-to-all moves each way, forward; 0 without expert parallel)."""
     mean_l1 = jnp.maximum(jnp.mean(load_le, axis=-1, keepdims=True), 1e-9)
     share_le = load_le / mean_l1
     out = {"expert_load_min": jnp.min(share_le), "expert_load_max": jnp.max(share_le),
            "expert_load_cv": jnp.mean(jnp.std(load_le, axis=-1) / mean_l1[:, 0])}
     if capacity:
         out["tokens_dropped"] = jnp.sum(dropped_l)
+    elif sent_l is not None:
+        out["expert_rows_sent"] = jnp.sum(sent_l)
     return out
 
 

@@ -34,7 +34,7 @@ def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_sp
     rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
     partly manual shard_map (pipeline stages) its custom partitioning is not used. Packed rows
     (`segments`, data.packing=packed) reach it only as a dense (B, 1, T, T) bias through the public API
-    (shard.models.llama.causal_attention says why that is not taken).
+    (shard.models.attention.causal_attention says why that is not taken).
     """
     if platform != "cuda":
         return f"it needs an NVIDIA GPU (this run is on {platform})"
@@ -124,7 +124,7 @@ class ModelConfig:
     attention: str = "auto"
     # XLA's attention (and the einsum one of soft-capped scores or windows that differ by layer) takes its
     # queries in chunks of at most this many, each chunk's exact softmax over all keys, recomputed in the
-    # backward pass, so only one chunk's scores exist at a time (shard.models.llama.query_chunked);
+    # backward pass, so only one chunk's scores exist at a time (shard.models.attention.query_chunked);
     # 0: all queries at once; -1 (auto): chunks of at most 256 MiB of float32 scores per device, none
     # where the whole scores are no bigger. cuDNN's flash attention and ring attention need none.
     attention_chunk: int = -1

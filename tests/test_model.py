@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import PRESETS, attention_backend, cudnn_attention_problem
+from shard.config.model import attention_backend, cudnn_attention_problem
+from shard.config.presets import PRESETS
 from shard.models.attention import causal_attention
 
 

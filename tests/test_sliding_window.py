@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.errors import ShardError
 from shard.models import attention, llama
 from shard.models.attention import causal_attention

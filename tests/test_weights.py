@@ -18,7 +18,7 @@ from shard.run import hf
 from shard import models
 from shard.cli.app import app
 from shard.errors import ShardError
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 
 
 def invoke(*args):
@@ -546,7 +546,7 @@ def test_an_import_writes_through_fsdp_over_the_cpu_devices_where_the_dims_divid
     """import-hf spreads the weights over 8 simulated devices (or 4, 2 where a dim does not divide) so
     orbax writes, and a restore decodes, one shard of a layer stack at a time."""
     from shard.cli.hf import _import_spec
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.testing import tiny_config
 
     tcfg = tiny_config("1x1")

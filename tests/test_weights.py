@@ -145,7 +145,7 @@ def test_a_checkpoints_params_are_read_straight_into_their_shardings_and_checked
     """generate, eval and --init-from read a shard checkpoint's params with orbax straight into the mesh's
     shardings (no copy on the host): the same arrays as the host's read, checked against the saved
     checksums; np.asarray of one reads it on the host, checked too."""
-    from shard.run.checkpoint import StoredParam, read_params
+    from shard.run.stored import StoredParam, read_params
     from shard.run.weights import load, place
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
@@ -231,7 +231,8 @@ def test_bad_weights_input(args, message):
 
 def test_a_checkpoint_saved_without_a_config_says_so(imported, tmp_path):
     """Saved from Python with config_toml="": the default model was built and its shapes refused."""
-    from shard.run.checkpoint import Checkpoints, read_params
+    from shard.run.checkpoint import Checkpoints
+    from shard.run.stored import read_params
 
     params, _, _ = read_params(imported)
     ckpts = Checkpoints(tmp_path / "ck")

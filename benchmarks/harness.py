@@ -81,7 +81,7 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
 
     from shard import models
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.data.tokenizers import train_bpe
     from shard.run import hf
     from shard.run.harness import harness_lm

@@ -38,7 +38,8 @@ RUNTIME = ("from shard.startup.host_memory import reexec_with_huge_pages; reexec
 
 
 def model_config(shape: str):
-    from shard.config.model import PRESETS, ModelConfig
+    from shard.config.model import ModelConfig
+    from shard.config.presets import PRESETS
 
     if shape in EXTRA_SHAPES:
         return ModelConfig(name=shape, **EXTRA_SHAPES[shape])

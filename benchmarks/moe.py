@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 from shard import config, prepare
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.measure import costs
 from shard.measure.analysis import analyze
 from shard.sharding.layout import make_layout

@@ -101,7 +101,8 @@ def _timed(f, a) -> float:
 
 def flops_per_token() -> tuple[float, int]:
     """shard's MFU count per token of the reference model, and its sequence length."""
-    from shard.config.model import ModelConfig, PRESETS, mfu_flops_per_token
+    from shard.config.model import ModelConfig, mfu_flops_per_token
+    from shard.config.presets import PRESETS
 
     doc = tomllib.loads(CONFIG.read_text())
     fields = {k: v for k, v in doc["model"].items() if k != "name"}

@@ -18,7 +18,7 @@ _API = {
     "Layout": "shard.sharding.rules", "constrain": "shard.sharding.rules",
     "activation_layout": "shard.sharding.rules", "make_layout": "shard.sharding.layout",
     # the model's configs
-    "TrainConfig": "shard.config.train", "ModelConfig": "shard.config.model", "PRESETS": "shard.config.model",
+    "TrainConfig": "shard.config.train", "ModelConfig": "shard.config.model", "PRESETS": "shard.config.presets",
     # training
     "state_spec": "shard.training.state", "init_state": "shard.training.state",
     "make_train_step": "shard.training.step", "batch_sharding": "shard.training.step",

@@ -1,4 +1,4 @@
-"""Attention in chunks of queries (model.attention_chunk, shard.models.llama.query_chunked) against all
+"""Attention in chunks of queries (model.attention_chunk, shard.models.attention.query_chunked) against all
 queries at once: the same outputs and gradients for every mask the model uses, on one device and on
 sharded layouts, and the automatic chunk size."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shard.config.model import ATTENTION_CHUNK_MIN_QUERIES, ATTENTION_CHUNK_SCORES_BYTES, attention_chunks
-from shard.models.llama import causal_attention
+from shard.models.attention import causal_attention
 from shard.testing import loss_and_grads, tiny_config
 
 B, T, N, K, H = 2, 32, 4, 2, 8

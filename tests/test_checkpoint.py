@@ -567,7 +567,7 @@ def test_export_under_a_file_is_one_line_and_exits(reference, tmp_path):
 def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypatch):
     import errno
 
-    import shard.run.checkpoint as checkpoint_mod
+    import shard.run.stored as stored_mod
 
     class DiskFills:  # what orbax does on a full disk: a temporary folder, then the error
         def __enter__(self):
@@ -580,7 +580,7 @@ def test_a_failed_export_leaves_no_partial_folder(reference, tmp_path, monkeypat
             Path(f"{out}{TMP_MARK}-1700000000").mkdir()
             raise OSError(errno.ENOSPC, "No space left on device", str(out))
 
-    monkeypatch.setattr(checkpoint_mod.ocp, "StandardCheckpointer", DiskFills)
+    monkeypatch.setattr(stored_mod.ocp, "StandardCheckpointer", DiskFills)
     _, _, _, ckpts = reference
     (tmp_path / "exports").mkdir()  # there before: stays
     result = invoke("export", "--checkpoint", str(ckpts.directory.parent), "--out",

@@ -11,7 +11,8 @@ import sys
 import jax
 import pytest
 from flax import nnx
-from shard.config.model import PRESETS, mfu_flops_per_token
+from shard.config.model import mfu_flops_per_token
+from shard.config.presets import PRESETS
 
 from shard.measure import costs
 from shard.measure.memory import memory_bytes, probs_hbm_bytes
@@ -209,7 +210,7 @@ def test_an_untied_stored_lookup_reduces_only_its_slice_over_data():
     """Untying adds the head's table (gathered, its gradient slice reduce-scattered, then all-reduced over
     data): one 1/fsdp slice more over data. The lookup's table is read as stored, so only its own slice
     is all-reduced; the formula counted the whole table (the compiled step: 64 KiB, small, data=2,fsdp=4)."""
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
 
     shape, work = costs.LayoutShape.of(data=2, fsdp=4), costs.Workload(8, 16, act_bytes=4)
     tied = PRESETS["small"]

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from shard.config.model import PRESETS  # noqa: E402
+from shard.config.presets import PRESETS  # noqa: E402
 from shard.errors import ShardError  # noqa: E402
 from shard.models import llama  # noqa: E402
 from shard.run import hf  # noqa: E402

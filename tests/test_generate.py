@@ -109,7 +109,7 @@ def test_bad_prompts(single):
 def test_generation_and_evaluation_compute_in_float32_on_any_cpu():
     """bfloat16 pays on a CPU only in training with full remat: inference keeps the float32 weights'
     math and holds no bf16 copy of them."""
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
 
     assert PRESETS["small"].for_inference("cpu").compute_dtype == "float32"
     assert PRESETS["small"].for_inference("gpu").compute_dtype == "auto"  # bfloat16 there

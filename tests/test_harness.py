@@ -32,7 +32,7 @@ def exported(tmp_path_factory):
     from flax import nnx
 
     from shard import models
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.data.tokenizers import train_bpe
     from shard.run import hf
 
@@ -164,7 +164,7 @@ def test_weights_without_a_tokenizer_read_bytes_said_once(tmp_path):
     from flax import nnx
 
     from shard import models
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.run import hf
     from shard.run.harness import harness_lm
     from shard.sharding.mesh import parse_mesh

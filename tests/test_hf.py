@@ -16,7 +16,7 @@ from flax import nnx  # noqa: E402
 
 from shard.run import hf  # noqa: E402
 from shard import models  # noqa: E402
-from shard.config.model import PRESETS  # noqa: E402
+from shard.config.presets import PRESETS  # noqa: E402
 from shard.errors import ShardError  # noqa: E402
 from shard.training.generate import Generator, Sampling  # noqa: E402
 from shard.sharding.layout import make_layout  # noqa: E402

@@ -7,8 +7,9 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import PRESETS, attention_backend, cudnn_attention_problem
-from shard.models.llama import causal_attention
+from shard.config.model import attention_backend, cudnn_attention_problem
+from shard.config.presets import PRESETS
+from shard.models.attention import causal_attention
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])

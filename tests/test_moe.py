@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shard import config as c
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.errors import ShardError
 from shard.models import moe
 from shard.testing import devices_for, loss_and_grads, tiny_config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shard import config as config_mod
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.models import moe
 from shard.observe.metrics import JsonlWriter, read_jsonl
 from shard.paths import CHECKPOINTS_DIR

@@ -349,7 +349,7 @@ def test_bad_profile_window():
 
 def test_mfu_flops_match_a_hand_count():
     from shard.config.model import mfu_flops_per_token
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
 
     # tiny: D=64, L=2, N=K=8 heads of H=8, F=128, V=256, tied. Matmul parameters per layer: attention
     # 64*8*(8+8+8+8) = 16384, MLP 3*64*128 = 24576; two layers 81920, plus the tied table 256*64 = 16384.

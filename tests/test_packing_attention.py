@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import PRESETS, attention_backend, cudnn_attention_problem
+from shard.config.model import attention_backend, cudnn_attention_problem
+from shard.config.presets import PRESETS
 from shard.measure import costs
-from shard.models.llama import causal_attention
+from shard.models.attention import causal_attention
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh

@@ -15,7 +15,7 @@ from shard.training.step import check_batch
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.parallel import pipeline
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config

@@ -42,7 +42,8 @@ def test_reference_plan_is_stable():
 
 def test_plan_reports_mfu_as_train_does():
     # one MFU definition: useful work (causal attention at half) over the predicted step, never remat's
-    from shard.config.model import PRESETS, mfu_flops_per_token
+    from shard.config.model import mfu_flops_per_token
+    from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
     cfg, hw = PRESETS["llama-13b-24l"], find_hardware("a100-40gb", load_hardware())
@@ -55,7 +56,7 @@ def test_plan_reports_mfu_as_train_does():
 def test_compute_is_taken_at_the_measured_matmul_rate(tmp_path):
     # the roofline took matmuls at the datasheet's peak, so a compute-bound layout read 100% MFU
     from shard.measure import costs
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
     cfg, table = PRESETS["llama-1b"], load_hardware()
@@ -82,7 +83,7 @@ def test_remat_is_never_predicted_faster():
     """Remat adds compute and moves no fewer activations; the HBM term counted only those remat keeps,
     so a small model on H100s (HBM-bound) ranked fsdp=4,model=2 with full remat first, at 22% MFU
     against 16% without."""
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
     hw = find_hardware("h100", load_hardware())
@@ -205,7 +206,7 @@ def test_plan_counts_activations_in_the_configured_compute_dtype():
     """On a GPU, model.compute_dtype=float32 holds activations at 4 bytes; the plan took 2 whatever it said."""
     import dataclasses
 
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
     hw, cfg = find_hardware("h100", load_hardware()), PRESETS["llama-1b"]
@@ -299,7 +300,7 @@ def test_a_layout_fits_in_ninety_percent_of_memory():
     """A tenth of HBM is left to the runtime, communication buffers and fragmentation."""
     import dataclasses
 
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
     hw, cfg = find_hardware("a100-40gb", load_hardware()), PRESETS["llama-1b"]
@@ -329,7 +330,7 @@ def test_context_parallel_layouts_split_the_sequence():
     assert {d["context"] for d in layouts(8, 8, seq_len=12)} == {1, 2, 4}  # not 8: 12 does not split 8 ways
     assert all("context" not in d for d in layouts(8, 8))
     from shard.measure import costs
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
 
     problems = costs.LayoutShape.of(context=8).divisibility_problems(PRESETS["tiny"], 8, seq_len=12)
     assert problems == ["sequence length 12 does not split over 8 context-parallel devices"]

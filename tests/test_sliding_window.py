@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 from shard.errors import ShardError
-from shard.models import llama
-from shard.models.llama import causal_attention
+from shard.models import attention, llama
+from shard.models.attention import causal_attention
 from shard.testing import tiny_config, train_losses
 
 WINDOW = 5
@@ -68,7 +68,7 @@ def test_cudnn_is_handed_the_window(monkeypatch):
         seen.update(kw)
         return q
 
-    monkeypatch.setattr(llama, "_cudnn_problem", lambda q, segments=False: "")
+    monkeypatch.setattr(attention, "_cudnn_problem", lambda q, segments=False: "")
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
     q, k, v = _qkv()
     causal_attention(q, k, v, "cudnn", window=WINDOW)

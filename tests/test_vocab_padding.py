@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from shard.config.model import PRESETS  # noqa: E402
+from shard.config.presets import PRESETS  # noqa: E402
 from shard.models import llama  # noqa: E402
 from shard.run import hf, weights  # noqa: E402
 from shard.sharding.layout import make_layout  # noqa: E402

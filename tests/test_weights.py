@@ -18,7 +18,7 @@ from shard.run import hf
 from shard import models
 from shard.cli.app import app
 from shard.errors import ShardError
-from shard.config.model import PRESETS
+from shard.config.presets import PRESETS
 
 
 def invoke(*args):
@@ -145,7 +145,7 @@ def test_a_checkpoints_params_are_read_straight_into_their_shardings_and_checked
     """generate, eval and --init-from read a shard checkpoint's params with orbax straight into the mesh's
     shardings (no copy on the host): the same arrays as the host's read, checked against the saved
     checksums; np.asarray of one reads it on the host, checked too."""
-    from shard.run.checkpoint import StoredParam, read_params
+    from shard.run.stored import StoredParam, read_params
     from shard.run.weights import load, place
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
@@ -231,7 +231,8 @@ def test_bad_weights_input(args, message):
 
 def test_a_checkpoint_saved_without_a_config_says_so(imported, tmp_path):
     """Saved from Python with config_toml="": the default model was built and its shapes refused."""
-    from shard.run.checkpoint import Checkpoints, read_params
+    from shard.run.checkpoint import Checkpoints
+    from shard.run.stored import read_params
 
     params, _, _ = read_params(imported)
     ckpts = Checkpoints(tmp_path / "ck")
@@ -546,7 +547,7 @@ def test_an_import_writes_through_fsdp_over_the_cpu_devices_where_the_dims_divid
     """import-hf spreads the weights over 8 simulated devices (or 4, 2 where a dim does not divide) so
     orbax writes, and a restore decodes, one shard of a layer stack at a time."""
     from shard.cli.hf import _import_spec
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
     from shard.testing import tiny_config
 
     tcfg = tiny_config("1x1")

@@ -17,7 +17,7 @@ def export(
     """Write a checkpoint's params alone, as a plain orbax checkpoint for code outside shard.
 
     shard's own generate, eval and --init-from read the training checkpoint itself."""
-    from shard.run.checkpoint import export_params
+    from shard.run.stored import export_params
 
     target, step = export_params(Path(checkpoint_given(checkpoint, checkpoint_opt)), out)
     console.print(f"exported the params of step {step} to {target}")

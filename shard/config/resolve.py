@@ -13,7 +13,8 @@ import typing
 import tomli_w
 
 from shard import tomlfiles
-from shard.config.model import PRESETS, ModelConfig, field_names
+from shard.config.model import ModelConfig, field_names
+from shard.config.presets import PRESETS
 from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.config.rules import parse_rules

@@ -6,7 +6,8 @@ import re
 import math
 from dataclasses import dataclass, field
 
-from shard.config.model import PRESETS, ModelConfig
+from shard.config.model import ModelConfig
+from shard.config.presets import PRESETS
 from shard.errors import ShardError
 
 

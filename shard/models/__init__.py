@@ -1,5 +1,5 @@
-"""The model: a Llama-style decoder (llama.py) and its mixture of experts (moe.py). Their configs and
-presets are shard.config.model's; the modules load lazily."""
+"""The model: a Llama-style decoder (llama.py) and its mixture of experts (moe.py). Their configs are
+shard.config.model's, their presets shard.config.presets'; the modules load lazily."""
 
 from shard.config.model import ModelConfig
 

@@ -24,6 +24,7 @@ import numpy as np
 from shard.axes import BATCH, EMBED, LENGTH, VOCAB
 from shard.config.model import ModelConfig, loss_chunks
 from shard.models import llama
+from shard.models.attention import soft_cap
 from shard.sharding.queries import auto_ways
 from shard.sharding.rules import constrain
 
@@ -85,7 +86,7 @@ def _logits(cfg: ModelConfig, subscripts: str, x_pbtd, w):
 def _finished(cfg: ModelConfig, logits):
     """Matmul logits soft-capped (model.final_softcap, Gemma 2) and the padded ids masked, as
     llama.head_logits finishes them."""
-    return llama.mask_padded_vocab(cfg, llama.soft_cap(logits, cfg.final_softcap))
+    return llama.mask_padded_vocab(cfg, soft_cap(logits, cfg.final_softcap))
 
 
 def _scan_chunks(cfg, n, p, subscripts, w_axes, x_btd, w, targets_bt, mask_bt, grads: bool):

@@ -145,7 +145,7 @@ HF_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
 def check_hf_model_is_preset(source: str, hf_model: dict, name: str) -> None:
     """`--init-from HF_FOLDER --model NAME`: the folder's model (named after the folder) may be called
     by a preset's name where it is that preset's model; else a one-line error says how they differ."""
-    from shard.config.model import PRESETS
+    from shard.config.presets import PRESETS
 
     if name not in PRESETS:
         raise ShardError(f"unknown model {name!r} (known: {', '.join(PRESETS)}); leave out --model to use the "

@@ -46,7 +46,7 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
         return cfg, hf.lazy_params_from_hf(tensors, cfg), None
     if (Path(path) / "config.json").exists():
         raise ShardError(f"{Path(path) / 'config.json'} is not a file")
-    from shard.run.checkpoint import StoredModel
+    from shard.run.stored import StoredModel
 
     stored = StoredModel(path)
     cfg, lora, saved = _saved_model(stored.config, path)
@@ -80,7 +80,7 @@ def load_lora(path: str | Path, base: bool = True) -> tuple[ModelConfig, LoraCon
     a LoRA checkpoint, on the host (numpy); a ShardError for a checkpoint without adapters."""
     if is_hf_dir(path):
         raise ShardError(f"{path} is a Hugging Face folder, not a LoRA checkpoint of shard's")
-    from shard.run.checkpoint import read_params
+    from shard.run.stored import read_params
 
     adapters, config_toml, _ = read_params(path)
     cfg, lora, saved = _saved_model(config_toml, path)
@@ -152,8 +152,8 @@ def place(params: dict, spec: StateSpec, part: str = "all") -> dict:
     `part` "base": the base weights of a LoRA spec alone. Params read lazily (a Hugging Face folder's,
     shard.run.hf.LazyParam) are placed one at a time, each device reading only its own shard of the HF
     tensors: the host holds the placed shards and one tensor being read, not a second copy of the model;
-    a shard checkpoint's (shard.run.checkpoint.StoredParam) are read by orbax straight into them."""
-    from shard.run.checkpoint import StoredParam
+    a shard checkpoint's (shard.run.stored.StoredParam) are read by orbax straight into them."""
+    from shard.run.stored import StoredParam
     from shard.run.hf import LazyParam
 
     spec.check_params_fit(params, "the weights", part=part)

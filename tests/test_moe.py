@@ -184,6 +184,17 @@ def test_dropless_training_agrees_across_layouts(mesh, fine_reference):
         assert_tokens_move_to_the_experts(hlo, PRESETS["moe-fine-tiny"])
 
 
+@pytest.mark.parametrize("mesh", EXPERT_PARALLEL)
+def test_the_gpu_ragged_exchange_trains_as_the_others_do(mesh, fine_reference, monkeypatch):
+    """GPUs and TPUs move the tokens by ragged all-to-all (moe.expert_exchange); its padded twin runs
+    that path here, through the whole model, forward and backward."""
+    monkeypatch.setattr(moe, "expert_exchange", lambda platform: "padded-ragged")
+    loss, grads = loss_and_grads(tiny_config(mesh, **FINE))
+    np.testing.assert_allclose(loss, fine_reference[0], rtol=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(fine_reference[1])):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(r))), err_msg=str(path))
+
+
 def assert_tokens_move_to_the_experts(hlo: str, cfg):
     """Under expert parallel the tokens travel, by all-to-all, to the experts' devices and back, forward
     and backward; the expert stacks (E, D, F) are never gathered (they were: 3 all-gathers of

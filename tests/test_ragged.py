@@ -1,6 +1,7 @@
-"""The ragged all-to-all: the padded form XLA:CPU runs gives `jax.lax.ragged_all_to_all`'s documented
-result and gradient; expert-parallel dropless routing through it equals the experts run on one device,
-even when every token goes to one device; on GPUs and TPUs it lowers to the ragged op itself."""
+"""The ragged all-to-all: its padded twin, which runs on XLA:CPU, gives `jax.lax.ragged_all_to_all`'s
+documented result and gradient; expert-parallel dropless routing through it (the GPU path) and through
+XLA:CPU's static all-to-alls equals the experts run on one device, even when every token goes to one
+device; on GPUs and TPUs the exchange lowers to the ragged op itself."""
 
 from functools import partial
 
@@ -103,9 +104,9 @@ def _experts(n_experts: int, seed: int = 0):
             0.3 * jax.random.normal(ks[2], (n_experts, F, D)))
 
 
-def _expert_parallel(n: int, padded: bool = True):
+def _expert_parallel(n: int, exchange: str = "padded-ragged"):
     """expert_parallel_experts over n devices: tokens split over them, experts too."""
-    fn = partial(moe.expert_parallel_experts, axes=("x",), padded=padded)
+    fn = partial(moe.expert_parallel_experts, axes=("x",), exchange=exchange)
 
     def per_device(*args):
         out, sent = fn(*args)
@@ -123,8 +124,9 @@ def rows_a_ragged_exchange_sends(experts: np.ndarray, n: int, local: int, tokens
     return sum(len({int(e) // local for e in row} - {t // tokens}) for t, row in enumerate(experts))
 
 
+@pytest.mark.parametrize("exchange", ["padded-ragged", "static"])
 @pytest.mark.parametrize("skew", ["random", "all-on-one-device", "one-token-everywhere"])
-def test_expert_parallel_routing_equals_the_experts_on_one_device(skew):
+def test_expert_parallel_routing_equals_the_experts_on_one_device(skew, exchange):
     n, E, K, N = 4, 8, 3, 6  # per device: N tokens, E/n experts
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(n * N, 8)), jnp.float32)
@@ -138,14 +140,15 @@ def test_expert_parallel_routing_equals_the_experts_on_one_device(skew):
     w = _experts(E)
 
     want = moe.grouped_experts(x, experts, gates, *w)
-    got, sent = jax.jit(_expert_parallel(n))(x, experts, gates, *w)
+    got, sent = jax.jit(_expert_parallel(n, exchange))(x, experts, gates, *w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert int(jnp.sum(sent)) == rows_a_ragged_exchange_sends(np.asarray(experts), n, E // n, N)
 
     def loss(fn, x, gates, *w):
         return jnp.sum(jnp.sin(fn(x, experts, gates, *w)))
 
-    got_grads = jax.jit(jax.grad(partial(loss, _output(_expert_parallel(n))), argnums=(0, 1, 2, 3, 4)))(x, gates, *w)
+    got_grads = jax.jit(jax.grad(partial(loss, _output(_expert_parallel(n, exchange))), argnums=(0, 1, 2, 3, 4)))(
+        x, gates, *w)
     want_grads = jax.grad(partial(loss, moe.grouped_experts), argnums=(0, 1, 2, 3, 4))(x, gates, *w)
     for g, r in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
@@ -160,7 +163,7 @@ def test_on_gpus_and_tpus_the_exchange_is_the_ragged_op_forward_and_backward():
     experts = jnp.asarray(np.arange(n * N * K).reshape(n * N, K) % E, jnp.int32)
     gates = jnp.ones((n * N, K), jnp.float32)
     w = _experts(E)
-    fn = _output(_expert_parallel(n, padded=False))
+    fn = _output(_expert_parallel(n, "ragged"))
     grad = jax.jit(jax.grad(lambda x, *w: jnp.sum(jnp.sin(fn(x, experts, gates, *w))), argnums=(0, 1, 2, 3)))
     text = grad.lower(x, *w).as_text()
     # forward: rows, ids, results; backward: the results' and the rows' cotangents

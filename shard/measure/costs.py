@@ -321,7 +321,7 @@ def dropless_row_bytes(cfg: ModelConfig, act_bytes: int, forward_passes: int = 1
 
 def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
     """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
-    all-to-alls (XLA:CPU, `shard.parallel.ragged`'s padded exchange), the minimum for buffers whose
+    all-to-alls (XLA:CPU: `moe.expert_parallel_experts`'s "static" exchange), the minimum for buffers whose
     shape is fixed at compile time and that drop nothing: any of a device's `tokens` tokens may choose
     an expert on any other device, so each destination gets a slot for every token, (n-1) N rows leave
     a device each way. `dropless_ragged_bytes` gives what a ragged all-to-all sends."""

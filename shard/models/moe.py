@@ -211,25 +211,71 @@ def _expert_axes(token_axes: tuple[str, ...]) -> tuple[str, ...]:
     return experts if experts and set(experts) <= set(token_axes) else ()
 
 
-def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_down_efd,
-                            axes: tuple[str, ...], padded: bool) -> tuple[jax.Array, jax.Array]:
-    """Dropless routing with the experts split over the manual mesh `axes` (this device holds E/n of
-    them): each token goes once to each device that holds one of its k experts, with its k expert ids
-    and gates, by a ragged all-to-all (`shard.parallel.ragged`); there `grouped_experts` runs the
-    choices that device holds and their gated sum comes back by the reverse one, summed per token.
+def expert_exchange(platform: str) -> str:
+    """How dropless routing's tokens move under expert parallel (`expert_parallel_experts`) on `platform`:
+    "ragged" by `jax.lax.ragged_all_to_all` (GPUs, TPUs); "static" by all-to-alls of every token to
+    every device (XLA:CPU, which has no ragged all-to-all). A third, "padded-ragged", is the ragged path
+    with the op's padded twin (`shard.parallel.ragged`), which runs it on XLA:CPU: the tests' way to
+    check the GPU path (it moves the static bytes, more slowly)."""
+    return "ragged" if lowers_ragged_all_to_all(platform) else "static"
 
-    The send buffer is destination-major: the tokens bound for device j (at most N) are rows
-    start_j .. start_j + send_j, in token order. On a receiver, source i's rows land at i N, so its
-    buffers hold every source's every token (n N rows, the dropless worst case) and rows no source
-    filled carry no expert. With a ragged all-to-all only the rows sent move: about N r per device
-    each way, r the other devices a token's experts live on (`costs.dropless_remote_devices`).
-    `padded` (XLA:CPU, which has none): each slice moves padded to N rows, (n-1) N a device each way.
-    Returns the output (N, D) and the rows this device sent to others (float32), the ragged count."""
-    N, K = experts_nk.shape
+
+def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_down_efd,
+                            axes: tuple[str, ...], exchange: str) -> tuple[jax.Array, jax.Array]:
+    """Dropless routing with the experts split over the manual mesh `axes` (this device holds E/n of
+    them): tokens go to the devices that hold their experts, with their k expert ids and gates; there
+    `grouped_experts` runs the choices that device holds (its own experts' ids) and their gated sum
+    comes back, summed per token. `exchange` (`expert_exchange`) says how they move: each token once to each
+    device holding one of its experts (ragged: about N r rows a device each way, r the other devices a
+    token's experts live on, `costs.dropless_remote_devices`), or every token to every device (static:
+    (n-1) N rows, the fewest static buffers that drop nothing can hold). Returns the output (N, D) and
+    the rows a ragged exchange sends from this device to others (float32), whichever ran."""
     n = jax.lax.psum(1, axes)
     local = w_gate_edf.shape[0]  # experts on this device
     me = jax.lax.axis_index(axes)
     to_jn = jnp.any((experts_nk // local)[None] == jnp.arange(n)[:, None, None], axis=-1)  # token n goes to j
+    sent = (jnp.sum(to_jn) - jnp.sum(to_jn[me])).astype(jnp.float32)
+    weights = (w_gate_edf, w_up_edf, w_down_efd)
+    if exchange == "static":
+        out_nd = _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, local * me)
+    else:
+        out_nd = _ragged_exchange(x_nd, experts_nk, gates_nk, weights, axes, local * me, to_jn, exchange == "padded-ragged")
+    return out_nd, sent
+
+
+def _local_experts(rows_mc, ids_mk, weights, first: jax.Array) -> jax.Array:
+    """`grouped_experts` on the received rows (D values then K gates) for the choices this device holds,
+    experts first .. first + local - 1; choices held elsewhere (and empty rows, ids < 0) get group
+    `local`, past the last group: sorted to the end, ragged_dot leaves them zero, and their gate is zero."""
+    K, local = ids_mk.shape[-1], weights[0].shape[0]
+    ids_mk = ids_mk - first
+    mine_mk = (ids_mk >= 0) & (ids_mk < local)
+    return grouped_experts(rows_mc[:, :-K], jnp.where(mine_mk, ids_mk, local), jnp.where(mine_mk, rows_mc[:, -K:], 0),
+                           *weights)
+
+
+def _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, first) -> jax.Array:
+    """Every token to every device of `axes` and the results back, by static all-to-alls: (n, N, .)."""
+    N, K = experts_nk.shape
+    n = jax.lax.psum(1, axes)
+    rows_jnc = jnp.broadcast_to(jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1), (n, N, x_nd.shape[-1] + K))
+    ids_jnk = jnp.broadcast_to(experts_nk.astype(jnp.int32), (n, N, K))
+    rows_jnc = jax.lax.all_to_all(rows_jnc, axes, 0, 0)  # now (source, N, .): what each source sent here
+    ids_jnk = jax.lax.all_to_all(ids_jnk, axes, 0, 0)
+    y_md = _local_experts(rows_jnc.reshape(n * N, -1), ids_jnk.reshape(n * N, K), weights, first)
+    y_jnd = jax.lax.all_to_all(y_md.reshape(n, N, -1), axes, 0, 0)  # (destination, N, D), back home
+    return jnp.sum(y_jnd, axis=0)
+
+
+def _ragged_exchange(x_nd, experts_nk, gates_nk, weights, axes, first, to_jn, padded: bool) -> jax.Array:
+    """Each token once to each device `to_jn` names (j, N) and the results back, by ragged all-to-alls.
+
+    The send buffer is destination-major: the tokens bound for device j (at most N) are rows
+    start_j .. start_j + send_j, in token order. On a receiver, source i's rows land at i N, so its
+    buffers hold every source's every token (n N rows, the dropless worst case) and rows no source
+    filled carry no expert (id -1)."""
+    N, K = experts_nk.shape
+    n = to_jn.shape[0]
     send_j = jnp.sum(to_jn, axis=1, dtype=jnp.int32)
     start_j = jnp.cumsum(send_j) - send_j
     row_jn = jnp.where(to_jn, start_j[:, None] + jnp.cumsum(to_jn, axis=1) - 1, n * N)
@@ -239,19 +285,14 @@ def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_
     rows_rc = jnp.take(rows_nc, token_r, axis=0, mode="fill", fill_value=0)
     ids_rk = jnp.take(experts_nk.astype(jnp.int32), token_r, axis=0, mode="fill", fill_value=-1)
     recv_i = jax.lax.all_to_all(send_j, axes, 0, 0, tiled=True)  # rows each source sends here
-    slot_j = jnp.full((n,), me * N, jnp.int32)  # where this device's rows go on each destination
+    slot_j = jnp.full((n,), jax.lax.axis_index(axes) * N, jnp.int32)  # where this device's rows go on each
     exchange = partial(ragged_all_to_all, axis_name=axes, max_send=N, padded=padded)
     got_mc = exchange(rows_rc, jnp.zeros_like(rows_rc), start_j, send_j, slot_j, recv_i)
-    ids_mk = exchange(ids_rk, jnp.full_like(ids_rk, -1), start_j, send_j, slot_j, recv_i) - me * local
-    mine_mk = (ids_mk >= 0) & (ids_mk < local)
-    # choices held elsewhere (and empty rows) get group `local`, past the last group: sorted to the end,
-    # ragged_dot leaves them zero, and their gate is zero
-    y_md = grouped_experts(got_mc[:, :-K], jnp.where(mine_mk, ids_mk, local),
-                           jnp.where(mine_mk, got_mc[:, -K:], 0), w_gate_edf, w_up_edf, w_down_efd)
+    ids_mk = exchange(ids_rk, jnp.full_like(ids_rk, -1), start_j, send_j, slot_j, recv_i)
+    y_md = _local_experts(got_mc, ids_mk, weights, first)
     home_i = jax.lax.all_to_all(start_j, axes, 0, 0, tiled=True)  # where source i's rows came from there
     back_rd = exchange(y_md, jnp.zeros_like(y_md), jnp.arange(n, dtype=jnp.int32) * N, recv_i, home_i, send_j)
-    sent = (jnp.sum(send_j) - send_j[me]).astype(jnp.float32)
-    return jax.ops.segment_sum(back_rd, token_r, num_segments=N), sent  # row N (no token) is dropped
+    return jax.ops.segment_sum(back_rd, token_r, num_segments=N)  # row N (no token) is dropped
 
 
 def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> tuple[jax.Array, jax.Array]:
@@ -261,14 +302,14 @@ def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> tuple[jax
     weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
     batch, length = _token_axes()
     experts = _expert_axes(batch + length) if batch or length else ()
-    padded = bool(experts) and not lowers_ragged_all_to_all(active_layout().mesh.devices.flat[0].platform)
+    exchange = expert_exchange(active_layout().mesh.devices.flat[0].platform) if experts else "static"
 
     def local(h_btd, gates_btk, experts_btk, *w):
         b, t = h_btd.shape[:2]
         args = (h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K), gates_btk.reshape(b * t, K), *w)
         if not experts:
             return grouped_experts(*args).reshape(b, t, D), jnp.zeros((), jnp.float32)
-        out_nd, sent = expert_parallel_experts(*args, experts, padded)
+        out_nd, sent = expert_parallel_experts(*args, experts, exchange)
         return out_nd.reshape(b, t, D), jax.lax.psum(sent, batch + length)
 
     if not batch and not length:

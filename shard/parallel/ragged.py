@@ -4,10 +4,12 @@
 sends rows `operand[input_offsets[j] : + send_sizes[j]]` to device j, which writes them into its
 `output` at the offset i named for it (`output_offsets[j]` on i); `recv_sizes[i]` on j is what i sends
 it. Where the backend lowers the op (GPU, TPU) it is that op, which moves only the rows sent. XLA:CPU
-does not (`UNIMPLEMENTED: HLO opcode ragged-all-to-all`, jax-ml/jax#34755), so there the same result
-comes from a static all-to-all of each slice padded to `max_send` rows (the caller's bound on a slice)
-and a scatter into `output`: the padding is moved too. Both are differentiable (jax transposes the op
-into the reverse ragged all-to-all; the padded form is an all-to-all, a gather and a scatter).
+does not (`UNIMPLEMENTED: HLO opcode ragged-all-to-all`, jax-ml/jax#34755); there `padded` gives the
+same result from a static all-to-all of each slice padded to `max_send` rows (the caller's bound on a
+slice) and a scatter into `output`, moving the padding too: the twin that runs a GPU code path on the
+simulated CPU devices (dropless expert parallel's, in the tests). Both are differentiable (jax
+transposes the op into the reverse ragged all-to-all; the twin is an all-to-all, a gather and a
+scatter).
 """
 
 import jax

@@ -6,7 +6,8 @@ attention. Model families are features of it switched on by the config (docs/mod
 a (1 + w) scale, GeGLU and scaled embeddings.
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
-not grow with depth. Every parameter names its logical axes; key activations are pinned with
+not grow with depth; a layer's sublayers (norms, RoPE, the attention block, the MLP) are
+shard.models.layers, the attention itself shard.models.attention. Every parameter names its logical axes; key activations are pinned with
 `constrain`. Mesh axes never appear here. The forward pass is pure functions of the parameter dict, so
 pipeline parallelism (shard/parallel/pipeline.py) runs the same embedding, layer block and head on its
 own schedule, and generation runs them with a KV cache.
@@ -30,12 +31,12 @@ from flax import nnx
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
-from shard.models.attention import (cached_attention, causal_attention, rolling_attention, rolling_cache,
-                                    soft_cap)
+from shard.models.attention import soft_cap
+from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
-from shard.sharding.queries import heads_split_alike, pin_looked_up, stored_lookup_split
+from shard.sharding.queries import pin_looked_up, stored_lookup_split
 from shard.sharding.rules import active_layout, constrain
 
 # Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
@@ -369,142 +370,3 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
                 "k_local": stack(local, window), "v_local": stack(local, window)}
     length = window if rolling else max_len
     return {"k": stack(cfg.n_layers, length), "v": stack(cfg.n_layers, length)}
-
-
-def norm(cfg: ModelConfig, x, scale):
-    """The model's RMSNorm: scaled by `scale`, or by (1 + scale) with cfg.norm_plus_one (Gemma)."""
-    return rms_norm(x, scale, cfg.norm_eps, 1.0 if cfg.norm_plus_one else 0.0)
-
-
-def rms_norm(x, scale, eps: float, offset: float = 0.0):
-    """In float32, scaled by (offset + scale). Below float32 (bf16 compute) it is recomputed in the
-    backward pass: otherwise its float32 copies of x were saved whatever the remat policy, two per norm
-    under remat none. In float32 there are no copies to spare, and on XLA:CPU the recomputation cost 20%
-    of the tiny model's step."""
-    if x.dtype == jnp.float32:
-        return _rms_norm(x, scale, eps, offset)
-    return _rms_norm_recomputed(x, scale, eps, offset)
-
-
-def _rms_norm(x, scale, eps: float, offset: float = 0.0):
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * (offset + scale.astype(jnp.float32))).astype(x.dtype)
-
-
-_rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2, 3), prevent_cse=False)
-
-
-def rope_tables(positions_t: jax.Array, cfg: ModelConfig, local: bool = False):
-    """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints;
-    (B, T, H) for per-row positions (B, T) (packed rows). `local`: the windowed layers' (rope_local_theta)."""
-    inv_freq = jnp.asarray(cfg.rope_frequencies(local))
-    if positions_t.ndim == 2:
-        angles_bth = positions_t.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-        angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
-        return jnp.cos(angles_bth), jnp.sin(angles_bth)
-    angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
-    return jnp.cos(angles_th), jnp.sin(angles_th)
-
-
-def apply_rope(x_btnh, cos_th, sin_th):
-    """x rotated by the tables of `rope_tables`: (T, H), or (B, T, H) per row."""
-    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    if cos_th.ndim == 3:
-        out = x_btnh.astype(jnp.float32) * cos_th[:, :, None, :] + rotated * sin_th[:, :, None, :]
-    else:
-        out = x_btnh.astype(jnp.float32) * cos_th[:, None, :] + rotated * sin_th[:, None, :]
-    return out.astype(x_btnh.dtype)
-
-
-def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
-                    segment_ids=None, window=None):
-    """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
-    keys and values are written at `start` and the queries attend to the whole cache, masked by position.
-    `zigzag`, `segment_ids`: as in `forward`. `window`: this layer's (0: none; traced where layers
-    differ, cfg.global_every); None: cfg.sliding_window."""
-    window = cfg.sliding_window if window is None else window
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
-    # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
-    # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
-    h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
-    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype)
-    if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
-        q_btnh, k_btkh = norm(cfg, q_btnh, p["q_norm"]), norm(cfg, k_btkh, p["k_norm"])
-    q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
-    k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-    if kv is None:
-        o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
-                                  cfg.attn_softcap, cfg.attention_chunk)
-    elif rolling_cache(kv, window):
-        o_btnh, kv = rolling_attention(q_btnh, k_btkh, v_btkh, kv, start, window, scale, cfg.attn_softcap)
-    else:
-        kv = {"k": jax.lax.dynamic_update_slice_in_dim(kv["k"], k_btkh.astype(kv["k"].dtype), start, axis=1),
-              "v": jax.lax.dynamic_update_slice_in_dim(kv["v"], v_btkh.astype(kv["v"].dtype), start, axis=1)}
-        o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=window, scale=scale,
-                                  softcap=cfg.attn_softcap)
-    o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    out_btd = jnp.einsum("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype))
-    return adapters.with_delta(out_btd, o_btnh, p, "wo", p.get("dropout_key")), kv
-
-
-def _qkv(h_btd, p, dtype):
-    """q, k and v of the normalised residual.
-
-    Where heads and kv heads are split alike, they come out of one einsum over a weight grouped by kv
-    head, (D, K, G + 2, H): with heads split for tensor parallel, the backward pass then all-reduces
-    one input gradient, not three. The grouping is local to each device and leaves the parameters as
-    they are. Where kv heads are split otherwise (replicated by `rules.kv_heads=none` while heads are
-    split), grouping would move weights between devices (collective permutes, which deadlock inside
-    the 1F1B pipeline's per-stage branches), so three einsums run instead. The biases of qkv_bias
-    (`bq`, `bk`, `bv`) are grouped as their weights are. LoRA adapters add their terms to q, k and v.
-    """
-    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype)
-    key = p.get("dropout_key")
-    return tuple(adapters.with_delta(y, h_btd, p, name, key)
-                 for y, name in ((q_btnh, "wq"), (k_btkh, "wk"), (v_btkh, "wv")))
-
-
-def _qkv_base(h_btd, p, dtype):
-    D, N, H = p["wq"].shape
-    K = p["wk"].shape[1]
-    if not heads_split_alike():
-        q_btnh = jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
-        k_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wk"].astype(dtype))
-        v_btkh = jnp.einsum("btd,dkh->btkh", h_btd, p["wv"].astype(dtype))
-        if "bq" in p:
-            q_btnh, k_btkh, v_btkh = (q_btnh + p["bq"].astype(dtype), k_btkh + p["bk"].astype(dtype),
-                                      v_btkh + p["bv"].astype(dtype))
-        return q_btnh, k_btkh, v_btkh
-    w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
-    qkv_btkgh = jnp.einsum("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype))
-    if "bq" in p:
-        b_kgh = jnp.concatenate([p["bq"].reshape(K, N // K, H), p["bk"][:, None], p["bv"][:, None]], 1)
-        qkv_btkgh = qkv_btkgh + b_kgh.astype(dtype)
-    B, T = qkv_btkgh.shape[:2]
-    return qkv_btkgh[:, :, :, : N // K].reshape(B, T, N, H), qkv_btkgh[:, :, :, -2], qkv_btkgh[:, :, :, -1]
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False, static_argnums=(2,))
-def _gated(gate, up, activation: str = "silu"):
-    """act(gate) * up (SwiGLU, or GeGLU with tanh-approximate GELU), recomputed in the backward pass from
-    gate and up: autodiff saved four more (B, T, mlp) tensors (the sigmoid, the silu, ...) under remat
-    none."""
-    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return act * up
-
-
-def mlp_block(x_btd, p, cfg: ModelConfig, dtype):
-    h_btd = constrain(norm(cfg, x_btd, p["mlp_norm"]), (BATCH, LENGTH, EMBED))  # as in attention
-    # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce.
-    w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
-    gate_up_btsf = jnp.einsum("btd,dsf->btsf", h_btd, w_dsf.astype(dtype))
-    key = p.get("dropout_key")  # LoRA
-    gate_btf = adapters.with_delta(gate_up_btsf[:, :, 0], h_btd, p, "w_gate", key)
-    up_btf = adapters.with_delta(gate_up_btsf[:, :, 1], h_btd, p, "w_up", key)
-    hidden_btf = constrain(_gated(gate_btf, up_btf, cfg.mlp_activation), (BATCH, LENGTH, MLP))
-    return adapters.with_delta(jnp.einsum("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype)), hidden_btf, p,
-                               "w_down", key)

@@ -25,6 +25,7 @@ from shard.axes import BATCH, EMBED, LENGTH, VOCAB
 from shard.config.model import ModelConfig, loss_chunks
 from shard.models import llama
 from shard.models.attention import soft_cap
+from shard.models.layers import norm
 from shard.sharding.queries import auto_ways
 from shard.sharding.rules import constrain
 
@@ -51,7 +52,7 @@ def head_nll(cfg: ModelConfig, params: dict, x_btd: jax.Array, targets_bt: jax.A
     if n <= 1:
         return token_nll(llama.head_logits(cfg, params, x_btd, table), targets_bt, mask_bt)
     dtype = llama.compute_dtype(cfg)
-    x_btd = llama.norm(cfg, x_btd, params["final_norm"])
+    x_btd = norm(cfg, x_btd, params["final_norm"])
     if cfg.tie_embeddings:
         w = table if table is not None else llama._table(cfg, params)
         subscripts, w_axes = "btd,vd->btv", (VOCAB, EMBED)

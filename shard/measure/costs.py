@@ -127,7 +127,7 @@ class Workload:
     # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
     masked_ragged_dot: bool = False
     # GPUs and TPUs move dropless routing's tokens by ragged all-to-all, which sends the rows routed;
-    # XLA:CPU pads each exchange to the worst case (shard.parallel.ragged)
+    # XLA:CPU sends every token to every device (moe.expert_exchange)
     ragged_exchange: bool = False
 
     @classmethod
@@ -137,8 +137,13 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule, masked_ragged_dot=platform == "cpu",
-                   ragged_exchange=lowers_ragged_all_to_all(platform))
+                   pipeline_schedule=cfg.pipeline.schedule, **dropless_lowering(platform))
+
+
+def dropless_lowering(platform: str) -> dict:
+    """The Workload fields that say how `platform` runs dropless routing: `ragged_dot` as a masked dense
+    matmul (XLA:CPU), and the expert-parallel exchange by ragged all-to-all (GPU, TPU)."""
+    return {"masked_ragged_dot": platform == "cpu", "ragged_exchange": lowers_ragged_all_to_all(platform)}
 
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:

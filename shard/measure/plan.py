@@ -15,7 +15,7 @@ from shard.measure import costs
 from shard.measure.memory import hbm_bytes, memory_bytes, probs_hbm_bytes
 from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
-from shard.hardware import Hardware, lowers_ragged_all_to_all
+from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
 from shard.config.model import ModelConfig, mfu_flops_per_token
 
@@ -147,7 +147,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute),
-                          masked_ragged_dot=platform == "cpu", ragged_exchange=lowers_ragged_all_to_all(platform))
+                          **costs.dropless_lowering(platform))
     problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = memory_bytes(cfg, shape, work)

@@ -237,7 +237,7 @@ def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_
     sent = (jnp.sum(to_jn) - jnp.sum(to_jn[me])).astype(jnp.float32)
     weights = (w_gate_edf, w_up_edf, w_down_efd)
     if exchange == "static":
-        out_nd = _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, local * me)
+        out_nd = _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, n, local * me)
     else:
         out_nd = _ragged_exchange(x_nd, experts_nk, gates_nk, weights, axes, local * me, to_jn, exchange == "padded-ragged")
     return out_nd, sent
@@ -254,10 +254,9 @@ def _local_experts(rows_mc, ids_mk, weights, first: jax.Array) -> jax.Array:
                            *weights)
 
 
-def _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, first) -> jax.Array:
-    """Every token to every device of `axes` and the results back, by static all-to-alls: (n, N, .)."""
+def _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, n: int, first) -> jax.Array:
+    """Every token to every device of `axes` (n of them) and the results back, by static all-to-alls."""
     N, K = experts_nk.shape
-    n = jax.lax.psum(1, axes)
     rows_jnc = jnp.broadcast_to(jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1), (n, N, x_nd.shape[-1] + K))
     ids_jnk = jnp.broadcast_to(experts_nk.astype(jnp.int32), (n, N, K))
     rows_jnc = jax.lax.all_to_all(rows_jnc, axes, 0, 0)  # now (source, N, .): what each source sent here

@@ -38,6 +38,8 @@ py="$venv/bin/python"
 "$py" -m pip install -e ".${extras:+[$extras]}"
 if "$py" -c "import mpi4py" 2>/dev/null && ! "$py" -c "import mpi4jax" 2>/dev/null; then
   if [ -z "${CUDA_ROOT:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_ROOT=/usr/local/cuda; fi
+  # its build looks for the MPI compiler (mpicc) on PATH: the mpich wheel puts it in the venv's bin/
+  export PATH="$(cd "$venv" && pwd)/bin:$PATH"
   "$py" -m pip install "mpi4jax>=0.9"
 fi
 if [[ ",$extras," == *",dev,"* ]] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v srun >/dev/null; then

@@ -1,9 +1,7 @@
 """The `shard` command: the typer app, its commands (one module each) and how every command's user
 errors end. JAX is imported only after the simulated device count is settled."""
 
-import os
 import re
-import sys
 
 import typer
 import typer.core
@@ -20,44 +18,9 @@ from shard.cli.plan import plan
 from shard.cli.report import report
 from shard.cli.tokenizer import tokenizer_app
 from shard.cli.train import train
-from shard.errors import ShardError, first_line, out_of_memory
+from shard.errors import ShardError, user_error
 from shard.observe.console import err_console
-
-# What to change when a command runs out of device memory.
-_OUT_OF_MEMORY_ADVICE = {"train": "to train, lower --batch or --seq, or set model.remat=full",
-                         "generate": "give fewer or shorter prompts, or lower --max-new-tokens",
-                         "inspect": "lower --batch or --seq", "eval": "lower --batch or --seq"}
-
-
-def user_error(e: BaseException, command: str | None = "train") -> ShardError | None:
-    """The one-line error for an exception the user's input or machine causes rather than a bug in
-    shard: a ShardError, a file system error (a file where a folder belongs, no permission, disk full,
-    also when tensorstore reports it), or running out of device memory. None for anything else, which
-    keeps its traceback."""
-    if isinstance(e, ShardError):
-        return e
-    if isinstance(e, OSError) and not isinstance(e, BrokenPipeError | ConnectionError | TimeoutError):
-        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
-        return ShardError(f"{where}: {e.strerror or e}" if where else f"{type(e).__name__}: {e}")
-    first = first_line(e)
-    if "os_error_code=" in str(e):  # tensorstore's file errors (checkpoints)
-        return ShardError(_tensorstore_file_error(str(e)))
-    if out_of_memory(e):
-        advice = _OUT_OF_MEMORY_ADVICE.get(command or "")
-        return ShardError(f"out of memory ({first[:160]})" + (f"; {advice}" if advice else ""))
-    if isinstance(e, RuntimeError) and "Unable to initialize backend" in first:
-        return ShardError(f"{first} (JAX_PLATFORMS is {os.environ.get('JAX_PLATFORMS', 'unset')!r})")
-    return None
-
-
-def _tensorstore_file_error(text: str) -> str:
-    """`PATH: REASON` from tensorstore's file error: the OS's reason is the last `: ` part once the
-    bracketed annotations (`[os_error_code='28']`, `[source locations='...']`, `[tensorstore_spec='{...}']`,
-    kilobytes of JSON) are dropped; the path is the first local file it names."""
-    bare = re.sub(r" \[[\w ]+=(?:'[^']*'|[^\]\s]*)\]", "", text.strip()).splitlines()[0]
-    reason = bare.rsplit(": ", 1)[-1].strip()
-    paths = re.findall(r'"(/[^"]*)"', bare)
-    return f"{paths[0]}: {reason}" if paths else f"{reason} ({bare[:200]})"
+from shard.run import command_end
 
 
 def _usage_error(e: BaseException) -> ShardError | None:
@@ -77,28 +40,18 @@ class CommandGroup(typer.core.TyperGroup):
         try:
             return super().invoke(ctx)
         except Exception as e:
-            runtime = sys.modules.get("shard.cluster.runtime")
-            if runtime:
-                runtime.wait_if_stopping()  # another thread is reporting the cause and exits
+            command_end.wait_if_stopping()  # another thread is reporting the cause and exits
             error = user_error(e, ctx.invoked_subcommand) or _usage_error(e)
             if error is None:
                 raise
             _fail(error)
-        finally:  # a cluster one command expected to join is not the next one's (in-process calls)
-            if runtime := sys.modules.get("shard.cluster.runtime"):
-                runtime.expect(None)
-            while at_command_end:
-                at_command_end.pop()()
-
-
-at_command_end: list = []  # what a command holds until it ends, however it ends (a run dir's lock)
+        finally:  # in-process calls (tests, notebooks) run one command after another
+            command_end.forget_expected_cluster()
 
 
 def _fail(e: Exception):
-    from shard.cluster.runtime import leave_on_error
-
     err_console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-    leave_on_error(str(e), 2)  # several processes: the others learn of it (or the job stops); exits there
+    command_end.leave_on_error(str(e), 2)  # several processes: the others learn of it (or the job stops); exits there
     raise typer.Exit(2)
 
 

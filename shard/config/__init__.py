@@ -7,12 +7,13 @@ a TOML file, flags and `--set` become one (resolve.py), the model config (model.
 
 from shard.config.model import ModelConfig, field_names, mfu_flops_per_token
 from shard.config.presets import PRESETS
-from shard.config.resolve import differences, load_file, merge, nested, parse_sets, parse_value, resolve, to_toml
+from shard.config.resolve import (differences, layer, load_file, merge, nested, parse_sets, parse_value, resolve,
+                                  to_toml)
 from shard.config.train import (CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, GuardConfig, MeshConfig,
                                 LoraConfig, ObserveConfig, OptimizerConfig, PipelineConfig, TrackingConfig, TrainConfig,
                                 XlaConfig)
 
 __all__ = ["PRESETS", "CheckpointConfig", "ClusterConfig", "DataConfig", "EvalConfig", "GuardConfig", "MeshConfig",
            "LoraConfig", "ModelConfig", "ObserveConfig", "OptimizerConfig", "PipelineConfig", "TrackingConfig", "TrainConfig", "XlaConfig",
-           "differences", "field_names", "load_file", "merge", "mfu_flops_per_token", "nested", "parse_sets",
+           "differences", "field_names", "layer", "load_file", "merge", "mfu_flops_per_token", "nested", "parse_sets",
            "parse_value", "resolve", "to_toml"]

@@ -87,6 +87,41 @@ def merge(base: dict, top: dict) -> dict:
     return out
 
 
+def layer(base: dict | None, from_file: dict, settings: dict, sets=()) -> dict:
+    """A run's config keys, as one nested dict: defaults < `base` (a resumed run's saved config, or the
+    model of the weights it starts from) < the config file < `settings` (what the flags set) < `sets`
+    ("key=value" items of --set)."""
+    check_settings(settings)
+    out = merge(merge(base or {}, from_file), settings)
+    out = merge(out, parse_sets(list(sets or [])))
+    if isinstance(model := out.get("model"), dict):  # not: resolve says what else it is
+        check_model_named_over_file(from_file.get("model"), model.get("name"))
+    return out
+
+
+def check_settings(settings: dict) -> None:
+    """The values a flag may not take though the config file may (an empty run_dir is the default there)."""
+    run_dir = settings.get("run_dir")
+    if run_dir is not None and not str(run_dir).strip():
+        raise ShardError("empty --run-dir: name a folder, or leave the flag out for runs/<model>-<mesh>-<time>")
+    mesh = settings.get("mesh")
+    simulate = mesh.get("simulate_devices") if isinstance(mesh, dict) else None
+    if simulate is not None and simulate <= 0:
+        raise ShardError(f"--simulate-devices must be positive, got {simulate}")
+
+
+def check_model_named_over_file(file_model, name) -> None:
+    """A config file whose [model] describes one model whole (a run's config.toml lists every key)
+    would amend the preset --model names into that model under the other name. A partial [model] (a
+    recipe's remat or dtype) amends whichever model is named, as documented."""
+    if not isinstance(file_model, dict) or file_model.get("name", name) == name:
+        return
+    if set(file_model) >= set(field_names()):
+        raise ShardError(f"--model {name}: the config file describes model {file_model['name']} whole (every "
+                         f"[model] key, as a run's config.toml does), which would give {name} its dimensions; leave "
+                         "out --model, or the file's [model] section")
+
+
 def load_file(path: str) -> dict:
     doc = tomlfiles.read(path, f"config file {path}")
     sections = {f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.type)}

@@ -1,11 +1,22 @@
 """The terminal: the two consoles every command prints on, and how sizes read there."""
 
 from rich.console import Console
+from rich.markup import escape
 
 # Messages hold user text (paths, mesh specs, TOML tables): stdout takes no markup unless a call asks
 # for it (user text then goes through escape()), stderr's markup is escaped, and neither has :emoji: codes.
 console = Console(highlight=False, emoji=False, markup=False)
 err_console = Console(stderr=True, highlight=False, emoji=False)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, in yellow (the text is not markup)."""
+    err_console.print(f"[yellow]{escape(message)}[/yellow]", soft_wrap=True)
+
+
+def note(message: str) -> None:
+    """A side note on stderr, dimmed."""
+    err_console.print(f"[dim]{escape(message)}[/dim]", soft_wrap=True)
 
 
 def table_console(min_width: int = 0) -> Console:

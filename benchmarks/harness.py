@@ -73,9 +73,9 @@ def main() -> None:
     import logging
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    from shard.cli.options import host_jax  # starts JAX with the devices the mesh needs
+    from shard.run.inference import start_jax  # starts JAX with the devices the mesh needs
 
-    tcfg, mesh_spec, devices = host_jax(a.mesh)
+    tcfg, mesh_spec, devices = start_jax(a.mesh)
     import torch
     from flax import nnx
     from lm_eval.models.huggingface import HFLM

@@ -32,7 +32,7 @@ EXTRA_SHAPES = {"llama-3b": dict(vocab_size=128256, d_model=3072, n_layers=28, n
                                  head_dim=128, mlp_dim=8192, rope_theta=500000.0)}
 # as a `shard` command starts: glibc's huge pages for malloc where the CLI turns them on, then JAX
 RUNTIME = ("from shard.startup.host_memory import reexec_with_huge_pages; reexec_with_huge_pages(); "
-           "from shard.cli.options import host_jax; host_jax('1x1'); "
+           "from shard.run.inference import start_jax; start_jax('1x1'); "
            "import jax.numpy as jnp, orbax.checkpoint, shard.run.weights, shard.training.state; "
            "jnp.zeros(8).block_until_ready()")
 

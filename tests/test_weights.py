@@ -546,11 +546,11 @@ def test_a_plain_rope_export_does_not_take_the_originals_rope_scaling(hf_dir, tm
 def test_an_import_writes_through_fsdp_over_the_cpu_devices_where_the_dims_divide(d_model, ways):
     """import-hf spreads the weights over 8 simulated devices (or 4, 2 where a dim does not divide) so
     orbax writes, and a restore decodes, one shard of a layer stack at a time."""
-    from shard.cli.hf import _import_spec
+    from shard.run.hf_convert import import_spec
     from shard.config.presets import PRESETS
     from shard.testing import tiny_config
 
     tcfg = tiny_config("1x1")
     tcfg = dataclasses.replace(tcfg, model=dataclasses.replace(PRESETS["tiny"], d_model=d_model))
-    spec = _import_spec(tcfg, jax.devices())
+    spec = import_spec(tcfg, jax.devices())
     assert {dict(s.mesh.shape) == ways for s in jax.tree.leaves(spec.shardings["params"])} == {True}

@@ -1,14 +1,12 @@
 """`shard generate`: sample from a checkpoint's model on a mesh, streaming the tokens."""
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from shard.cli.options import (CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, host_jax,
-                               warn)
+from shard.cli.options import CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, warn
 from shard.errors import ShardError
 from shard.observe.console import err_console
 
@@ -40,38 +38,38 @@ def generate(
     if not 0 <= seed < 2**32:  # as train's
         raise ShardError(f"--seed must be between 0 and 2**32-1, got {seed}")
     texts = _prompt_texts(prompt, prompts_file) if prompt_ids is None else []
-    tcfg, mesh_spec, devices = host_jax(mesh, simulate_devices, set_)
-    from shard.data.tokenizers import encode
-    from shard.run import weights
-    from shard.run.tokenizer import tokenizer_for
-    from shard.training.generate import Generator, Sampling
-    from shard.sharding.layout import make_layout
-    from shard.training.state import place_router_bias, state_spec
+    from shard.run.inference import load_model, start_jax
+
+    cfg, mesh_spec, devices = start_jax(mesh, simulate_devices, set_)
+    from shard import Sampling
 
     sampling = Sampling(temperature, top_k, top_p)
     sampling.validate()  # before the weights are read
+    loaded = load_model(checkpoint, cfg, mesh_spec, devices)
+    prompts, lead, tokenizer = _prompts(loaded, texts, prompt_ids, ids)
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    _warn_past_positions(checkpoint, max_len)
+    gen = loaded.generator(max_len)
+    for n, p in enumerate(prompts):
+        _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
 
-    model_cfg, params, router_bias = weights.load_with_router_bias(checkpoint)
-    tokenizer = tokenizer_for(checkpoint, model_cfg.vocab_size)
+
+def _prompts(loaded, texts: list[str], prompt_ids: str | None, ids: bool):
+    """(the prompts as token ids, the ids each starts with that are not shown, the tokenizer): a tokenizer
+    that starts documents with BOS starts prompts with it."""
+    from shard.data.tokenizers import encode
+
+    vocab_size = loaded.model.vocab_size
+    tokenizer = loaded.tokenizer
     if tokenizer is None and not (ids and prompt_ids is not None):
-        raise ShardError(f"this model has a {model_cfg.vocab_size}-token vocabulary and no tokenizer goes with it "
+        raise ShardError(f"this model has a {vocab_size}-token vocabulary and no tokenizer goes with it "
                          "(none in its run dir's tokenizer/ or hf/ folder): use --prompt-ids and --ids")
-    lead = []  # a tokenizer that starts documents with BOS starts prompts with it
+    lead = []
     if tokenizer is not None and tokenizer.add_bos and tokenizer.bos_id is not None:
         lead = [tokenizer.bos_id]
     if prompt_ids is not None:
-        prompts, lead = [_parse_ids(prompt_ids, model_cfg.vocab_size)], []
-    else:
-        prompts = [lead + encode(tokenizer, t).tolist() for t in texts]
-    tcfg = dataclasses.replace(tcfg, model=model_cfg)
-    layout = make_layout(tcfg, mesh_spec, devices)
-    spec = state_spec(model_cfg, tcfg.optimizer, 1, layout)
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    _warn_past_positions(checkpoint, max_len)
-    gen = Generator(model_cfg, spec.graphdef, weights.place(params, spec), layout, max_len=max_len,
-                    router_bias=place_router_bias(router_bias, spec))
-    for n, p in enumerate(prompts):
-        _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
+        return [_parse_ids(prompt_ids, vocab_size)], [], tokenizer
+    return [lead + encode(tokenizer, t).tolist() for t in texts], lead, tokenizer
 
 
 def _warn_past_positions(source: str, length: int) -> None:

@@ -2,7 +2,6 @@
 mesh by the training rules, its tokenizer (the one that travels with the run; bytes for a 256-token
 model that names none). Serves `shard eval --tasks` and benchmarks/harness.py."""
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,26 +17,21 @@ def harness_lm(weights_path: str | Path, cfg, mesh_spec, devices, batch: int, ma
     sequence scored (default: the weights' max_position_embeddings, else the run's data.seq_len, else
     DEFAULT_MAX_LENGTH)."""
     from shard.data.tokenizers import ByteTokenizer
-    from shard.run import weights
-    from shard.run.tokenizer import tokenizer_folder, tokenizer_for
-    from shard.sharding.layout import make_layout
+    from shard.run.inference import load_model
+    from shard.run.tokenizer import tokenizer_folder
     from shard.training.harness import ShardLM  # lm-eval, or a one-line error
     from shard.training.scoring import Scorer
-    from shard.training.state import place_router_bias, state_spec
 
-    model_cfg, params, router_bias = weights.load_with_router_bias(weights_path)
-    tokenizer = tokenizer_for(weights_path, model_cfg.vocab_size)
+    loaded = load_model(weights_path, cfg, mesh_spec, devices)
+    tokenizer = loaded.tokenizer
     if tokenizer is None:
-        raise ShardError(f"{weights_path} has a {model_cfg.vocab_size}-token vocabulary and no tokenizer goes with "
-                         "it (none in its run dir's tokenizer/ or hf/ folder): benchmark tasks are text")
+        raise ShardError(f"{weights_path} has a {loaded.model.vocab_size}-token vocabulary and no tokenizer goes "
+                         "with it (none in its run dir's tokenizer/ or hf/ folder): benchmark tasks are text")
     if isinstance(tokenizer, ByteTokenizer) and tokenizer_folder(weights_path) is None:
         notice(f"{weights_path} names no tokenizer: reading the tasks' text as bytes (its vocabulary is 256)")
     if max_length is None:
         max_length = _context(weights_path)
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-    layout = make_layout(cfg, mesh_spec, devices)
-    spec = state_spec(model_cfg, cfg.optimizer, 1, layout)
-    scorer = Scorer(spec, layout, weights.place(params, spec), batch, place_router_bias(router_bias, spec))
+    scorer = Scorer(loaded.spec, loaded.layout, loaded.params, batch, loaded.router_bias)
     return ShardLM(scorer, tokenizer, max_length)
 
 

@@ -105,9 +105,10 @@ def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str,
         notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
     if init_from:
         from shard.run import weights
+        from shard.run.inference import load_model
 
-        _, loaded = weights.load(init_from)
-        return lambda spec: weights.state_from(loaded, spec, seed, init_from)
+        loaded = load_model(init_from, inference=False)  # on the host: placed into the run's own layout
+        return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from)
     return None
 
 

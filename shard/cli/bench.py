@@ -8,10 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from shard.cli.options import MeshOpt, SimOpt, overrides, start_devices
+from shard import build_mesh, parse_mesh
 from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import console, err_console, human_bytes
-from shard.sharding.mesh import parse_mesh
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Measure the machine.")
 
@@ -44,7 +44,6 @@ def bench_collectives(
                          "with one, e.g. --mesh 8x1")
     devices = start_devices(cfg, mesh_spec)
     from shard.measure.bench import bench, sizes_between
-    from shard.sharding.mesh import build_mesh
 
     jmesh = build_mesh(mesh_spec, devices)
     show = _Results(as_json)

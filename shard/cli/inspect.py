@@ -9,8 +9,8 @@ from rich.table import Table
 
 from shard.cli.options import ConfigOpt, MeshOpt, ModelOpt, SetOpt, SimOpt, config_file, overrides, start_devices
 from shard import config as config_mod
+from shard import parse_mesh
 from shard.observe.console import console, human_bytes, param_count, table_console
-from shard.sharding.mesh import parse_mesh
 
 
 def inspect(
@@ -28,22 +28,10 @@ def inspect(
     """Every parameter's shape, logical axes, PartitionSpec and bytes per device, from shapes alone."""
     cfg = config_mod.resolve(overrides(config_file(config), set_, mesh=mesh, model=model, batch=batch, seq=seq,
                                        simulate_devices=simulate_devices))
-    mesh_spec = parse_mesh(cfg.mesh.spec)
-    devices = start_devices(cfg, mesh_spec)
-    from shard.measure.inspection import summary
-    from shard.sharding.layout import make_layout
-    from shard.training.state import state_spec
+    devices = start_devices(cfg, parse_mesh(cfg.mesh.spec))
+    from shard.measure.inspection import inspect_config
 
-    layout = make_layout(cfg, mesh_spec, devices)
-    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora), layout)
-    doc["model"] = cfg.model.name
-    if compiled:
-        from shard.measure.analysis import analyze
-        from shard.training.step import check_batch
-
-        check_batch(cfg, layout)
-        doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
-        doc.update(analyze(cfg, layout).to_dict())
+    doc = inspect_config(cfg, devices, compiled)
     if as_json:
         print(json.dumps(doc, indent=1))
         return

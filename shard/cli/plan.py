@@ -29,7 +29,7 @@ def plan(
     set_: PlanSetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
-    from shard.hardware import find_hardware, load_hardware
+    from shard import find_hardware, load_hardware
     from shard.measure.plan import REMAT_CHOICES
     from shard.measure.plan import plan as make_plan
 

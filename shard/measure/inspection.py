@@ -66,3 +66,23 @@ def summary(spec: StateSpec, layout: Layout) -> dict:
         "params_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
         "opt_state_bytes_per_device": opt_bytes,
     }
+
+
+def inspect_config(cfg, devices, compiled: bool = False) -> dict:
+    """`shard inspect`'s document: every parameter's layout on cfg's mesh over `devices` (`summary`), and
+    with `compiled` what the step compiled from shapes moves and holds (shard.measure.analysis)."""
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.training.state import state_spec
+
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices)
+    doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora), layout)
+    doc["model"] = cfg.model.name
+    if compiled:
+        from shard.measure.analysis import analyze
+        from shard.training.step import check_batch
+
+        check_batch(cfg, layout)
+        doc["batch"], doc["seq_len"] = cfg.data.batch, cfg.data.seq_len
+        doc.update(analyze(cfg, layout).to_dict())
+    return doc

@@ -5,8 +5,7 @@ and the config room whole as `from shard import config`. The modules behind them
 loads on first use, so `import shard` starts no JAX.
 """
 
-import importlib
-
+from shard._api import lazy_api
 from shard.errors import ShardError
 
 __version__ = "0.1.0"
@@ -15,6 +14,7 @@ __version__ = "0.1.0"
 _API = {
     # the mesh and the layout
     "MeshSpec": "shard.sharding.mesh", "parse_mesh": "shard.sharding.mesh", "build_mesh": "shard.sharding.mesh",
+    "resolve_shape": "shard.sharding.mesh",
     "Layout": "shard.sharding.rules", "constrain": "shard.sharding.rules",
     "activation_layout": "shard.sharding.rules", "make_layout": "shard.sharding.layout",
     # the model's configs
@@ -30,6 +30,9 @@ _API = {
     "ByteTokenizer": "shard.data.tokenizers", "Tokenizer": "shard.data.tokenizers",
     "load_tokenizer": "shard.data.tokenizers", "train_bpe": "shard.data.tokenizers",
     "prepare_store": "shard.data.store", "TokenStore": "shard.data.store",
+    # a run as one call (what `shard train` runs), and weights from outside a run (generate, eval, export-hf)
+    "run_training": "shard.run.training_run", "RunResult": "shard.run.training_run",
+    "load_model": "shard.run.inference", "open_model": "shard.run.inference",
     # checkpoints
     "Checkpoints": "shard.run.checkpoint", "SaveCheckpoints": "shard.run.checkpoint",
     # measuring and planning
@@ -40,19 +43,6 @@ _API = {
     "read_jsonl": "shard.observe.metrics",
 }
 
-__all__ = ["ShardError", "__version__", "config", *_API]
-
-
-def __getattr__(name: str):
-    if name == "config":  # the config room whole (a subpackage: importing it binds it here)
-        return importlib.import_module("shard.config")
-    if name not in _API:
-        raise AttributeError(f"module 'shard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_API[name]), name)
-    globals()[name] = value  # the next lookup finds it directly
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
-
+# `from shard import config` gives the config room whole (a subpackage, which Python binds here on import)
+__getattr__, __dir__, _names = lazy_api("shard", _API, ("config",))
+__all__ = ["ShardError", "__version__", *_names]

@@ -3,6 +3,10 @@
 Letters follow the scaling-book convention and appear in einsum strings and variable suffixes.
 """
 
+__all__ = ["BATCH", "LENGTH", "EMBED", "HEADS", "KV_HEADS", "HEAD_DIM", "MLP", "VOCAB", "LAYERS",
+           "RES_LENGTH", "EXPERT", "EXPERT_BATCH", "LORA_RANK", "LOGICAL_AXES", "ACTIVATION_LAYOUTS",
+           "MOE_ACTIVATION_LAYOUTS", "DATA", "FSDP", "STAGE", "EXPERT_AXIS", "CONTEXT", "MODEL", "MESH_AXES"]
+
 BATCH = "batch"  # B: sequences in a (micro)batch
 LENGTH = "length"  # T: positions in a sequence
 EMBED = "embed"  # D: model width, the residual stream

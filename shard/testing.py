@@ -8,6 +8,11 @@ from shard.config.resolve import merge, parse_sets, resolve
 from shard.config.train import TrainConfig
 from shard.startup.devices import HOST_COUNT_FLAG
 
+__all__ = ["FAST_COMPILE_XLA_FLAGS", "AS_USERS_COMPILE", "free_ports", "finish", "xla_flags_for_tests",
+           "subprocess_env", "tiny_config", "devices_for", "fake_mesh", "agreement_config", "train_curves",
+           "assert_same_curves", "train_losses", "random_batch", "packed_batch", "loss_and_grads",
+           "median_step_seconds", "multiple_choice_task"]
+
 # Compiling dominates the test suite on CPU: LLVM at -O0 halves it, and XLA:CPU's older loop emitters in
 # place of its MLIR fusion emitters cut what is left to a third (the tiny model's step at -O0: 2.7-3.0 s
 # -> 0.9-1.1 s).

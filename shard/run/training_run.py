@@ -1,8 +1,8 @@
 """A training run as one library call: `run_training` does what `shard train` does, from the layered config
 to how the run ended, and returns that ending (`RunResult`) instead of printing it.
 
-    result = run_training({"model": {"name": "tiny"}, "steps": 20}, run_dir="runs/nb")
-    again = run_training({"steps": 40}, run_dir=result.run_dir, resume=True)
+    result = run_training({"model": {"name": "tiny"}, "steps": 20, "run_dir": "runs/nb"})
+    again = run_training({"steps": 40, "run_dir": str(result.run_dir)}, resume=True)  # continues it
 
 On its way it speaks through `warn` and `note` (stderr by default, process 0 only) and the console
 progress; the messages that say how it ended (a stop by a signal, where it saved, the profile) are the

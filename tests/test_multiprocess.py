@@ -686,7 +686,7 @@ def test_processes_with_unequal_device_counts_are_named():
     """Hosts with different accelerator counts (on CPU: what --num-processes mismatches led to)."""
     from types import SimpleNamespace
 
-    from shard.run.start import check_devices_per_process
+    from shard.run.devices import check_devices_per_process
     from shard.errors import ShardError
 
     devices = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 0, 1, 1)]

@@ -10,7 +10,7 @@ from shard import MeshSpec
 from shard import config as config_mod
 from shard.errors import ShardError
 from shard.observe.console import note, warn
-from shard.run import start
+from shard.run import devices
 
 # Options shared by the commands that build a mesh and a model.
 MeshOpt = Annotated[str | None, typer.Option("--mesh", help="8x4 | data=2,fsdp=2,model=2 | preset (shard/meshes/) | preset:4x2")]
@@ -71,5 +71,5 @@ def check_rules_only(sets: list[str] | None, command: str) -> None:
 
 def start_devices(cfg: config_mod.TrainConfig, mesh_spec: MeshSpec, compile_cache: Path | None = None,
                   cluster=None):
-    """shard.run.start.start_devices, its warning and note printed on stderr."""
-    return start.start_devices(cfg, mesh_spec, compile_cache, cluster, warn=warn, note=note)
+    """shard.run.devices.start_devices, its warning and note printed on stderr."""
+    return devices.start_devices(cfg, mesh_spec, compile_cache, cluster, warn=warn, note=note)

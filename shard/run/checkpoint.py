@@ -12,52 +12,30 @@ a bare step number is complete and anything else is a save that never finished. 
 array straight into the shardings of the mesh at hand.
 """
 
-import contextlib
-import json
-import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as policies
 
 from shard.cluster import exchange, runtime
 from shard.config.train import CheckpointConfig, is_harness_metric
 from shard.errors import ShardError
-from shard.paths import CHECKPOINTS_DIR, globless
+from shard.paths import globless
+from shard.run.checkpoint_files import (CORRUPT_PREFIX, LORA_BASE_FINGERPRINT, META, STATE, TMP_MARK,  # noqa: F401
+                                        Restored, config_saved_with, find_checkpoint, saved_config, saved_meta,
+                                        step_dirs)
+from shard.run.checkpoint_manager import orbax_manager, stored_tree
 from shard.run.checksums import first_mismatch, state_fingerprint
-from shard.run.orbax_quiet import absl_quiet, configure_orbax
 from shard.run.read_failures import BAD, MACHINE, read_outcomes
 from shard.run.step_meta import meta_problem
 from shard.training.lora import has_adapters, merge, split
 from shard.training.state import StateSpec, placed_router_bias
 from shard.training.observer import Observer
 
-LORA_BASE_FINGERPRINT = "lora_base_fingerprint"  # a LoRA checkpoint's meta: its base weights' checksums
-TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
-CORRUPT_PREFIX = "corrupt-"  # an unreadable checkpoint is set aside under this name, never deleted
-STATE, META = "state", "meta"
-
-
-@dataclass
-class Restored:
-    """A train state read back into the current mesh's shardings, and where its data stream stood."""
-
-    step: int
-    state: dict
-    position: int  # next global sample index of the data stream
-    seed: int
-    config_toml: str
-    path: Path
-    tokens_seen: int | None = None  # tokens trained on up to `step`; None: a checkpoint from before it was saved
-    # the step since which the held-out data (eval.path, or data.path's held-out tail) has been kept
-    # from training; None: nothing held out, or a checkpoint from before it was saved
-    held_out_since: int | None = None
 
 
 class Checkpoints:
@@ -74,34 +52,9 @@ class Checkpoints:
             # before any step runs: a save would fail only after the steps since the last checkpoint
             raise ShardError(f"checkpoint folder {self.directory} is not writable (a read-only mount, or no "
                              "permission); its checkpoints can still be read with shard generate or export")
-        self.cfg = cfg = cfg or CheckpointConfig()
+        self.cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
-        keep: list = [policies.LatestN(n=cfg.keep)]
-        ranking = {}
-        if cfg.best_metric:
-            metric, worst = cfg.best_metric, math.inf if cfg.best_mode == "min" else -math.inf
-
-            def value(metrics: dict) -> float:
-                """A save's value; one without (a stop between evaluations, or one ranked by another metric
-                before a resume changed it) ranks last, so it is kept only while among the newest."""
-                return metrics.get(metric, worst)
-
-            # orbax writes a save's metrics to disk only with a best_fn; without them a restart forgot
-            # which checkpoint was best. The preservation policy below still decides what is kept.
-            ranking = {"best_fn": value, "best_mode": cfg.best_mode}
-            # BestN keeps the last n after sorting; reverse for "min" puts the smallest last. Checkpoints
-            # with no metrics on disk at all (written before shard recorded them) are kept.
-            keep.append(policies.BestN(get_metric_fn=value, reverse=cfg.best_mode == "min", n=cfg.keep_best))
-        configure_orbax()
-        limit = {} if write_concurrent_gb is None else {"save_concurrent_gb": write_concurrent_gb}
-        handlers = {STATE: ocp.StandardCheckpointHandler(**limit), META: ocp.JsonCheckpointHandler()}
-        with absl_quiet() if read_only else contextlib.nullcontext():  # orbax's notes on read-only use
-            options = ocp.CheckpointManagerOptions(
-                preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
-                # No directory until the first save: a start that fails before it leaves no trace.
-                create=False, read_only=read_only, **ranking,
-            )
-            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._manager = orbax_manager(self.directory, self.cfg, read_only, write_concurrent_gb)
 
     # -- what is on disk --------------------------------------------------------------------------
 
@@ -161,11 +114,7 @@ class Checkpoints:
 
     def stored_tree(self, step: int) -> dict:
         """The saved state's tree of orbax ArrayMetadata (shape, dtype, sharding), read from the files."""
-        stored = self._manager.item_metadata(step)[STATE]
-        tree = getattr(stored, "tree", stored)
-        if not isinstance(tree, dict) or "params" not in tree:  # orbax reads a missing _METADATA as None
-            raise ValueError(f"its {STATE}/ holds no description of its arrays (is {STATE}/_METADATA missing?)")
-        return tree
+        return stored_tree(self._manager, step)
 
     def restore(self, step: int, spec: StateSpec) -> Restored:
         """Read checkpoint `step` directly into `spec`'s shardings (any mesh, any process count)."""
@@ -334,64 +283,3 @@ class SaveCheckpoints(Observer):
         self.checkpoints.wait()
 
 
-def step_dirs(checkpoints: Path) -> list[int]:
-    """The steps whose folders stand in `checkpoints`, oldest first: a save that orbax finished (an
-    unfinished one is named <step>.orbax-checkpoint-tmp...), read from the disk without JAX."""
-    if not checkpoints.is_dir():
-        return []
-    return sorted(int(c.name) for c in checkpoints.iterdir() if c.name.isdigit() and c.is_dir())
-
-
-def config_saved_with(checkpoints: Path) -> tuple[str, int] | None:
-    """The config (TOML text) the newest checkpoint in `checkpoints` was saved with, and its step; None
-    when no step holds a readable one. Each save keeps a copy in its meta item, read here as plain
-    JSON: orbax's reader would start JAX, before `train` has set the device count."""
-    for step in reversed(step_dirs(checkpoints)):
-        text = saved_config(checkpoints / str(step))
-        if text is not None:
-            return text, step
-    return None
-
-
-def saved_config(step_dir: Path) -> str | None:
-    """The config (TOML text) one checkpoint step was saved with, from its meta item read as plain JSON;
-    None when it holds no readable one."""
-    meta = saved_meta(step_dir)
-    return meta["config"] if isinstance(meta.get("config"), str) else None
-
-
-def saved_meta(step_dir: Path) -> dict:
-    """A checkpoint step's meta item, read as plain JSON (orbax's reader would start JAX); {} when it
-    is missing or unreadable."""
-    try:
-        meta = json.loads((step_dir / META / "metadata").read_text())
-    except (OSError, ValueError):
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
-def find_checkpoint(path: Path | str) -> tuple[Path, int]:
-    """(checkpoints dir, step) from a run dir, a checkpoints dir or one step's dir; the newest step."""
-    p = Path(path).absolute()
-    if not p.exists():
-        raise ShardError(f"checkpoint path {path} does not exist")
-    if not p.is_dir():
-        raise ShardError(f"checkpoint path {path} is a file; give a run dir, its checkpoints/ dir or a step's dir")
-    if (p / CHECKPOINTS_DIR).is_dir():
-        p = p / CHECKPOINTS_DIR
-    if (p / STATE).is_dir() and p.name.isdigit():
-        return p.parent, int(p.name)
-    steps = step_dirs(p)
-    complete = [s for s in steps if (p / str(s) / STATE).is_dir()]
-    if not complete:
-        if p.name.startswith(CORRUPT_PREFIX) and p.name.removeprefix(CORRUPT_PREFIX).split(".")[0].isdigit():
-            raise ShardError(f"{path} is a checkpoint step that was set aside as damaged (unreadable, or not what "
-                             "its meta describes, when a run resumed); give another step's dir")
-        if (p / "_CHECKPOINT_METADATA").is_file() and not steps:
-            raise ShardError(f"{path} is a plain orbax checkpoint (what shard export writes), not a training "
-                             "checkpoint; give a run dir, its checkpoints/ dir or a step's dir")
-        raise ShardError(f"no complete checkpoint in {path}")
-    if complete[-1] != steps[-1]:  # never an older model in silence
-        raise ShardError(f"the newest checkpoint {p / str(steps[-1])} is damaged (no {STATE}/); pass an older "
-                         f"step's dir to use it, e.g. {p / str(complete[-1])}")
-    return p, complete[-1]

@@ -10,7 +10,7 @@ from shard.errors import ShardError
 from shard.observe.console import note as console_note
 from shard.observe.console import warn as console_warn
 from shard.run.inference import load_model, start_jax
-from shard.run.start import Notice
+from shard.run.devices import Notice
 
 
 def held_out_loss(checkpoint: str, data: str | None = None, mesh: str = "1x1", *, batches: int | None = None,

@@ -346,7 +346,7 @@ _NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map", "rope
 def side_files_of(source: str | Path) -> Path | None:
     """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
     of a shard checkpoint's run dir; None when there is none."""
-    from shard.run.checkpoint import find_checkpoint
+    from shard.run.checkpoint_files import find_checkpoint
     if is_hf_dir(source):
         return Path(source)
     side = find_checkpoint(source)[0].parent / SIDE_DIR

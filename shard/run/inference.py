@@ -16,7 +16,7 @@ from shard.config.model import ModelConfig
 from shard.config.train import TrainConfig
 from shard.observe.console import note as console_note
 from shard.observe.console import warn as console_warn
-from shard.run.start import Notice, start_devices
+from shard.run.devices import Notice, start_devices
 from shard.sharding.mesh import MeshSpec, parse_mesh
 
 if TYPE_CHECKING:  # JAX loads once the devices are settled (start_jax), not on import

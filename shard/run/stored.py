@@ -15,7 +15,8 @@ import orbax.checkpoint as ocp
 
 from shard.errors import ShardError
 from shard.paths import check_fresh_out, globless, remove_made_folders
-from shard.run.checkpoint import META, STATE, TMP_MARK, Checkpoints, find_checkpoint, saved_meta
+from shard.run.checkpoint_files import META, STATE, TMP_MARK, find_checkpoint, saved_meta
+from shard.run.checkpoint_manager import orbax_manager, stored_tree
 from shard.run.checksums import first_mismatch, host_fingerprint, state_fingerprint
 from shard.run.hf import LazyParam
 from shard.run.read_failures import error_line
@@ -54,13 +55,13 @@ class StoredModel:
         self.config = config
         if problem := meta_problem(self.meta, self.step):
             raise ShardError(f"checkpoint {self.where} is damaged: {problem}; give an older step's dir")
-        checkpoints = Checkpoints(directory, read_only=True)
+        manager = orbax_manager(globless(directory), read_only=True)
         try:
-            stored = checkpoints.stored_tree(self.step)
+            stored = stored_tree(manager, self.step)
         except Exception as e:  # noqa: BLE001 -- any failure to read is reported as one line
             raise ShardError(f"cannot read checkpoint {self.state_dir}: {error_line(e)}") from None
         finally:
-            checkpoints.close()
+            manager.close()
         self.tree = {k: stored[k] for k in ("params", "router_bias") if k in stored}  # metadata: shape, dtype
 
     def read(self, tree: dict) -> dict:

@@ -29,8 +29,8 @@ from shard.paths import CHECKPOINTS_DIR
 from shard.run.checkpoint import Checkpoints, SaveCheckpoints, step_dirs
 from shard.run.resume import restore_source
 from shard.run.run_dir import compile_cache_dir, continue_command
-from shard.run.start import (Notice, RunDirClaim, StartConfig, check_devices_per_process, resolve_start,
-                             run_dir_for, run_dir_named, start_devices)
+from shard.run.devices import Notice, check_devices_per_process, start_devices
+from shard.run.start import RunDirClaim, StartConfig, resolve_start, run_dir_for, run_dir_named
 from shard.sharding.mesh import parse_mesh
 from shard.training.observer import Observer
 from shard.training.preemption import StopOnSignal, remember_interrupts

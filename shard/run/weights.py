@@ -93,7 +93,7 @@ def load_lora(path: str | Path, base: bool = True) -> tuple[ModelConfig, LoraCon
 def lora_base(path, saved: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
     """The base weights a LoRA checkpoint's adapters were trained on, on the host: its run's init_from,
     or the fresh init of its seed where it had none; checked against the fingerprint saved with it."""
-    from shard.run.checkpoint import LORA_BASE_FINGERPRINT, find_checkpoint, saved_meta
+    from shard.run.checkpoint_files import LORA_BASE_FINGERPRINT, find_checkpoint, saved_meta
     from shard.run.checksums import first_mismatch, host_fingerprint
     from shard.sharding.rules import path_str
 
@@ -126,7 +126,7 @@ def saved_run_config(path: str | Path) -> TrainConfig | None:
     without JAX; None for a Hugging Face folder, which has none."""
     if is_hf_dir(path):
         return None
-    from shard.run.checkpoint import find_checkpoint, saved_config
+    from shard.run.checkpoint_files import find_checkpoint, saved_config
 
     directory, step = find_checkpoint(path)
     text = saved_config(directory / str(step))
@@ -140,7 +140,7 @@ def held_out_since(path: str | Path) -> int | None:
     from the start); None for a Hugging Face folder or a checkpoint that does not record it."""
     if is_hf_dir(path):
         return None
-    from shard.run.checkpoint import find_checkpoint, saved_meta
+    from shard.run.checkpoint_files import find_checkpoint, saved_meta
 
     directory, step = find_checkpoint(path)
     since = saved_meta(directory / str(step)).get("held_out_since")
@@ -246,7 +246,7 @@ def state_from(params: dict, spec: StateSpec, seed: int, source: str):
     returned as a shard.run.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""
     import jax.numpy as jnp
 
-    from shard.run.checkpoint import Restored
+    from shard.run.checkpoint_files import Restored
 
     if spec.lora is not None:  # the weights are the frozen base; fresh adapters beside them
         from shard.training.lora import init_part, merge

@@ -722,7 +722,7 @@ def test_the_coordinator_and_gloo_listen_on_loopback_when_every_process_is_local
     import jax
 
     from shard.cluster import gloo as gloo_mod
-    from shard.cluster import join, runtime
+    from shard.cluster import join
     from shard.cluster.launch import ClusterSpec
 
     port = 7777
@@ -731,7 +731,7 @@ def test_the_coordinator_and_gloo_listen_on_loopback_when_every_process_is_local
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     cluster = ClusterSpec(launcher, 2, 0, f"127.0.0.1:{port}" if launcher == "explicit" else None)
-    monkeypatch.setattr(runtime, "detected_cluster", lambda method, timeout: (f"node1:{port}", 2, 0, None))
+    monkeypatch.setattr(join, "detected_cluster", lambda method, timeout: (f"node1:{port}", 2, 0, None))
     listened, joined = [], []
     monkeypatch.setattr(gloo_mod, "listen_on", lambda host, iface: listened.append((host, iface)))
     monkeypatch.setattr(jax.distributed, "initialize", lambda address, *a, coordinator_bind_address, **kw:

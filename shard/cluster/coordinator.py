@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from shard.cluster.jax_private import jax_distributed_module
 from shard.errors import ShardError
 
 
@@ -112,8 +113,6 @@ def service_in_helper():
     """While active, a `jax.distributed.initialize` on process 0 hosts its service in a helper process.
 
     Falls back to JAX's own in-process service where this jaxlib has no such entry point."""
-    from shard.cluster.runtime import jax_distributed_module
-
     lib = getattr(jax_distributed_module(), "_jax", None)
     original = getattr(lib, "get_distributed_runtime_service", None)
     if original is None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from shard.cluster.jax_private import service_client
 from shard.cluster.mpi import mpi_world
-from shard.cluster.runtime import MPI, XLA, context, fail, service_client
+from shard.cluster.runtime import MPI, XLA, context, fail
 
 STARTUP_TIMEOUT = 1800.0  # seconds live processes may wait for each other to connect and compile
 _BROADCAST_WAIT_MS = 3_600_000  # a lost process 0 is the watchdog's to report, within the failure timeout

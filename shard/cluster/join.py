@@ -12,6 +12,7 @@ import time
 
 from shard.cluster.coordinator import service_in_helper, split_address
 from shard.cluster import listen
+from shard.cluster.jax_private import detected_cluster
 from shard.cluster.launch import ClusterSpec
 from shard.cluster.listen import AUTO, is_loopback
 from shard.cluster.mpi import mpi_world
@@ -87,7 +88,6 @@ def _initialize(cluster: ClusterSpec, join_timeout: float, heartbeat_timeout: in
     import jax
 
     from shard.cluster import gloo
-    from shard.cluster.runtime import detected_cluster
 
     # The runtime's deadline comes after connect's, so that connect reports a join that never completes.
     kwargs = {"initialization_timeout": int(join_timeout + 2 * _JOIN_GRACE),

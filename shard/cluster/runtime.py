@@ -1,7 +1,7 @@
 """This process's place in a job of several processes (hosts): joining the job, the Context the rest of
 shard reads, stopping when a process is lost or this one fails (with a watchdog), and leaving at the
-end. Every use of JAX's private API (`jax._src`) in shard is in this module, so that a JAX release
-that moves it is met in one place.
+end. It reads JAX's private API (`jax._src`) only through shard.cluster.jax_private, so that a JAX
+release that moves it is met in one place.
 
 One process per host owns that host's devices. Two ways to cross hosts:
 - `xla` (default): `jax.distributed` joins the processes into one runtime; the mesh spans every device
@@ -23,17 +23,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from shard.cluster.coordinator import ServiceHandle
+from shard.cluster.jax_private import backends_started, jax_distributed_module, service_client
 from shard.cluster.join import JoinStuck, connect
 from shard.cluster.launch import ClusterSpec
 from shard.cluster.mpi import mpi_world
 from shard.config.train import CROSS_HOST_MODES
 from shard.errors import ShardError, first_line
-
-if TYPE_CHECKING:
-    from shard.cluster.process_sets import ProcessSet
 
 XLA, MPI = CROSS_HOST_MODES
 EXIT_LOST_PROCESS = 3  # exit code of a process that stops because another one was lost
@@ -50,7 +47,7 @@ class Context:
     size: int = 1
     failure_timeout: float = 60.0
     _watchdog: _Watchdog | None = None
-    sets: dict[str, ProcessSet] = field(default_factory=dict)  # by name (shard.cluster.process_sets)
+    sets: dict = field(default_factory=dict)  # name -> shard.cluster.process_sets.ProcessSet
     exchanges: int = 0  # service exchanges made so far (shard.cluster.exchange): the next one's key
 
     @property
@@ -204,19 +201,6 @@ def leave_on_error(message: str, code: int) -> None:
             _leave_service()
     finally:
         os._exit(code)
-
-
-def detected_cluster(method: str | None, timeout: int) -> tuple[str, int, int, list[int] | None]:
-    """(coordinator address, process count, this process's id, local device ids) as JAX's launcher
-    detection finds them (`method`: "mpi4py", or None for the environment's: SLURM); JAX_COORDINATOR_ADDRESS
-    and JAX_COORDINATOR_PORT win, as in `jax.distributed.initialize`."""
-    from jax._src import clusters
-
-    found = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-        os.environ.get("JAX_COORDINATOR_ADDRESS"), None, None, None, method, timeout)
-    if None in found[:3]:
-        raise ShardError("the launcher's environment names no coordinator, process count or process id")
-    return found
 
 
 def _stop_helper_service() -> None:
@@ -375,16 +359,6 @@ class _Watchdog:
                 _stop_on_lost(missing, f"it exited, or sent no heartbeat for {self.timeout:g}s")
 
 
-# --- JAX's private API ---------------------------------------------------------------------------
-
-def jax_distributed_module():
-    """`jax._src.distributed`: the runtime `jax.distributed.initialize` starts (the coordination
-    service's client, process 0's service, and the jaxlib entry point that starts a service)."""
-    from jax._src import distributed
-
-    return distributed
-
-
 def _jax_process_index() -> int:
     if "jax" not in sys.modules:  # then nothing started jax.distributed in this process
         return 0
@@ -393,17 +367,9 @@ def _jax_process_index() -> int:
     return jax.process_index()
 
 
-def service_client():
-    """The client of the coordination service of the job this process joined (barriers, a key-value
-    store, the live processes)."""
-    return jax_distributed_module().global_state.client
-
-
 def jax_started() -> bool:
     """Whether JAX's backends have started: XLA reads its flags and the CPU device count then, and a
     cluster must be joined before."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    return backends_started()

@@ -227,17 +227,30 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
       their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
       its gradient reduced over that split.
     """
-    out: dict[str, float] = {}
-
-    def add(axis: str, b: float) -> None:
-        if b:
-            out[axis] = out.get(axis, 0.0) + b
-
-    batch_axes = list(shape.table(False).get(BATCH, ()))
-    length_axes = shape.table(False).get(LENGTH, ())
-    grad_axes = batch_axes + [a for a in length_axes if a not in batch_axes]  # every split of the tokens
     forward_passes = 1 if work.remat == "none" else 2
     lookup = stored_lookup(cfg, shape, work)
+    token_axes = _token_axes(shape)
+    out: dict[str, float] = {}
+    for axis, b in [*_parameter_bytes(cfg, shape, work, token_axes, lookup, forward_passes),
+                    *_lookup_bytes(cfg, shape, work, token_axes, lookup),
+                    *_tensor_parallel_bytes(cfg, shape, work),
+                    *_expert_parallel_bytes(cfg, shape, work, forward_passes),
+                    *_ring_attention_bytes(cfg, shape, work, forward_passes)]:
+        if b:
+            out[axis] = out.get(axis, 0.0) + b
+    return out
+
+
+def _token_axes(shape: LayoutShape) -> list[str]:
+    """Every mesh axis that splits a step's tokens: the batch axes, then those of the sequence."""
+    batch_axes = list(shape.table(False).get(BATCH, ()))
+    length_axes = shape.table(False).get(LENGTH, ())
+    return batch_axes + [a for a in length_axes if a not in batch_axes]
+
+
+def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
+                     lookup: dict[str, int], forward_passes: int):
+    """(axis, bytes) of each parameter's FSDP gathers and gradient reduction, parameter by parameter."""
     # 1F1B: the weights outside the layers are reduced over stage and data in one all-reduce, whose
     # bytes the axes share in proportion to (n - 1), as the compiled step's are read (`Workload`)
     head_stages = ({STAGE: shape.sizes[STAGE]} if shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule == "1f1b"
@@ -259,26 +272,34 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
-            add(a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a))
+            yield a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a)
         # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
         # (not over one that splits the parameter as computed: experts over expert), as one logical
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
-        reduce = {a: shape.sizes[a] for a in grad_axes if a not in gather and a not in local and a not in computed}
+        reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in local and a not in computed}
         if not name.startswith("layers/"):
             reduce |= head_stages
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
         for a in both:
-            add(a, b * axis_share(both, a))
-    # the ids gathered over the split, and the looked-up rows (and their gradient) exchanged all-to-all
-    # between the split and the batch layout; `tokens`: the ids each device looks up in a step
-    kept = math.prod(shape.sizes[b] for b in grad_axes if b not in lookup)
-    tokens = work.global_batch * work.seq_len / kept
+            yield a, b * axis_share(both, a)
+
+
+def _lookup_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
+                  lookup: dict[str, int]):
+    """(axis, bytes) of a lookup from the stored table: the ids gathered over the split, and the looked-up
+    rows (and their gradient) exchanged all-to-all between the split and the batch layout."""
+    kept = math.prod(shape.sizes[b] for b in token_axes if b not in lookup)
+    tokens = work.global_batch * work.seq_len / kept  # the ids each device looks up in a step
     for a, n in lookup.items():
-        add(a, wire_bytes("all-gather", tokens * 4, n)
-            + 2 * wire_bytes("all-gather", tokens * cfg.d_model / n * work.act_bytes, n))
+        yield a, (wire_bytes("all-gather", tokens * 4, n)
+                  + 2 * wire_bytes("all-gather", tokens * cfg.d_model / n * work.act_bytes, n))
+
+
+def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload):
+    """(axis, bytes) of Megatron's activation all-reduces on the axis that splits the heads."""
     m = shape.degree(HEADS)
     if m > 1:
         model_axis = shape.table(False)[HEADS][0]
@@ -290,27 +311,36 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
             n_ar += 2
-            add(model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m))
-        add(model_axis, n_ar * wire_bytes("all-reduce", act, m))
+            yield model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m)
+        yield model_axis, n_ar * wire_bytes("all-reduce", act, m)
+
+
+def _expert_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, forward_passes: int):
+    """(axis, bytes) of a mixture of experts' token exchange over the one mesh axis that splits its experts."""
     experts = shape.table(False).get(EXPERT, ())
     if cfg.n_experts and len(experts) == 1 and cfg.moe_routing == "dropless":
         n = shape.sizes[experts[0]]
         tokens = work.global_batch * work.seq_len / shape.token_ways()
         exchange = dropless_ragged_bytes if work.ragged_exchange else dropless_static_bytes
-        add(experts[0], exchange(cfg, n, tokens, work.act_bytes, forward_passes))
+        yield experts[0], exchange(cfg, n, tokens, work.act_bytes, forward_passes)
     elif cfg.n_experts and len(experts) == 1:
         # each MoE layer's dispatch and combine, all-to-all between rows and experts, forward (again
         # under remat) and their gradients backward; the buffer: every expert's slots of a device's rows
         n = shape.sizes[experts[0]]
         rows = work.global_batch / shape.degree(BATCH)
         buffer = cfg.n_experts * rows * cfg.expert_capacity(work.seq_len) * cfg.d_model * work.act_bytes
-        add(experts[0], cfg.n_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n))
+        yield experts[0], cfg.n_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n)
+
+
+def _ring_attention_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, forward_passes: int):
+    """(axis, bytes) of ring attention's key and value blocks, when one mesh axis splits the sequence."""
+    length_axes = shape.table(False).get(LENGTH, ())
     if len(length_axes) == 1:
         n = shape.sizes[length_axes[0]]
         kv_block = (work.global_batch * work.seq_len / shape.token_ways() * cfg.n_kv_heads / shape.degree(KV_HEADS)
                     * cfg.head_dim * work.act_bytes)
-        add(length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes("collective-permute", kv_block, n))
-    return out
+        yield length_axes[0], cfg.n_layers * (forward_passes + 1) * (n - 1) * 2 * wire_bytes(
+            "collective-permute", kv_block, n)
 
 
 def dropless_row_bytes(cfg: ModelConfig, act_bytes: int, forward_passes: int = 1) -> float:

@@ -266,83 +266,7 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
     `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
     at the end.
     """
-    S = mesh.shape[STAGE]
-    sch = schedule("1f1b", S, M)
-    K = _slots(sch)
-    # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
-    op = sch.op.copy()
-    op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
-    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
-    # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
-    recv_f = np.full_like(sch.op, -1)
-    recv_b = np.full_like(sch.op, -1)
-    recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
-    recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
-
-    def body(layers, head, x_mbtd, aux, extras):
-        s = lax.axis_index(STAGE)
-        everywhere = (STAGE, *replicas)
-        layers = _vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
-        head = _vary(head, everywhere)
-        x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
-        tables = jnp.asarray(np.stack([op, sch.mb, recv_f, recv_b], -1))
-        zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
-                                        everywhere)
-        act = x_mbtd[0]
-        fwd_perm, bwd_perm = _chain(S, +1), _chain(S, -1)
-
-        def put(buf, m, value, valid):
-            i = m % K
-            return buf.at[i].set(jnp.where(valid, value, buf[i]))
-
-        def idle(c, m):
-            return c
-
-        def fwd(c, m):
-            x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
-            return c | {"xin": put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd, _microbatch(extras, m))}
-
-        def bwd(c, m):
-            extras_m = _microbatch(extras, m)
-            _, vjp = jax.vjp(lambda lp, x: stage_fn(lp, x, extras_m), layers, c["xin"][m % K])
-            g_layers, dx = vjp(c["gin"][m % K])
-            return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
-                        "dx": _set(c["dx"], m, dx, s == 0)}
-
-        def bwd_last(c, m):
-            aux_m = jax.tree.map(lambda a: a[m], aux)
-            extras_m = _microbatch(extras, m)
-            f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x, extras_m), aux_m)  # noqa: E731
-            (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
-            g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
-            return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
-                        "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
-                        "nll": c["nll"] + nll, "count": c["count"] + count}
-
-        def tick(t, c):
-            op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
-            c = c | {"xin": put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": put(c["gin"], rb, c["recv_b"], rb >= 0)}
-            c = lax.switch(op_t, [idle, fwd, bwd, bwd_last], c, m)
-            recv_f = lax.ppermute(c["send_f"], STAGE, fwd_perm)
-            recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
-            return c | {"recv_f": recv_f, "recv_b": recv_b}
-
-        buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype), everywhere)  # noqa: E731
-        scalar = _vary(jnp.zeros((), jnp.float32), everywhere)
-        carry = {
-            "g_layers": zeros_like(layers), "g_head": zeros_like(head), "nll": scalar, "count": scalar,
-            "xin": buf(K), "gin": buf(K), "dx": buf(M),
-            "send_f": buf(1)[0], "send_b": buf(1)[0], "recv_f": buf(1)[0], "recv_b": buf(1)[0],
-        }
-        c = lax.fori_loop(0, sch.ticks, tick, carry)
-        # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
-        # The head's gradient goes out per replica (stacked), summed over them outside (see the docstring).
-        total = lambda x: lax.psum(x, everywhere)  # noqa: E731
-        like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
-        g_layers = jax.tree.map(lambda g: lax.psum(g, replicas), c["g_layers"]) if replicas else c["g_layers"]
-        return (total(c["nll"]), total(c["count"]), like(g_layers, layers),
-                like(jax.tree.map(lambda g: lax.psum(g, STAGE)[None], c["g_head"]), head),
-                _from_one_stage(c["dx"], mesh))
+    body = _one_f_one_b_body(stage_fn, mesh, M, head_loss, replicas)
 
     def run(layers, head, x_mbtd, aux, extras):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
@@ -354,6 +278,115 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
                              out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
             layers, head, x_mbtd, aux, extras)
 
+    return _loss_with_its_gradients(run)
+
+
+def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray]:
+    """(ticks, slots K, table): the table holds, for every tick and stage, the op executed, its
+    microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none)."""
+    sch = schedule("1f1b", S, M)
+    # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
+    op = sch.op.copy()
+    op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
+    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
+    # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
+    recv_f = np.full_like(sch.op, -1)
+    recv_b = np.full_like(sch.op, -1)
+    recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
+    recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
+    return sch.ticks, _slots(sch), np.stack([op, sch.mb, recv_f, recv_b], -1)
+
+
+def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...]):
+    """What each device of the shard_map runs: its row of the table, tick by tick, then the sums.
+    Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient)."""
+    S = mesh.shape[STAGE]
+    ticks, K, table = _one_f_one_b_tables(S, M)
+
+    def body(layers, head, x_mbtd, aux, extras):
+        s = lax.axis_index(STAGE)
+        everywhere = (STAGE, *replicas)
+        layers = _vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
+        head = _vary(head, everywhere)
+        x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
+        tables = jnp.asarray(table)
+        act = x_mbtd[0]
+        fwd_perm, bwd_perm = _chain(S, +1), _chain(S, -1)
+        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras)
+
+        def tick(t, c):
+            op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
+            c = c | {"xin": _put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": _put(c["gin"], rb, c["recv_b"], rb >= 0)}
+            c = lax.switch(op_t, ops, c, m)
+            recv_f = lax.ppermute(c["send_f"], STAGE, fwd_perm)
+            recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
+            return c | {"recv_f": recv_f, "recv_b": recv_b}
+
+        c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere))
+        # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
+        # The head's gradient goes out per replica (stacked), summed over them outside (see the docstring).
+        total = lambda x: lax.psum(x, everywhere)  # noqa: E731
+        like = lambda g, p: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p)  # noqa: E731
+        g_layers = jax.tree.map(lambda g: lax.psum(g, replicas), c["g_layers"]) if replicas else c["g_layers"]
+        return (total(c["nll"]), total(c["count"]), like(g_layers, layers),
+                like(jax.tree.map(lambda g: lax.psum(g, STAGE)[None], c["g_head"]), head),
+                _from_one_stage(c["dx"], mesh))
+
+    return body
+
+
+def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras) -> list:
+    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, BWD_LAST: each takes the carry and a
+    microbatch m and returns the carry. A forward keeps its input (slot m % K of `xin`) and sends its
+    output on; a backward recomputes its stage from that input (jax.vjp), adds its layers' gradient and
+    sends its input's gradient back (stage 0 keeps it, in `dx`); the last stage's also runs the head and
+    the loss."""
+
+    def idle(c, m):
+        return c
+
+    def fwd(c, m):
+        x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
+        return c | {"xin": _put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd, _microbatch(extras, m))}
+
+    def bwd(c, m):
+        extras_m = _microbatch(extras, m)
+        _, vjp = jax.vjp(lambda lp, x: stage_fn(lp, x, extras_m), layers, c["xin"][m % K])
+        g_layers, dx = vjp(c["gin"][m % K])
+        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
+                    "dx": _set(c["dx"], m, dx, s == 0)}
+
+    def bwd_last(c, m):
+        aux_m = jax.tree.map(lambda a: a[m], aux)
+        extras_m = _microbatch(extras, m)
+        f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x, extras_m), aux_m)  # noqa: E731
+        (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
+        g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
+                    "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
+                    "nll": c["nll"] + nll, "count": c["count"] + count}
+
+    return [idle, fwd, bwd, bwd_last]
+
+
+def _first_carry(layers, head, act, K: int, M: int, everywhere: tuple[str, ...]) -> dict:
+    """The loop's carry at tick 0, zeros varying over every manual axis: the gradients and sums made so
+    far, K stored inputs and incoming gradients, the M input gradients of stage 0, and the activations
+    and gradients to send and just received."""
+    zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
+                                    everywhere)
+    buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype), everywhere)  # noqa: E731
+    scalar = _vary(jnp.zeros((), jnp.float32), everywhere)
+    return {
+        "g_layers": zeros_like(layers), "g_head": zeros_like(head), "nll": scalar, "count": scalar,
+        "xin": buf(K), "gin": buf(K), "dx": buf(M),
+        "send_f": buf(1)[0], "send_b": buf(1)[0], "recv_f": buf(1)[0], "recv_b": buf(1)[0],
+    }
+
+
+def _loss_with_its_gradients(run):
+    """`run(layers, head, x_mbtd, aux, extras) -> (nll, count, g_layers, g_head per replica, dx)` as
+    `(nll, count)`, differentiable by custom_vjp: the backward scales the gradients the forward made."""
     @jax.custom_vjp
     def loss(layers, head, x_mbtd, aux, extras=None):
         nll, count, *_ = run(layers, head, x_mbtd, aux, extras)
@@ -374,6 +407,12 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss
+
+
+def _put(buf, m, value, valid):
+    """Slot m % K of a buffer of K slots set to `value` where `valid`."""
+    i = m % len(buf)
+    return buf.at[i].set(jnp.where(valid, value, buf[i]))
 
 
 def _set(buf, m, value, valid):

@@ -56,89 +56,25 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
-    kind = hf.get("model_type")
-    if kind == "gemma3":
-        raise ShardError("model_type 'gemma3' is Gemma 3 with its vision tower, which shard does not build; the "
-                         "text-only models (gemma-3-1b, model_type gemma3_text) are supported")
-    if kind not in SUPPORTED_TYPES:
-        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    kind = _model_type(hf)
+    family = FAMILIES[kind]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
     if not isinstance(rope, dict):
         raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
-    gemma = _gemma_fields(kind, hf, rope) if FAMILIES[kind].get("gemma") else {}
-    if kind == "gemma3_text" and set(rope) <= set(_LAYER_TYPES) and rope:  # one table per layer type
-        rope = rope.get("full_attention") or {}
-    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
-    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
-    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
-        scaling = legacy or rope
-        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
-                         "Llama 3's (llama3) are")
-    family = FAMILIES[kind]
-    theta = rope.get("rope_theta", hf.get("rope_theta")) or family["defaults"].get("rope_theta", 10000.0)
-    # transformers reads rope_scaling before rope_parameters
-    given = legacy or rope
-    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
-    scaling = {}
-    if llama3 is not None:
-        keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
-                "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
-        missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
-        if missing:
-            raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
-                             f"{llama3.get(missing[0])!r}")
-        scaling = {k: float(llama3[v]) for k, v in keys.items()}
-        if not scaling["rope_original_context"].is_integer():
-            raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
-                             f"{llama3['original_max_position_embeddings']!r}")
-        scaling["rope_original_context"] = int(scaling["rope_original_context"])
-    for flag in family["bias_keys"]:
-        if hf.get(flag):
-            where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
-            raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
-    if not family.get("window") and hf.get("use_sliding_window"):
-        raise ShardError(f"use_sliding_window=true is not supported for {kind}: its window applies to the layers "
-                         f"from max_window_layers on, and shard's sliding_window is every layer's "
-                         f"(sliding_window={hf.get('sliding_window')!r})")
-    window = hf.get("sliding_window", family["defaults"].get("sliding_window")) if family.get("window") else None
+    gemma = _gemma_fields(kind, hf, rope) if family.get("gemma") else {}
+    theta, scaling = _rope_fields(kind, hf, rope)
+    _refuse_biases(kind, hf)
+    window = _sliding_window(kind, hf)
     if gemma and (not gemma["global_every"] or window is None):  # no layer is windowed
         window, gemma["global_every"] = None, 0
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
-    moe = {}
-    if kind == "mixtral":
-        if hf.get("router_jitter_noise"):
-            raise ShardError(f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported: shard's router "
-                             "has no jitter noise")
-        keys = {"num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}
-        for key, field in keys.items():
-            value = hf.get(key, family["defaults"][key])
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
-            moe[field] = value
-        coef = hf.get("router_aux_loss_coef", family["defaults"]["router_aux_loss_coef"])
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
-            raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
-        moe["aux_loss_weight"] = float(coef)
-    if kind == "qwen3_moe":
-        moe = _qwen3_moe_fields(hf)
+    moe = _mixtral_fields(hf) if kind == "mixtral" else _qwen3_moe_fields(hf) if kind == "qwen3_moe" else {}
     if hf.get("attention_dropout"):
         raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if not gemma and hf.get("hidden_act", "silu") != "silu":
         raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if hf.get(k) is None]
-    if missing:
-        raise ShardError(f"config.json lacks {missing[0]!r}")
-    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
-             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
-             "num_key_value_heads": hf.get("num_key_value_heads") or family["defaults"].get("num_key_value_heads")
-             or hf["num_attention_heads"],
-             "intermediate_size": hf["intermediate_size"] if kind != "qwen3_moe" else moe.pop("mlp_dim"),
-             "head_dim": hf.get("head_dim") or family["defaults"].get("head_dim")}
-    for key, value in sizes.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+    sizes = _sizes(kind, hf, moe.pop("mlp_dim", None))
     numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or family["defaults"].get("rms_norm_eps", 1e-6)}
     for key, value in numbers.items():
         if not is_positive_number(value):
@@ -156,6 +92,109 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if problems:
         raise ShardError(f"config.json describes a model shard can't build: {problems[0]}")
     return cfg
+
+
+def _model_type(hf: dict) -> str:
+    """config.json's model_type, one of FAMILIES."""
+    kind = hf.get("model_type")
+    if kind == "gemma3":
+        raise ShardError("model_type 'gemma3' is Gemma 3 with its vision tower, which shard does not build; the "
+                         "text-only models (gemma-3-1b, model_type gemma3_text) are supported")
+    if kind not in SUPPORTED_TYPES:
+        raise ShardError(f"model_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    return kind
+
+
+def _rope_fields(kind: str, hf: dict, rope: dict) -> tuple:
+    """(RoPE base, the ModelConfig fields of Llama 3's scaling: {} without it) of a config.json whose
+    rope_parameters are `rope`; any other scaling is refused."""
+    if kind == "gemma3_text" and set(rope) <= set(_LAYER_TYPES) and rope:  # one table per layer type
+        rope = rope.get("full_attention") or {}
+    legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
+    kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
+    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
+        scaling = legacy or rope
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
+                         "Llama 3's (llama3) are")
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or FAMILIES[kind]["defaults"].get("rope_theta", 10000.0)
+    # transformers reads rope_scaling before rope_parameters
+    given = legacy or rope
+    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
+    return theta, _llama3_scaling(llama3) if llama3 is not None else {}
+
+
+def _llama3_scaling(llama3: dict) -> dict:
+    """The ModelConfig fields of Llama 3's RoPE scaling table."""
+    keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
+            "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
+    missing = [v for v in keys.values() if not is_positive_number(llama3.get(v))]
+    if missing:
+        raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
+                         f"{llama3.get(missing[0])!r}")
+    scaling = {k: float(llama3[v]) for k, v in keys.items()}
+    if not scaling["rope_original_context"].is_integer():
+        raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
+                         f"{llama3['original_max_position_embeddings']!r}")
+    scaling["rope_original_context"] = int(scaling["rope_original_context"])
+    return scaling
+
+
+def _refuse_biases(kind: str, hf: dict) -> None:
+    """The bias switches a family's config reads must be off: shard's decoder has no such bias."""
+    for flag in FAMILIES[kind]["bias_keys"]:
+        if hf.get(flag):
+            where = "on the MLP" if flag == "mlp_bias" else "on the attention's output projection"
+            raise ShardError(f"{flag}=true is not supported: shard's decoder has no bias {where} ({kind})")
+
+
+def _sliding_window(kind: str, hf: dict):
+    """The window config.json gives every layer, where its family reads one (None: no window); Qwen's
+    window of some layers only is refused."""
+    family = FAMILIES[kind]
+    if not family.get("window") and hf.get("use_sliding_window"):
+        raise ShardError(f"use_sliding_window=true is not supported for {kind}: its window applies to the layers "
+                         f"from max_window_layers on, and shard's sliding_window is every layer's "
+                         f"(sliding_window={hf.get('sliding_window')!r})")
+    return hf.get("sliding_window", family["defaults"].get("sliding_window")) if family.get("window") else None
+
+
+def _mixtral_fields(hf: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral config.json."""
+    defaults = FAMILIES["mixtral"]["defaults"]
+    if hf.get("router_jitter_noise"):
+        raise ShardError(f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported: shard's router "
+                         "has no jitter noise")
+    moe = {}
+    for key, field in {"num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token"}.items():
+        value = hf.get(key, defaults[key])
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+        moe[field] = value
+    coef = hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+        raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
+    moe["aux_loss_weight"] = float(coef)
+    return moe
+
+
+def _sizes(kind: str, hf: dict, expert_mlp_dim: int | None) -> dict:
+    """config.json's sizes by its keys, each a positive integer (head_dim None where it gives none); a
+    Qwen3-MoE's intermediate_size is its experts' (`expert_mlp_dim`)."""
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if hf.get(k) is None]
+    if missing:
+        raise ShardError(f"config.json lacks {missing[0]!r}")
+    defaults = FAMILIES[kind]["defaults"]
+    sizes = {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+             "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
+             "num_key_value_heads": hf.get("num_key_value_heads") or defaults.get("num_key_value_heads")
+             or hf["num_attention_heads"],
+             "intermediate_size": hf["intermediate_size"] if kind != "qwen3_moe" else expert_mlp_dim,
+             "head_dim": hf.get("head_dim") or defaults.get("head_dim")}
+    for key, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ShardError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return sizes
 
 
 def _qwen3_moe_fields(hf: dict) -> dict:

@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
             from shard.training.harness import HarnessEvaluator  # lm-eval, or a one-line error
 
             harness = HarnessEvaluator(cfg, run)
-        records = _run_steps(cfg, run, observers, evaluator, harness)
+        records = _StepLoop(cfg, run, observers, evaluator, harness).run_steps()
         while waiting:
             waiting[-1].on_end(records)
             waiting.pop()
@@ -91,40 +91,122 @@ def train(cfg: TrainConfig, *, devices=None, observers=(), run: Run | None = Non
     return records
 
 
-def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator, harness=None) -> list[dict]:
-    flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
-    mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
-    records: list[dict] = []
-    start = last_time = time.perf_counter()
-    first = last_step = run.at_step
-    saving_s = 0.0  # time the host spent saving since the last record: not step time
-    state = run.state
-    pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
-    grad_norms: list[float] = []
-    skipped = 0
-    filled_since = run.stream.filled_tokens  # real (not padding) input tokens made into batches so far
+class _StepLoop:
+    """The steps of one `train` call, and what they carry from step to step: the metrics still on device,
+    the guard's grad norms and skipped steps, and the time and tokens since the last record."""
 
-    def asked_to_stop() -> bool:
+    def __init__(self, cfg: TrainConfig, run: Run, observers, evaluator, harness=None):
+        self.cfg, self.run, self.observers, self.evaluator, self.harness = cfg, run, observers, evaluator, harness
+        self.flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
+        self.records: list[dict] = []
+        self.start = self.last_time = time.perf_counter()
+        self.last_step = run.at_step
+        self.saving_s = 0.0  # time the host spent saving since the last record: not step time
+        self.pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
+        self.grad_norms: list[float] = []
+        self.skipped = 0
+        self.filled_since = run.stream.filled_tokens  # real (not padding) input tokens made into batches so far
+        # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
+        self.eval_stop = None
+        if evaluator is not None and len(evaluator.group.ranks) == runtime.context().size:
+            self.eval_stop = self._asked_to_stop
+
+    def run_steps(self) -> list[dict]:
+        """From the step the run is at to cfg.steps, or until an observer asks to stop; the records."""
+        cfg, run, observers = self.cfg, self.run, self.observers
+        state = run.state
+        for i in range(run.at_step + 1, cfg.steps + 1):
+            state, metrics = self._dispatch(i, state)
+            stopping = self._asked_to_stop()
+            final = stopping or i == cfg.steps
+            for o in observers:
+                o.on_step(i, (state, metrics))
+            evaluating = self.evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
+            every = cfg.eval.harness_every
+            benchmarking = self.harness is not None and (i == cfg.steps or bool(every) and i % every == 0)
+            # an evaluation is logged when it runs
+            logging = i % cfg.log_every == 0 or final or evaluating or benchmarking
+            saving = self._saves(i, final)
+            if logging or saving:
+                steps = self._sync(i)
+            if logging:
+                self._log(i, steps, state, evaluating, benchmarking)
+                # a signal came during it: stop here (the last step ends as it would have, its save the final one)
+                if evaluating and self.evaluator.interrupted and not stopping and i < cfg.steps:
+                    stopping = final = True
+                    saving = self._saves(i, final)
+            before = time.perf_counter()
+            for o in observers:
+                o.on_state(i, state, run.stream.position, metrics, final)
+            if saving:  # nor is a checkpoint's blocking part (the device waits: its steps were synced above)
+                self.saving_s += time.perf_counter() - before
+            if stopping:
+                run.stopped_at = i if i < cfg.steps else None  # a signal in the last step: the run is done
+                break
+        return self.records
+
+    def _dispatch(self, i: int, state):
+        """Start step i on the next batch, without waiting for it unless MAX_STEPS_AHEAD are in flight."""
+        run = self.run
+        batch = run.stream.next()
+        state, metrics = run.step_fn(state, batch)
+        run.state, run.trained_to = state, i  # kept current: a call that is interrupted leaves a usable run
+        self.pending.append((i, metrics))
+        if len(self.pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
+            jax.block_until_ready(self.pending[-MAX_STEPS_AHEAD - 1][1])
+        return state, metrics
+
+    def _asked_to_stop(self) -> bool:
         # Every observer (a list, not a short-circuit): with several processes each one's should_stop()
         # takes part in a collective that all processes must reach.
-        return any([o.should_stop() for o in observers])  # noqa: C419
+        return any([o.should_stop() for o in self.observers])  # noqa: C419
 
-    def saves(step: int, final: bool) -> bool:
-        return any([o.saves_at(step, final) for o in observers])  # noqa: C419
+    def _saves(self, step: int, final: bool) -> bool:
+        return any([o.saves_at(step, final) for o in self.observers])  # noqa: C419
 
-    # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
-    eval_stop = None
-    if evaluator is not None and len(evaluator.group.ranks) == runtime.context().size:
-        eval_stop = asked_to_stop
+    def _sync(self, i: int) -> list[tuple[int, dict]]:
+        """The pending steps' metrics, on the host and checked by the guard (step i synced): a divergence
+        stops the run, with its step's record kept; skipped steps are counted."""
+        steps = jax.device_get(self.pending)
+        self.pending = []
+        if self.cfg.guard.action == "stop":
+            bad = first_divergence(steps, self.grad_norms, self.cfg.guard)
+            if bad:
+                self.run.state = None  # diverged: nothing downstream may save it
+                # the step that diverged stays on record (metrics.jsonl)
+                self._publish(self._record(bad[0], dict(steps)[bad[0]], synced=i) | {"diverged": bad[1]})
+                raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
+        else:
+            self.skipped += int(sum(m["skipped"] for _, m in steps))
+        return steps
 
-    def make_record(step: int, values: dict, synced: int | None = None) -> dict:
+    def _log(self, i: int, steps: list[tuple[int, dict]], state, evaluating: bool, benchmarking: bool) -> None:
+        """Step i's record, with the evaluations that run at it, to the observers; the next record's
+        interval starts here."""
+        record = self._record(i, steps[-1][1])
+        if self.cfg.guard.action == "skip":
+            record["skipped_steps"] = self.skipped
+        if evaluating:
+            # None on processes outside the eval set
+            eval_loss = self.evaluator(state["params"], self.eval_stop, state.get("router_bias"))
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+        if benchmarking:  # eval/<task>/<metric>
+            record.update(self.harness(state["params"], state.get("router_bias")))
+        self._publish(record)
+        self.last_time, self.last_step, self.saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
+        self.filled_since = self.run.stream.filled_tokens
+
+    def _record(self, step: int, values: dict, synced: int | None = None) -> dict:
         """One step's record: its metrics, and speed and memory over the steps since the last record
         (`synced`: the step the host waited for, when later than `step`: the time runs to it)."""
+        run = self.run
         now = time.perf_counter()
-        elapsed, timed = now - last_time - saving_s, (synced or step) - last_step
+        elapsed, timed = now - self.last_time - self.saving_s, (synced or step) - self.last_step
         # input tokens per step timed, a packed batch's padding not counted (the stream made exactly the
         # batches of the steps up to the one synced)
-        per_step = (run.stream.filled_tokens - filled_since) / max(1, timed)
+        per_step = (run.stream.filled_tokens - self.filled_since) / max(1, timed)
         record = {
             "step": step,
             "loss": float(values["loss"]),
@@ -133,80 +215,23 @@ def _run_steps(cfg: TrainConfig, run: Run, observers, evaluator, harness=None) -
             "tokens_per_s": timed * per_step / elapsed,
             "step_time_s": elapsed / timed,
             "tokens_seen": run.tokens_seen(step),
-            "time_s": now - start,
+            "time_s": now - self.start,
             "start_step": run.start_step,  # this start's: 0, or the checkpoint it resumed from
-            "mesh": mesh_name,  # this start's layout: shard report marks where it changed
+            "mesh": self.mesh_name,  # this start's layout: shard report marks where it changed
             **device_memory(run),
         }
         if run.peak_flops:
-            record["mfu"] = record["tokens_per_s"] * flops_per_token / (run.devices_in_all * run.peak_flops)
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (run.devices_in_all * run.peak_flops)
         if run.pipeline:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
-            record["packing"] = per_step / (cfg.data.batch * cfg.data.seq_len)
+            record["packing"] = per_step / (self.cfg.data.batch * self.cfg.data.seq_len)
         for key in MOE_METRICS + DPO_METRICS:  # a MoE model's, a DPO run's
             if key in values:
                 record[key] = float(values[key])
         return record
 
-    def publish(record: dict) -> None:
-        records.append(record)
-        for o in observers:
+    def _publish(self, record: dict) -> None:
+        self.records.append(record)
+        for o in self.observers:
             o.on_log(record)
-
-    for i in range(first + 1, cfg.steps + 1):
-        batch = run.stream.next()
-        state, metrics = run.step_fn(state, batch)
-        run.state, run.trained_to = state, i  # kept current: a call that is interrupted leaves a usable run
-        pending.append((i, metrics))
-        if len(pending) > MAX_STEPS_AHEAD:  # wait for an older step: a bounded queue (see MAX_STEPS_AHEAD)
-            jax.block_until_ready(pending[-MAX_STEPS_AHEAD - 1][1])
-        stopping = asked_to_stop()
-        final = stopping or i == cfg.steps
-        for o in observers:
-            o.on_step(i, (state, metrics))
-        evaluating = evaluator is not None and (i % cfg.eval.every == 0 or i == cfg.steps)
-        every = cfg.eval.harness_every
-        benchmarking = harness is not None and (i == cfg.steps or bool(every) and i % every == 0)
-        # an evaluation is logged when it runs
-        logging = i % cfg.log_every == 0 or final or evaluating or benchmarking
-        saving = saves(i, final)
-        if logging or saving:
-            steps = jax.device_get(pending)
-            pending = []
-            if cfg.guard.action == "stop":
-                bad = first_divergence(steps, grad_norms, cfg.guard)
-                if bad:
-                    run.state = None  # diverged: nothing downstream may save it
-                    # the step that diverged stays on record (metrics.jsonl)
-                    publish(make_record(bad[0], dict(steps)[bad[0]], synced=i) | {"diverged": bad[1]})
-                    raise DivergenceError(f"training diverged: {bad[1]}; stopped, earlier checkpoints are kept")
-            else:
-                skipped += int(sum(m["skipped"] for _, m in steps))
-        if logging:
-            record = make_record(i, steps[-1][1])
-            if cfg.guard.action == "skip":
-                record["skipped_steps"] = skipped
-            if evaluating:
-                # None on processes outside the eval set
-                eval_loss = evaluator(state["params"], eval_stop, state.get("router_bias"))
-                if eval_loss is not None:
-                    record["eval_loss"] = eval_loss
-            if benchmarking:  # eval/<task>/<metric>
-                record.update(harness(state["params"], state.get("router_bias")))
-            publish(record)
-            last_time, last_step, saving_s = time.perf_counter(), i, 0.0  # evaluation is not step time
-            filled_since = run.stream.filled_tokens
-            # a signal came during it: stop here (the last step ends as it would have, its save the final one)
-            if evaluating and evaluator.interrupted and not stopping and i < cfg.steps:
-                stopping = final = True
-                saving = saves(i, final)
-        before = time.perf_counter()
-        for o in observers:
-            o.on_state(i, state, run.stream.position, metrics, final)
-        if saving:  # nor is a checkpoint's blocking part (the device waits: its steps were synced above)
-            saving_s += time.perf_counter() - before
-        if stopping:
-            run.stopped_at = i if i < cfg.steps else None  # a signal in the last step: the run is done
-            break
-    return records

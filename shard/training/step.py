@@ -10,7 +10,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.sharding.decisions import balanced_ring
-from shard.axes import BATCH, EMBED, LENGTH, RES_LENGTH, STAGE
+from shard.axes import BATCH, EMBED, EXPERT, LENGTH, RES_LENGTH, STAGE
 from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
 from shard.errors import ShardError
 from shard.models import llama
@@ -325,20 +325,20 @@ def abstract_batch(layout: Layout, batch: int, seq_len: int, packed: bool = Fals
 
 def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     """The (micro)batch must split evenly over the data-parallel devices."""
-    dp = layout.degree("batch")
+    dp = layout.degree(BATCH)
     m = cfg.data.microbatches
     if cfg.data.batch % (dp * m):
-        axes = f" ({layout.describe_axes('batch')})" if dp > 1 else ""
+        axes = f" ({layout.describe_axes(BATCH)})" if dp > 1 else ""
         per = f" in each of {m} microbatches" if m > 1 else ""
         raise ShardError(f"global batch {cfg.data.batch} does not divide over {dp} data-parallel devices{axes}{per}; "
                          f"use a batch that is a multiple of {dp * m}")
-    for logical in ("length", "res_length"):
+    for logical in (LENGTH, RES_LENGTH):
         ways = layout.degree(logical)
         if cfg.data.seq_len % ways:
             raise ShardError(f"sequence length {cfg.data.seq_len} does not divide over {ways} devices "
                              f"({layout.describe_axes(logical)}, the mesh axes of {logical!r}); use a multiple "
                              f"of {ways}")
-    chunk, ways = cfg.model.loss_chunk, layout.degree("length")
+    chunk, ways = cfg.model.loss_chunk, layout.degree(LENGTH)
     if chunk > 0 and (cfg.data.seq_len % chunk or chunk % ways):
         raise ShardError(f"model.loss_chunk={chunk} must divide the sequence length {cfg.data.seq_len}"
                          + (f" and be a multiple of the {ways} ways it is split" if ways > 1 else "")
@@ -346,8 +346,8 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     stages = pipeline_stages(layout)
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
-                       layout.degree("length"))
-    experts = layout.degree("expert", param=True)
+                       layout.degree(LENGTH))
+    experts = layout.degree(EXPERT, param=True)
     if cfg.model.n_experts % experts if cfg.model.n_experts else False:
         raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "
                          "use a multiple of it for model.n_experts")

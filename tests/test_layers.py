@@ -37,6 +37,20 @@ def test_a_planted_back_edge_breaks_the_contract(tmp_path):
     assert "shard.models.llama -> shard.cli.app" in result.stdout
 
 
+def test_a_command_that_reaches_past_the_front_breaks_the_contract(tmp_path):
+    """A command importing the training room itself, not through the library's front (shard, config, run,
+    measure, observe, data), is named as a forbidden import."""
+    shutil.copytree(REPO / "shard", tmp_path / "shard", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    plan = tmp_path / "shard" / "cli" / "plan.py"
+    plan.write_text(plan.read_text() + "\n\ndef _planted():\n    from shard.training import loop  # noqa: F401\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "the command line imports the library's front BROKEN" in result.stdout
+    assert "shard.cli is not allowed to import shard.training" in result.stdout
+    assert "shard.cli.plan -> shard.training.loop" in result.stdout
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     """The modules of the package under `root`, each with the package's modules it imports, by grimp (the
     graph import-linter reads): imports inside functions and under TYPE_CHECKING count."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from shard.config.model import ModelConfig
 from shard.config.presets import PRESETS
 from shard.errors import ShardError
+from shard.tomlfiles import is_positive_number
 
 
 @dataclass(frozen=True)
@@ -321,11 +322,6 @@ def _harness_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConf
                 f"checkpoint.every ({checkpoint.every}) is not a multiple of eval.harness_every "
                 f"({evaluation.harness_every})"]
     return []
-
-
-def is_positive_number(value) -> bool:
-    """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
 
 
 # Every numeric key with a range: dotted key -> (test, what it must be).

@@ -1,12 +1,12 @@
 """Model hyperparameters (ModelConfig) and what follows from them alone: their parameters' shapes and
-counts, MFU's FLOPs; the named presets are shard.config.presets'. Pure data: importing this never
-imports JAX."""
+counts (from shard.config.params' tables), MFU's FLOPs; the named presets are shard.config.presets'.
+Pure data: importing this never imports JAX."""
 
 import dataclasses
 import math
 from dataclasses import dataclass
 
-from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+from shard.config.params import dense_layer_params, model_params
 
 REMAT_POLICIES = ("auto", "none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
@@ -260,50 +260,9 @@ class ModelConfig:
         return max(1, math.ceil(self.experts_per_token * tokens_per_group * self.capacity_factor / self.n_experts))
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
-        """(path, shape, logical axes) of every parameter of shard/models/llama.py (a test checks they agree)."""
-        D, L, N, K, H, F, V = (self.d_model, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim,
-                               self.mlp_dim, self.padded_vocab)
-        rows = [("embed", (V, D), (VOCAB, EMBED))]
-        layer = {
-            "attn_norm": ((D,), (EMBED,)),
-            "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
-            "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-            "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-            "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
-            "mlp_norm": ((D,), (EMBED,)),
-            "w_gate": ((D, F), (EMBED, MLP)),
-            "w_up": ((D, F), (EMBED, MLP)),
-            "w_down": ((F, D), (MLP, EMBED)),
-        }
-        layer |= self._family_layer_shapes()
-        if self.n_experts:  # shard/models/moe.py: a router and E stacked SwiGLU experts per layer
-            E = self.n_experts
-            layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
-                      "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
-            if self.n_shared_experts:  # one SwiGLU of n_shared_experts * mlp_dim
-                S = self.n_shared_experts * F
-                layer |= {"shared_gate": ((D, S), (EMBED, MLP)), "shared_up": ((D, S), (EMBED, MLP)),
-                          "shared_down": ((S, D), (MLP, EMBED))}
-        rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
-        rows.append(("final_norm", (D,), (EMBED,)))
-        if not self.tie_embeddings:
-            rows.append(("unembed", (D, V), (EMBED, VOCAB)))
-        return rows
-
-    def _family_layer_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        """The per-layer parameters of the family features (qkv_bias, qk_norm, sandwich_norms): shape and
-        logical axes."""
-        N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
-        out = {}
-        if self.qkv_bias:
-            out |= {"bq": ((N, H), (HEADS, HEAD_DIM)), "bk": ((K, H), (KV_HEADS, HEAD_DIM)),
-                    "bv": ((K, H), (KV_HEADS, HEAD_DIM))}
-        if self.qk_norm:
-            out |= {"q_norm": ((H,), (HEAD_DIM,)), "k_norm": ((H,), (HEAD_DIM,))}
-        if self.sandwich_norms:
-            D = self.d_model
-            out |= {"post_attn_norm": ((D,), (EMBED,)), "post_mlp_norm": ((D,), (EMBED,))}
-        return out
+        """(path, shape, logical axes) of every parameter of shard/models/llama.py, from the parameter
+        tables (shard.config.params.model_params, in its order)."""
+        return [(path, p.shape, p.axes) for path, p in model_params(self).items()]
 
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
@@ -321,7 +280,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (norms, biases and a lookup-only table do not); of a
     mixture of experts, the router and the k experts a token is routed to."""
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
-    n -= cfg.n_layers * sum(math.prod(shape) for shape, _ in cfg._family_layer_shapes().values())  # adds, scales
+    features = [p for p in dense_layer_params(cfg).values() if p.feature]  # biases and norm scales
+    n -= cfg.n_layers * sum(math.prod(p.shape) for p in features)
     if not cfg.tie_embeddings:
         n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
     n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work

@@ -159,7 +159,7 @@ class TrackingConfig:
 
 TRACKING_MODES = ("", "online", "offline", "disabled")
 
-# The weights LoRA adapts: every matrix of a dense layer (shard.models.llama.LAYER_AXES).
+# The weights LoRA adapts: every matrix of a dense layer (shard.config.params.dense_layer_params).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 

@@ -33,38 +33,11 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LAYERS, LENGTH, MLP, RES_LENGTH
+from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
 from shard.hardware import lowers_ragged_all_to_all
 from shard.parallel.ragged import ragged_all_to_all
 from shard.sharding.rules import active_layout, constrain
-
-
-# The logical axes of one layer's router, experts and shared experts (the stacked parameters less LAYERS)
-EXPERT_AXES = {"router": (EMBED, None), "w_gate": (EXPERT, EMBED, MLP), "w_up": (EXPERT, EMBED, MLP),
-               "w_down": (EXPERT, MLP, EMBED), "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP),
-               "shared_down": (MLP, EMBED)}
-
-
-def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
-    """Router, stacked expert weights and shared experts (one SwiGLU of n_shared_experts * mlp_dim) for
-    every layer, with their logical axes."""
-    D, L, E, F = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.mlp_dim
-    dt = jnp.dtype(cfg.param_dtype)
-    out = dict(
-        router=param(rngs, (L, D, E), (LAYERS, *EXPERT_AXES["router"]), D**-0.5, dt),
-        w_gate=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_gate"]), D**-0.5, dt),
-        w_up=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_up"]), D**-0.5, dt),
-        w_down=param(rngs, (L, E, F, D), (LAYERS, *EXPERT_AXES["w_down"]), F**-0.5 * out_std, dt),
-    )
-    if cfg.n_shared_experts:
-        S = cfg.n_shared_experts * F
-        out |= dict(
-            shared_gate=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_gate"]), D**-0.5, dt),
-            shared_up=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_up"]), D**-0.5, dt),
-            shared_down=param(rngs, (L, S, D), (LAYERS, *EXPERT_AXES["shared_down"]), S**-0.5 * out_std, dt),
-        )
-    return out
 
 
 def route(probs_bte: jax.Array, k: int, cap: int, choose_bte: jax.Array | None = None, with_load: bool = False):

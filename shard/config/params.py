@@ -106,6 +106,7 @@ def outer_params(cfg) -> dict[str, ParamSpec]:
     final norm and, with untied embeddings, the unembedding (after them). Their vocab dim is padded
     (ModelConfig.padded_vocab)."""
     D, V = cfg.d_model, cfg.padded_vocab
+    # tied: logits of std ~1 (with embed_scale the looked-up rows are scaled up to std ~1 instead)
     table = {"embed": ParamSpec((V, D), (VOCAB, EMBED), D**-0.5),
              "final_norm": ParamSpec((D,), (EMBED,), _norm_init(cfg))}
     if not cfg.tie_embeddings:

@@ -8,8 +8,8 @@ from importlib import resources
 from pathlib import Path
 
 from shard import tomlfiles
+from shard.config.values import is_positive_number
 from shard.errors import ShardError
-from shard.tomlfiles import is_positive_number
 
 _HW_KEYS = {"description", "aliases", "bf16_tflops", "matmul_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
             "inter_node_gbps", "devices_per_node"}

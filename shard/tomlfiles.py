@@ -1,7 +1,6 @@
 """TOML read with one-line errors: the files a user gives shard (a config, a mesh preset, a hardware
-table) and the config text saved with a run; and the test a size or rate read from a file passes."""
+table) and the config text saved with a run."""
 
-import math
 import tomllib
 from pathlib import Path
 
@@ -36,8 +35,3 @@ def parse(text: str, name: str) -> dict:
 
 def read(path, name: str) -> dict:
     return parse(read_text(path, name), name)
-
-
-def is_positive_number(value) -> bool:
-    """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf

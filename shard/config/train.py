@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from shard.config.model import ModelConfig
 from shard.config.presets import PRESETS
+from shard.config.values import is_positive_number
 from shard.errors import ShardError
-from shard.tomlfiles import is_positive_number
 
 
 @dataclass(frozen=True)

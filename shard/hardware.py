@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from shard import tomlfiles
-from shard.config.train import is_positive_number
+from shard.config.values import is_positive_number
 from shard.errors import ShardError
 
 _HW_KEYS = {"description", "aliases", "bf16_tflops", "matmul_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",

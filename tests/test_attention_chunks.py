@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shard.config.model import ATTENTION_CHUNK_MIN_QUERIES, ATTENTION_CHUNK_SCORES_BYTES, attention_chunks
 from shard.models.attention import causal_attention
+from shard.sharding.decisions import ATTENTION_CHUNK_MIN_QUERIES, ATTENTION_CHUNK_SCORES_BYTES, attention_chunks
 from shard.testing import loss_and_grads, tiny_config
 
 B, T, N, K, H = 2, 32, 4, 2, 8

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import attention_backend, cudnn_attention_problem
 from shard.config.presets import PRESETS
 from shard.models.attention import causal_attention
+from shard.sharding.decisions import attention_backend, cudnn_attention_problem
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])

@@ -13,6 +13,7 @@ from shard import config as c
 from shard.config.presets import PRESETS
 from shard.errors import ShardError
 from shard.models import moe
+from shard.parallel import expert_exchange
 from shard.testing import devices_for, loss_and_grads, tiny_config
 from shard.training.loop import train
 
@@ -186,9 +187,9 @@ def test_dropless_training_agrees_across_layouts(mesh, fine_reference):
 
 @pytest.mark.parametrize("mesh", EXPERT_PARALLEL)
 def test_the_gpu_ragged_exchange_trains_as_the_others_do(mesh, fine_reference, monkeypatch):
-    """GPUs and TPUs move the tokens by ragged all-to-all (moe.expert_exchange); its padded twin runs
-    that path here, through the whole model, forward and backward."""
-    monkeypatch.setattr(moe, "expert_exchange", lambda platform: "padded-ragged")
+    """GPUs and TPUs move the tokens by ragged all-to-all (expert_exchange.expert_exchange); its padded
+    twin runs that path here, through the whole model, forward and backward."""
+    monkeypatch.setattr(expert_exchange, "expert_exchange", lambda platform: "padded-ragged")
     loss, grads = loss_and_grads(tiny_config(mesh, **FINE))
     np.testing.assert_allclose(loss, fine_reference[0], rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(fine_reference[1])):

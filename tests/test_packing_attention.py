@@ -8,11 +8,11 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import attention_backend, cudnn_attention_problem
 from shard.config.presets import PRESETS
 from shard.measure import costs
 from shard.models.attention import causal_attention
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
+from shard.sharding.decisions import attention_backend, cudnn_attention_problem
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import activation_layout

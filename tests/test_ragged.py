@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from shard.models import moe
 from shard.hardware import lowers_ragged_all_to_all
+from shard.models import moe
+from shard.parallel.expert_exchange import expert_parallel_experts
 from shard.parallel.ragged import ragged_all_to_all
 
 
@@ -106,7 +107,7 @@ def _experts(n_experts: int, seed: int = 0):
 
 def _expert_parallel(n: int, exchange: str = "padded-ragged"):
     """expert_parallel_experts over n devices: tokens split over them, experts too."""
-    fn = partial(moe.expert_parallel_experts, axes=("x",), exchange=exchange)
+    fn = partial(expert_parallel_experts, axes=("x",), exchange=exchange, run_experts=moe.grouped_experts)
 
     def per_device(*args):
         out, sent = fn(*args)

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from shard import models
-from shard.config.model import CHUNK_LOGITS_BYTES, CHUNK_MIN_TOKENS, ModelConfig, loss_chunks
+from shard.config.model import ModelConfig
+from shard.sharding.decisions import CHUNK_LOGITS_BYTES, CHUNK_MIN_TOKENS, loss_chunks
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.sharding.rules import activation_layout

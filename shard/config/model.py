@@ -1,12 +1,12 @@
-"""Model hyperparameters (ModelConfig) and what follows from them alone: whether cuDNN's attention applies,
-loss and attention chunks, MFU's FLOPs; the named presets are shard.config.presets'. Pure data: importing
-this never imports JAX."""
+"""Model hyperparameters (ModelConfig) and what follows from them alone: their parameters' shapes and
+counts (from shard.config.params' tables), MFU's FLOPs; the named presets are shard.config.presets'.
+Pure data: importing this never imports JAX."""
 
 import dataclasses
 import math
 from dataclasses import dataclass
 
-from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+from shard.config.params import dense_layer_params, model_params
 
 REMAT_POLICIES = ("auto", "none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
@@ -24,41 +24,6 @@ def _cpu_bf16() -> bool:
     from shard.hardware import cpu_has_bf16_matmul  # reads /proc/cpuinfo once
 
     return cpu_has_bf16_matmul()
-
-
-def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
-                            manual: bool = False, segments: bool = False) -> str:
-    """Why cuDNN's flash attention (jax.nn.dot_product_attention(implementation="cudnn")) can't run
-    attention with these inputs, in a few words; "" when it can.
-
-    `platform` is "cuda" for NVIDIA GPUs. cuDNN takes 16-bit inputs and head dims that are multiples of 8
-    up to 128 (256 on Hopper; the lower bound keeps the answer independent of the GPU), and its sharding
-    rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
-    partly manual shard_map (pipeline stages) its custom partitioning is not used. Packed rows
-    (`segments`, data.packing=packed) reach it only as a dense (B, 1, T, T) bias through the public API
-    (shard.models.attention.causal_attention says why that is not taken).
-    """
-    if platform != "cuda":
-        return f"it needs an NVIDIA GPU (this run is on {platform})"
-    if dtype not in ("bfloat16", "float16"):
-        return f"it needs bfloat16 or float16 compute (this run computes in {dtype})"
-    if head_dim % 8 or head_dim > 128:
-        return f"it needs a head dim that is a multiple of 8 up to 128 (got {head_dim})"
-    if not same_split:
-        return "it needs heads and kv_heads split over the same mesh axes"
-    if manual:
-        return "it does not run inside pipeline stages"
-    if segments:
-        return "packed rows (data.packing=packed) need a per-document mask, which it takes only as a dense bias"
-    return ""
-
-
-def attention_backend(setting: str, problem: str) -> str:
-    """The attention implementation a `model.attention` setting runs as, given cuDNN's `problem` with the
-    inputs (cudnn_attention_problem): "auto" is "cudnn" when there is none, "xla" otherwise."""
-    if setting == "auto":
-        return "xla" if problem else "cudnn"
-    return setting
 
 
 @dataclass(frozen=True)
@@ -122,7 +87,8 @@ class ModelConfig:
     # time (shard.models.xent); 0: the whole logits at once; -1 (auto): chunks of at most 8 MiB of
     # float32 logits per device, none where the whole logits are no bigger.
     loss_chunk: int = -1
-    # "auto": cuDNN flash attention on NVIDIA GPUs where it applies (attention_backend), XLA's otherwise.
+    # "auto": cuDNN flash attention on NVIDIA GPUs where it applies, XLA's otherwise
+    # (shard.sharding.decisions.attention_backend).
     attention: str = "auto"
     # XLA's attention (and the einsum one of soft-capped scores or windows that differ by layer) takes its
     # queries in chunks of at most this many, each chunk's exact softmax over all keys, recomputed in the
@@ -294,50 +260,9 @@ class ModelConfig:
         return max(1, math.ceil(self.experts_per_token * tokens_per_group * self.capacity_factor / self.n_experts))
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
-        """(path, shape, logical axes) of every parameter of shard/models/llama.py (a test checks they agree)."""
-        D, L, N, K, H, F, V = (self.d_model, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim,
-                               self.mlp_dim, self.padded_vocab)
-        rows = [("embed", (V, D), (VOCAB, EMBED))]
-        layer = {
-            "attn_norm": ((D,), (EMBED,)),
-            "wq": ((D, N, H), (EMBED, HEADS, HEAD_DIM)),
-            "wk": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-            "wv": ((D, K, H), (EMBED, KV_HEADS, HEAD_DIM)),
-            "wo": ((N, H, D), (HEADS, HEAD_DIM, EMBED)),
-            "mlp_norm": ((D,), (EMBED,)),
-            "w_gate": ((D, F), (EMBED, MLP)),
-            "w_up": ((D, F), (EMBED, MLP)),
-            "w_down": ((F, D), (MLP, EMBED)),
-        }
-        layer |= self._family_layer_shapes()
-        if self.n_experts:  # shard/models/moe.py: a router and E stacked SwiGLU experts per layer
-            E = self.n_experts
-            layer |= {"w_gate": ((E, D, F), (EXPERT, EMBED, MLP)), "w_up": ((E, D, F), (EXPERT, EMBED, MLP)),
-                      "w_down": ((E, F, D), (EXPERT, MLP, EMBED)), "router": ((D, E), (EMBED, None))}
-            if self.n_shared_experts:  # one SwiGLU of n_shared_experts * mlp_dim
-                S = self.n_shared_experts * F
-                layer |= {"shared_gate": ((D, S), (EMBED, MLP)), "shared_up": ((D, S), (EMBED, MLP)),
-                          "shared_down": ((S, D), (MLP, EMBED))}
-        rows += [(f"layers/{k}", (L, *s), (LAYERS, *a)) for k, (s, a) in layer.items()]
-        rows.append(("final_norm", (D,), (EMBED,)))
-        if not self.tie_embeddings:
-            rows.append(("unembed", (D, V), (EMBED, VOCAB)))
-        return rows
-
-    def _family_layer_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        """The per-layer parameters of the family features (qkv_bias, qk_norm, sandwich_norms): shape and
-        logical axes."""
-        N, K, H = self.n_heads, self.n_kv_heads, self.head_dim
-        out = {}
-        if self.qkv_bias:
-            out |= {"bq": ((N, H), (HEADS, HEAD_DIM)), "bk": ((K, H), (KV_HEADS, HEAD_DIM)),
-                    "bv": ((K, H), (KV_HEADS, HEAD_DIM))}
-        if self.qk_norm:
-            out |= {"q_norm": ((H,), (HEAD_DIM,)), "k_norm": ((H,), (HEAD_DIM,))}
-        if self.sandwich_norms:
-            D = self.d_model
-            out |= {"post_attn_norm": ((D,), (EMBED,)), "post_mlp_norm": ((D,), (EMBED,))}
-        return out
+        """(path, shape, logical axes) of every parameter of shard/models/llama.py, from the parameter
+        tables (shard.config.params.model_params, in its order)."""
+        return [(path, p.shape, p.axes) for path, p in model_params(self).items()]
 
     def num_params(self) -> int:
         """Parameter count from the hyperparameters alone."""
@@ -355,74 +280,14 @@ def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (norms, biases and a lookup-only table do not); of a
     mixture of experts, the router and the k experts a token is routed to."""
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
-    n -= cfg.n_layers * sum(math.prod(shape) for shape, _ in cfg._family_layer_shapes().values())  # adds, scales
+    features = [p for p in dense_layer_params(cfg).values() if p.feature]  # biases and norm scales
+    n -= cfg.n_layers * sum(math.prod(p.shape) for p in features)
     if not cfg.tie_embeddings:
         n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
     n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
     if cfg.n_experts:
         n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
     return n
-
-
-# Auto chunking of the loss (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most
-# this big; logits that fit are not chunked (shard.models.xent).
-CHUNK_LOGITS_BYTES = 8 * 2**20
-CHUNK_MIN_TOKENS = 64  # per device: smaller chunks' matmuls waste the machine more than they save
-# Auto chunks only where a device holds this many tokens per embedding dim at least: the chunks keep a
-# float32 D x V weight-gradient sum, which costs what they save at about one token per dim (compiled, the
-# CPU reference config at fsdp=8 in bf16 with full remat, 256 tokens of D 256: 117 -> 129 MiB chunked;
-# at fsdp=2,model=4, 1024 tokens: 100 -> 53 MiB).
-CHUNK_MIN_TOKENS_PER_D = 2
-
-
-def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
-                vocab_ways: int = 1) -> int:
-    """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
-    `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
-    off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
-    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device, and none
-    where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per embedding dim."""
-    if cfg.loss_chunk == 0 or seq_len <= 1:
-        return 1
-    if cfg.loss_chunk > 0:
-        return max(1, seq_len // cfg.loss_chunk)
-    local_t = seq_len // max(length_ways, 1)
-    rows = max(batch // max(batch_ways, 1), 1)
-    if local_t * rows < CHUNK_MIN_TOKENS_PER_D * cfg.d_model:
-        return 1  # the chunks' float32 sum of the head weight's gradient (D x V) would cost what they save
-    per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
-    n = 1
-    for k in range(1, local_t + 1):
-        if local_t % k == 0 and (local_t // k) * rows >= CHUNK_MIN_TOKENS:
-            n = k
-            if local_t // k * per_position <= CHUNK_LOGITS_BYTES:
-                break
-    return n
-
-
-# Auto chunking of XLA's attention (model.attention_chunk = -1) keeps one chunk's float32 scores per device
-# at most this big; scores that fit are not chunked. llama-1b at batch 4 x 2048 on one device has 2 GiB of
-# scores per layer: 8 chunks of 256 queries.
-ATTENTION_CHUNK_SCORES_BYTES = 256 * 2**20
-ATTENTION_CHUNK_MIN_QUERIES = 128  # smaller chunks' matmuls waste the machine more than they save
-
-
-def attention_chunks(setting: int, seq_len: int, rows: int, heads: int, keys: int | None = None) -> int:
-    """How many chunks of contiguous queries XLA's attention takes a sequence's `seq_len` in (1: all at
-    once), for `rows` sequences and `heads` query heads per device attending to `keys` keys (seq_len by
-    default). `setting` is model.attention_chunk: > 0 the most queries per chunk, 0 off, -1 (auto) the
-    fewest chunks whose float32 scores stay within ATTENTION_CHUNK_SCORES_BYTES per device, none under
-    ATTENTION_CHUNK_MIN_QUERIES queries. Chunks are equal: their number divides seq_len, each chunk as
-    long as that allows up to the most."""
-    if setting == 0 or seq_len <= 1:
-        return 1
-    queries = setting
-    if setting < 0:
-        per_query = rows * heads * (keys or seq_len) * 4
-        if seq_len * per_query <= ATTENTION_CHUNK_SCORES_BYTES:
-            return 1
-        queries = max(ATTENTION_CHUNK_SCORES_BYTES // per_query, ATTENTION_CHUNK_MIN_QUERIES)
-    return next(n for n in range(1, seq_len + 1) if seq_len % n == 0 and seq_len // n <= queries)
 
 
 def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from shard.config.model import ModelConfig
 from shard.config.presets import PRESETS
+from shard.config.values import is_positive_number
 from shard.errors import ShardError
 
 
@@ -158,7 +159,7 @@ class TrackingConfig:
 
 TRACKING_MODES = ("", "online", "offline", "disabled")
 
-# The weights LoRA adapts: every matrix of a dense layer (shard.models.llama.LAYER_AXES).
+# The weights LoRA adapts: every matrix of a dense layer (shard.config.params.dense_layer_params).
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -321,11 +322,6 @@ def _harness_ranking_problems(checkpoint: CheckpointConfig, evaluation: EvalConf
                 f"checkpoint.every ({checkpoint.every}) is not a multiple of eval.harness_every "
                 f"({evaluation.harness_every})"]
     return []
-
-
-def is_positive_number(value) -> bool:
-    """A finite number above 0, and not a bool: what a size or rate read from any file must be."""
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
 
 
 # Every numeric key with a range: dotted key -> (test, what it must be).

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
-from shard.config.model import ModelConfig, attention_backend, cudnn_attention_problem, matmul_params
+from shard.config.model import ModelConfig, matmul_params
 from shard.hardware import lowers_ragged_all_to_all
-from shard.sharding.decisions import axes_table, balanced_ring, stored_lookup_axes
+from shard.sharding.decisions import (attention_backend, axes_table, balanced_ring, cudnn_attention_problem,
+                                      stored_lookup_axes)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

@@ -9,8 +9,9 @@ import dataclasses
 import math
 
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, VOCAB
-from shard.config.model import ModelConfig, attention_chunks, loss_chunks
+from shard.config.model import ModelConfig
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
+from shard.sharding.decisions import attention_chunks, loss_chunks
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
 # the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from shard.axes import BATCH, HEAD_DIM, HEADS, LENGTH
 from shard.errors import ShardError
-from shard.config.model import attention_backend, attention_chunks, cudnn_attention_problem
 from shard.parallel.ring_attention import context_axes, ring_attention
+from shard.sharding.decisions import attention_backend, attention_chunks, cudnn_attention_problem
 from shard.sharding.queries import auto_ways, queries_split_like_keys
 from shard.sharding.rules import constrain
 
@@ -25,9 +25,9 @@ def causal_attention(q_btnh, k_bskh, v_bskh, impl: str, zigzag: bool = False, se
                      scale: float | None = None, softcap: float = 0.0, chunk: int = 0):
     """Causal grouped-query attention. `impl` is model.attention: "cudnn" is cuDNN's flash attention and
     "xla" XLA's attention, both through jax.nn.dot_product_attention; "auto" is cuDNN's where it applies
-    (configs.attention_backend), XLA's otherwise; "reference" is the plain einsum version that checks
-    them. When the layout splits `length` over mesh axes (context parallel), ring attention runs instead,
-    load-balanced where the sequence comes in its zig-zag order (`zigzag`).
+    (shard.sharding.decisions.attention_backend), XLA's otherwise; "reference" is the plain einsum
+    version that checks them. When the layout splits `length` over mesh axes (context parallel), ring
+    attention runs instead, load-balanced where the sequence comes in its zig-zag order (`zigzag`).
 
     `segment_ids` (B, T): packed rows; a query attends only to keys of its own segment. XLA's attention
     takes that as a (B, 1, T, T) mask. cuDNN is not used for them: jax.nn.dot_product_attention hands

@@ -7,8 +7,9 @@ a (1 + w) scale, GeGLU and scaled embeddings.
 
 The layers are stored stacked (a leading `layers` dim) and run with `lax.scan`, so compile time does
 not grow with depth; a layer's sublayers (norms, RoPE, the attention block, the MLP) are
-shard.models.layers, the attention itself shard.models.attention. Every parameter names its logical axes; key activations are pinned with
-`constrain`. Mesh axes never appear here. The forward pass is pure functions of the parameter dict, so
+shard.models.layers, the attention itself shard.models.attention. Every parameter's shape, logical
+axes and initial values are shard.config.params' tables; key activations are pinned with `constrain`.
+Mesh axes never appear here. The forward pass is pure functions of the parameter dict, so
 pipeline parallelism (shard/parallel/pipeline.py) runs the same embedding, layer block and head on its
 own schedule, and generation runs them with a KV cache.
 
@@ -28,40 +29,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP, RES_LENGTH, VOCAB
+from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
+from shard.config.params import ParamSpec, dense_layer_params, layer_params, outer_params, stacked
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
 from shard.sharding.rules import active_layout, constrain
-
-# Logical axes of each per-layer weight of the dense model (stored with a leading LAYERS dim). Inside the
-# scanned block every weight is pinned to these axes under the activation rules: the layout it is
-# computed in. For FSDP that is where the weight is gathered (once per use), instead of leaving XLA free
-# to move activations to the sharded weight. Weights are cast to the compute dtype first, so FSDP
-# gathers (and reduce-scatters gradients) in bf16 on accelerators.
-LAYER_AXES = {
-    "attn_norm": (EMBED,),
-    "wq": (EMBED, HEADS, HEAD_DIM),
-    "wk": (EMBED, KV_HEADS, HEAD_DIM),
-    "wv": (EMBED, KV_HEADS, HEAD_DIM),
-    "bq": (HEADS, HEAD_DIM),  # qkv_bias
-    "bk": (KV_HEADS, HEAD_DIM),
-    "bv": (KV_HEADS, HEAD_DIM),
-    "q_norm": (HEAD_DIM,),  # qk_norm
-    "k_norm": (HEAD_DIM,),
-    "wo": (HEADS, HEAD_DIM, EMBED),
-    "post_attn_norm": (EMBED,),  # sandwich_norms
-    "mlp_norm": (EMBED,),
-    "post_mlp_norm": (EMBED,),
-    "w_gate": (EMBED, MLP),
-    "w_up": (EMBED, MLP),
-    "w_down": (MLP, EMBED),
-}
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -90,34 +68,19 @@ class Llama(nnx.Module):
         """`lora` (rank > 0): LoRA adapters beside its targets in every layer (shard.models.lora), made
         after every base weight, so the base weights are those of a model without them."""
         self.cfg = cfg
-        D, L, N, K, H, F, V = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                               cfg.mlp_dim, cfg.padded_vocab)
-        dt = jnp.dtype(cfg.param_dtype)
-        out_std = 1.0 / (2 * L) ** 0.5  # residual branches scaled down with depth (GPT-2)
-        # tied: logits std ~1 (with embed_scale the looked-up rows are scaled up to std ~1 instead)
-        self.embed = _param(rngs, (V, D), (VOCAB, EMBED), D**-0.5, dt)  # table_vd
-        one = 0 if cfg.norm_plus_one else None  # a norm's weight: (1 + w) starts at 0
-        std = {"attn_norm": one, "wq": D**-0.5, "wk": D**-0.5, "wv": D**-0.5,
-               "wo": (N * H) ** -0.5 * out_std, "mlp_norm": one, "w_gate": D**-0.5, "w_up": D**-0.5,
-               "w_down": F**-0.5 * out_std, "bq": 0, "bk": 0, "bv": 0, "q_norm": one, "k_norm": one,
-               "post_attn_norm": one, "post_mlp_norm": one}
-        shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
-                  "mlp_norm": (D,), "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D), "bq": (N, H),
-                  "bk": (K, H), "bv": (K, H), "q_norm": (H,), "k_norm": (H,), "post_attn_norm": (D,),
-                  "post_mlp_norm": (D,)}
-        off = {"bq", "bk", "bv"} if not cfg.qkv_bias else set()
-        off |= {"q_norm", "k_norm"} if not cfg.qk_norm else set()
-        off |= {"post_attn_norm", "post_mlp_norm"} if not cfg.sandwich_norms else set()
-        off |= {"w_gate", "w_up", "w_down"} if cfg.n_experts else set()
-        names = [n for n in LAYER_AXES if n not in off]
-        layers = {n: _param(rngs, (L, *shapes[n]), (LAYERS, *LAYER_AXES[n]), std[n], dt) for n in names}
-        if cfg.n_experts:
-            layers |= moe.expert_params(rngs, cfg, out_std, _param)
-        self.final_norm = _param(rngs, (D,), (EMBED,), one, dt)
-        if not cfg.tie_embeddings:
-            self.unembed = _param(rngs, (D, V), (EMBED, VOCAB), D**-0.5, dt)  # w_dv
+        dt, L = jnp.dtype(cfg.param_dtype), cfg.n_layers
+        outer = outer_params(cfg)
+
+        def make(p: ParamSpec) -> nnx.Param:
+            return _param(rngs, p.shape, p.axes, p.init, dt)
+
+        self.embed = make(outer["embed"])  # table_vd
+        layers = {name: make(stacked(p, L)) for name, p in layer_params(cfg).items()}
+        self.final_norm = make(outer["final_norm"])
+        if "unembed" in outer:
+            self.unembed = make(outer["unembed"])  # w_dv
         if lora is not None and lora.rank:
-            layers |= adapters.adapter_params(rngs, lora, shapes, LAYER_AXES, L, _param, dt)
+            layers |= adapters.adapter_params(rngs, lora, dense_layer_params(cfg), L, _param, dt)
         self.layers = nnx.Dict(layers)
 
     def __call__(self, tokens_bt: jax.Array, cache: dict | None = None, start=0,
@@ -234,6 +197,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         if cache is not None:
             raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
+    axes = _layer_axes(cfg, layers)
 
     def block(x_btd, xs):
         p, kv, bias_e, window, key = xs
@@ -242,9 +206,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             cos, sin = (jnp.where(window > 0, a, b) for a, b in zip(local_rope, (cos_th, sin_th)))
         window = cfg.sliding_window if window is None else window
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
-        # the router (its softmax is float32) keep their dtype; LoRA adapters as their base weights
-        axes = LAYER_AXES | moe.EXPERT_AXES if cfg.n_experts else LAYER_AXES
-        axes = axes | {k: adapters.adapter_axes(k, LAYER_AXES) for k in p if adapters.is_adapter(k)}
+        # the router (its softmax is float32) keep their dtype
         p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
              for k, v in p.items()}
         if key is not None:
@@ -278,6 +240,17 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
+
+
+def _layer_axes(cfg: ModelConfig, layers: dict) -> dict[str, tuple]:
+    """The logical axes of each weight in `layers` (per layer), which the layer block pins it to under
+    the activation rules: the layout it is computed in. For FSDP that is where the weight is gathered
+    (once per use), instead of leaving XLA free to move activations to the sharded weight. Weights are
+    cast to the compute dtype first, so FSDP gathers (and reduce-scatters gradients) in bf16 on
+    accelerators. LoRA adapters take their base weights' axes."""
+    axes = {name: p.axes for name, p in layer_params(cfg).items()}
+    dense = dense_layer_params(cfg)
+    return axes | {name: adapters.adapter_axes(name, dense) for name in layers if adapters.is_adapter(name)}
 
 
 def _unrolled_with_split_cache(cfg: ModelConfig, block, layers: dict, x_btd, cache: dict, router_bias):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from shard.axes import LAYERS, LORA_RANK
+from shard.config.params import ParamSpec
 from shard.config.train import LORA_TARGETS, LoraConfig
 from shard.errors import ShardError
 
@@ -34,26 +35,28 @@ def is_adapter(name: str) -> bool:
     return name.endswith(A_SUFFIX) or name.endswith(B_SUFFIX)
 
 
-def adapter_axes(name: str, layer_axes: dict) -> tuple:
-    """The logical axes of adapter `name` (without the layers dim), from its base weight's."""
+def adapter_axes(name: str, layer: dict[str, ParamSpec]) -> tuple:
+    """The logical axes of adapter `name` (without the layers dim), from its base weight's in `layer`
+    (shard.config.params.dense_layer_params)."""
     target, half = name.rsplit("_lora_", 1)
-    base, n = layer_axes[target], INPUT_DIMS[target]
+    base, n = layer[target].axes, INPUT_DIMS[target]
     return (*base[:n], LORA_RANK) if half == "a" else (LORA_RANK, *base[n:])
 
 
-def adapter_params(rngs, lora: LoraConfig, shapes: dict, layer_axes: dict, n_layers: int, make_param, dtype) -> dict:
-    """A (truncated normal, std 1/sqrt(fan-in)) and B (zeros) of every target, with their logical axes;
-    `make_param` is the model's (rngs, shape, axes, std, dtype) -> nnx.Param."""
+def adapter_params(rngs, lora: LoraConfig, layer: dict[str, ParamSpec], n_layers: int, make_param, dtype) -> dict:
+    """A (truncated normal, std 1/sqrt(fan-in)) and B (zeros) of every target, with their logical axes,
+    beside the targets of `layer` (shard.config.params.dense_layer_params); `make_param` is the model's
+    (rngs, shape, axes, std, dtype) -> nnx.Param."""
     import math
 
     out = {}
     for target in lora.targets:
         n = INPUT_DIMS[target]
-        ins, outs = shapes[target][:n], shapes[target][n:]
+        ins, outs = layer[target].shape[:n], layer[target].shape[n:]
         a, b = adapter_names(target)
-        out[a] = make_param(rngs, (n_layers, *ins, lora.rank), (LAYERS, *adapter_axes(a, layer_axes)),
+        out[a] = make_param(rngs, (n_layers, *ins, lora.rank), (LAYERS, *adapter_axes(a, layer)),
                             math.prod(ins) ** -0.5, dtype)
-        out[b] = make_param(rngs, (n_layers, lora.rank, *outs), (LAYERS, *adapter_axes(b, layer_axes)),
+        out[b] = make_param(rngs, (n_layers, lora.rank, *outs), (LAYERS, *adapter_axes(b, layer)),
                             0, dtype)
     return out
 

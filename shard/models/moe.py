@@ -14,57 +14,27 @@ over the k chosen logits) and multiplied by `routed_scale`.
 Capacity routing: each sequence is a routing group. Tokens are dispatched into a (experts, batch, capacity, embed)
 tensor whose expert dim is pinned to the `expert` logical axis and whose batch dim to `expert_batch`;
 when a preset maps `expert` to a mesh axis that also splits the batch, XLA moves tokens between the
-two layouts with an all-to-all. Mesh axes never appear here.
+two layouts with an all-to-all.
 
-Dropless routing runs per device: inside a `jax.shard_map` that is manual over the mesh axes splitting
-the tokens, each device sorts its own tokens and multiplies them by every expert (weights split over
-an axis that holds the same tokens are gathered at the boundary, as FSDP gathers a weight). Under
-expert parallel (`ep`: the expert axis also splits the tokens) the experts stay split and each token
-goes to the devices holding its experts by a ragged all-to-all (`expert_parallel_experts`).
+Dropless routing runs per device: each device sorts its own tokens and multiplies them by every expert
+(`grouped_experts`); under expert parallel (`ep`: the expert axis also splits the tokens) the experts
+stay split and each token goes to the devices holding its experts and back, by a ragged all-to-all.
+The top-k choice of experts runs per device too. That is hand-written SPMD code, shard_maps over the
+mesh axes that split the tokens: shard.parallel.expert_exchange's (`dropless_per_device`,
+`per_device_top_k`). Mesh axes never appear here. The layer's parameters are
+shard.config.params.expert_params'.
 
 Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F mlp, K experts per
 token, N tokens, M = N K (token, choice) pairs, S shared experts' hidden width.
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 
-from jax.sharding import PartitionSpec as P
-
-from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LAYERS, LENGTH, MLP, RES_LENGTH
+from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
-from shard.hardware import lowers_ragged_all_to_all
-from shard.parallel.ragged import ragged_all_to_all
-from shard.sharding.rules import active_layout, constrain
-
-
-# The logical axes of one layer's router, experts and shared experts (the stacked parameters less LAYERS)
-EXPERT_AXES = {"router": (EMBED, None), "w_gate": (EXPERT, EMBED, MLP), "w_up": (EXPERT, EMBED, MLP),
-               "w_down": (EXPERT, MLP, EMBED), "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP),
-               "shared_down": (MLP, EMBED)}
-
-
-def expert_params(rngs, cfg: ModelConfig, out_std: float, param) -> dict:
-    """Router, stacked expert weights and shared experts (one SwiGLU of n_shared_experts * mlp_dim) for
-    every layer, with their logical axes."""
-    D, L, E, F = cfg.d_model, cfg.n_layers, cfg.n_experts, cfg.mlp_dim
-    dt = jnp.dtype(cfg.param_dtype)
-    out = dict(
-        router=param(rngs, (L, D, E), (LAYERS, *EXPERT_AXES["router"]), D**-0.5, dt),
-        w_gate=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_gate"]), D**-0.5, dt),
-        w_up=param(rngs, (L, E, D, F), (LAYERS, *EXPERT_AXES["w_up"]), D**-0.5, dt),
-        w_down=param(rngs, (L, E, F, D), (LAYERS, *EXPERT_AXES["w_down"]), F**-0.5 * out_std, dt),
-    )
-    if cfg.n_shared_experts:
-        S = cfg.n_shared_experts * F
-        out |= dict(
-            shared_gate=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_gate"]), D**-0.5, dt),
-            shared_up=param(rngs, (L, D, S), (LAYERS, *EXPERT_AXES["shared_up"]), D**-0.5, dt),
-            shared_down=param(rngs, (L, S, D), (LAYERS, *EXPERT_AXES["shared_down"]), S**-0.5 * out_std, dt),
-        )
-    return out
+from shard.parallel.expert_exchange import dropless_per_device, per_device_top_k
+from shard.sharding.rules import constrain
 
 
 def route(probs_bte: jax.Array, k: int, cap: int, choose_bte: jax.Array | None = None, with_load: bool = False):
@@ -145,19 +115,6 @@ def top_k_gates(scores_bte: jax.Array, cfg: ModelConfig, bias_e: jax.Array | Non
     return gates_btk * cfg.routed_scale, experts_btk
 
 
-def per_device_top_k(scores_bte: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the experts, each device on its own tokens: left to the partitioner, the
-    scores of every token device were all-gathered to be sorted (moe-fine-tiny on `ep`: 57 KB a step
-    over data x expert, a quarter of the expert axis' traffic beyond the all-to-alls)."""
-    batch, length = _token_axes()
-    if not batch and not length:
-        return jax.lax.top_k(scores_bte, k)
-    spec = P(batch or None, length or None)
-    fn = jax.shard_map(lambda s: tuple(jax.lax.top_k(s, k)), mesh=active_layout().mesh, in_specs=spec,
-                       out_specs=(spec, spec), axis_names=set(batch + length))
-    return fn(scores_bte)
-
-
 def expert_load(experts_btk: jax.Array, n_experts: int) -> jax.Array:
     """(E,) float32: the (token, choice) pairs routed to each expert, whether or not a capacity drops them.
     A sum of comparisons, which splits over the tokens' devices (partial sums, one all-reduce of E
@@ -192,136 +149,12 @@ def grouped_experts(x_nd: jax.Array, experts_nk: jax.Array, gates_nk: jax.Array,
     return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(y_nkd.dtype))
 
 
-def _token_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The mesh axes that split the residual stream's batch and length in the layout being traced, for
-    dropless routing's per-device shard_map. None outside a layout, or inside another shard_map
-    (pipeline stages), where the partitioner places the routing as it would any op."""
-    layout = active_layout()
-    if layout is None or jax.sharding.get_abstract_mesh().manual_axes:
-        return (), ()
-    batch = layout.mesh_axes(BATCH)
-    return batch, tuple(a for a in layout.mesh_axes(RES_LENGTH) if a not in batch)
-
-
-def _expert_axes(token_axes: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split the experts, when each of them also splits the tokens (`ep`: expert is
-    a batch axis outside the MoE layers): dropless routing then moves tokens to the experts. Experts
-    split over an axis that holds the same tokens stay gathered at the shard_map's boundary."""
-    experts = active_layout().mesh_axes(EXPERT)
-    return experts if experts and set(experts) <= set(token_axes) else ()
-
-
-def expert_exchange(platform: str) -> str:
-    """How dropless routing's tokens move under expert parallel (`expert_parallel_experts`) on `platform`:
-    "ragged" by `jax.lax.ragged_all_to_all` (GPUs, TPUs); "static" by all-to-alls of every token to
-    every device (XLA:CPU, which has no ragged all-to-all). A third, "padded-ragged", is the ragged path
-    with the op's padded twin (`shard.parallel.ragged`), which runs it on XLA:CPU: the tests' way to
-    check the GPU path (it moves the static bytes, more slowly)."""
-    return "ragged" if lowers_ragged_all_to_all(platform) else "static"
-
-
-def expert_parallel_experts(x_nd, experts_nk, gates_nk, w_gate_edf, w_up_edf, w_down_efd,
-                            axes: tuple[str, ...], exchange: str) -> tuple[jax.Array, jax.Array]:
-    """Dropless routing with the experts split over the manual mesh `axes` (this device holds E/n of
-    them): tokens go to the devices that hold their experts, with their k expert ids and gates; there
-    `grouped_experts` runs the choices that device holds (its own experts' ids) and their gated sum
-    comes back, summed per token. `exchange` (`expert_exchange`) says how they move: each token once to each
-    device holding one of its experts (ragged: about N r rows a device each way, r the other devices a
-    token's experts live on, `costs.dropless_remote_devices`), or every token to every device (static:
-    (n-1) N rows, the fewest static buffers that drop nothing can hold). Returns the output (N, D) and
-    the rows a ragged exchange sends from this device to others (float32), whichever ran."""
-    n = jax.lax.psum(1, axes)
-    local = w_gate_edf.shape[0]  # experts on this device
-    me = jax.lax.axis_index(axes)
-    to_jn = jnp.any((experts_nk // local)[None] == jnp.arange(n)[:, None, None], axis=-1)  # token n goes to j
-    sent = (jnp.sum(to_jn) - jnp.sum(to_jn[me])).astype(jnp.float32)
-    weights = (w_gate_edf, w_up_edf, w_down_efd)
-    if exchange == "static":
-        out_nd = _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, n, local * me)
-    else:
-        out_nd = _ragged_exchange(x_nd, experts_nk, gates_nk, weights, axes, local * me, to_jn, exchange == "padded-ragged")
-    return out_nd, sent
-
-
-def _local_experts(rows_mc, ids_mk, weights, first: jax.Array) -> jax.Array:
-    """`grouped_experts` on the received rows (D values then K gates) for the choices this device holds,
-    experts first .. first + local - 1; choices held elsewhere (and empty rows, ids < 0) get group
-    `local`, past the last group: sorted to the end, ragged_dot leaves them zero, and their gate is zero."""
-    K, local = ids_mk.shape[-1], weights[0].shape[0]
-    ids_mk = ids_mk - first
-    mine_mk = (ids_mk >= 0) & (ids_mk < local)
-    return grouped_experts(rows_mc[:, :-K], jnp.where(mine_mk, ids_mk, local), jnp.where(mine_mk, rows_mc[:, -K:], 0),
-                           *weights)
-
-
-def _static_exchange(x_nd, experts_nk, gates_nk, weights, axes, n: int, first) -> jax.Array:
-    """Every token to every device of `axes` (n of them) and the results back, by static all-to-alls."""
-    N, K = experts_nk.shape
-    rows_jnc = jnp.broadcast_to(jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1), (n, N, x_nd.shape[-1] + K))
-    ids_jnk = jnp.broadcast_to(experts_nk.astype(jnp.int32), (n, N, K))
-    rows_jnc = jax.lax.all_to_all(rows_jnc, axes, 0, 0)  # now (source, N, .): what each source sent here
-    ids_jnk = jax.lax.all_to_all(ids_jnk, axes, 0, 0)
-    y_md = _local_experts(rows_jnc.reshape(n * N, -1), ids_jnk.reshape(n * N, K), weights, first)
-    y_jnd = jax.lax.all_to_all(y_md.reshape(n, N, -1), axes, 0, 0)  # (destination, N, D), back home
-    return jnp.sum(y_jnd, axis=0)
-
-
-def _ragged_exchange(x_nd, experts_nk, gates_nk, weights, axes, first, to_jn, padded: bool) -> jax.Array:
-    """Each token once to each device `to_jn` names (j, N) and the results back, by ragged all-to-alls.
-
-    The send buffer is destination-major: the tokens bound for device j (at most N) are rows
-    start_j .. start_j + send_j, in token order. On a receiver, source i's rows land at i N, so its
-    buffers hold every source's every token (n N rows, the dropless worst case) and rows no source
-    filled carry no expert (id -1)."""
-    N, K = experts_nk.shape
-    n = to_jn.shape[0]
-    send_j = jnp.sum(to_jn, axis=1, dtype=jnp.int32)
-    start_j = jnp.cumsum(send_j) - send_j
-    row_jn = jnp.where(to_jn, start_j[:, None] + jnp.cumsum(to_jn, axis=1) - 1, n * N)
-    token_r = jnp.full((n * N,), N, jnp.int32).at[row_jn.reshape(-1)].set(
-        jnp.tile(jnp.arange(N, dtype=jnp.int32), n), mode="drop")  # the token of each send row; N: none
-    rows_nc = jnp.concatenate([x_nd, gates_nk.astype(x_nd.dtype)], -1)
-    rows_rc = jnp.take(rows_nc, token_r, axis=0, mode="fill", fill_value=0)
-    ids_rk = jnp.take(experts_nk.astype(jnp.int32), token_r, axis=0, mode="fill", fill_value=-1)
-    recv_i = jax.lax.all_to_all(send_j, axes, 0, 0, tiled=True)  # rows each source sends here
-    slot_j = jnp.full((n,), jax.lax.axis_index(axes) * N, jnp.int32)  # where this device's rows go on each
-    exchange = partial(ragged_all_to_all, axis_name=axes, max_send=N, padded=padded)
-    got_mc = exchange(rows_rc, jnp.zeros_like(rows_rc), start_j, send_j, slot_j, recv_i)
-    ids_mk = exchange(ids_rk, jnp.full_like(ids_rk, -1), start_j, send_j, slot_j, recv_i)
-    y_md = _local_experts(got_mc, ids_mk, weights, first)
-    home_i = jax.lax.all_to_all(start_j, axes, 0, 0, tiled=True)  # where source i's rows came from there
-    back_rd = exchange(y_md, jnp.zeros_like(y_md), jnp.arange(n, dtype=jnp.int32) * N, recv_i, home_i, send_j)
-    return jax.ops.segment_sum(back_rd, token_r, num_segments=N)  # row N (no token) is dropped
-
-
 def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> tuple[jax.Array, jax.Array]:
     """The routed experts' output (B, T, D), no token dropped, each device on its own tokens, and the
-    token rows sent to other devices of the expert axis (all devices; 0 without expert parallel)."""
-    D, K = h_btd.shape[-1], experts_btk.shape[-1]
+    token rows sent to other devices of the expert axis (all devices; 0 without expert parallel):
+    `grouped_experts` per device (shard.parallel.expert_exchange.dropless_per_device)."""
     weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
-    batch, length = _token_axes()
-    experts = _expert_axes(batch + length) if batch or length else ()
-    exchange = expert_exchange(active_layout().mesh.devices.flat[0].platform) if experts else "static"
-
-    def local(h_btd, gates_btk, experts_btk, *w):
-        b, t = h_btd.shape[:2]
-        args = (h_btd.reshape(b * t, D), experts_btk.reshape(b * t, K), gates_btk.reshape(b * t, K), *w)
-        if not experts:
-            return grouped_experts(*args).reshape(b, t, D), jnp.zeros((), jnp.float32)
-        out_nd, sent = expert_parallel_experts(*args, experts, exchange)
-        return out_nd.reshape(b, t, D), jax.lax.psum(sent, batch + length)
-
-    if not batch and not length:
-        return local(h_btd, gates_btk, experts_btk, *weights)
-    spec = P(batch or None, length or None)
-    # A sort over tokens split across devices would gather them all (the partitioner cannot split a
-    # sort), so each device sorts its own. Experts split over an axis that also splits the tokens
-    # (`ep`) enter split, and tokens move to them by all-to-all; over any other axis they are gathered
-    # at the boundary, their gradients reduced back: every device runs every expert on its own tokens.
-    w_spec = P(experts) if experts else P()
-    fn = jax.shard_map(local, mesh=active_layout().mesh, in_specs=(spec, spec, spec, w_spec, w_spec, w_spec),
-                       out_specs=(spec, P()), axis_names=set(batch + length))
-    return fn(h_btd, gates_btk, experts_btk, *weights)
+    return dropless_per_device(h_btd, gates_btk, experts_btk, weights, grouped_experts)
 
 
 def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from shard.axes import BATCH, EMBED, LENGTH, VOCAB
-from shard.config.model import ModelConfig, loss_chunks
+from shard.config.model import ModelConfig
 from shard.models import llama
 from shard.models.attention import soft_cap
 from shard.models.layers import norm
+from shard.sharding.decisions import loss_chunks
 from shard.sharding.queries import auto_ways
 from shard.sharding.rules import constrain
 

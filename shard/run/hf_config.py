@@ -8,7 +8,7 @@ changes the math is mapped to a model key or refused by name. shard/run/hf.py ma
 import math
 
 from shard.config.model import ModelConfig
-from shard.config.train import is_positive_number
+from shard.config.values import is_positive_number
 from shard.errors import ShardError
 
 # model_type -> the architecture transformers loads, the features it turns on (ModelConfig fields),

@@ -1,7 +1,9 @@
-"""Layout decisions the model and the planner share, made here once so that `shard plan` predicts what
-the compiled step does. Pure functions of mesh axis sizes and rule tables (the planner asks them of
-layouts it never builds), without JAX; the model asks them of its active layout through
-shard.sharding.queries.
+"""Decisions the model and the planner share, made here once so that `shard plan` predicts what the
+compiled step does: which lookup reads the stored table, whether the ring is balanced, which attention
+implementation runs, and in how many chunks the loss and the attention take their positions and
+queries. Pure functions of sizes, mesh axis sizes and rule tables (the planner asks them of layouts it
+never builds), without JAX; the model asks them of its active layout through shard.sharding.queries,
+and of its trace in shard.models.attention and shard.models.xent.
 """
 
 import math
@@ -45,3 +47,105 @@ def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:
     the sequence is split (`context` > 1) into 2 x context chunks, for a dense model (a mixture of
     experts keeps the tokens' order: which overflow an expert depends on it)."""
     return context > 1 and seq_len % (2 * context) == 0 and not cfg.n_experts
+
+
+# --- the attention's implementation -------------------------------------------------------------------------
+
+
+def cudnn_attention_problem(*, platform: str, dtype: str, head_dim: int, same_split: bool = True,
+                            manual: bool = False, segments: bool = False) -> str:
+    """Why cuDNN's flash attention (jax.nn.dot_product_attention(implementation="cudnn")) can't run
+    attention with these inputs, in a few words; "" when it can.
+
+    `platform` is "cuda" for NVIDIA GPUs. cuDNN takes 16-bit inputs and head dims that are multiples of 8
+    up to 128 (256 on Hopper; the lower bound keeps the answer independent of the GPU), and its sharding
+    rule needs queries and keys split alike (heads and kv_heads on the same mesh axes). Inside a
+    partly manual shard_map (pipeline stages) its custom partitioning is not used. Packed rows
+    (`segments`, data.packing=packed) reach it only as a dense (B, 1, T, T) bias through the public API
+    (shard.models.attention.causal_attention says why that is not taken).
+    """
+    if platform != "cuda":
+        return f"it needs an NVIDIA GPU (this run is on {platform})"
+    if dtype not in ("bfloat16", "float16"):
+        return f"it needs bfloat16 or float16 compute (this run computes in {dtype})"
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs a head dim that is a multiple of 8 up to 128 (got {head_dim})"
+    if not same_split:
+        return "it needs heads and kv_heads split over the same mesh axes"
+    if manual:
+        return "it does not run inside pipeline stages"
+    if segments:
+        return "packed rows (data.packing=packed) need a per-document mask, which it takes only as a dense bias"
+    return ""
+
+
+def attention_backend(setting: str, problem: str) -> str:
+    """The attention implementation a `model.attention` setting runs as, given cuDNN's `problem` with the
+    inputs (cudnn_attention_problem): "auto" is "cudnn" when there is none, "xla" otherwise."""
+    if setting == "auto":
+        return "xla" if problem else "cudnn"
+    return setting
+
+
+# --- chunks of the loss and of the attention ----------------------------------------------------------------
+
+
+# Auto chunking of the loss (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most
+# this big; logits that fit are not chunked (shard.models.xent).
+CHUNK_LOGITS_BYTES = 8 * 2**20
+CHUNK_MIN_TOKENS = 64  # per device: smaller chunks' matmuls waste the machine more than they save
+# Auto chunks only where a device holds this many tokens per embedding dim at least: the chunks keep a
+# float32 D x V weight-gradient sum, which costs what they save at about one token per dim (compiled, the
+# CPU reference config at fsdp=8 in bf16 with full remat, 256 tokens of D 256: 117 -> 129 MiB chunked;
+# at fsdp=2,model=4, 1024 tokens: 100 -> 53 MiB).
+CHUNK_MIN_TOKENS_PER_D = 2
+
+
+def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1, length_ways: int = 1,
+                vocab_ways: int = 1) -> int:
+    """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
+    `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
+    off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
+    none under CHUNK_MIN_TOKENS per device, each chunk a whole number of positions per device, and none
+    where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per embedding dim."""
+    if cfg.loss_chunk == 0 or seq_len <= 1:
+        return 1
+    if cfg.loss_chunk > 0:
+        return max(1, seq_len // cfg.loss_chunk)
+    local_t = seq_len // max(length_ways, 1)
+    rows = max(batch // max(batch_ways, 1), 1)
+    if local_t * rows < CHUNK_MIN_TOKENS_PER_D * cfg.d_model:
+        return 1  # the chunks' float32 sum of the head weight's gradient (D x V) would cost what they save
+    per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
+    n = 1
+    for k in range(1, local_t + 1):
+        if local_t % k == 0 and (local_t // k) * rows >= CHUNK_MIN_TOKENS:
+            n = k
+            if local_t // k * per_position <= CHUNK_LOGITS_BYTES:
+                break
+    return n
+
+
+# Auto chunking of XLA's attention (model.attention_chunk = -1) keeps one chunk's float32 scores per device
+# at most this big; scores that fit are not chunked. llama-1b at batch 4 x 2048 on one device has 2 GiB of
+# scores per layer: 8 chunks of 256 queries.
+ATTENTION_CHUNK_SCORES_BYTES = 256 * 2**20
+ATTENTION_CHUNK_MIN_QUERIES = 128  # smaller chunks' matmuls waste the machine more than they save
+
+
+def attention_chunks(setting: int, seq_len: int, rows: int, heads: int, keys: int | None = None) -> int:
+    """How many chunks of contiguous queries XLA's attention takes a sequence's `seq_len` in (1: all at
+    once), for `rows` sequences and `heads` query heads per device attending to `keys` keys (seq_len by
+    default). `setting` is model.attention_chunk: > 0 the most queries per chunk, 0 off, -1 (auto) the
+    fewest chunks whose float32 scores stay within ATTENTION_CHUNK_SCORES_BYTES per device, none under
+    ATTENTION_CHUNK_MIN_QUERIES queries. Chunks are equal: their number divides seq_len, each chunk as
+    long as that allows up to the most."""
+    if setting == 0 or seq_len <= 1:
+        return 1
+    queries = setting
+    if setting < 0:
+        per_query = rows * heads * (keys or seq_len) * 4
+        if seq_len * per_query <= ATTENTION_CHUNK_SCORES_BYTES:
+            return 1
+        queries = max(ATTENTION_CHUNK_SCORES_BYTES // per_query, ATTENTION_CHUNK_MIN_QUERIES)
+    return next(n for n in range(1, seq_len + 1) if seq_len % n == 0 and seq_len // n <= queries)

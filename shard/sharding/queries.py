@@ -1,6 +1,8 @@
 """What the model asks of the layout its step is traced under (`activation_layout`): which lookup reads
-the stored table, the layout its rows are pinned to, and whether heads, kv heads and queries split
-alike. Mesh axes stay here, beside `constrain`, so the model code names logical axes only.
+the stored table, the layout its rows are pinned to, whether heads, kv heads and queries split alike,
+and for routing tokens to experts device by device, which mesh axes split the tokens and the experts
+and on which platform. Mesh axes stay here, beside `constrain`, so the model code names logical axes
+only.
 """
 
 import math
@@ -8,7 +10,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
+from shard.axes import BATCH, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LENGTH, RES_LENGTH
 from shard.sharding.decisions import stored_lookup_axes
 from shard.sharding.rules import active_layout, mesh_axes_of
 
@@ -57,3 +59,29 @@ def auto_ways(logical: str) -> int:
     inner = jax.sharding.get_abstract_mesh()
     manual = set(inner.manual_axes) if not inner.empty else set()
     return math.prod(layout.axis_sizes[a] for a in layout.mesh_axes(logical) if a not in manual)
+
+
+def token_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes that split the residual stream's batch and length in the layout being traced, for
+    MoE routing's per-device shard_maps (shard.parallel.expert_exchange). None outside a layout, or
+    inside another shard_map (pipeline stages), where the partitioner places the routing as it would
+    any op."""
+    layout = active_layout()
+    if layout is None or jax.sharding.get_abstract_mesh().manual_axes:
+        return (), ()
+    batch = layout.mesh_axes(BATCH)
+    return batch, tuple(a for a in layout.mesh_axes(RES_LENGTH) if a not in batch)
+
+
+def expert_split_axes(token_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the experts, when each of them also splits the tokens (`ep`: expert is
+    a batch axis outside the MoE layers): dropless routing then moves tokens to the experts. Experts
+    split over an axis that holds the same tokens stay gathered at the shard_map's boundary."""
+    experts = active_layout().mesh_axes(EXPERT)
+    return experts if experts and set(experts) <= set(token_axes) else ()
+
+
+def layout_platform() -> str:
+    """The platform of the active layout's devices ("cpu", "gpu", "tpu"): whether it lowers a ragged
+    all-to-all is shard.hardware.lowers_ragged_all_to_all's to say."""
+    return active_layout().mesh.devices.flat[0].platform

@@ -1,0 +1,136 @@
+"""The parameter tables: every parameter's shape, logical axes and initial values, one table per kind of
+layer, from the model config alone. The model creates its parameters from them and pins each layer
+weight to its axes (shard.models.llama); the config lists and counts them from them
+(ModelConfig.param_shapes, num_params, matmul_params), and so does the planner. Pure data: no JAX.
+
+Three tables: a dense layer's (the attention, its norms and the gated MLP, with the family features'
+parameters), a mixture of experts' (the router, the stacked experts and the shared experts, which take
+the MLP's place in a MoE layer), and the model's outside its layers (the embedding, the final norm and
+the unembedding). A layer's parameters are listed per layer: the model stores them stacked, with a
+leading `layers` dim (`stacked`).
+
+`cfg` is a shard.config.model.ModelConfig throughout, not imported: that module reads these tables.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape, the logical axis of each dim (None: a dim no rule splits), and its
+    initial values, a truncated normal (within 3 std) of std `init`, zeros where `init` is 0 and ones
+    where it is None. `feature`: the ModelConfig switch that adds it ("": every layer of its kind has it)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: float | None
+    feature: str = ""
+
+
+# A dense layer's gated MLP, whose place a mixture of experts takes
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def _residual_std(cfg) -> float:
+    """The scale of the weights that write into the residual stream: down with depth (GPT-2)."""
+    return 1.0 / (2 * cfg.n_layers) ** 0.5
+
+
+def _norm_init(cfg) -> float | None:
+    """A norm's weight starts at one, or at zero where the norm scales by (1 + w) (Gemma)."""
+    return 0 if cfg.norm_plus_one else None
+
+
+def dense_layer_params(cfg) -> dict[str, ParamSpec]:
+    """A dense layer's parameters, the family features' among them where cfg has them, in the order the
+    model creates them (its random draws follow this order)."""
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+    out_std, one = _residual_std(cfg), _norm_init(cfg)
+    table = {
+        "attn_norm": ParamSpec((D,), (EMBED,), one),
+        "wq": ParamSpec((D, N, H), (EMBED, HEADS, HEAD_DIM), D**-0.5),
+        "wk": ParamSpec((D, K, H), (EMBED, KV_HEADS, HEAD_DIM), D**-0.5),
+        "wv": ParamSpec((D, K, H), (EMBED, KV_HEADS, HEAD_DIM), D**-0.5),
+        "bq": ParamSpec((N, H), (HEADS, HEAD_DIM), 0, "qkv_bias"),
+        "bk": ParamSpec((K, H), (KV_HEADS, HEAD_DIM), 0, "qkv_bias"),
+        "bv": ParamSpec((K, H), (KV_HEADS, HEAD_DIM), 0, "qkv_bias"),
+        "q_norm": ParamSpec((H,), (HEAD_DIM,), one, "qk_norm"),
+        "k_norm": ParamSpec((H,), (HEAD_DIM,), one, "qk_norm"),
+        "wo": ParamSpec((N, H, D), (HEADS, HEAD_DIM, EMBED), (N * H) ** -0.5 * out_std),
+        "post_attn_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
+        "mlp_norm": ParamSpec((D,), (EMBED,), one),
+        "post_mlp_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
+        "w_gate": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
+        "w_up": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
+        "w_down": ParamSpec((F, D), (MLP, EMBED), F**-0.5 * out_std),
+    }
+    return {name: p for name, p in table.items() if not p.feature or getattr(cfg, p.feature)}
+
+
+def expert_params(cfg) -> dict[str, ParamSpec]:
+    """A mixture of experts' parameters of one layer, in the order the model creates them: the router
+    (its expert column unnamed: D x E is too small to split), the E stacked SwiGLU experts and, with
+    shared experts, one SwiGLU of n_shared_experts * mlp_dim."""
+    D, E, F = cfg.d_model, cfg.n_experts, cfg.mlp_dim
+    out_std = _residual_std(cfg)
+    table = {
+        "router": ParamSpec((D, E), (EMBED, None), D**-0.5),
+        "w_gate": ParamSpec((E, D, F), (EXPERT, EMBED, MLP), D**-0.5),
+        "w_up": ParamSpec((E, D, F), (EXPERT, EMBED, MLP), D**-0.5),
+        "w_down": ParamSpec((E, F, D), (EXPERT, MLP, EMBED), F**-0.5 * out_std),
+    }
+    if cfg.n_shared_experts:
+        S = cfg.n_shared_experts * F
+        table |= {
+            "shared_gate": ParamSpec((D, S), (EMBED, MLP), D**-0.5),
+            "shared_up": ParamSpec((D, S), (EMBED, MLP), D**-0.5),
+            "shared_down": ParamSpec((S, D), (MLP, EMBED), S**-0.5 * out_std),
+        }
+    return table
+
+
+def layer_params(cfg) -> dict[str, ParamSpec]:
+    """Every parameter of one layer, in the order the model creates them: the dense layer's, and with
+    experts, the dense layer's less its MLP and then the experts'."""
+    if not cfg.n_experts:
+        return dense_layer_params(cfg)
+    dense = {name: p for name, p in dense_layer_params(cfg).items() if name not in MLP_WEIGHTS}
+    return dense | expert_params(cfg)
+
+
+def outer_params(cfg) -> dict[str, ParamSpec]:
+    """The model's parameters outside its layers: the embedding table (created before the layers), the
+    final norm and, with untied embeddings, the unembedding (after them). Their vocab dim is padded
+    (ModelConfig.padded_vocab)."""
+    D, V = cfg.d_model, cfg.padded_vocab
+    # tied: logits of std ~1 (with embed_scale the looked-up rows are scaled up to std ~1 instead)
+    table = {"embed": ParamSpec((V, D), (VOCAB, EMBED), D**-0.5),
+             "final_norm": ParamSpec((D,), (EMBED,), _norm_init(cfg))}
+    if not cfg.tie_embeddings:
+        table["unembed"] = ParamSpec((D, V), (EMBED, VOCAB), D**-0.5)
+    return table
+
+
+def stacked(p: ParamSpec, n_layers: int) -> ParamSpec:
+    """A layer parameter as the model stores it: all layers' in one array, the layer first."""
+    return dataclasses.replace(p, shape=(n_layers, *p.shape), axes=(LAYERS, *p.axes))
+
+
+def model_params(cfg) -> dict[str, ParamSpec]:
+    """Every parameter of the model by its path ("embed", "layers/wq", ...), the layers' stacked.
+
+    Listed in the order the planner sums them in, which is not the order of creation: the embedding; of
+    a layer, the parameters every dense layer has (with experts, theirs in the MLP's place), then the
+    features', then the router and the shared experts; the final norm and the unembedding. The cost
+    model's float sums follow this order, so another would move their last bits."""
+    dense = dense_layer_params(cfg)
+    layer = {name: p for name, p in dense.items() if not p.feature}
+    layer |= {name: p for name, p in dense.items() if p.feature}
+    if cfg.n_experts:
+        layer |= expert_params(cfg)  # the experts' MLP weights keep the dense ones' places
+    outer = outer_params(cfg)
+    return ({"embed": outer["embed"]} | {f"layers/{name}": stacked(p, cfg.n_layers) for name, p in layer.items()}
+            | {name: p for name, p in outer.items() if name != "embed"})

@@ -54,6 +54,7 @@ def _shard_imports(code: str) -> list[tuple[str, list[str]]]:
     """(module, names) of each import of shard's in `code`, and in the code its strings hold (a script a
     notebook writes); names is [] for `import shard.x`."""
     import ast
+    import contextlib
 
     found = []
     for node in ast.walk(ast.parse(code)):
@@ -62,10 +63,8 @@ def _shard_imports(code: str) -> list[tuple[str, list[str]]]:
         elif isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names if a.name.split(".")[0] == "shard"]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "shard" in node.value:
-            try:
+            with contextlib.suppress(SyntaxError):  # a string that is not code
                 found += _shard_imports(node.value)
-            except SyntaxError:
-                pass  # a string that is not code
     return found
 
 

@@ -128,7 +128,7 @@ class Workload:
     # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
     masked_ragged_dot: bool = False
     # GPUs and TPUs move dropless routing's tokens by ragged all-to-all, which sends the rows routed;
-    # XLA:CPU sends every token to every device (moe.expert_exchange)
+    # XLA:CPU sends every token to every device (parallel.expert_exchange.expert_exchange)
     ragged_exchange: bool = False
 
     @classmethod
@@ -149,7 +149,7 @@ def dropless_lowering(platform: str) -> dict:
 
 def keeps_attention_probs(cfg: ModelConfig, platform: str, compute_dtype: str, packed: bool = False) -> bool:
     """Whether the model's attention on `platform` ("gpu" taken as NVIDIA) materialises its probabilities:
-    every implementation does but cuDNN's flash attention (models.configs.attention_backend), which
+    every implementation does but cuDNN's flash attention (sharding.decisions.attention_backend), which
     packed rows (`packed`) do not run."""
     problem = cudnn_attention_problem(platform="cuda" if platform == "gpu" else platform, dtype=compute_dtype,
                                       head_dim=cfg.head_dim, segments=packed)
@@ -346,7 +346,7 @@ def _ring_attention_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, 
 
 def dropless_row_bytes(cfg: ModelConfig, act_bytes: int, forward_passes: int = 1) -> float:
     """Bytes one token row costs a step each time dropless routing sends it to another device of the
-    expert axis (`moe.expert_parallel_experts`): the token (D) with its k gates, its k expert ids (int32)
+    expert axis (`parallel.expert_exchange.expert_parallel_experts`): the token (D) with its k gates, its k expert ids (int32)
     and the D-wide result back, forward (again under remat); the result's and the row's gradients
     backward."""
     D, K, a = cfg.d_model, cfg.experts_per_token, act_bytes
@@ -357,7 +357,7 @@ def dropless_row_bytes(cfg: ModelConfig, act_bytes: int, forward_passes: int = 1
 
 def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1) -> float:
     """Bytes one device sends per step on an expert axis of n devices for dropless routing by static-shape
-    all-to-alls (XLA:CPU: `moe.expert_parallel_experts`'s "static" exchange), the minimum for buffers whose
+    all-to-alls (XLA:CPU: `parallel.expert_exchange.expert_parallel_experts`'s "static" exchange), the minimum for buffers whose
     shape is fixed at compile time and that drop nothing: any of a device's `tokens` tokens may choose
     an expert on any other device, so each destination gets a slot for every token, (n-1) N rows leave
     a device each way. `dropless_ragged_bytes` gives what a ragged all-to-all sends."""

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from shard.config.train import EvalConfig
-from shard.data.batches import (BatchStream, SyntheticSource, WindowSource, eval_samples, repetition_note,
-                                   sample_dataset, split_window, training_samples)
+from shard.data.batches import (BatchStream, eval_samples, repetition_note, sample_dataset, split_window,
+                                 training_samples)
+from shard.data.samples import SyntheticSource, WindowSource
 from shard.data.tokenizers import ByteTokenizer
 from shard.data.sources import embedded_corpus_files, load_tokens, unused_files_note
 from shard.errors import ShardError

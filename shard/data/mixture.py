@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.data.samples import join_rows
 from shard.data.sources import is_glob
 from shard.errors import ShardError
 
@@ -122,7 +123,7 @@ def phases(weights: list[float], caps: list[int | None], block: int = BLOCK) -> 
 
 
 class MixtureSamples:
-    """Samples drawn from several sources (each a shard.data.batches.Samples) by the mixture's rule."""
+    """Samples drawn from several sources (each a shard.data.samples.Samples) by the mixture's rule."""
 
     def __init__(self, parts: list, weights: list[float], caps: list[int | None], seed: int, labels: list[str]):
         self.parts, self.weights, self.seed, self.labels = parts, weights, seed, labels
@@ -175,8 +176,6 @@ class MixtureSamples:
         return source, index
 
     def rows(self, start: int, stop: int):
-        from shard.data.batches import join_rows
-
         source, index = self.locate(start, stop)
         pieces = [None] * (stop - start)
         out = []

@@ -8,9 +8,10 @@ import pytest
 from shard.config.train import EvalConfig
 from shard.data.batches import (BatchStream, eval_samples, repetition_note, sample_dataset, split_window,
                                  training_samples)
+from shard.data.files import embedded_corpus_files, load_tokens
 from shard.data.samples import SyntheticSource, WindowSource
+from shard.data.sources import describe_data, unused_files_note
 from shard.data.tokenizers import ByteTokenizer
-from shard.data.sources import embedded_corpus_files, load_tokens, unused_files_note
 from shard.errors import ShardError
 from shard.testing import fake_mesh, tiny_config
 
@@ -134,7 +135,7 @@ def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_p
 def test_a_folder_of_token_shards_is_read_in_place_as_one_stream(tmp_path):
     """A folder of .bin shards was concatenated into memory (a copy of the corpus per process, and a
     second one for evaluation); it is read through the memory maps, window for window as one file."""
-    from shard.data.sources import TokenParts
+    from shard.data.files import TokenParts
 
     stream = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint16)
     (tmp_path / "shards").mkdir()
@@ -166,9 +167,10 @@ def test_token_files_and_folders(tmp_path):
     assert ByteTokenizer().decode(load_tokens(str(text), 256)) == "hello\nworld"
     # token files win over text in one folder, and train says what it leaves unread
     assert load_tokens(str(tmp_path), 256).size == 150
-    assert unused_files_note(str(tmp_path)) == (f"data folder {tmp_path} holds 2 token file(s) (.npy/.bin), so its "
+    assert unused_files_note(describe_data(str(tmp_path))) == (f"data folder {tmp_path} holds 2 token file(s) (.npy/.bin), so its "
                                                 "2 other file(s) are not read (e.g. text/x.txt)")
-    assert unused_files_note(str(text)) is None and unused_files_note(str(tmp_path / "a.npy")) is None
+    assert unused_files_note(describe_data(str(text))) is None
+    assert unused_files_note(describe_data(str(tmp_path / "a.npy"))) is None
 
 
 @pytest.mark.parametrize("make, message", [

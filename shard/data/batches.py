@@ -8,77 +8,83 @@ reads samples [k*B, (k+1)*B), and each process materialises only the rows its de
 stream is the same on any mesh or process count.
 """
 
-import dataclasses
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
-from shard.data.corpus import data_cache_dir, open_corpus, tokenizer_spec
+from shard.config.train import DataConfig
+from shard.data.corpus import data_cache_dir, open_corpus
 from shard.data.finetune import task_samples
-from shard.data.packing import PackedSource, packed_batch
+from shard.data.mixture import MixtureSamples
+from shard.data.packing import PackedSource, pack, packed_batch
 from shard.data.samples import Samples, SyntheticSource, WindowSource
-from shard.data.sources import SYNTHETIC
+from shard.data.sources import MIXTURE, SYNTHETIC, DataSource, data_source, describe_data
+from shard.data.tokenizers import describe, load_tokenizer
 from shard.errors import ShardError
 
 
 def sample_dataset(path: str, vocab_size: int, seq_len: int, seed: int, *, holdout: float = 0.0,
                    part: str = "all", data=None, cache_dir=None):
-    """An infinite, seeded, random-access dataset of (seq_len + 1)-token rows.
+    """An infinite, seeded, random-access dataset of (seq_len + 1)-token rows from the data at `path`;
+    `data` (a DataConfig) says how to read it: the tokenizer, the text field, the packing. See
+    `source_samples`."""
+    data = data or DataConfig()
+    source = describe_data(path, tokenizer=data.tokenizer, text_field=data.text_field, packing=data.packing)
+    return source_samples(source, vocab_size, seq_len, seed, holdout=holdout, part=part, cache_dir=cache_dir)
+
+
+def source_samples(source: DataSource, vocab_size: int, seq_len: int, seed: int, *, holdout: float = 0.0,
+                   part: str = "all", cache_dir=None):
+    """An infinite, seeded, random-access dataset of (seq_len + 1)-token rows from described data.
 
     With `holdout`, the source splits in two: `part="train"` reads all but the last `holdout` share
     of it, `part="eval"` only that (held out: training never sees it); synthetic data has no split (each
-    seed gives fresh tokens). `data` (a DataConfig) says how to read it: the tokenizer, the text
-    field, the packing. A mixture file gives a MixtureSamples of its sources, each split alike."""
-    from shard.config.train import DataConfig
-    from shard.data.mixture import MixtureSamples, is_mixture, read_mixture
-
-    data = data or DataConfig()
-    if path == SYNTHETIC:
-        if data.packing == "packed":
+    seed gives fresh tokens). A mixture gives a MixtureSamples of its sources, each split alike."""
+    if source.kind == SYNTHETIC:
+        if source.packing == "packed":
             raise ShardError("data.packing=packed needs documents, and synthetic data has none; use packing=concat")
-        return Samples(SyntheticSource(vocab_size, seq_len, seed), None)
-    # one tokenizer for all of it: a mixture's sources are read (or checked) with the first store's
-    data = dataclasses.replace(data, tokenizer=tokenizer_spec(path, data.tokenizer))
-    if is_mixture(path):
-        entries = read_mixture(path)
-        parts, caps = [], []
-        for n, e in enumerate(entries):
-            try:
-                samples = sample_dataset(e.path, vocab_size, seq_len, (seed + 7919 * (n + 1)) % 2**32,
-                                         holdout=holdout, part=part, data=data, cache_dir=cache_dir)
-            except ShardError as err:
-                raise ShardError(f"mixture {path}, source {n + 1}: {err}") from None
-            parts.append(samples)
-            capped = e.epochs and samples.windows is not None and part != "eval"  # held-out data: never spent
-            caps.append(max(1, round(e.epochs * samples.windows)) if capped else None)
-        return MixtureSamples(parts, [e.weight for e in entries], caps, seed, [e.path or "(embedded)" for e in entries])
-    packed = data.packing == "packed"
-    corpus = open_corpus(path, vocab_size=vocab_size, tokenizer=data.tokenizer, text_field=data.text_field,
-                         packing=data.packing, cache_dir=cache_dir)
+        return Samples(SyntheticSource(vocab_size, seq_len, seed), None, origin=source)
+    if source.kind == MIXTURE:
+        return _mixture_samples(source, vocab_size, seq_len, seed, holdout, part, cache_dir)
+    packed = source.packing == "packed"
+    corpus = open_corpus(source, vocab_size=vocab_size, cache_dir=cache_dir)
     if holdout and part != "all":
         corpus = corpus.split(holdout, seq_len, packed)[part == "eval"]
     if packed:
-        from shard.data.packing import pack
-
         plan = pack(corpus.document_ends, seq_len)
         if not plan.rows:
             raise ShardError(f"data {corpus.label} holds no document of 2 tokens or more: nothing to pack")
-        return Samples.shuffled(PackedSource(corpus.tokens, plan), seed, seq_len, corpus)
-    return Samples.shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len, corpus)
+        return Samples.shuffled(PackedSource(corpus.tokens, plan), seed, seq_len, corpus, origin=source)
+    return Samples.shuffled(WindowSource(corpus.tokens, seq_len), seed, seq_len, corpus, origin=source)
+
+
+def _mixture_samples(source: DataSource, vocab_size: int, seq_len: int, seed: int, holdout: float, part: str,
+                     cache_dir) -> MixtureSamples:
+    """A mixture's sources' samples, each with a seed of its own, capped by their epochs."""
+    samples, caps = [], []
+    for n, mixed in enumerate(source.parts, 1):
+        try:
+            one = source_samples(mixed.source, vocab_size, seq_len, (seed + 7919 * n) % 2**32, holdout=holdout,
+                                 part=part, cache_dir=cache_dir)
+        except ShardError as err:
+            raise ShardError(f"mixture {source.path}, source {n}: {err}") from None
+        samples.append(one)
+        capped = mixed.epochs and one.windows is not None and part != "eval"  # held-out data: never spent
+        caps.append(max(1, round(mixed.epochs * one.windows)) if capped else None)
+    return MixtureSamples(samples, [p.weight for p in source.parts], caps, seed,
+                          [p.source.path or "(embedded)" for p in source.parts], origin=source)
 
 
 def data_summary(cfg, samples) -> str:
     """The start-up summary's line on the data: what is read, with which tokenizer, how it is packed,
     and a mixture's sources with their shares and sizes."""
-    from shard.data.corpus import tokenizer_spec
-    from shard.data.mixture import MixtureSamples
-    from shard.data.tokenizers import describe, load_tokenizer
-
     path = cfg.data.path
     if path == SYNTHETIC:
         return f"data synthetic (uniform random tokens over {cfg.model.vocab_size:,} ids)"
+    source = getattr(samples, "origin", None) or data_source(cfg)
     line = f"data {path or 'the embedded corpus'}"
-    line += f" · tokenizer {describe(load_tokenizer(tokenizer_spec(path, cfg.data.tokenizer)))}"
+    line += f" · tokenizer {describe(load_tokenizer(source.tokenizer))}"
     line += f" · model vocab {cfg.model.vocab_size:,}"
     if isinstance(samples, MixtureSamples):
         parts = [f"{label} {share:.1%} ({part.describe()})"
@@ -103,27 +109,31 @@ def held_out_share(cfg) -> float:
     return cfg.eval.holdout if cfg.eval.every and not cfg.eval.path and cfg.data.path != SYNTHETIC else 0.0
 
 
-def training_samples(cfg):
+def training_samples(cfg, source: DataSource | None = None):
     """The training data of a TrainConfig: data.path, less the held-out tail when evaluation takes it;
-    a fine-tuning task's conversations or preference pairs (shard.data.finetune)."""
+    a fine-tuning task's conversations or preference pairs (shard.data.finetune). `source`: the data's
+    description (shard.data.sources.data_source), where the caller has it."""
+    source = source or data_source(cfg)
     if cfg.task != "pretrain":
-        return task_samples(cfg)
-    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed,
-                          holdout=held_out_share(cfg), part="train", data=cfg.data, cache_dir=data_cache_dir(cfg))
+        return task_samples(cfg, source)
+    return source_samples(source, cfg.model.vocab_size, cfg.data.seq_len, cfg.seed, holdout=held_out_share(cfg),
+                          part="train", cache_dir=data_cache_dir(cfg))
 
 
-def eval_samples(cfg):
-    """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail."""
+def eval_samples(cfg, source: DataSource | None = None):
+    """The held-out data of a TrainConfig: eval.path, or data.path's held-out tail. `source`: the
+    training data's description, where the caller has it."""
     seed = (cfg.seed + 1) % 2**32  # another order than training's, within grain's seed range
+    source = source or data_source(cfg)
     if cfg.eval.path:  # read with the training data's tokenizer
-        data = dataclasses.replace(cfg.data, tokenizer=tokenizer_spec(cfg.data.path, cfg.data.tokenizer))
         try:
-            return sample_dataset(cfg.eval.path, cfg.model.vocab_size, cfg.data.seq_len, seed, data=data,
-                                  cache_dir=data_cache_dir(cfg))
+            held = describe_data(cfg.eval.path, tokenizer=source.tokenizer, text_field=cfg.data.text_field,
+                                 packing=cfg.data.packing)
+            return source_samples(held, cfg.model.vocab_size, cfg.data.seq_len, seed, cache_dir=data_cache_dir(cfg))
         except ShardError as e:  # said as the held-out data's, not the training data's
             raise ShardError(f"eval.path: {e}") from None
-    return sample_dataset(cfg.data.path, cfg.model.vocab_size, cfg.data.seq_len, seed,
-                          holdout=cfg.eval.holdout, part="eval", data=cfg.data, cache_dir=data_cache_dir(cfg))
+    return source_samples(source, cfg.model.vocab_size, cfg.data.seq_len, seed, holdout=cfg.eval.holdout,
+                          part="eval", cache_dir=data_cache_dir(cfg))
 
 
 def split_window(windows) -> dict[str, np.ndarray]:
@@ -157,8 +167,6 @@ class BatchStream:
     made: int = 0  # batches made so far
 
     def next(self) -> dict:
-        import jax
-
         n_rows = self.global_batch if self.rows is None else self.rows
         shape = (n_rows, self.seq_len)
         first = self.position + self.offset

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.data.files import is_glob
 from shard.data.samples import join_rows
-from shard.data.sources import is_glob
 from shard.errors import ShardError
 
 BLOCK = 1024
@@ -125,8 +125,10 @@ def phases(weights: list[float], caps: list[int | None], block: int = BLOCK) -> 
 class MixtureSamples:
     """Samples drawn from several sources (each a shard.data.samples.Samples) by the mixture's rule."""
 
-    def __init__(self, parts: list, weights: list[float], caps: list[int | None], seed: int, labels: list[str]):
+    def __init__(self, parts: list, weights: list[float], caps: list[int | None], seed: int, labels: list[str],
+                 origin=None):
         self.parts, self.weights, self.seed, self.labels = parts, weights, seed, labels
+        self.origin = origin  # the shard.data.sources.DataSource read (None: made by hand)
         self.phases = phases(weights, caps)
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -5,7 +5,7 @@ the global batch of them)."""
 
 import numpy as np
 
-from shard.data.sources import TokenParts
+from shard.data.files import TokenParts
 from shard.data.packing import PackedSource
 
 
@@ -71,18 +71,19 @@ class Samples:
     loss_masked = False  # its batches carry a `loss_mask` (fine-tuning: shard.data.finetune)
 
     def __init__(self, source, order, seq_len: int | None = None, *, files: int | None = None,
-                 documents: int | None = None):  # order: a grain.MapDataset of row indices, or None
+                 documents: int | None = None, origin=None):  # order: a grain.MapDataset of row indices
         self.source, self.order = source, order  # order None: the source's own order (synthetic)
         self.seq_len = seq_len if seq_len is not None else getattr(source, "seq_len", None)
         self.files, self.documents = files, documents  # what was read, where known
+        self.origin = origin  # the shard.data.sources.DataSource read (None: made by hand)
 
     @classmethod
-    def shuffled(cls, source, seed: int, seq_len: int, corpus=None):
+    def shuffled(cls, source, seed: int, seq_len: int, corpus=None, origin=None):
         """The rows of `source` in a fresh seeded shuffle every epoch; `corpus` (a shard.data.corpus.Corpus)
         says how many files and documents they were read from."""
         ends = getattr(corpus, "document_ends", None)
         return cls(source, shuffled_order(len(source), seed), seq_len, files=getattr(corpus, "files", None),
-                   documents=None if ends is None else len(ends))
+                   documents=None if ends is None else len(ends), origin=origin)
 
     @property
     def windows(self) -> int | None:

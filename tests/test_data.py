@@ -191,6 +191,44 @@ def test_bad_data(tmp_path, make, message):
         load_tokens(str(make(tmp_path)), 256)
 
 
+def test_a_runs_data_is_described_once_and_each_path_listed_once(tmp_path, monkeypatch):
+    """Reading a run's data decided again and again what its path was (a mixture file read 5 times, a
+    folder walked 4 times for training and 4 more for its held-out tail): prepare describes it once, and
+    the samples, the data cache's store and the start-up summary read that description."""
+    import json
+    import sys
+
+    from shard.data import files, mixture
+    from shard.data.batches import data_summary
+    from shard.training.prepare import _training_data
+
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "texts" / name).write_text(name * 400)
+    np.save(tmp_path / "t.npy", np.arange(2000, dtype=np.int32) % 256)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
+    mix = tmp_path / "mix.toml"
+    mix.write_text("".join(f'[[sources]]\npath = "{p}"\nweight = 1\n' for p in ("texts", "t.npy", "docs.jsonl")))
+    calls = {"list_source": [], "read_mixture": []}
+    for module, name in ((files, "list_source"), (mixture, "read_mixture")):
+        original = getattr(module, name)
+
+        def counted(path, *args, _original=original, _calls=calls[name]):
+            _calls.append(str(path))
+            return _original(path, *args)
+
+        for loaded in [m for n, m in sys.modules.items() if n.startswith("shard.data")]:
+            if getattr(loaded, name, None) is original:
+                monkeypatch.setattr(loaded, name, counted)
+    cfg = tiny_config("1x1", data__path=str(mix), data__seq_len=16, eval__every=1,
+                      data__cache=str(tmp_path / "cache"))
+    dataset, held = _training_data(cfg)
+    assert "mixture: " in data_summary(cfg, dataset) and held.parts[2].windows  # the JSONL was prepared and read
+    assert calls["read_mixture"] == [str(mix)]
+    assert sorted(calls["list_source"]) == sorted([str(mix), *(str(tmp_path / p) for p in ("texts", "t.npy",
+                                                                                           "docs.jsonl"))])
+
+
 def test_synthetic_is_in_vocab_and_deterministic():
     s = SyntheticSource(1000, 16, seed=3)
     assert np.array_equal(s[5], SyntheticSource(1000, 16, seed=3)[5])

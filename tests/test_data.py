@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from shard.config.train import EvalConfig
-from shard.data.batches import (BatchStream, SyntheticSource, WindowSource, eval_samples, repetition_note,
-                                   sample_dataset, split_window, training_samples)
+from shard.data.batches import (BatchStream, eval_samples, repetition_note, sample_dataset, split_window,
+                                 training_samples)
+from shard.data.files import embedded_corpus_files, load_tokens
+from shard.data.samples import SyntheticSource, WindowSource
+from shard.data.sources import describe_data, unused_files_note
 from shard.data.tokenizers import ByteTokenizer
-from shard.data.sources import embedded_corpus_files, load_tokens, unused_files_note
 from shard.errors import ShardError
 from shard.testing import fake_mesh, tiny_config
 
@@ -133,7 +135,7 @@ def test_small_vocabulary_token_files_in_uint8_and_an_eval_seed_at_the_top(tmp_p
 def test_a_folder_of_token_shards_is_read_in_place_as_one_stream(tmp_path):
     """A folder of .bin shards was concatenated into memory (a copy of the corpus per process, and a
     second one for evaluation); it is read through the memory maps, window for window as one file."""
-    from shard.data.sources import TokenParts
+    from shard.data.files import TokenParts
 
     stream = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint16)
     (tmp_path / "shards").mkdir()
@@ -165,9 +167,10 @@ def test_token_files_and_folders(tmp_path):
     assert ByteTokenizer().decode(load_tokens(str(text), 256)) == "hello\nworld"
     # token files win over text in one folder, and train says what it leaves unread
     assert load_tokens(str(tmp_path), 256).size == 150
-    assert unused_files_note(str(tmp_path)) == (f"data folder {tmp_path} holds 2 token file(s) (.npy/.bin), so its "
+    assert unused_files_note(describe_data(str(tmp_path))) == (f"data folder {tmp_path} holds 2 token file(s) (.npy/.bin), so its "
                                                 "2 other file(s) are not read (e.g. text/x.txt)")
-    assert unused_files_note(str(text)) is None and unused_files_note(str(tmp_path / "a.npy")) is None
+    assert unused_files_note(describe_data(str(text))) is None
+    assert unused_files_note(describe_data(str(tmp_path / "a.npy"))) is None
 
 
 @pytest.mark.parametrize("make, message", [
@@ -186,6 +189,44 @@ def test_token_files_and_folders(tmp_path):
 def test_bad_data(tmp_path, make, message):
     with pytest.raises(ShardError, match=message):
         load_tokens(str(make(tmp_path)), 256)
+
+
+def test_a_runs_data_is_described_once_and_each_path_listed_once(tmp_path, monkeypatch):
+    """Reading a run's data decided again and again what its path was (a mixture file read 5 times, a
+    folder walked 4 times for training and 4 more for its held-out tail): prepare describes it once, and
+    the samples, the data cache's store and the start-up summary read that description."""
+    import json
+    import sys
+
+    from shard.data import files, mixture
+    from shard.data.batches import data_summary
+    from shard.training.prepare import _training_data
+
+    (tmp_path / "texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "texts" / name).write_text(name * 400)
+    np.save(tmp_path / "t.npy", np.arange(2000, dtype=np.int32) % 256)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
+    mix = tmp_path / "mix.toml"
+    mix.write_text("".join(f'[[sources]]\npath = "{p}"\nweight = 1\n' for p in ("texts", "t.npy", "docs.jsonl")))
+    calls = {"list_source": [], "read_mixture": []}
+    for module, name in ((files, "list_source"), (mixture, "read_mixture")):
+        original = getattr(module, name)
+
+        def counted(path, *args, _original=original, _calls=calls[name]):
+            _calls.append(str(path))
+            return _original(path, *args)
+
+        for loaded in [m for n, m in sys.modules.items() if n.startswith("shard.data")]:
+            if getattr(loaded, name, None) is original:
+                monkeypatch.setattr(loaded, name, counted)
+    cfg = tiny_config("1x1", data__path=str(mix), data__seq_len=16, eval__every=1,
+                      data__cache=str(tmp_path / "cache"))
+    dataset, held = _training_data(cfg)
+    assert "mixture: " in data_summary(cfg, dataset) and held.parts[2].windows  # the JSONL was prepared and read
+    assert calls["read_mixture"] == [str(mix)]
+    assert sorted(calls["list_source"]) == sorted([str(mix), *(str(tmp_path / p) for p in ("texts", "t.npy",
+                                                                                           "docs.jsonl"))])
 
 
 def test_synthetic_is_in_vocab_and_deterministic():

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from shard.config.train import DataConfig
-from shard.data.batches import Samples, _shuffled, sample_dataset, split_window
+from shard.data.batches import sample_dataset, split_window
 from shard.data.corpus import Corpus
 from shard.data.mixture import BLOCK, MixtureSamples, block_counts, phases, read_mixture
 from shard.data.packing import PackedSource, pack, packed_batch, pieces
+from shard.data.samples import Samples
 from shard.errors import ShardError
 
 
@@ -50,9 +51,9 @@ def test_segments_and_positions_restart_per_document():
 
 def test_packed_rows_are_a_pure_function_of_seed_and_index():
     tokens, ends = _documents(np.random.default_rng(1).integers(2, 30, size=200))
-    a = _shuffled(PackedSource(tokens, pack(ends, 16)), seed=3, seq_len=16)
-    b = _shuffled(PackedSource(tokens, pack(ends, 16)), seed=3, seq_len=16)
-    c = _shuffled(PackedSource(tokens, pack(ends, 16)), seed=4, seq_len=16)
+    a = Samples.shuffled(PackedSource(tokens, pack(ends, 16)), seed=3, seq_len=16)
+    b = Samples.shuffled(PackedSource(tokens, pack(ends, 16)), seed=3, seq_len=16)
+    c = Samples.shuffled(PackedSource(tokens, pack(ends, 16)), seed=4, seq_len=16)
     rows = a.rows(100, 140)
     # read in other blocks (another process count or batch split), the same rows
     again = {k: np.concatenate([b.rows(100, 117)[k], b.rows(117, 140)[k]]) for k in rows}
@@ -182,6 +183,6 @@ def test_the_summary_says_how_many_files_and_documents_were_read(tmp_path):
     folder = sample_dataset(str(tmp_path), 256, 16, 0)
     assert folder.describe() == "2 files, 161 tokens in 10 windows"  # with a separator between files
     ends = np.array([5, 12, 30])
-    one = _shuffled(PackedSource(np.arange(30, dtype=np.int32), pack(ends, 16)), 0, 16,
+    one = Samples.shuffled(PackedSource(np.arange(30, dtype=np.int32), pack(ends, 16)), 0, 16,
                     Corpus(np.arange(30), ends, "x.jsonl", files=1))
     assert one.describe().startswith("1 file, 3 documents, 30 tokens in ")

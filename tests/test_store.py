@@ -83,7 +83,7 @@ def test_every_source_kind_gives_the_same_documents(tmp_path, tok):
 
 def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
     store = prepare_store("", ByteTokenizer(), tmp_path / "s", workers=2, progress=False)
-    from shard.data.sources import embedded_corpus_files
+    from shard.data.files import embedded_corpus_files
 
     files = embedded_corpus_files()
     assert store.n_documents == len(files) and store.tokens.dtype == np.uint16  # a document a file, no EOS

@@ -74,6 +74,7 @@ class ChatRenderer:
         return cls(tokenizer, chat_template(tokenizer), where)
 
     def _render(self, messages: list[dict], line: int, generation_prompt: bool) -> str:
+        # here: transformers is the hf extra's, and takes over half a second to import
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:

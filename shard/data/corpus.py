@@ -1,5 +1,5 @@
-"""A data path opened for training: one token stream and, where the source knows them, its documents'
-boundaries. What each kind of path becomes:
+"""A described data path (shard.data.sources) opened for training: one token stream and, where the
+source knows them, its documents' boundaries. What each kind of path becomes:
 
 - a prepared token store (shard data prepare): read as it is, memory-mapped, after checking it was made
   with the run's tokenizer and fits the model's vocabulary;
@@ -11,23 +11,22 @@ boundaries. What each kind of path becomes:
   read from there next time.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from shard.data.sources import EMBEDDED, SYNTHETIC, is_glob, load_tokens, source_files
-from shard.data.tokenizers import BYTE, load_tokenizer
+from shard.data.files import read_listed
+from shard.data.sources import BYTES, STORE, SYNTHETIC, TOKENS, DataSource, data_source
+from shard.data.store import TokenStore, cached_store
+from shard.data.tokenizers import BYTE, load_tokenizer, padded_vocab
 from shard.errors import ShardError
-from shard.paths import TOKENIZER_DIR
-
-# Suffixes whose files hold documents in a format of their own (not plain text).
-DOCUMENT_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 
 
 @dataclass
 class Corpus:
-    tokens: object  # 1-D: np.ndarray, np.memmap or shard.data.sources.TokenParts
+    tokens: object  # 1-D: np.ndarray, np.memmap or shard.data.files.TokenParts
     document_ends: np.ndarray | None  # int64 end offset of each document; None: unknown (token arrays, bytes)
     label: str
     files: int | None = None  # the source files read (None: a token store, a saved dataset)
@@ -60,98 +59,33 @@ class Corpus:
         return Corpus(self.tokens[start:stop], ends, self.label, self.files)
 
 
-def is_token_source(path: str) -> bool:
-    """Token arrays (.npy/.bin, or a folder or glob of them): read as they are."""
-    if path in (EMBEDDED, SYNTHETIC) or _is_store(path) or _is_dataset_folder(Path(path)):
-        return False
-    if not Path(path).exists() and not is_glob(path):
-        return False
-    try:
-        return source_files(path)[1]
-    except ShardError:
-        return False
-
-
-def reads_as_bytes(path: str, tokenizer: str, packing: str) -> bool:
-    """Text read directly as UTF-8 bytes: the byte tokenizer on text files (or the embedded corpus) in
-    concatenated windows, today's fast path, with nothing to prepare."""
-    if tokenizer not in ("", BYTE) or packing != "concat" or path == SYNTHETIC:
-        return False
-    if path == EMBEDDED:
-        return True
-    p = Path(path)
-    if not p.exists() or _is_store(path) or _is_dataset_folder(p):
-        return False
-    files, tokens = source_files(path)
-    return not tokens and not any(f.suffix in DOCUMENT_SUFFIXES for f in files)
-
-
-def _is_store(path: str) -> bool:
-    from shard.data.store import is_store
-
-    return path not in (EMBEDDED, SYNTHETIC) and is_store(path)
-
-
-def _is_dataset_folder(p: Path) -> bool:
-    from shard.data.documents import is_dataset_folder
-
-    return is_dataset_folder(p)
-
-
-def tokenizer_spec(data_path: str, tokenizer: str) -> str:
-    """The one tokenizer a run reads all its data with (every source of a mixture, the held-out data):
-    data.tokenizer when given, else a store's own (the first store of a mixture: the others must have
-    been made with the same one), else bytes."""
-    if tokenizer:
-        return tokenizer
-    from shard.data.mixture import is_mixture, read_mixture
-
-    paths = [e.path for e in read_mixture(data_path)] if is_mixture(data_path) else [data_path]
-    for p in paths:
-        if _is_store(p):
-            return str(Path(p) / TOKENIZER_DIR)
-    return BYTE
-
-
-def open_corpus(path: str, *, vocab_size: int, tokenizer: str, text_field: str, packing: str,
-                cache_dir: Path | None) -> Corpus:
-    """The token stream (and documents) of one data path, checked against the model's vocabulary."""
-    label = "the embedded corpus" if path == EMBEDDED else str(path)
-    if is_token_source(path):
-        if packing == "packed":
+def open_corpus(source: DataSource, *, vocab_size: int, cache_dir: Path | None) -> Corpus:
+    """The token stream (and documents) of one described data path (not a mixture, not synthetic),
+    checked against the model's vocabulary."""
+    label = source.label
+    if source.kind == TOKENS:
+        if source.packing == "packed":
             raise ShardError(f"data.packing=packed needs document boundaries, and the token arrays of {label} have "
                              "none: prepare the text with `shard data prepare` (a token store) or use packing=concat")
-        return Corpus(load_tokens(path, vocab_size), None, label, _file_count(path))
-    if reads_as_bytes(path, tokenizer, packing):
-        return Corpus(load_tokens(path, vocab_size), None, label, _file_count(path))
-    from shard.data.store import TokenStore, cached_store, is_store
-
-    spec = tokenizer_spec(path, tokenizer)
+        return Corpus(read_listed(source.listing, vocab_size), None, label, source.file_count)
+    if source.kind == BYTES:
+        return Corpus(read_listed(source.listing, vocab_size), None, label, source.file_count)
+    spec = source.tokenizer
     tok = load_tokenizer(spec)
     check_tokenizer_fits(tok, spec, vocab_size)
     files = None
-    if is_store(path):
-        store_path = Path(path)
+    if source.kind == STORE:
+        store_path = Path(source.path)
     else:
-        files = _file_count(path)
+        files = source.file_count
         if cache_dir is None:
             raise ShardError(f"data {label} must be prepared into a token store first, and data.cache is 'none': "
                              "run `shard data prepare` and give its --out as --data")
-        store_path = cached_store([path], tok, cache_dir, text_field)
+        store_path = cached_store(source, tok, cache_dir, source.text_field)
     store = TokenStore.open(store_path)
     store.check_tokenizer(tok)
     store.check_vocab(vocab_size)
     return Corpus(store.tokens, np.asarray(store.document_ends, np.int64), label, files)
-
-
-def _file_count(path: str) -> int | None:
-    """How many files a data path reads (None: a saved dataset, whose files are not the user's)."""
-    if path != EMBEDDED and _is_dataset_folder(Path(path)):
-        return None
-    try:
-        return len(source_files(path)[0])
-    except ShardError:
-        return None
 
 
 def check_tokenizer_fits(tok, spec: str, vocab_size: int) -> None:
@@ -161,17 +95,15 @@ def check_tokenizer_fits(tok, spec: str, vocab_size: int) -> None:
                          f"tokenizer, or a vocabulary of at least {tok.vocab_size:,}")
 
 
-def fit_vocab(cfg, vocab_set: bool):
+def fit_vocab(cfg, vocab_set: bool, source: DataSource | None = None):
     """(cfg, a note or None): the model's vocabulary follows the data's tokenizer unless `vocab_set` (by
     the user, a resumed run or the weights it starts from): the tokenizer's size padded up to a multiple
-    of 128. A set vocabulary smaller than the tokenizer's is an error naming both."""
-    import dataclasses
-
-    from shard.data.tokenizers import padded_vocab
-
-    if cfg.data.path == SYNTHETIC:
+    of 128. A set vocabulary smaller than the tokenizer's is an error naming both. `source`: the data's
+    description, where the caller has it."""
+    source = source or data_source(cfg)
+    if source.kind == SYNTHETIC:
         return cfg, None
-    spec = tokenizer_spec(cfg.data.path, cfg.data.tokenizer)
+    spec = source.tokenizer
     if spec == BYTE:
         return cfg, None
     tok = load_tokenizer(spec)

@@ -10,22 +10,18 @@ small text files, a byte range of a JSONL file cut at line ends, a Parquet row g
 dataset's rows; each about CHUNK_BYTES of text, in an order that depends on the sources alone."""
 
 import dataclasses
+import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from shard.data.sources import EMBEDDED, embedded_corpus_files, folder_sources, glob_files, is_glob, read_text_bytes
+from shard.data.files import EMBEDDED, Listing, list_source, read_text_bytes
 from shard.errors import ShardError
 
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
+_KINDS = {".jsonl": JSONL, ".parquet": PARQUET, ".arrow": DATASET}  # by suffix; any other file is TEXT
 MIN_CHUNK_BYTES = 256 << 10
 CHUNK_BYTES = 8 << 20  # 8 MiB of text a chunk: a few seconds of one core, many chunks per worker
-_DATASET_MARKS = ("dataset_dict.json", "state.json")  # what save_to_disk writes in a folder
-
-
-def is_dataset_folder(path: Path) -> bool:
-    """A folder written by a Hugging Face dataset's save_to_disk."""
-    return path.is_dir() and any((path / mark).is_file() for mark in _DATASET_MARKS)
 _STRING_TYPES = ("string", "large_string", "string_view")
 
 
@@ -51,9 +47,8 @@ class Chunk:
 
 
 def need(module: str, path):
-    """Import an optional (`data` extra) module, or a one-line ShardError naming what needed it."""
-    import importlib
-
+    """Import an optional (`data` extra) module, or a one-line ShardError naming what needed it: pyarrow
+    and datasets are imported only when a source needs them."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -62,36 +57,32 @@ def need(module: str, path):
 
 def source_parts(spec: str) -> list[tuple[str, Path]]:
     """The files (or dataset folder) of one source, each with its kind, in a fixed order."""
-    if spec == EMBEDDED:
-        return [(TEXT, f) for f in embedded_corpus_files()]
-    path = Path(spec)
-    if not path.exists() and is_glob(spec):
-        files = glob_files(spec)
-    elif not path.exists():
-        raise ShardError(f"data path {spec} does not exist")
-    elif path.is_dir():
-        if is_dataset_folder(path):
-            return [(DATASET, path)]
-        tokens, others = folder_sources(path)
-        files = sorted(tokens + others)
-    else:
-        files = [path]
-    kinds = {".jsonl": JSONL, ".parquet": PARQUET, ".arrow": DATASET}
-    return [(kinds.get(f.suffix, TEXT), f) for f in files]
+    return document_parts(list_source(spec))
 
 
-def plan_chunks(specs: list[str], text_field: str = "text", chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """Every source's chunks, sources in the order given; a source with no documents is an error."""
+def document_parts(listing: Listing) -> list[tuple[str, Path]]:
+    """A listed source's files (or its dataset folder), each with its kind, in a fixed order: a folder's
+    files all (its token files, if any, are read as text too)."""
+    if listing.dataset:
+        return [(DATASET, Path(listing.path))]
+    files = sorted(listing.files + listing.unread)
+    return [(_KINDS.get(f.suffix, TEXT), f) for f in files]
+
+
+def plan_chunks(specs: list[str], text_field: str = "text", chunk_bytes: int = CHUNK_BYTES,
+                parts: list | None = None) -> list[Chunk]:
+    """Every source's chunks, sources in the order given; a source with no documents is an error.
+    `parts`: each source's `document_parts` where the caller listed them already."""
     chunks = []
     for source, spec in enumerate(specs):
         label = "the embedded corpus" if spec == EMBEDDED else spec
         mine, group, size = [], [], 0
-        parts = source_parts(spec)
+        parts_here = source_parts(spec) if parts is None else parts[source]
         # a small source still cuts into a few chunks, so that every worker has some (the cut depends on
         # the source alone, not on the workers)
-        total = sum(path.stat().st_size for kind, path in parts if kind in (TEXT, JSONL))
+        total = sum(path.stat().st_size for kind, path in parts_here if kind in (TEXT, JSONL))
         chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, total // 16))
-        for kind, path in parts:
+        for kind, path in parts_here:
             if kind == TEXT:  # small files go together, one document each
                 group.append(str(path))
                 size += path.stat().st_size

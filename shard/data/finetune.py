@@ -9,9 +9,12 @@
 
 import numpy as np
 
-from shard.data.batches import Samples, _shuffled
 from shard.data.chat import read_chats, read_pairs
+from shard.data.corpus import check_tokenizer_fits
 from shard.data.packing import PackedSource, pack
+from shard.data.samples import Samples, shuffled_order
+from shard.data.sources import DataSource, data_source
+from shard.data.tokenizers import load_tokenizer
 from shard.errors import ShardError
 
 
@@ -67,32 +70,27 @@ class PairSamples(Samples):
         return f"{self.source.pairs:,} preference pairs ({self.tokens:,} tokens)"
 
 
-def sft_samples(path: str, tokenizer, seq_len: int, seed: int) -> Samples:
+def sft_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSource | None = None) -> Samples:
     tokens, trained, ends = read_chats(path, tokenizer)
     plan = pack(ends, seq_len)
-    samples = _shuffled(ChatSource(tokens, trained, plan), seed, seq_len)
-    return ChatSamples(samples.source, samples.order, seq_len)
+    return ChatSamples.shuffled(ChatSource(tokens, trained, plan), seed, seq_len, origin=origin)
 
 
-def dpo_samples(path: str, tokenizer, seq_len: int, seed: int) -> Samples:
-    import grain
-
+def dpo_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSource | None = None) -> Samples:
     pairs = read_pairs(path, tokenizer)
     for n, (_, cf, _, rf) in enumerate(pairs, 1):
         if not (cf[1:seq_len + 1].any() and rf[1:seq_len + 1].any()):
             raise ShardError(f"{path} pair {n}: its prompt fills the whole sequence of {seq_len + 1} tokens, so no "
                              "completion token is left to compare; raise --seq or shorten the prompt")
-    order = grain.MapDataset.range(len(pairs)).shuffle(seed=seed).repeat()
-    return PairSamples(PairSource(pairs, seq_len), order, seq_len)
+    return PairSamples(PairSource(pairs, seq_len), shuffled_order(len(pairs), seed), seq_len, origin=origin)
 
 
-def task_samples(cfg) -> Samples:
-    """The training samples of a fine-tuning TrainConfig (task sft or dpo), read with data.tokenizer."""
-    from shard.data.corpus import check_tokenizer_fits, tokenizer_spec
-    from shard.data.tokenizers import load_tokenizer
-
-    spec = tokenizer_spec(cfg.data.path, cfg.data.tokenizer)
+def task_samples(cfg, source: DataSource | None = None) -> Samples:
+    """The training samples of a fine-tuning TrainConfig (task sft or dpo), read with data.tokenizer.
+    `source`: the data's description, where the caller has it."""
+    source = source or data_source(cfg)
+    spec = source.tokenizer
     tokenizer = load_tokenizer(spec)
     check_tokenizer_fits(tokenizer, spec, cfg.model.vocab_size)
     read = sft_samples if cfg.task == "sft" else dpo_samples
-    return read(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed)
+    return read(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source)

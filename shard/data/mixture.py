@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data.sources import is_glob
+from shard.data.files import is_glob
+from shard.data.samples import join_rows
 from shard.errors import ShardError
 
 BLOCK = 1024
@@ -122,10 +123,12 @@ def phases(weights: list[float], caps: list[int | None], block: int = BLOCK) -> 
 
 
 class MixtureSamples:
-    """Samples drawn from several sources (each a shard.data.batches.Samples) by the mixture's rule."""
+    """Samples drawn from several sources (each a shard.data.samples.Samples) by the mixture's rule."""
 
-    def __init__(self, parts: list, weights: list[float], caps: list[int | None], seed: int, labels: list[str]):
+    def __init__(self, parts: list, weights: list[float], caps: list[int | None], seed: int, labels: list[str],
+                 origin=None):
         self.parts, self.weights, self.seed, self.labels = parts, weights, seed, labels
+        self.origin = origin  # the shard.data.sources.DataSource read (None: made by hand)
         self.phases = phases(weights, caps)
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -175,8 +178,6 @@ class MixtureSamples:
         return source, index
 
     def rows(self, start: int, stop: int):
-        from shard.data.batches import join_rows
-
         source, index = self.locate(start, stop)
         pieces = [None] * (stop - start)
         out = []

@@ -1,246 +1,152 @@
-"""Where tokens come from: the embedded corpus (the Python standard library's own top-level modules,
-present on every machine with Python), a text file or folder (byte-level tokens), pre-tokenized
-`.npy`/`.bin` arrays (`.bin` is raw uint16, nanoGPT's format), or `synthetic` random tokens."""
+"""What a data path is, decided once: `describe_data` turns a `--data` value into a `DataSource`, and
+everything that reads the data (shard.data.corpus, .batches, .store, the run's tokenizer) takes that
+description rather than looking at the path again.
 
-import os
-import sysconfig
-import zlib
+- `synthetic`: uniform random tokens, no files;
+- a token store (`shard data prepare`'s folder): read as it is, with its own tokenizer by default;
+- a mixture (`.toml`): its sources, each described, all read with one tokenizer (the first store's);
+- token arrays (`.npy`/`.bin`, or a folder or glob of them): read as they are;
+- text read as UTF-8 bytes (the byte tokenizer on text files or the embedded corpus, in windows);
+- raw sources (JSON Lines, Parquet, saved datasets, a glob; text with another tokenizer or packed):
+  prepared once into a store in the data cache.
+"""
+
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from shard.data.tokenizers import BYTE_VOCAB
+from shard.data.documents import TEXT, document_parts
+from shard.data.files import EMBEDDED, Listing, files_signature, list_source
+from shard.data.files import is_glob  # noqa: F401 - where callers find it (shard.run.start)
+from shard.data.mixture import is_mixture, read_mixture
+from shard.data.tokenizers import BYTE
 from shard.errors import ShardError
+from shard.paths import TOKENIZER_DIR
 
-EMBEDDED = ""
 SYNTHETIC = "synthetic"
-_TOKEN_SUFFIXES = (".npy", ".bin")
+STORE, MIXTURE, TOKENS, BYTES, RAW = "store", "mixture", "tokens", "bytes", "raw"
 
 
-def embedded_corpus_files() -> list[Path]:
-    """The standard library's top-level modules: ~4.7 MB of real text on Python 3.11."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+@dataclass(frozen=True)
+class MixturePart:
+    source: "DataSource"
+    weight: float
+    epochs: float = 0.0  # 0: no cap
 
 
-def read_text_bytes(path: Path, instead: str = "give text files") -> bytes:
-    """A text file's bytes; one that looks binary is an error ending with `instead` (what to give)."""
-    data = path.read_bytes()
-    if b"\0" in data[:65536]:  # text has no NUL bytes; images, archives and executables do
-        raise ShardError(f"data file {path} looks binary (it holds NUL bytes); {instead}")
-    return data
+@dataclass(frozen=True)
+class DataSource:
+    """A data path as a run reads it. `kind`: SYNTHETIC, STORE, MIXTURE, TOKENS, BYTES or RAW (see the
+    module's docstring); `tokenizer`: the spec all of it is read with, resolved once (data.tokenizer when
+    given, else a store's own, else bytes); `listing`: its files (all but synthetic data); `mixture`: a
+    mixture's sources. What could not be read is kept (`listing.problem`, `problem`) and raised where it
+    is needed, as reading the data would."""
+
+    kind: str
+    path: str
+    tokenizer: str
+    text_field: str = "text"
+    packing: str = "concat"
+    listing: Listing | None = None
+    mixture: tuple[MixturePart, ...] = ()
+    problem: str = ""  # a mixture file not read (its tokenizer was given): raised by `parts`
+
+    @property
+    def label(self) -> str:
+        return "the embedded corpus" if self.path == EMBEDDED else self.path
+
+    @property
+    def parts(self) -> tuple[MixturePart, ...]:
+        """A mixture's sources."""
+        if self.problem:
+            raise ShardError(self.problem)
+        return self.mixture
+
+    @property
+    def documents(self) -> list[tuple[str, Path]]:
+        """Its files (or saved dataset) as documents, each with its kind (shard.data.documents); the path
+        `synthetic` given as a source of documents (shard data prepare) is a file's name there."""
+        return document_parts(self.listing or list_source(self.path))
+
+    @property
+    def file_count(self) -> int | None:
+        """How many files it reads (None: a saved dataset, whose files are not the user's, or none listed)."""
+        listing = self.listing
+        return None if listing is None or listing.dataset or listing.problem else len(listing.found)
 
 
-def _read_text_files(files: list[Path]) -> np.ndarray:
-    texts = [read_text_bytes(f, "give text files, or tokens as .npy/.bin") for f in files]
-    return np.frombuffer(b"\n".join(texts), dtype=np.uint8)
-
-
-def _read_token_file(path: Path) -> np.ndarray:
-    try:
-        if path.suffix == ".npy":
-            with open(path, "rb") as f:
-                magic = f.read(6)
-            if magic[:2] == b"PK":  # numpy.savez's zip archive
-                raise ShardError(f"token file {path} is an archive of arrays, not one .npy array")
-            if magic != b"\x93NUMPY":  # numpy would try it as a pickle, and say so
-                raise ShardError(f"token file {path} is not an .npy array (no NUMPY header): write it with "
-                                 "numpy.save, or name raw uint16 tokens .bin")
-            tokens = np.load(path, mmap_mode="r")
-        elif path.stat().st_size == 0:  # an empty shard: numpy can't map it
-            tokens = np.zeros(0, np.uint16)
-        else:
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    except (ValueError, OSError) as e:
-        raise ShardError(f"cannot read token file {path}: {e}") from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ShardError(f"token file {path}: expected a 1-D integer array, got {tokens.dtype} {tokens.shape}")
-    return tokens
-
-
-def folder_sources(folder: Path) -> tuple[list[Path], list[Path]]:
-    """A data folder's token files (.npy/.bin) and its other files, sorted; not those under hidden
-    folders (.git/, .cache/) or __pycache__/. Linked folders are followed (each real folder once); a
-    link to nothing is an error, not a file left out in silence.
-    Token files win: the others are read only when there are none."""
-    files, seen = [], set()
-    for root, dirs, names in os.walk(folder, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen:  # a link back up the tree, or a second link to one folder
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")  # the same on every host
-        visible = [Path(root, n) for n in names if not n.startswith(".")]
-        if broken := next((f for f in visible if f.is_symlink() and not f.exists()), None):  # data gone missing
-            raise ShardError(f"data folder {folder}: {broken} links to {os.readlink(broken)}, which does not exist")
-        files += [f for f in visible if f.is_file()]
-    files.sort()
-    return [f for f in files if f.suffix in _TOKEN_SUFFIXES], [f for f in files if f.suffix not in _TOKEN_SUFFIXES]
-
-
-def source_files(path: str) -> tuple[list[Path], bool]:
-    """The files `load_tokens` reads for `path`, and whether they hold tokens (.npy/.bin) rather than
-    text; ShardError for a path that names none."""
-    if path == EMBEDDED:
-        return embedded_corpus_files(), False
-    p = Path(path)
-    if not p.exists() and is_glob(path):  # data/*.jsonl: the files it matches are one source
-        files = glob_files(path)
-        return files, all(f.suffix in _TOKEN_SUFFIXES for f in files)
-    if not p.exists():
-        raise ShardError(f"data path {path} does not exist")
-    if p.is_dir():
-        token_files, text_files = folder_sources(p)
-        return (token_files, True) if token_files else (text_files, False)
-    if not p.is_file():
-        raise ShardError(f"data path {path} is not a regular file or folder")
-    return [p], p.suffix in _TOKEN_SUFFIXES
-
-
-def is_glob(path: str) -> bool:
-    return any(c in path for c in "*?[")
-
-
-def glob_files(pattern: str) -> list[Path]:
-    """The regular files a glob pattern matches, sorted (the same order on every host); none is an error."""
-    import glob
-
-    files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if Path(f).is_file())
-    if not files:
-        raise ShardError(f"data path {pattern} matches no file")
-    return files
-
-
-def source_signature(path: str) -> str:
-    """What the data at `path` (a file, folder, glob or the embedded corpus) is, cheaply: each file's
-    name, size and a CRC of its first and last 4 KiB (a mixture: its file's and each source's).
-    Processes of one job compare theirs (shard.run.agreement): the same path can hold other data on
-    another host."""
+def describe_data(path: str, *, tokenizer: str = "", text_field: str = "text",
+                  packing: str = "concat") -> DataSource:
+    """The one look at a data path: what it is, its files, and the tokenizer it is read with. Raises only
+    what stops the tokenizer from being known (a mixture file that can't be read, with none given)."""
     if path == SYNTHETIC:
+        return DataSource(SYNTHETIC, path, tokenizer or BYTE, text_field, packing)
+    listing = list_source(path)
+    if not is_mixture(path):
+        return _described(listing, tokenizer or _own_tokenizer(listing), text_field, packing)
+    try:
+        entries = read_mixture(path)
+    except ShardError as e:
+        if not tokenizer:
+            raise
+        return DataSource(MIXTURE, path, tokenizer, text_field, packing, listing, problem=str(e))
+    listings = [None if e.path == SYNTHETIC else list_source(e.path) for e in entries]
+    # one tokenizer for all of it: a mixture's sources are read (or checked) with the first store's
+    spec = tokenizer or next((_own_tokenizer(x) for x in listings if x is not None and x.store), BYTE)
+    parts = tuple(MixturePart(DataSource(SYNTHETIC, e.path, spec, text_field, packing) if x is None else
+                              _described(x, spec, text_field, packing), e.weight, e.epochs)
+                  for e, x in zip(entries, listings))
+    return DataSource(MIXTURE, path, spec, text_field, packing, listing, parts)
+
+
+def _own_tokenizer(listing: Listing) -> str:
+    return str(Path(listing.path) / TOKENIZER_DIR) if listing.store else BYTE
+
+
+def _described(listing: Listing, tokenizer: str, text_field: str, packing: str) -> DataSource:
+    return DataSource(_kind(listing, tokenizer, packing), listing.path, tokenizer, text_field, packing, listing)
+
+
+def _kind(listing: Listing, tokenizer: str, packing: str) -> str:
+    """How a listed path (neither synthetic nor a mixture) is read."""
+    embedded = listing.path == EMBEDDED
+    files = not embedded and not listing.store and not listing.dataset  # files, a folder or a glob of them
+    if files and not listing.problem and listing.tokens:
+        return TOKENS
+    if tokenizer == BYTE and packing == "concat":  # text in windows of its bytes: nothing to prepare
+        if embedded:
+            return BYTES
+        # a file or folder (not a glob) of text; one whose files can't be listed is read so too, which says why
+        if files and Path(listing.path).exists() and (
+                listing.problem or all(kind == TEXT for kind, _ in document_parts(listing))):
+            return BYTES
+    return STORE if listing.store else RAW
+
+
+def data_source(cfg) -> DataSource:
+    """The description of a TrainConfig's data (data.path read with data.tokenizer, text field, packing)."""
+    data = cfg.data
+    return describe_data(data.path, tokenizer=data.tokenizer, text_field=data.text_field, packing=data.packing)
+
+
+def source_signature(source: DataSource) -> str:
+    """What the data is, cheaply: each file's name, size and a CRC of its first and last 4 KiB (a
+    mixture: its file's and each source's). Processes of one job compare theirs (shard.run.agreement):
+    the same path can hold other data on another host."""
+    if source.kind == SYNTHETIC:
         return SYNTHETIC
-    from shard.data.mixture import is_mixture, read_mixture
-
-    if is_mixture(path):  # its file and each of its sources
-        return "\n".join([files_signature([Path(path)])] + [source_signature(e.path) for e in read_mixture(path)])
-    files, _ = source_files(path)
-    root = Path(path) if path != EMBEDDED and Path(path).is_dir() else None
-    return files_signature(files, root)
+    if source.kind == MIXTURE:  # its file and each of its sources
+        parts = [source_signature(p.source) for p in source.parts]
+        return "\n".join([files_signature([Path(source.path)]), *parts])
+    return files_signature(source.listing.files, source.listing.root)
 
 
-def files_signature(files: list[Path], root: Path | None = None) -> str:
-    """Each file's name (relative to `root`, else its bare name), size and a CRC of its first and last
-    4 KiB, one line each."""
-    lines = []
-    for f in files:
-        size = f.stat().st_size
-        with open(f, "rb") as handle:
-            crc = zlib.crc32(handle.read(1 << 12))
-            if size > 1 << 12:
-                handle.seek(max(1 << 12, size - (1 << 12)))
-                crc = zlib.crc32(handle.read(), crc)
-        lines.append(f"{f.relative_to(root) if root else f.name} {size} {crc:08x}")
-    return "\n".join(lines)
-
-
-def unused_files_note(path: str) -> str | None:
+def unused_files_note(source: DataSource) -> str | None:
     """A line naming the files a folder of token files leaves unread, or None."""
-    p = Path(path)
-    from shard.data.store import is_store
-
-    if path in (EMBEDDED, SYNTHETIC) or not p.is_dir() or is_store(p):  # a token store: all of it is read
+    listing = source.listing
+    if listing is None or not listing.folder or listing.store:  # a token store: all of it is read
         return None
-    tokens, others = folder_sources(p)
-    if not tokens or not others:
+    tokens, others, p = listing.files, listing.unread, Path(source.path)
+    if not listing.tokens or not others:
         return None
     return (f"data folder {p} holds {len(tokens)} token file(s) (.npy/.bin), so its {len(others)} other file(s) "
             f"are not read (e.g. {others[0].relative_to(p)})")
-
-
-def load_tokens(path: str, vocab_size: int) -> np.ndarray:
-    """One long 1-D token stream from the source named by `path`. The last one read is kept while its
-    files are unchanged (`_identity`): training and its held-out tail read one copy."""
-    label = "the embedded corpus" if path == EMBEDDED else str(Path(path))
-    files, token_files = source_files(path)
-    key = (path, vocab_size, tuple((str(f), *_identity(f.stat())) for f in files))
-    if key not in _LAST_READ:
-        _LAST_READ.clear()
-        _LAST_READ[key] = _read_tokens(files, token_files, label, vocab_size)
-    return _LAST_READ[key]
-
-
-_LAST_READ: dict = {}
-
-
-def _identity(st: os.stat_result) -> tuple:
-    """A file as it is now: another file, or this one rewritten (even to its old size and time), differs."""
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _read_tokens(files: list[Path], token_files: bool, label: str, vocab_size: int):
-    if not files:
-        tokens = np.zeros(0, np.uint8)
-    elif token_files:
-        tokens = _read_token_file(files[0]) if len(files) == 1 else TokenParts([_read_token_file(f) for f in files])
-    else:
-        tokens = _read_text_files(files)
-    if tokens.size < 2:
-        raise ShardError(f"data path {label} is empty" if tokens.size == 0 else
-                         f"data path {label} holds 1 token: training needs at least 2 (an input and its target)")
-    if not token_files and vocab_size < BYTE_VOCAB:
-        raise ShardError(f"text is tokenized as bytes (256 ids) but model.vocab_size is {vocab_size}")
-    top, bottom = int(tokens.max()), int(tokens.min())
-    if top >= vocab_size or bottom < 0:
-        raise ShardError(f"data {label} holds token id {top if top >= vocab_size else bottom}, outside "
-                         f"0..{vocab_size - 1} (model.vocab_size {vocab_size})")
-    return tokens
-
-
-class TokenParts:
-    """Token files (memory-mapped) read as one stream without copying them into memory: a folder of
-    .bin/.npy shards, the usual form of a large corpus, costs page cache, not private memory per
-    process. Supports what the windows need: `size`, `dtype`, a contiguous slice, `ranges` (rows of
-    consecutive tokens), `min()`/`max()`."""
-
-    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
-        self.parts = parts
-        self.bounds = np.cumsum([0, *(p.size for p in parts)])  # where each part starts in the stream
-        self.start = start
-        self.stop = int(self.bounds[-1]) if stop is None else stop
-        self.size = self.stop - self.start
-        self.dtype = np.result_type(*(p.dtype for p in parts))
-
-    def __getitem__(self, key: slice) -> "TokenParts":
-        first, last, step = key.indices(self.size)
-        if step != 1:
-            raise ValueError("TokenParts slices with step 1 only")
-        return TokenParts(self.parts, self.start + first, self.start + max(first, last))
-
-    def ranges(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """Rows of `length` consecutive tokens from each start (past the end: the last token repeated),
-        copied slice by slice: a window spans one shard or a few, so this costs a copy, not a gather."""
-        out = np.empty((len(starts), length), self.dtype)
-        for row, first in enumerate(np.asarray(starts, np.int64) + self.start):
-            end, filled = min(first + length, self.stop), 0
-            k = int(np.searchsorted(self.bounds, first, side="right")) - 1
-            while first < end:
-                take = min(end, int(self.bounds[k + 1])) - first
-                out[row, filled:filled + take] = self.parts[k][first - self.bounds[k]:first - self.bounds[k] + take]
-                filled, first, k = filled + take, first + take, k + 1
-            out[row, filled:] = out[row, filled - 1] if filled else 0
-        return out
-
-    def _pieces(self):
-        for k, p in enumerate(self.parts):
-            lo, hi = max(self.start - self.bounds[k], 0), min(self.stop - self.bounds[k], p.size)
-            if lo < hi:
-                yield p[lo:hi]
-
-    def max(self):
-        return max(piece.max() for piece in self._pieces())
-
-    def min(self):
-        return min(piece.min() for piece in self._pieces())
-
-    def __array__(self, dtype=None, copy=None):
-        joined = np.concatenate(list(self._pieces())) if self.size else np.zeros(0, self.dtype)
-        return joined.astype(dtype) if dtype is not None else joined

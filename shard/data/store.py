@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
-from shard.data.sources import TokenParts, source_signature
+from shard.data.files import STORE_FILE, TokenParts, is_store
+from shard.data.files import STORE_FORMAT as FORMAT
+from shard.data.sources import DataSource, describe_data, source_signature
 from shard.data.tokenizers import Tokenizer, load_tokenizer, read_json_object
 from shard.errors import ShardError
 from shard.paths import TOKENIZER_DIR, current_umask, write_text_atomic
 
-FORMAT = "shard-token-store"
 VERSION = 1
-STORE_FILE = "store.json"
 PLAN_FILE = "plan.json"
 
 
@@ -53,8 +53,10 @@ def store_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def _specs(sources) -> list[str]:
-    return [sources] if isinstance(sources, str) else [str(s) for s in sources]
+def _described(sources) -> list[DataSource]:
+    """Sources given as a spec, a DataSource, or a list of them, described (each once)."""
+    given = [sources] if isinstance(sources, str | DataSource) else list(sources)
+    return [s if isinstance(s, DataSource) else describe_data(str(s)) for s in given]
 
 
 def _tokenizer(tokenizer) -> Tokenizer:
@@ -70,7 +72,7 @@ def store_key(sources, tokenizer, text_field: str = "text") -> str:
     """What a store is made of: the sources' signatures, the tokenizer's fingerprint, the text field and
     the format's version, hashed."""
     tok = _tokenizer(tokenizer)
-    what = {"version": VERSION, "sources": [source_signature(s) for s in _specs(sources)],
+    what = {"version": VERSION, "sources": [source_signature(s) for s in _described(sources)],
             "tokenizer": [tok.kind, tok.fingerprint], "text_field": text_field}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -138,11 +140,13 @@ def _shard_done(folder: Path, index: int, dtype: np.dtype) -> dict | None:
 
 def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers: int | None = None,
                   progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> "TokenStore":
-    """Tokenize `sources` (one spec or a list) with `tokenizer` (a Tokenizer or its spec) into a token
-    store at `out`, over `workers` processes (default: every core). Continues the `out.partial` a
-    stopped run left; an `out` that already holds this store is returned as it is."""
-    specs, tok, out = _specs(sources), _tokenizer(tokenizer), Path(out)
-    key = store_key(specs, tok, text_field)
+    """Tokenize `sources` (one spec or a list; or shard.data.sources.DataSource) with `tokenizer` (a
+    Tokenizer or its spec) into a token store at `out`, over `workers` processes (default: every core).
+    Continues the `out.partial` a stopped run left; an `out` that already holds this store is returned
+    as it is."""
+    sources, tok, out = _described(sources), _tokenizer(tokenizer), Path(out)
+    specs = [s.path for s in sources]
+    key = store_key(sources, tok, text_field)
     partial = out.with_name(out.name + ".partial")
     say = _Say(progress)
     if out.exists():
@@ -153,7 +157,8 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         raise ShardError(f"--out {out} already exists and holds {what}; choose another --out")
     created = not partial.exists()
     if created:
-        chunks = plan_chunks(specs, text_field, chunk_bytes)  # bad sources fail here, before any file is made
+        # bad sources fail here, before any file is made
+        chunks = plan_chunks(specs, text_field, chunk_bytes, parts=[s.documents for s in sources])
         _start_partial(partial, tok, {"key": key, "sources": specs, "text_field": text_field,
                                       "chunks": [c.to_json() for c in chunks]})
     else:
@@ -248,7 +253,7 @@ class _Say:
     def __init__(self, on: bool):
         self.on = on
         if on:
-            from rich.console import Console
+            from rich.console import Console  # here: the worker processes import this module, and say nothing
 
             self.console = Console(stderr=True, highlight=False, emoji=False, markup=False)
 
@@ -276,15 +281,6 @@ class _Say:
                            rate=f"{counts['docs'] / secs:,.0f} docs/s {counts['tokens'] / secs:,.0f} tokens/s")
 
             yield advance
-
-
-def is_store(path) -> bool:
-    """Whether `path` is a token store's folder (a whole one: a partial has no store.json)."""
-    f = Path(path) / STORE_FILE
-    try:
-        return f.is_file() and json.loads(f.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return False
 
 
 @dataclasses.dataclass
@@ -385,9 +381,10 @@ def _shard_ends(path: Path, s: dict) -> np.ndarray:
 
 
 def cached_store(sources, tokenizer, cache_dir, text_field: str = "text") -> Path:
-    """The token store of raw sources in `cache_dir/<key>`, prepared the first time and reused after.
-    Processes of one job on one host take a file lock: one prepares, the others wait and reuse it."""
-    tok = _tokenizer(tokenizer)
+    """The token store of raw sources (specs or their DataSources) in `cache_dir/<key>`, prepared the
+    first time and reused after. Processes of one job on one host take a file lock: one prepares, the
+    others wait and reuse it."""
+    sources, tok = _described(sources), _tokenizer(tokenizer)
     cache_dir = Path(cache_dir)
     out = cache_dir / store_key(sources, tok, text_field)
     if is_store(out):
@@ -399,7 +396,7 @@ def cached_store(sources, tokenizer, cache_dir, text_field: str = "text") -> Pat
             start = time.perf_counter()
             store = prepare_store(sources, tok, out, text_field=text_field)
             secs = time.perf_counter() - start
-            _Say(True)(f"prepared {', '.join(_specs(sources)) or 'the embedded corpus'} into the data cache: "
+            _Say(True)(f"prepared {', '.join(s.path for s in sources) or 'the embedded corpus'} into the data cache: "
                        f"{store.n_documents:,} documents, {store.n_tokens:,} tokens in {secs:.1f}s "
                        f"({store.n_tokens / max(secs, 1e-9):,.0f} tokens/s), {out}")
     return out

@@ -107,7 +107,7 @@ class HuggingFaceTokenizer:
     kind = "huggingface"
 
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers import Tokenizer as RustTokenizer  # here: byte-level runs and `import shard` need none
 
         self.path = path
         self.config_path = path.with_name(HF_CONFIG)
@@ -253,7 +253,7 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
     """A byte-level BPE (GPT-2's scheme) trained on an iterator of texts with the `tokenizers`
     library, written to `out` as tokenizer.json and the tokenizer_config.json that lets transformers'
     AutoTokenizer load it. `eos` is its one special token (id 0), appended to every document."""
-    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import Tokenizer as RustTokenizer  # here, as in HuggingFaceTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < BYTE_VOCAB + 1:

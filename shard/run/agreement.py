@@ -80,7 +80,7 @@ def _flag_text(flag: str, value) -> str:
 def check_same_data(cfg: TrainConfig) -> None:
     """Every process finds the same data at data.path (and eval.path) as process 0: the same files, by
     name, size and a CRC of each one's ends (shard.data.sources.source_signature)."""
-    from shard.data.sources import source_signature
+    from shard.data.sources import describe_data, source_signature
 
     if runtime.context().size < 2:
         return
@@ -89,7 +89,7 @@ def check_same_data(cfg: TrainConfig) -> None:
         sources.append(("eval.path", cfg.eval.path))
     for key, path in sources:
         try:
-            mine = source_signature(path)
+            mine = source_signature(describe_data(path))
         except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike
             mine = f"error: {e}"
         digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ

@@ -12,12 +12,12 @@ from shard.paths import TOKENIZER_DIR
 
 def run_tokenizer(cfg) -> Tokenizer | None:
     """The tokenizer a config's data is read with (None: synthetic data, which has none)."""
-    from shard.data.corpus import tokenizer_spec
-    from shard.data.sources import SYNTHETIC
+    from shard.data.sources import SYNTHETIC, data_source
 
-    if cfg.data.path == SYNTHETIC:
+    source = data_source(cfg)
+    if source.kind == SYNTHETIC:
         return None
-    return load_tokenizer(tokenizer_spec(cfg.data.path, cfg.data.tokenizer))
+    return load_tokenizer(source.tokenizer)
 
 
 def save_run_tokenizer(cfg, run_dir: Path) -> None:

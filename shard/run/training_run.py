@@ -173,13 +173,13 @@ class _TrainingRun:
     def _launch(self) -> tuple[Path, list]:
         """The run dir and the devices, once every process agrees on the config, the data and the run dir."""
         from shard.cluster import exchange
-        from shard.data.sources import unused_files_note
+        from shard.data.sources import data_source, unused_files_note
         from shard.run.agreement import check_same_config, check_same_data, check_shared_run_dir
 
         cfg = self.cfg
         mesh_spec = parse_mesh(cfg.mesh.spec)
         self.window = profiling.parse_window(self.profile_steps, cfg.steps) if self.profile_steps else None
-        if self.main and (note := unused_files_note(cfg.data.path)):
+        if self.main and (note := unused_files_note(data_source(cfg))):
             self.speech.warn(note)
         path = run_dir_for(cfg, mesh_spec, self.resume, self.main)
         devices = start_devices(cfg, mesh_spec, compile_cache_dir(cfg, path), self.cluster, warn=self.speech.warn,

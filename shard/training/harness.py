@@ -239,12 +239,12 @@ def write_results(results: dict, path: Path) -> Path:
 
 def data_tokenizer(cfg) -> Tokenizer:
     """The tokenizer a run reads its data with; bytes for synthetic data into a 256-token model."""
-    from shard.data.corpus import tokenizer_spec
-    from shard.data.sources import SYNTHETIC
+    from shard.data.sources import SYNTHETIC, data_source
     from shard.data.tokenizers import BYTE_VOCAB, ByteTokenizer, load_tokenizer
 
-    if cfg.data.path != SYNTHETIC:
-        return load_tokenizer(tokenizer_spec(cfg.data.path, cfg.data.tokenizer))
+    source = data_source(cfg)
+    if source.kind != SYNTHETIC:
+        return load_tokenizer(source.tokenizer)
     if cfg.model.vocab_size == BYTE_VOCAB:
         return ByteTokenizer()
     raise ShardError(f"eval.harness_tasks need text: synthetic data into a {cfg.model.vocab_size}-token model has "

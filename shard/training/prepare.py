@@ -16,6 +16,7 @@ from shard.cluster import exchange, process_sets, runtime
 from shard.training.compiled import compile_step, memory_of
 from shard.config.train import TrainConfig
 from shard.data.batches import BatchStream, eval_samples, training_samples
+from shard.data.sources import data_source
 from shard.errors import ShardError
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh, split_over_processes
@@ -133,20 +134,21 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
 def _training_data(cfg: TrainConfig):
     """The training samples, and the held-out ones with eval.every; a mixture whose capped sources hold
     fewer samples than the run reads is refused here, before anything compiles."""
-    dataset = training_samples(cfg)
+    source = data_source(cfg)  # described once, for the training and the held-out samples
+    dataset = training_samples(cfg, source)
     total = getattr(dataset, "total", None)  # a mixture of capped sources
     if total is not None and total < cfg.steps * cfg.data.batch:
         raise ShardError(f"the data mixture {cfg.data.path} holds {total:,} samples (its sources' epochs caps), "
                          f"fewer than the {cfg.steps * cfg.data.batch:,} that {cfg.steps} steps of batch "
                          f"{cfg.data.batch} read: raise a cap, or train fewer steps")
-    return dataset, _eval_data(cfg)
+    return dataset, _eval_data(cfg, source)
 
 
-def _eval_data(cfg: TrainConfig):
+def _eval_data(cfg: TrainConfig, source):
     """The held-out samples an evaluating run reads, or None without evaluation."""
     if not cfg.eval.every:
         return None
-    return eval_samples(cfg)
+    return eval_samples(cfg, source)
 
 
 def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:

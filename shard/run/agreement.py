@@ -77,9 +77,10 @@ def _flag_text(flag: str, value) -> str:
     return flag if value is True else f"{flag} {value}"
 
 
-def check_same_data(cfg: TrainConfig) -> None:
+def check_same_data(cfg: TrainConfig, source=None) -> None:
     """Every process finds the same data at data.path (and eval.path) as process 0: the same files, by
-    name, size and a CRC of each one's ends (shard.data.sources.source_signature)."""
+    name, size and a CRC of each one's ends (shard.data.sources.source_signature); `source`: data.path's
+    description, where the caller has it."""
     from shard.data.sources import describe_data, source_signature
 
     if runtime.context().size < 2:
@@ -89,7 +90,8 @@ def check_same_data(cfg: TrainConfig) -> None:
         sources.append(("eval.path", cfg.eval.path))
     for key, path in sources:
         try:
-            mine = source_signature(describe_data(path))
+            described = source if key == "data.path" and source is not None else describe_data(path)
+            mine = source_signature(described)
         except (ShardError, OSError) as e:  # said after the exchange, which every process makes alike
             mine = f"error: {e}"
         digest = hashlib.sha256(mine.encode()).hexdigest()  # the lines travel only when they differ

@@ -29,6 +29,7 @@ class StartConfig:
     resumed: bool  # --resume found the run's config (not a first start)
     weights: str  # the init_from the start was given ("" for none), as given
     changes: tuple[str, ...]  # what a resume changes: said once a checkpoint is read (process 0 only)
+    source: object = None  # its data described once (shard.data.sources.DataSource), for all that reads it
 
 
 def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: list[str] | None, *,
@@ -51,28 +52,30 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     overrides = layers(base)
     cfg = config_mod.resolve(overrides)
     _check_saved_model(cfg, base, resumed, weights, run_dir)
-    cfg = _vocab_of_tokenizer(cfg, overrides, notice if main else unsaid)
     runtime.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == runtime.MPI:
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
                "process")
     cfg = absolute_paths(cfg)
+    cfg, source = _vocab_of_tokenizer(cfg, overrides, notice if main else unsaid)
     changes = resume_changes(base, cfg) if resumed and main else []
     if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):
         notice(note)
-    return StartConfig(cfg, base, resumed, weights, tuple(changes))
+    return StartConfig(cfg, base, resumed, weights, tuple(changes), source)
 
 
-def _vocab_of_tokenizer(cfg: config_mod.TrainConfig, overrides: dict, notice: Notice) -> config_mod.TrainConfig:
-    """The model's vocabulary from the data's tokenizer, unless the config sets it (the user, a resumed
-    run's saved config, the weights it starts from); said in a notice."""
+def _vocab_of_tokenizer(cfg: config_mod.TrainConfig, overrides: dict, notice: Notice):
+    """(cfg, its data's description): the model's vocabulary from the data's tokenizer, unless the config
+    sets it (the user, a resumed run's saved config, the weights it starts from); said in a notice."""
     from shard.data.corpus import fit_vocab
+    from shard.data.sources import data_source
 
+    source = data_source(cfg)  # the one look at the data a run takes: everything after reads this
     model = overrides.get("model")
-    cfg, note = fit_vocab(cfg, isinstance(model, dict) and "vocab_size" in model)
+    cfg, note = fit_vocab(cfg, isinstance(model, dict) and "vocab_size" in model, source)
     if note:
         notice(note)
-    return cfg
+    return cfg, source
 
 
 def run_dir_named(run_dir: str | None, from_file: dict, resume: bool) -> str | None:

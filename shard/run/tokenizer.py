@@ -10,30 +10,31 @@ from shard.errors import ShardError
 from shard.paths import TOKENIZER_DIR
 
 
-def run_tokenizer(cfg) -> Tokenizer | None:
-    """The tokenizer a config's data is read with (None: synthetic data, which has none)."""
+def run_tokenizer(cfg, source=None) -> Tokenizer | None:
+    """The tokenizer a config's data is read with (None: synthetic data, which has none); `source`: the
+    data's description (shard.data.sources.DataSource), where the caller has it."""
     from shard.data.sources import SYNTHETIC, data_source
 
-    source = data_source(cfg)
+    source = source or data_source(cfg)
     if source.kind == SYNTHETIC:
         return None
     return load_tokenizer(source.tokenizer)
 
 
-def save_run_tokenizer(cfg, run_dir: Path) -> None:
+def save_run_tokenizer(cfg, run_dir: Path, source=None) -> None:
     """Keep the run's tokenizer in run_dir/tokenizer (once: a resumed run keeps the one it started with)."""
-    tok = run_tokenizer(cfg)
+    tok = run_tokenizer(cfg, source)
     if tok is not None and not (run_dir / TOKENIZER_DIR).exists():
         tok.save(run_dir / TOKENIZER_DIR)
 
 
-def check_run_tokenizer(cfg, run_dir: Path) -> None:
+def check_run_tokenizer(cfg, run_dir: Path, source=None) -> None:
     """A resumed run reads its data with the tokenizer it started with (its run dir's): another one
     would give its ids other meanings, silently."""
     saved_dir = run_dir / TOKENIZER_DIR
     if not saved_dir.is_dir():
         return
-    tok = run_tokenizer(cfg)
+    tok = run_tokenizer(cfg, source)
     saved = load_tokenizer(str(saved_dir))
     if tok is not None and tok.fingerprint != saved.fingerprint:
         raise ShardError(f"the run in {run_dir} trained with the {saved.kind} tokenizer {saved.fingerprint} (its "

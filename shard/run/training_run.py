@@ -173,13 +173,13 @@ class _TrainingRun:
     def _launch(self) -> tuple[Path, list]:
         """The run dir and the devices, once every process agrees on the config, the data and the run dir."""
         from shard.cluster import exchange
-        from shard.data.sources import data_source, unused_files_note
+        from shard.data.sources import unused_files_note
         from shard.run.agreement import check_same_config, check_same_data, check_shared_run_dir
 
         cfg = self.cfg
         mesh_spec = parse_mesh(cfg.mesh.spec)
         self.window = profiling.parse_window(self.profile_steps, cfg.steps) if self.profile_steps else None
-        if self.main and (note := unused_files_note(data_source(cfg))):
+        if self.main and (note := unused_files_note(self.start.source)):
             self.speech.warn(note)
         path = run_dir_for(cfg, mesh_spec, self.resume, self.main)
         devices = start_devices(cfg, mesh_spec, compile_cache_dir(cfg, path), self.cluster, warn=self.speech.warn,
@@ -187,12 +187,12 @@ class _TrainingRun:
         path = Path(exchange.broadcast_text(str(path)))
         check_same_config(cfg, {"--resume": self.resume, "--allow-fresh": self.allow_fresh})
         check_devices_per_process(devices)  # after: a different config (a mesh) is the likelier cause
-        check_same_data(cfg)
+        check_same_data(cfg, self.start.source)
         check_shared_run_dir(path)
         if self.main and self.resume:
             from shard.run.tokenizer import check_run_tokenizer
 
-            check_run_tokenizer(cfg, path)
+            check_run_tokenizer(cfg, path, self.start.source)
         return path, devices
 
     def _prepare(self, devices, restore):
@@ -205,7 +205,7 @@ class _TrainingRun:
         if cfg.task == "dpo" and cfg.init_from:
             reference = restore_source(None, False, False, cfg.init_from, cfg.seed, notice)
         run = prepare(cfg, devices, restore=restore, reference=reference,
-                      compiling=compiling_line if self.main else nullcontext)
+                      compiling=compiling_line if self.main else nullcontext, source=self.start.source)
         self.start_step = run.start_step
         if cfg.init_from and not run.start_step and restore is not None:
             notice(f"initialised from {cfg.init_from}")
@@ -262,7 +262,7 @@ class _TrainingRun:
         if self.main:
             from shard.run.tokenizer import save_run_tokenizer
 
-            save_run_tokenizer(cfg, path)
+            save_run_tokenizer(cfg, path, self.start.source)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]
             if cfg.tracking.project:

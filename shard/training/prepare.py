@@ -80,23 +80,25 @@ class Run:
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,
-            compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
+            compiling: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            source=None) -> Run:
     """Everything up to the first step: mesh, shardings, sharded init (or `restore(spec)`, which
     returns a shard.run.checkpoint.Restored in this mesh's shardings), data stream, compiled step.
     `reference(spec)`: where a resumed DPO run reads its reference weights (shard.training.dpo).
-    `compiling()` is entered around the step's compile (a line that says so: it can take a minute)."""
+    `compiling()` is entered around the step's compile (a line that says so: it can take a minute).
+    `source`: the data's description (shard.data.sources.data_source), where the caller has it."""
     ctx = runtime.context()
     if cfg.eval.every:
         from shard.training.evaluate import eval_processes
 
         eval_processes(cfg, ctx)  # before anything compiles
     if ctx.mode == runtime.MPI:
-        return _prepare_bridge(cfg, ctx, devices, restore)
+        return _prepare_bridge(cfg, ctx, devices, restore, source)
     mesh_spec = parse_mesh(cfg.mesh.spec)
     layout = make_layout(cfg, mesh_spec, devices)
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
-    dataset, eval_data = _training_data(cfg)
+    dataset, eval_data = _training_data(cfg, source)
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -131,10 +133,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
                start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
 
-def _training_data(cfg: TrainConfig):
+def _training_data(cfg: TrainConfig, source=None):
     """The training samples, and the held-out ones with eval.every; a mixture whose capped sources hold
     fewer samples than the run reads is refused here, before anything compiles."""
-    source = data_source(cfg)  # described once, for the training and the held-out samples
+    source = source or data_source(cfg)  # described once, for the training and the held-out samples
     dataset = training_samples(cfg, source)
     total = getattr(dataset, "total", None)  # a mixture of capped sources
     if total is not None and total < cfg.steps * cfg.data.batch:
@@ -151,7 +153,7 @@ def _eval_data(cfg: TrainConfig, source):
     return eval_samples(cfg, source)
 
 
-def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None) -> Run:
+def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | None = None, source=None) -> Run:
     """The MPI bridge: a local mesh over this process's devices; processes split the batch axes only
     (parameters are replicated across processes), each reads its own block of every global batch.
     Every process restores the same checkpoint (process 0 wrote it) into its own mesh."""
@@ -184,7 +186,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
         eval_rows(cfg, eval_processes(cfg, ctx), layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
-    dataset, eval_data = _training_data(cfg)
+    dataset, eval_data = _training_data(cfg, source)
     init = (lambda: init_state(spec, cfg.model, cfg.seed)) if restore is None else None  # same seed: equal replicas
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position,

@@ -175,6 +175,36 @@ def test_sft_then_dpo_from_its_checkpoint(files, tmp_path):
     assert "reward margin" in dpo.output
 
 
+def test_a_fine_tune_reads_its_data_with_the_tokenizer_its_weights_came_with(files, tmp_path):
+    """--init-from a Hugging Face folder holding its own BPE tokenizer: SFT reads the chats with that
+    tokenizer (not bytes), the start-up line says where it came from and the run keeps it; DPO from that
+    run reads with it again; a --tokenizer that is another one is refused in one line."""
+    import dataclasses
+
+    from shard.config.presets import PRESETS
+    from shard.run import hf
+
+    base = tmp_path / "base"
+    tok = train_bpe((json.dumps(_chat(a, b)) for a in range(1, 10) for b in range(1, 10)), 300, base)
+    model = dataclasses.replace(PRESETS["tiny"], vocab_size=tok.vocab_size)
+    hf.write_hf_dir(str(base), model, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(model)))))
+    train = ["train", *TINY[2:], "--steps", "1"]  # the model is the weights'
+    sft = CliRunner().invoke(app, [*train, "--task", "sft", "--data", str(files / "chats.jsonl"), "--init-from",
+                                   str(base), "--run-dir", str(tmp_path / "sft")])
+    assert sft.exit_code == 0, sft.output
+    assert f"tokenizer huggingface (300 ids, eos 0) from {base}" in sft.output, sft.output
+    assert load_tokenizer(str(tmp_path / "sft" / "tokenizer")).fingerprint == tok.fingerprint
+    dpo = CliRunner().invoke(app, [*train, "--task", "dpo", "--data", str(files / "pairs.jsonl"), "--init-from",
+                                   str(tmp_path / "sft"), "--run-dir", str(tmp_path / "dpo")])
+    assert dpo.exit_code == 0, dpo.output
+    assert f"tokenizer huggingface (300 ids, eos 0) from {tmp_path / 'sft' / 'tokenizer'}" in dpo.output, dpo.output
+    refused = CliRunner().invoke(app, [*train, "--task", "sft", "--data", str(files / "chats.jsonl"), "--init-from",
+                                       str(base), "--tokenizer", "byte", "--run-dir", str(tmp_path / "bytes")])
+    assert refused.exit_code == 2 and refused.output.count("error:") == 1, refused.output
+    assert (f"--tokenizer byte is the byte tokenizer byte, not the huggingface tokenizer {tok.fingerprint} the "
+            f"weights in {base} came with") in refused.output, refused.output
+
+
 def test_dpo_with_lora_takes_the_base_as_its_reference(files, tmp_path):
     """With LoRA the reference is the base weights with the adapters left out (no second copy): the first
     step starts at it (B is zero: loss log 2, margin 0), and once the adapters have moved the policy

@@ -20,7 +20,7 @@ from shard.data.mixture import MixtureSamples
 from shard.data.packing import PackedSource, pack, packed_batch
 from shard.data.samples import Samples, SyntheticSource, WindowSource
 from shard.data.sources import MIXTURE, SYNTHETIC, DataSource, data_source, describe_data
-from shard.data.tokenizers import describe, load_tokenizer
+from shard.data.tokenizers import BYTE, describe, load_tokenizer
 from shard.errors import ShardError
 
 
@@ -85,6 +85,8 @@ def data_summary(cfg, samples) -> str:
     source = getattr(samples, "origin", None) or data_source(cfg)
     line = f"data {path or 'the embedded corpus'}"
     line += f" · tokenizer {describe(load_tokenizer(source.tokenizer))}"
+    if source.tokenizer not in ("", BYTE):  # where it came from: --tokenizer, a store's, the weights'
+        line += f" from {source.tokenizer}"
     line += f" · model vocab {cfg.model.vocab_size:,}"
     if isinstance(samples, MixtureSamples):
         parts = [f"{label} {share:.1%} ({part.describe()})"

@@ -57,6 +57,10 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
                "process")
     cfg = absolute_paths(cfg)
+    if weights and not resumed:  # a resumed run reads with the tokenizer on record
+        from shard.run.tokenizer import with_weights_tokenizer
+
+        cfg = with_weights_tokenizer(cfg)
     cfg, source = _vocab_of_tokenizer(cfg, overrides, notice if main else unsaid)
     changes = resume_changes(base, cfg) if resumed and main else []
     if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):

@@ -42,6 +42,26 @@ def check_run_tokenizer(cfg, run_dir: Path, source=None) -> None:
                          f"{tok.fingerprint}: give --tokenizer {saved_dir}, or start a new run")
 
 
+def with_weights_tokenizer(cfg):
+    """A run that starts from weights (init_from) reads its data with the tokenizer they came with
+    (tokenizer_folder): data.tokenizer becomes it where none was given, and a given one that is another
+    tokenizer is refused, since the weights' ids mean their own tokens. Weights that name no tokenizer
+    leave the config as it is."""
+    import dataclasses
+
+    folder = tokenizer_folder(cfg.init_from)
+    if folder is None:
+        return cfg
+    if not cfg.data.tokenizer:
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(folder)))
+    given, theirs = load_tokenizer(cfg.data.tokenizer), load_tokenizer(str(folder))
+    if (given.kind, given.fingerprint) != (theirs.kind, theirs.fingerprint):
+        raise ShardError(f"--tokenizer {cfg.data.tokenizer} is the {given.kind} tokenizer {given.fingerprint}, not the "
+                         f"{theirs.kind} tokenizer {theirs.fingerprint} the weights in {cfg.init_from} came with "
+                         f"({folder}): leave out --tokenizer to read the data with theirs")
+    return cfg
+
+
 def tokenizer_folder(weights: str | Path) -> Path | None:
     """The folder of the tokenizer that goes with some weights: a Hugging Face folder itself, or for a
     shard checkpoint its run dir's tokenizer/ (else the side files it imported); None when none says."""

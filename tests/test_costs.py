@@ -74,8 +74,9 @@ CASES = {
     "fine-dp_fsdp_ep": ("moe-fine-tiny", "data=2,fsdp=2,expert=2", {}),
     "tiny-1layer": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
     "tiny-1layer-untied": ("tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128, "model__tie_embeddings": False}),
-    "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1}),
-    "moe-1layer-long": ("moe-tiny", "8x1", {"model__n_layers": 1, "data__seq_len": 128}),
+    # capacity routing: XLA:CPU lowers dropless routing's ragged_dot to a masked matmul over every expert
+    "moe-1layer": ("moe-tiny", "8x1", {"model__n_layers": 1, "model__moe_routing": "capacity"}),
+    "moe-1layer-long": ("moe-tiny", "8x1", {"model__n_layers": 1, "model__moe_routing": "capacity", "data__seq_len": 128}),
     # model families: q/k/v biases (qwen2), q/k norms and head_dim x heads != d_model (qwen3)
     "qwen2-fsdp_tp": ("qwen2-tiny", "fsdp_tp:4x2", {}),
     "qwen3-fsdp_tp": ("qwen3-tiny", "fsdp_tp:4x2", {}),

@@ -99,7 +99,7 @@ def test_the_family_comes_from_model_type(family):
     assert cfg.rope_local_theta == (100.0 if kind == "gemma3_text" else 0.0)
     assert cfg.sliding_window == (6 if "sliding_window" in FAMILY_KEYS.get(kind, {}) else 0)
     assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_routing) == ((8, 2, "dropless") if kind in ("mixtral", "qwen3_moe")
-                                                                       else (0, 2, "capacity"))
+                                                                       else (0, 2, "dropless"))
     assert (cfg.head_dim, cfg.n_heads * cfg.head_dim) == (8, 128) and cfg.d_model == 64
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
 

@@ -132,6 +132,17 @@ def test_no_token_is_dropped_where_capacity_drops_them():
     assert int(wrong.sum()) > 0 and int((np.abs(routed["dropless"] - ref).max(axis=-1) > 1e-4).sum()) == 0
 
 
+def test_routing_is_dropless_unless_asked():
+    """A mixture of experts drops no token unless capacity routing is asked for (issue 53: moe-tiny on
+    data=2,expert=4 dropped thousands of tokens a step by default)."""
+    from shard import config
+
+    assert config.resolve({"model": {"name": "moe-tiny"}}).model.moe_routing == "dropless"
+    assert {PRESETS[name].moe_routing for name in PRESETS if PRESETS[name].n_experts} == {"dropless"}
+    asked = config.resolve({"model": {"name": "moe-tiny", "moe_routing": "capacity"}})
+    assert asked.model.moe_routing == "capacity"
+
+
 def test_capacity_with_room_for_every_token_equals_dropless():
     cfg, p, h = _cfg(shared=1, **ROUTERS["deepseek-v3"]), _params(1), _tokens()
     roomy = dataclasses.replace(cfg, moe_routing="capacity", capacity_factor=E / cfg.experts_per_token)

@@ -130,7 +130,7 @@ def _run(run_dir, cfg, restore=None):
 def test_a_tiny_moe_run_balances_logs_the_load_and_checkpoints_the_bias(tmp_path):
     rate = 0.01
     cfg = tiny_config("4x2", model__name="moe-tiny", model__router_bias_update=rate, model__aux_loss_weight=0.0,
-                      steps=4)
+                      model__moe_routing="capacity", steps=4)  # capacity: its tokens_dropped is logged too
     records, run, ckpts = _run(tmp_path / "run", cfg)
     try:
         logged = read_jsonl(tmp_path / "run" / "metrics.jsonl")

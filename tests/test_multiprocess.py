@@ -570,7 +570,7 @@ def test_the_bridge_reports_the_moe_aux_loss_as_one_mesh_does(monkeypatch):
     from shard.training.step import make_train_step
     from shard.testing import random_batch
 
-    cfg = tiny_config("1x1", model__name="moe-tiny", model__router_bias_update=0.01)
+    cfg = tiny_config("1x1", model__name="moe-tiny", model__router_bias_update=0.01, model__moe_routing="capacity")
     layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     batch = random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size)

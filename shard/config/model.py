@@ -104,9 +104,9 @@ class ModelConfig:
     # router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2, per layer, added with
     # this weight (1e-3 in ST-MoE); keeps the router's logits small. 0: off (still logged)
     router_z_loss_weight: float = 0.0
-    # "capacity": slots per expert and sequence, tokens beyond them dropped (GShard); "dropless": tokens
-    # sorted by expert through grouped matmuls (jax.lax.ragged_dot), none dropped (shard/models/moe.py)
-    moe_routing: str = "capacity"
+    # "dropless" (the default, as peers'): tokens sorted by expert through grouped matmuls (jax.lax.ragged_dot),
+    # none dropped; "capacity": slots per expert and sequence, tokens beyond them dropped (GShard), kept to compare
+    moe_routing: str = "dropless"
     router_scores: str = "softmax"  # over the experts, or "sigmoid": one score per expert (DeepSeek-V3)
     # the k chosen scores rescaled to sum to 1 (with softmax: Mixtral's softmax over the k chosen logits);
     # false: the gates are the scores themselves (Switch, Qwen2-MoE, DeepSeek-V2)

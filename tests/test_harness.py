@@ -137,6 +137,35 @@ def test_the_training_loop_logs_task_scores(exported, tmp_path):
     assert all(0 <= r["eval/tiny_mc/acc"] <= 1 for r in records)
 
 
+def test_lm_eval_hf_backend_evaluates_the_export_of_a_run_on_a_bare_tokenizer_json(exported, tmp_path):
+    """A run on a tokenizer.json with no tokenizer_config.json beside it exported a tokenizer that
+    transformers gave no eos_token, and lm-eval's `hf` backend failed on it (TypeError: 'None' is not an
+    instance of 'Sequence', from decode(prefix_token_id))."""
+    from lm_eval.models.huggingface import HFLM
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+    from shard.data.tokenizers import train_bpe
+
+    _, task = exported
+    train_bpe([TEXT] * 4, 300, tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer_config.json").unlink()  # tokenizer.json alone, as `tokenizers` saves one
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((TEXT + "\n") * 40)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    result = CliRunner().invoke(app, ["train", "--data", str(corpus), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                                      "--model", "tiny", "--steps", "1", "--batch", "8", "--seq", "32", "--mesh", "8x1",
+                                      "--run-dir", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "eos 0 <|endoftext|> (no tokenizer_config.json: taken from its special tokens)" in result.output
+    result = CliRunner().invoke(app, ["export-hf", str(run), "--out", str(out)])
+    assert result.exit_code == 0 and "and the run's tokenizer" in result.output, result.output
+    lm = HFLM(pretrained=str(out), device="cpu", batch_size=4, dtype="float32")
+    assert (lm.tokenizer.eos_token, lm.eot_token_id) == ("<|endoftext|>", 0)
+    acc, logliks = _evaluate(lm, task)
+    assert 0 <= acc <= 1 and len(logliks) == sum(len(c) for _, c, _ in QUESTIONS) and np.isfinite(logliks).all()
+
+
 def test_ranking_by_a_task_score_needs_the_tasks_at_every_save():
     with pytest.raises(ShardError, match="needs eval.harness_tasks"):
         tiny_config(checkpoint__best_metric="eval/tiny_mc/acc")

@@ -1,14 +1,15 @@
 """The three tokenizers behind one protocol: bytes, a Hugging Face tokenizer.json and a SentencePiece
 model; saved and loaded back byte for byte; files that are not tokenizers are one line."""
 
+import json
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from shard.data.tokenizers import (ByteTokenizer, Tokenizer, document_ids, encode, load_tokenizer, padded_vocab,
-                                   train_bpe)
+from shard.data.tokenizers import (ByteTokenizer, Tokenizer, describe, document_ids, encode, load_tokenizer,
+                                   padded_vocab, train_bpe)
 from shard.errors import ShardError
 
 TEXT = "def main(argv):\n    return 0  # café ✓"
@@ -97,3 +98,72 @@ def test_byte_tokenizer_saved_is_read_back(tmp_path):
     ByteTokenizer().save(tmp_path)
     assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)
     assert np.array_equal(encode(load_tokenizer(str(tmp_path)), "ab"), [97, 98])
+
+
+def _bare_bpe(folder: Path, special: list[str]) -> Path:
+    """A byte-level BPE as the `tokenizers` library saves one: tokenizer.json alone, no tokenizer_config.json."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_lines(300), trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_bare_tokenizer_json_takes_eos_from_its_special_tokens_and_its_export_names_them(tmp_path):
+    """A tokenizer.json with no tokenizer_config.json: shard ended its documents with <|endoftext|>, said
+    nothing of where that came from, and its export had no config, so transformers' tokenizer had no
+    eos_token (lm-eval's `hf` backend failed on it: tests/test_harness.py)."""
+    from transformers import AutoTokenizer
+
+    from shard.run.tokenizer import name_special_tokens
+
+    bare = _bare_bpe(tmp_path / "bare", ["<pad>", "<|endoftext|>", "<s>"])
+    tok = load_tokenizer(str(bare))
+    assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.add_bos) == (0, 1, 2, False)
+    assert describe(tok) == ("huggingface (300 ids, eos 1 <|endoftext|> (no tokenizer_config.json: taken from its "
+                             "special tokens))")
+    ids = encode(tok, TEXT)
+    assert document_ids(tok, ids).tolist() == [*ids.tolist(), 1]
+    tok.save(tmp_path / "run")  # a run's copy stays byte for byte the tokenizer it was given
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["tokenizer.json"]
+    tok.save(tmp_path / "export")
+    name_special_tokens(tmp_path / "export")  # what export-hf does to the tokenizer it writes
+    hf = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert (hf.eos_token, hf.bos_token, hf.pad_token) == ("<|endoftext|>", "<s>", "<pad>")
+    assert hf(TEXT)["input_ids"] == ids.tolist()
+    again = load_tokenizer(str(tmp_path / "export"))
+    assert (again.eos_id, again.bos_id, again.pad_id, again.eos_guessed) == (1, 2, 0, "")
+    # a config that names some of them keeps its keys; the rest are added
+    config = {"chat_template": "{{ messages }}", "eos_token": None, "model_max_length": 64}
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert describe(load_tokenizer(str(bare))).endswith("eos 1 <|endoftext|> (tokenizer_config.json names none: "
+                                                        "taken from its special tokens))")
+    name_special_tokens(bare)
+    written = json.loads((bare / "tokenizer_config.json").read_text())
+    assert written == config | {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                                "bos_token": "<s>", "pad_token": "<pad>"}
+    # none of the usual names among its special tokens: the start-up line says its documents have no end
+    assert describe(load_tokenizer(str(_bare_bpe(tmp_path / "none", ["<|stop|>"])))) == "huggingface (300 ids, no eos)"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"eos_token": "<|eot_id|>"}, 'eos_token "<|eot_id|>" is no token of'),
+    ({"eos_token": 12345}, "eos_token must be a token (a string), not 12345"),
+    ({"bos_token": {"content": "<bos>", "special": True}}, 'bos_token "<bos>" is no token of'),
+    ({"pad_token": ["<pad>"]}, 'pad_token must be a token (a string), not ["<pad>"]'),
+])
+def test_a_config_naming_no_token_is_one_line(bpe, tmp_path, config, message):
+    """eos_token naming no token was a silent None (documents without an end), 12345 a TypeError."""
+    folder = tmp_path / "tok"
+    bpe.save(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ShardError) as e:
+        load_tokenizer(str(folder))
+    assert str(e.value).startswith(f"{folder / 'tokenizer_config.json'}: ") and "\n" not in str(e.value)
+    assert message in str(e.value)

@@ -23,7 +23,7 @@ HF_FILE = "tokenizer.json"
 HF_CONFIG = "tokenizer_config.json"
 SP_FILE = "tokenizer.model"
 BYTE_FILE = "shard_tokenizer.json"  # the byte tokenizer's marker in a saved folder (it has no file of its own)
-# Names tokenizers give their end-of-text token, when tokenizer_config.json does not say.
+# Names tokenizers give their special tokens, in order of preference, when tokenizer_config.json does not say.
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
@@ -37,6 +37,7 @@ class Tokenizer(Protocol):
     vocab_size: int  # ids are 0..vocab_size-1, special tokens included
     bos_id: int | None
     eos_id: int | None
+    eos_guessed: str  # where no config named eos_id: the token and where it was found ("" otherwise)
     pad_id: int | None
     add_bos: bool  # documents start with bos_id (the tokenizer's own convention)
 
@@ -69,10 +70,16 @@ def document_ids(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
 
 
 def describe(tokenizer: Tokenizer) -> str:
-    """`huggingface (tokenizer.json, 8,000 ids, eos 0)` for start-up summaries."""
+    """`huggingface (8,000 ids, eos 0)` for start-up summaries; an end-of-text token that no config named
+    is named, with where it came from, and a tokenizer with files but none says `no eos` (its documents
+    run together)."""
     marks = [f"{tokenizer.vocab_size:,} ids"]
-    marks += [f"{name} {i}" for name, i in (("bos", tokenizer.bos_id if tokenizer.add_bos else None),
-                                            ("eos", tokenizer.eos_id)) if i is not None]
+    if tokenizer.add_bos and tokenizer.bos_id is not None:
+        marks.append(f"bos {tokenizer.bos_id}")
+    if tokenizer.eos_id is not None:
+        marks.append(f"eos {tokenizer.eos_id}" + (f" {tokenizer.eos_guessed}" if tokenizer.eos_guessed else ""))
+    elif tokenizer.kind != BYTE:
+        marks.append("no eos")
     return f"{tokenizer.kind} ({', '.join(marks)})"
 
 
@@ -82,6 +89,7 @@ class ByteTokenizer:
     kind = BYTE
     vocab_size = BYTE_VOCAB
     bos_id = eos_id = pad_id = None
+    eos_guessed = ""
     add_bos = False
     special_tokens: dict[str, int] = {}
     fingerprint = BYTE
@@ -102,7 +110,8 @@ class ByteTokenizer:
 
 class HuggingFaceTokenizer:
     """A `tokenizer.json` (any model the `tokenizers` library reads: BPE, WordPiece, Unigram), with the
-    special tokens its `tokenizer_config.json` names beside it, when there is one."""
+    special tokens its `tokenizer_config.json` names beside it; those it does not name (or all, with no
+    config) are the first of the usual names (`<|endoftext|>`, `</s>` ...) among its special tokens."""
 
     kind = "huggingface"
 
@@ -117,23 +126,48 @@ class HuggingFaceTokenizer:
             raise ShardError(f"{path} is not a Hugging Face tokenizer ({str(e).splitlines()[0][:160]})") from None
         config = read_json_object(self.config_path) if self.config_path.is_file() else {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._special_id(config.get("eos_token"), _EOS_NAMES)
-        self.pad_id = self._special_id(config.get("pad_token"), _PAD_NAMES)
-        self.bos_id = self._special_id(config.get("bos_token"), _BOS_NAMES)
+        self.eos_id, self.eos_guessed = self._special_id(config, "eos_token", _EOS_NAMES)
+        self.pad_id, _ = self._special_id(config, "pad_token", _PAD_NAMES)
+        self.bos_id, _ = self._special_id(config, "bos_token", _BOS_NAMES)
         # whether documents start with BOS: what the config says, else what the post-processor does
         added = self._tok.encode("a").ids
         bare = self._tok.encode("a", add_special_tokens=False).ids
         uses = bool(added) and len(added) > len(bare) and added[0] == self.bos_id
         self.add_bos = bool(config.get("add_bos_token", uses)) and self.bos_id is not None
 
-    def _special_id(self, named, fallbacks: tuple[str, ...]) -> int | None:
+    def _special_id(self, config: dict, key: str, usual: tuple[str, ...]) -> tuple[int | None, str]:
+        """The id of the token `config[key]` names; where the config names none, the first of the `usual`
+        names among the special tokens, and a note saying so (the token and where it came from; "" when
+        the config named it). A name that is no token of the vocabulary is an error, not a silent None."""
+        named = config.get(key)
         if isinstance(named, dict):  # an AddedToken written out: {"content": "</s>", ...}
             named = named.get("content")
-        for name in ([named] if named else []) + ([] if named else list(fallbacks)):
-            token_id = self._tok.token_to_id(name)
-            if token_id is not None:
-                return token_id
-        return None
+        if named is None:
+            special = self.special_tokens
+            found = next((name for name in usual if name in special), None)
+            if found is None:
+                return None, ""
+            where = f"{HF_CONFIG} names none" if self.config_path.is_file() else f"no {HF_CONFIG}"
+            return special[found], f"{found} ({where}: taken from its special tokens)"
+        if not isinstance(named, str):
+            raise ShardError(f"{self.config_path}: {key} must be a token (a string), not "
+                             f"{json.dumps(config[key])[:80]}")
+        token_id = self._tok.token_to_id(named)
+        if token_id is None:
+            raise ShardError(f"{self.config_path}: {key} {json.dumps(named)[:80]} is no token of {self.path}")
+        return token_id, ""
+
+    def transformers_config(self) -> dict:
+        """Its tokenizer_config.json with what transformers' AutoTokenizer needs added where missing: a
+        class to load it with and the special tokens shard reads it with, so that a model exported with
+        it (lm-eval's `hf` backend, generate) ends documents where shard's training data did. The
+        config's other keys (a chat template ...) are kept as they are."""
+        config = read_json_object(self.config_path) if self.config_path.is_file() else {}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        for key, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id)):
+            if config.get(key) is None and token_id is not None:
+                config[key] = self._tok.id_to_token(token_id)
+        return config
 
     @property
     def special_tokens(self) -> dict[str, int]:
@@ -179,6 +213,7 @@ class SentencePieceTokenizer:
         self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None for i in
                                                  (self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id()))
         self.add_bos = self.bos_id is not None  # SentencePiece models (Llama, Gemma) start documents with BOS
+        self.eos_guessed = ""  # the model names its own
 
     @property
     def special_tokens(self) -> dict[str, int]:

@@ -1,11 +1,14 @@
 """The tokenizer travels with the run: saved in the run dir (`tokenizer/`, beside the checkpoints) when
 a run first starts, so `shard generate --prompt`, `shard eval` and `shard export-hf` find it from a
 checkpoint without being told. A model imported from Hugging Face keeps its folder's tokenizer among
-the side files (shard.run.hf.SIDE_DIR), which is read when the run dir has no tokenizer of its own."""
+the side files (shard.run.hf.SIDE_DIR), which is read when the run dir has no tokenizer of its own. An
+export's tokenizer_config.json names the special tokens shard read the data with (name_special_tokens)."""
 
+import json
 from pathlib import Path
 
-from shard.data.tokenizers import BYTE_FILE, BYTE_VOCAB, HF_FILE, SP_FILE, ByteTokenizer, Tokenizer, load_tokenizer
+from shard.data.tokenizers import (BYTE_FILE, BYTE_VOCAB, HF_FILE, SP_FILE, ByteTokenizer, HuggingFaceTokenizer,
+                                   Tokenizer, load_tokenizer, read_json_object)
 from shard.errors import ShardError
 from shard.paths import TOKENIZER_DIR
 
@@ -93,13 +96,30 @@ def tokenizer_for(weights: str | Path, vocab_size: int) -> Tokenizer | None:
 
 
 def copy_tokenizer(weights: str | Path, out: Path) -> bool:
-    """Write the tokenizer of some weights into `out` (export-hf) unless `out` holds one already or it is
-    the byte tokenizer (Hugging Face has no file for it); whether it wrote one."""
+    """Write the tokenizer of some weights into `out` (export-hf) unless `out` holds one already (the side
+    files') or it is the byte tokenizer (Hugging Face has no file for it); whether it wrote one. Either way
+    a tokenizer.json in `out` ends up with a tokenizer_config.json naming its special tokens
+    (name_special_tokens)."""
     folder = tokenizer_folder(weights)
-    if folder is None or any((out / name).is_file() for name in (HF_FILE, SP_FILE)):
-        return False
-    tok = load_tokenizer(str(folder))
-    if isinstance(tok, ByteTokenizer):
-        return False
-    tok.save(out)
-    return True
+    wrote = False
+    if folder is not None and not any((out / name).is_file() for name in (HF_FILE, SP_FILE)):
+        tok = load_tokenizer(str(folder))
+        if not isinstance(tok, ByteTokenizer):
+            tok.save(out)
+            wrote = True
+    name_special_tokens(out)
+    return wrote
+
+
+def name_special_tokens(folder: Path) -> None:
+    """Give the Hugging Face tokenizer in `folder` (an export) the tokenizer_config.json transformers
+    needs to know its end-of-text token (and a class to load it with, its BOS and PAD), where its own
+    does not say or it has none: AutoTokenizer then has the eos_token shard trained with, which lm-eval's
+    `hf` backend and generation need. Keys the config has are kept; nothing is written when none is
+    missing."""
+    if not (folder / HF_FILE).is_file():
+        return
+    tok = HuggingFaceTokenizer(folder / HF_FILE)
+    config = tok.transformers_config()
+    if not tok.config_path.is_file() or read_json_object(tok.config_path) != config:
+        tok.config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

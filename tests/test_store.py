@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shard.cli.app import app
+from shard.data.batches import sample_dataset
 from shard.data.documents import iter_documents
 from shard.data.store import TokenStore, cached_store, is_store, prepare_store
 from shard.data.tokenizers import ByteTokenizer, train_bpe
@@ -186,6 +187,119 @@ def test_a_damaged_store_names_the_file(tmp_path, tok):
     with pytest.raises(ShardError, match=f"good holds token id {good.max_token}, outside the vocabulary of 100"):
         good.check_vocab(100)
     good.check_vocab(tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, tok):
+    """A store to copy and damage."""
+    root = tmp_path_factory.mktemp("made")
+    src = write_jsonl(root / "a.jsonl", TEXTS)
+    return prepare_store(str(src), tok, root / "store", workers=2, progress=False, chunk_bytes=CHUNK)
+
+
+def edited(made, tmp_path, edit):
+    """A copy of the store `made` with its store.json edited by `edit(meta)`."""
+    copy = tmp_path / "copy"
+    shutil.copytree(made.path, copy)
+    meta = json.loads((copy / "store.json").read_text())
+    edit(meta)
+    (copy / "store.json").write_text(json.dumps(meta))
+    return copy
+
+
+def shard_field(k, v, i=0):
+    return lambda m: m["shards"][i].__setitem__(k, v)
+
+
+def tok_field(k, v):
+    return lambda m: m["tokenizer"].__setitem__(k, v)
+
+
+def twice(m):
+    m["shards"].append(dict(m["shards"][0]))
+    m["n_tokens"] += m["shards"][0]["n_tokens"]
+    m["n_documents"] += m["shards"][0]["n_documents"]
+
+
+STORE_JSON_DAMAGE = {
+    "dtype int8": (lambda m: m.__setitem__("dtype", "int8"), "dtype is 'int8', not one of uint16, uint32"),
+    "no tokenizer": (lambda m: m.pop("tokenizer"), "tokenizer is None, not an object"),
+    "kind": (tok_field("kind", 3), "tokenizer.kind is 3, not a string"),
+    "vocab 0": (tok_field("vocab_size", 0), "tokenizer.vocab_size is 0, not a whole number above 0"),
+    "vocab bool": (tok_field("vocab_size", True), "tokenizer.vocab_size is True, not a whole"),
+    "vocab str": (tok_field("vocab_size", "300"), "tokenizer.vocab_size is '300', not a whole"),
+    "vocab too big": (tok_field("vocab_size", 70000), "tokenizer.vocab_size is 70,000: more ids than its dtype "
+                                                      "uint16 holds"),
+    "eos outside": (tok_field("eos_id", 300), r"tokenizer.eos_id is 300, not null or an id of the vocabulary \(0..299\)"),
+    "bos str": (tok_field("bos_id", "0"), "tokenizer.bos_id is '0', not null"),
+    "sources": (lambda m: m.__setitem__("sources", "a.jsonl"), "sources is 'a.jsonl', not a list of paths"),
+    "no shards": (lambda m: m.__setitem__("shards", []), "shards lists no shards"),
+    "shards dict": (lambda m: m.__setitem__("shards", {}), "shards is {}, not a list of shards"),
+    "shard str": (lambda m: m["shards"].__setitem__(0, "tokens-00000.bin"), r"shards\[0\] is 'tokens-00000.bin', not "
+                                                                            "an object"),
+    "up": (shard_field("tokens", "../secret/tokens.bin"), r"shards\[0\].tokens names ../secret/tokens.bin, which "
+                                                          "is outside the store"),
+    "absolute": (shard_field("documents", "/etc/passwd", 1), r"shards\[1\].documents names /etc/passwd, which is "
+                                                             "outside the store"),
+    "folder": (shard_field("tokens", "tokenizer/tokens-00000.bin"), r"shards\[0\].tokens names "
+                                                                    "tokenizer/tokens-00000.bin, which is outside"),
+    "dots": (shard_field("tokens", ".."), r"shards\[0\].tokens is '..', not a file name"),
+    "twice": (twice, r"shards\[\d+\].tokens names tokens-00000.bin, which shards\[0\].tokens names too"),
+    "tokens as documents": (shard_field("documents", "tokens-00000.bin"), r"shards\[0\].documents names "
+                                                                          r"tokens-00000.bin, which shards\[0\].tokens"),
+    "n_tokens str": (lambda m: m["shards"][0].__setitem__("n_tokens", str(m["shards"][0]["n_tokens"])),
+                     r"shards\[0\].n_tokens is '\d+', not a whole number"),  # the right count, as a string
+    "n_documents bool": (shard_field("n_documents", False), r"shards\[0\].n_documents is False, not a whole"),
+    "n_tokens negative": (shard_field("n_tokens", -2), r"shards\[0\].n_tokens is -2, not a whole number of 0 or more"),
+    "max_token -1": (shard_field("max_token", -1), r"shards\[0\].max_token is -1, and the shard holds [\d,]+ tokens"),
+    "max_token vocab": (shard_field("max_token", 300), r"shards\[0\].max_token is 300, not an id of the vocabulary"),
+    "max_token float": (shard_field("max_token", 12.0), r"shards\[0\].max_token is 12.0, not an id"),
+    "crc": (shard_field("tokens_crc32", 12), r"shards\[0\].tokens_crc32 is 12, not a CRC-32"),
+    "tokens_bytes": (shard_field("tokens_bytes", 4), r"shards\[0\].tokens_bytes is 4, not [\d,]+ tokens of 2 bytes"),
+    "total str": (lambda m: m.__setitem__("n_tokens", str(m["n_tokens"])), "n_tokens is '[0-9]+', not a whole"),
+    "total off": (lambda m: m.__setitem__("n_documents", m["n_documents"] + 1), r"n_documents is [\d,]+, but its "
+                                                                                "shards' add up to"),
+}
+
+
+@pytest.mark.parametrize("case", STORE_JSON_DAMAGE)
+def test_store_json_is_checked_whole_in_one_line_naming_the_field(made, tmp_path, case):
+    edit, message = STORE_JSON_DAMAGE[case]
+    copy = edited(made, tmp_path, edit)
+    with pytest.raises(ShardError, match=message) as e:
+        TokenStore.open(copy)
+    assert str(e.value).startswith(f"token store {copy}: store.json's ") and "\n" not in str(e.value)
+
+
+def test_a_shard_listed_once_with_counts_that_match_its_files(made, tmp_path):
+    """The counts are checked against the files: a shard of tokens with no document ends is refused."""
+    shard = made.meta["shards"][0]
+
+    def no_documents(m):
+        m["shards"][0]["n_documents"] = 0
+        m["n_documents"] -= shard["n_documents"]
+        m["shards"][0].pop("documents_bytes", None)
+
+    copy = edited(made, tmp_path, no_documents)
+    np.save(copy / shard["documents"], np.zeros(0, np.int64))
+    with pytest.raises(ShardError, match=f"token store {copy}: the documents in {shard['documents']} end at 0, "
+                                         f"before the shard's end \\({shard['n_tokens']:,} tokens\\)"):
+        TokenStore.open(copy)
+
+
+def test_a_store_whose_record_says_another_vocabulary_than_its_tokenizer_is_refused(made, tmp_path, tok):
+    def smaller(m):  # and the recorded max_token with it: opening reads no ids to see otherwise
+        m["tokenizer"]["vocab_size"] = 200
+        for s in m["shards"]:
+            s["max_token"] = min(s["max_token"], 199)
+
+    copy = edited(made, tmp_path, smaller)
+    store = TokenStore.open(copy)
+    with pytest.raises(ShardError, match=f"token store {copy}: store.json's tokenizer.vocab_size is 200, but its "
+                                         "tokenizer has 300 ids"):
+        store.check_tokenizer(tok)
+    with pytest.raises(ShardError, match="tokenizer.vocab_size is 1,000, but its tokenizer has 300"):
+        sample_dataset(str(edited(made, tmp_path / "b", tok_field("vocab_size", 1000))), 1024, 16, 0)
 
 
 def test_cached_store_prepares_once_and_reuses(tmp_path, tok):

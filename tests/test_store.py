@@ -10,8 +10,12 @@ import pytest
 from typer.testing import CliRunner
 
 from shard.cli.app import app
+from shard.config.train import DataConfig
 from shard.data.batches import sample_dataset
 from shard.data.documents import iter_documents
+from shard.data.files import TokenParts
+from shard.data.packing import PackedSource, pack
+from shard.data.samples import Samples, WindowSource
 from shard.data.store import TokenStore, cached_store, is_store, prepare_store
 from shard.data.tokenizers import ByteTokenizer, train_bpe
 from shard.errors import ShardError
@@ -300,6 +304,36 @@ def test_a_store_whose_record_says_another_vocabulary_than_its_tokenizer_is_refu
         store.check_tokenizer(tok)
     with pytest.raises(ShardError, match="tokenizer.vocab_size is 1,000, but its tokenizer has 300"):
         sample_dataset(str(edited(made, tmp_path / "b", tok_field("vocab_size", 1000))), 1024, 16, 0)
+
+
+@pytest.mark.parametrize("packing", ["concat", "packed"])
+def test_ids_above_the_vocabulary_stop_the_batch_that_reads_them(made, tmp_path, packing):
+    copy = tmp_path / "copy"
+    shutil.copytree(made.path, copy)
+    shard = made.meta["shards"][1]
+    raw = np.fromfile(copy / shard["tokens"], np.uint16)
+    raw[2] = 65535  # store.json still says max_token < 300: opening the store cannot tell
+    raw.tofile(copy / shard["tokens"])
+    samples = sample_dataset(str(copy), 384, 16, 0, data=DataConfig(packing=packing))
+    with pytest.raises(ShardError, match=f"token store {copy} holds token id 65,535, outside its vocabulary of 300 "
+                                         "ids") as e:
+        samples.rows(0, samples.windows)  # every row once
+    assert "\n" not in str(e.value)
+    sample_dataset(str(made.path), 384, 16, 0, data=DataConfig(packing=packing)).rows(0, samples.windows)
+
+
+def test_a_uint32_id_past_int32_is_not_read_as_padding():
+    tokens = TokenParts([np.array([1, 2, 0xFFFFFFFF, 3, 4], "<u4")], vocab=70000, label="token store s")
+    with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295, outside its vocabulary of "
+                                         "70,000 ids"):
+        WindowSource(tokens, 4).read(np.arange(2))
+    assert WindowSource(tokens[3:], 4).read(np.arange(1)).tolist() == [[3, 4, -1, -1, -1]]
+    # packed rows hold int32 ids, where this id is -1, as padding is: told apart by the segments
+    ends = np.array([2, 5])
+    with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295"):
+        Samples(PackedSource(tokens, pack(ends, 4)), None).rows(0, 2)
+    assert Samples(PackedSource(tokens[3:], pack(ends[:1], 4)), None).rows(0, 1)["tokens"].tolist() == \
+        [[3, 4, -1, -1, -1]]
 
 
 def test_cached_store_prepares_once_and_reuses(tmp_path, tok):

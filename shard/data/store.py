@@ -18,7 +18,8 @@ to DIR when whole; a run that stops leaves the partial, and the same command con
 
 `TokenStore.open` trusts nothing in store.json: every field is checked for its type and range, the
 shards must be files of the store's own folder, and the counts must match the files. It reads no
-shard whole (a store of 10B tokens is 20 GB, opened at every start of a run)."""
+shard whole (a store of 10B tokens is 20 GB, opened at every start of a run), so the ids are checked
+where a batch reads them (shard.data.samples.check_ids)."""
 
 import contextlib
 import dataclasses
@@ -293,7 +294,8 @@ class _Say:
 @dataclasses.dataclass
 class TokenStore:
     """A token store, opened and checked: `tokens` is the whole stream (memory-mapped shards read as
-    one 1-D array), `document_ends` the global end offset of every document."""
+    one 1-D array, whose ids are checked against the vocabulary as batches read them), `document_ends`
+    the global end offset of every document."""
 
     path: Path
     meta: dict
@@ -321,7 +323,9 @@ class TokenStore:
                 raise ShardError(f"token store {path}: {e}") from None
             parts.append(tokens)
             offset += tokens.size
-        return cls(path, meta, TokenParts(parts), np.concatenate(ends).astype(np.int64))
+        vocab = meta["tokenizer"]["vocab_size"]
+        return cls(path, meta, TokenParts(parts, vocab=vocab, label=f"token store {path}"),
+                   np.concatenate(ends).astype(np.int64))
 
     @property
     def n_tokens(self) -> int:

@@ -4,6 +4,7 @@ one-line errors bad input gets (naming the file, deleting nothing); the data and
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from shard.cli.app import app
 from shard.config.train import DataConfig
+from shard.data import store as store_mod
 from shard.data.batches import sample_dataset
 from shard.data.documents import iter_documents
 from shard.data.files import TokenParts
@@ -95,23 +97,131 @@ def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
     assert ByteTokenizer().decode(documents(store)[0]) == files[0].read_text()
 
 
-def test_an_interrupted_prepare_continues_to_the_same_store_byte_for_byte(tmp_path, tok):
+class Killed(Exception):
+    pass
+
+
+def interrupted(monkeypatch, src, tok, out, stop_at):
+    """What a run killed (Ctrl-C) while making shard `stop_at` leaves: `out.partial`, the shards before
+    it finished and recorded, that one's tokens half-written. One worker, so the patch reaches it."""
+    make = store_mod._make_shard
+
+    def dies(job):
+        if job[0] == stop_at:
+            (Path(job[2]) / store_mod.tokens_name(stop_at)).write_bytes(b"\1\2\3")
+            raise Killed
+        return make(job)
+
+    monkeypatch.setattr(store_mod, "_make_shard", dies)
+    with pytest.raises(Killed):
+        prepare_store(str(src), tok, out, workers=1, progress=False, chunk_bytes=CHUNK)
+    monkeypatch.undo()
+    return out.with_name(out.name + ".partial")
+
+
+def test_an_interrupted_prepare_continues_to_the_same_store_byte_for_byte(tmp_path, tok, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
     whole = prepare_store(str(src), tok, tmp_path / "whole", workers=2, progress=False, chunk_bytes=CHUNK)
-    # what a run killed before its last shard leaves: no store.json, the last documents file missing
+    last = len(whole.meta["shards"]) - 1
     out = tmp_path / "store"
-    shutil.copytree(whole.path, out.with_name("store.partial"))
-    last = whole.meta["shards"][-1]
-    (out.with_name("store.partial") / "store.json").unlink()
-    (out.with_name("store.partial") / last["documents"]).unlink()
-    (out.with_name("store.partial") / last["tokens"]).write_bytes(b"\1\2\3")  # half-written
+    partial = interrupted(monkeypatch, src, tok, out, last)
+    assert sorted(p.name for p in partial.glob("done-*.json")) == [f"done-{i:05d}.json" for i in range(last)]
     with pytest.raises(ShardError, match="no store.json .*store.partial is an unfinished one"):
         TokenStore.open(out)  # atomicity: no out before it is whole
-    assert not out.exists() and not is_store(out.with_name("store.partial"))
+    assert not out.exists() and not is_store(partial)
+    kept = {p.name: p.stat().st_mtime_ns for p in partial.glob("tokens-*.bin")}
     prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
-    assert files_of(out) == files_of(whole.path) and not out.with_name("store.partial").exists()
+    assert files_of(out) == files_of(whole.path) and not partial.exists()
+    # the finished shards were reused, not made again
+    assert len(kept) == last + 1
+    assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items()
+               if name != whole.meta["shards"][last]["tokens"])
     # the same command again: the store is there already
     assert prepare_store(str(src), tok, out, workers=2, progress=False).n_tokens == whole.n_tokens
+
+
+def test_a_damaged_shard_in_the_partial_is_redone_not_trusted(tmp_path, tok, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    whole = prepare_store(str(src), tok, tmp_path / "whole", workers=2, progress=False, chunk_bytes=CHUNK)
+    out = tmp_path / "store"
+    assert len(whole.meta["shards"]) >= 5
+    partial = interrupted(monkeypatch, src, tok, out, len(whole.meta["shards"]) - 1)
+    first = whole.meta["shards"][1]
+    flip(partial / first["tokens"], 4)  # the same size: only the checksum tells
+    (partial / whole.meta["shards"][2]["documents"]).write_bytes(b"")  # its record says otherwise
+    (partial / "done-00003.json").unlink()  # a shard whose record a kill kept from being written
+    prepare_store(str(src), tok, out, workers=2, progress=True, chunk_bytes=CHUNK)
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "redoing" in line]
+    # shards 1 (a flipped byte), 2 (its documents emptied), 3 (no record) and the last (half-written)
+    assert len(said) == 1 and f"redoing 4 shard(s) of {partial}" in said[0], err
+    assert f"{first['tokens']} (done-00001.json: shard {first['tokens']} does not match its checksum" in said[0]
+    assert files_of(out) == files_of(whole.path)
+
+
+def flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_store_is_never_reported_complete(tmp_path, tok, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    out = tmp_path / "store"
+    good = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    before = files_of(out)
+    assert all(len(s["tokens_crc32"]) == 8 and s["tokens_bytes"] == 2 * s["n_tokens"] for s in good.meta["shards"])
+    assert not list(out.glob("done-*")) and not list(out.glob(".*"))
+    shard = good.meta["shards"][2]
+    flip(out / shard["tokens"], 6)
+    TokenStore.open(out)  # opening reads no shard whole
+    with pytest.raises(ShardError, match=f"token store {out}: shard {shard['tokens']} does not match its checksum"):
+        good.verify()
+    with pytest.raises(ShardError) as e:
+        prepare_store(str(src), tok, out, workers=2, progress=True, chunk_bytes=CHUNK)
+    assert f"--out {out} holds this store, damaged (token store {out}: shard {shard['tokens']} does not match" \
+        in str(e.value) and "remove it and run the same command again" in str(e.value) and "\n" not in str(e.value)
+    assert "already holds" not in capsys.readouterr().err
+    # a shard damaged after its worker wrote it: the partial is not renamed into place
+    shutil.rmtree(out)
+    make = store_mod._make_shard
+
+    def disk_fails(job):
+        shard = make(job)
+        if job[0] == 1:
+            flip(Path(job[2]) / shard["tokens"], 0)
+        return shard
+
+    monkeypatch.setattr(store_mod, "_make_shard", disk_fails)
+    with pytest.raises(ShardError, match="store.partial: shard tokens-00001.bin does not match what was written "
+                                         r"\(done-00001.json: shard tokens-00001.bin does not match its checksum"):
+        prepare_store(str(src), tok, out, workers=1, progress=False, chunk_bytes=CHUNK)
+    assert not out.exists() and out.with_name("store.partial").is_dir()
+    monkeypatch.undo()
+    again = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    again.verify()
+    assert files_of(out) == before
+
+
+def test_a_store_written_before_checksums_still_opens_and_verifies(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    out = tmp_path / "store"
+    store = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    meta = json.loads((out / "store.json").read_text())
+    for s in meta["shards"]:
+        for k in ("tokens_bytes", "documents_bytes", "tokens_crc32", "documents_crc32"):
+            del s[k]
+    (out / "store.json").write_text(json.dumps(meta))
+    TokenStore.open(out).verify()
+    assert prepare_store(str(src), tok, out, workers=2, progress=False).n_tokens == store.n_tokens
+    # without checksums, verify still reads every id: one the recorded max_token does not cover is found
+    shard = meta["shards"][0]
+    raw = np.fromfile(out / shard["tokens"], np.uint16)
+    raw[1] = shard["max_token"] + 1
+    raw.tofile(out / shard["tokens"])
+    with pytest.raises(ShardError, match=f"shard {shard['tokens']} holds ids up to {shard['max_token'] + 1}, and "
+                                         f"its max_token is {shard['max_token']}"):
+        TokenStore.open(out).verify()
 
 
 def test_a_partial_or_store_of_other_sources_is_refused_and_kept(tmp_path, tok):

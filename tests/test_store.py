@@ -4,13 +4,20 @@ one-line errors bad input gets (naming the file, deleting nothing); the data and
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from shard.cli.app import app
+from shard.config.train import DataConfig
+from shard.data import store as store_mod
+from shard.data.batches import sample_dataset
 from shard.data.documents import iter_documents
+from shard.data.files import TokenParts
+from shard.data.packing import PackedSource, pack
+from shard.data.samples import Samples, WindowSource
 from shard.data.store import TokenStore, cached_store, is_store, prepare_store
 from shard.data.tokenizers import ByteTokenizer, train_bpe
 from shard.errors import ShardError
@@ -90,23 +97,131 @@ def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
     assert ByteTokenizer().decode(documents(store)[0]) == files[0].read_text()
 
 
-def test_an_interrupted_prepare_continues_to_the_same_store_byte_for_byte(tmp_path, tok):
+class Killed(Exception):
+    pass
+
+
+def interrupted(monkeypatch, src, tok, out, stop_at):
+    """What a run killed (Ctrl-C) while making shard `stop_at` leaves: `out.partial`, the shards before
+    it finished and recorded, that one's tokens half-written. One worker, so the patch reaches it."""
+    make = store_mod._make_shard
+
+    def dies(job):
+        if job[0] == stop_at:
+            (Path(job[2]) / store_mod.tokens_name(stop_at)).write_bytes(b"\1\2\3")
+            raise Killed
+        return make(job)
+
+    monkeypatch.setattr(store_mod, "_make_shard", dies)
+    with pytest.raises(Killed):
+        prepare_store(str(src), tok, out, workers=1, progress=False, chunk_bytes=CHUNK)
+    monkeypatch.undo()
+    return out.with_name(out.name + ".partial")
+
+
+def test_an_interrupted_prepare_continues_to_the_same_store_byte_for_byte(tmp_path, tok, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
     whole = prepare_store(str(src), tok, tmp_path / "whole", workers=2, progress=False, chunk_bytes=CHUNK)
-    # what a run killed before its last shard leaves: no store.json, the last documents file missing
+    last = len(whole.meta["shards"]) - 1
     out = tmp_path / "store"
-    shutil.copytree(whole.path, out.with_name("store.partial"))
-    last = whole.meta["shards"][-1]
-    (out.with_name("store.partial") / "store.json").unlink()
-    (out.with_name("store.partial") / last["documents"]).unlink()
-    (out.with_name("store.partial") / last["tokens"]).write_bytes(b"\1\2\3")  # half-written
+    partial = interrupted(monkeypatch, src, tok, out, last)
+    assert sorted(p.name for p in partial.glob("done-*.json")) == [f"done-{i:05d}.json" for i in range(last)]
     with pytest.raises(ShardError, match="no store.json .*store.partial is an unfinished one"):
         TokenStore.open(out)  # atomicity: no out before it is whole
-    assert not out.exists() and not is_store(out.with_name("store.partial"))
+    assert not out.exists() and not is_store(partial)
+    kept = {p.name: p.stat().st_mtime_ns for p in partial.glob("tokens-*.bin")}
     prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
-    assert files_of(out) == files_of(whole.path) and not out.with_name("store.partial").exists()
+    assert files_of(out) == files_of(whole.path) and not partial.exists()
+    # the finished shards were reused, not made again
+    assert len(kept) == last + 1
+    assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items()
+               if name != whole.meta["shards"][last]["tokens"])
     # the same command again: the store is there already
     assert prepare_store(str(src), tok, out, workers=2, progress=False).n_tokens == whole.n_tokens
+
+
+def test_a_damaged_shard_in_the_partial_is_redone_not_trusted(tmp_path, tok, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    whole = prepare_store(str(src), tok, tmp_path / "whole", workers=2, progress=False, chunk_bytes=CHUNK)
+    out = tmp_path / "store"
+    assert len(whole.meta["shards"]) >= 5
+    partial = interrupted(monkeypatch, src, tok, out, len(whole.meta["shards"]) - 1)
+    first = whole.meta["shards"][1]
+    flip(partial / first["tokens"], 4)  # the same size: only the checksum tells
+    (partial / whole.meta["shards"][2]["documents"]).write_bytes(b"")  # its record says otherwise
+    (partial / "done-00003.json").unlink()  # a shard whose record a kill kept from being written
+    prepare_store(str(src), tok, out, workers=2, progress=True, chunk_bytes=CHUNK)
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "redoing" in line]
+    # shards 1 (a flipped byte), 2 (its documents emptied), 3 (no record) and the last (half-written)
+    assert len(said) == 1 and f"redoing 4 shard(s) of {partial}" in said[0], err
+    assert f"{first['tokens']} (done-00001.json: shard {first['tokens']} does not match its checksum" in said[0]
+    assert files_of(out) == files_of(whole.path)
+
+
+def flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_store_is_never_reported_complete(tmp_path, tok, monkeypatch, capsys):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    out = tmp_path / "store"
+    good = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    before = files_of(out)
+    assert all(len(s["tokens_crc32"]) == 8 and s["tokens_bytes"] == 2 * s["n_tokens"] for s in good.meta["shards"])
+    assert not list(out.glob("done-*")) and not list(out.glob(".*"))
+    shard = good.meta["shards"][2]
+    flip(out / shard["tokens"], 6)
+    TokenStore.open(out)  # opening reads no shard whole
+    with pytest.raises(ShardError, match=f"token store {out}: shard {shard['tokens']} does not match its checksum"):
+        good.verify()
+    with pytest.raises(ShardError) as e:
+        prepare_store(str(src), tok, out, workers=2, progress=True, chunk_bytes=CHUNK)
+    assert f"--out {out} holds this store, damaged (token store {out}: shard {shard['tokens']} does not match" \
+        in str(e.value) and "remove it and run the same command again" in str(e.value) and "\n" not in str(e.value)
+    assert "already holds" not in capsys.readouterr().err
+    # a shard damaged after its worker wrote it: the partial is not renamed into place
+    shutil.rmtree(out)
+    make = store_mod._make_shard
+
+    def disk_fails(job):
+        shard = make(job)
+        if job[0] == 1:
+            flip(Path(job[2]) / shard["tokens"], 0)
+        return shard
+
+    monkeypatch.setattr(store_mod, "_make_shard", disk_fails)
+    with pytest.raises(ShardError, match="store.partial: shard tokens-00001.bin does not match what was written "
+                                         r"\(done-00001.json: shard tokens-00001.bin does not match its checksum"):
+        prepare_store(str(src), tok, out, workers=1, progress=False, chunk_bytes=CHUNK)
+    assert not out.exists() and out.with_name("store.partial").is_dir()
+    monkeypatch.undo()
+    again = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    again.verify()
+    assert files_of(out) == before
+
+
+def test_a_store_written_before_checksums_still_opens_and_verifies(tmp_path, tok):
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    out = tmp_path / "store"
+    store = prepare_store(str(src), tok, out, workers=2, progress=False, chunk_bytes=CHUNK)
+    meta = json.loads((out / "store.json").read_text())
+    for s in meta["shards"]:
+        for k in ("tokens_bytes", "documents_bytes", "tokens_crc32", "documents_crc32"):
+            del s[k]
+    (out / "store.json").write_text(json.dumps(meta))
+    TokenStore.open(out).verify()
+    assert prepare_store(str(src), tok, out, workers=2, progress=False).n_tokens == store.n_tokens
+    # without checksums, verify still reads every id: one the recorded max_token does not cover is found
+    shard = meta["shards"][0]
+    raw = np.fromfile(out / shard["tokens"], np.uint16)
+    raw[1] = shard["max_token"] + 1
+    raw.tofile(out / shard["tokens"])
+    with pytest.raises(ShardError, match=f"shard {shard['tokens']} holds ids up to {shard['max_token'] + 1}, and "
+                                         f"its max_token is {shard['max_token']}"):
+        TokenStore.open(out).verify()
 
 
 def test_a_partial_or_store_of_other_sources_is_refused_and_kept(tmp_path, tok):
@@ -186,6 +301,149 @@ def test_a_damaged_store_names_the_file(tmp_path, tok):
     with pytest.raises(ShardError, match=f"good holds token id {good.max_token}, outside the vocabulary of 100"):
         good.check_vocab(100)
     good.check_vocab(tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, tok):
+    """A store to copy and damage."""
+    root = tmp_path_factory.mktemp("made")
+    src = write_jsonl(root / "a.jsonl", TEXTS)
+    return prepare_store(str(src), tok, root / "store", workers=2, progress=False, chunk_bytes=CHUNK)
+
+
+def edited(made, tmp_path, edit):
+    """A copy of the store `made` with its store.json edited by `edit(meta)`."""
+    copy = tmp_path / "copy"
+    shutil.copytree(made.path, copy)
+    meta = json.loads((copy / "store.json").read_text())
+    edit(meta)
+    (copy / "store.json").write_text(json.dumps(meta))
+    return copy
+
+
+def shard_field(k, v, i=0):
+    return lambda m: m["shards"][i].__setitem__(k, v)
+
+
+def tok_field(k, v):
+    return lambda m: m["tokenizer"].__setitem__(k, v)
+
+
+def twice(m):
+    m["shards"].append(dict(m["shards"][0]))
+    m["n_tokens"] += m["shards"][0]["n_tokens"]
+    m["n_documents"] += m["shards"][0]["n_documents"]
+
+
+STORE_JSON_DAMAGE = {
+    "dtype int8": (lambda m: m.__setitem__("dtype", "int8"), "dtype is 'int8', not one of uint16, uint32"),
+    "no tokenizer": (lambda m: m.pop("tokenizer"), "tokenizer is None, not an object"),
+    "kind": (tok_field("kind", 3), "tokenizer.kind is 3, not a string"),
+    "vocab 0": (tok_field("vocab_size", 0), "tokenizer.vocab_size is 0, not a whole number above 0"),
+    "vocab bool": (tok_field("vocab_size", True), "tokenizer.vocab_size is True, not a whole"),
+    "vocab str": (tok_field("vocab_size", "300"), "tokenizer.vocab_size is '300', not a whole"),
+    "vocab too big": (tok_field("vocab_size", 70000), "tokenizer.vocab_size is 70,000: more ids than its dtype "
+                                                      "uint16 holds"),
+    "eos outside": (tok_field("eos_id", 300), r"tokenizer.eos_id is 300, not null or an id of the vocabulary \(0..299\)"),
+    "bos str": (tok_field("bos_id", "0"), "tokenizer.bos_id is '0', not null"),
+    "sources": (lambda m: m.__setitem__("sources", "a.jsonl"), "sources is 'a.jsonl', not a list of paths"),
+    "no shards": (lambda m: m.__setitem__("shards", []), "shards lists no shards"),
+    "shards dict": (lambda m: m.__setitem__("shards", {}), "shards is {}, not a list of shards"),
+    "shard str": (lambda m: m["shards"].__setitem__(0, "tokens-00000.bin"), r"shards\[0\] is 'tokens-00000.bin', not "
+                                                                            "an object"),
+    "up": (shard_field("tokens", "../secret/tokens.bin"), r"shards\[0\].tokens names ../secret/tokens.bin, which "
+                                                          "is outside the store"),
+    "absolute": (shard_field("documents", "/etc/passwd", 1), r"shards\[1\].documents names /etc/passwd, which is "
+                                                             "outside the store"),
+    "folder": (shard_field("tokens", "tokenizer/tokens-00000.bin"), r"shards\[0\].tokens names "
+                                                                    "tokenizer/tokens-00000.bin, which is outside"),
+    "dots": (shard_field("tokens", ".."), r"shards\[0\].tokens is '..', not a file name"),
+    "twice": (twice, r"shards\[\d+\].tokens names tokens-00000.bin, which shards\[0\].tokens names too"),
+    "tokens as documents": (shard_field("documents", "tokens-00000.bin"), r"shards\[0\].documents names "
+                                                                          r"tokens-00000.bin, which shards\[0\].tokens"),
+    "n_tokens str": (lambda m: m["shards"][0].__setitem__("n_tokens", str(m["shards"][0]["n_tokens"])),
+                     r"shards\[0\].n_tokens is '\d+', not a whole number"),  # the right count, as a string
+    "n_documents bool": (shard_field("n_documents", False), r"shards\[0\].n_documents is False, not a whole"),
+    "n_tokens negative": (shard_field("n_tokens", -2), r"shards\[0\].n_tokens is -2, not a whole number of 0 or more"),
+    "max_token -1": (shard_field("max_token", -1), r"shards\[0\].max_token is -1, and the shard holds [\d,]+ tokens"),
+    "max_token vocab": (shard_field("max_token", 300), r"shards\[0\].max_token is 300, not an id of the vocabulary"),
+    "max_token float": (shard_field("max_token", 12.0), r"shards\[0\].max_token is 12.0, not an id"),
+    "crc": (shard_field("tokens_crc32", 12), r"shards\[0\].tokens_crc32 is 12, not a CRC-32"),
+    "tokens_bytes": (shard_field("tokens_bytes", 4), r"shards\[0\].tokens_bytes is 4, not [\d,]+ tokens of 2 bytes"),
+    "total str": (lambda m: m.__setitem__("n_tokens", str(m["n_tokens"])), "n_tokens is '[0-9]+', not a whole"),
+    "total off": (lambda m: m.__setitem__("n_documents", m["n_documents"] + 1), r"n_documents is [\d,]+, but its "
+                                                                                "shards' add up to"),
+}
+
+
+@pytest.mark.parametrize("case", STORE_JSON_DAMAGE)
+def test_store_json_is_checked_whole_in_one_line_naming_the_field(made, tmp_path, case):
+    edit, message = STORE_JSON_DAMAGE[case]
+    copy = edited(made, tmp_path, edit)
+    with pytest.raises(ShardError, match=message) as e:
+        TokenStore.open(copy)
+    assert str(e.value).startswith(f"token store {copy}: store.json's ") and "\n" not in str(e.value)
+
+
+def test_a_shard_listed_once_with_counts_that_match_its_files(made, tmp_path):
+    """The counts are checked against the files: a shard of tokens with no document ends is refused."""
+    shard = made.meta["shards"][0]
+
+    def no_documents(m):
+        m["shards"][0]["n_documents"] = 0
+        m["n_documents"] -= shard["n_documents"]
+        m["shards"][0].pop("documents_bytes", None)
+
+    copy = edited(made, tmp_path, no_documents)
+    np.save(copy / shard["documents"], np.zeros(0, np.int64))
+    with pytest.raises(ShardError, match=f"token store {copy}: the documents in {shard['documents']} end at 0, "
+                                         f"before the shard's end \\({shard['n_tokens']:,} tokens\\)"):
+        TokenStore.open(copy)
+
+
+def test_a_store_whose_record_says_another_vocabulary_than_its_tokenizer_is_refused(made, tmp_path, tok):
+    def smaller(m):  # and the recorded max_token with it: opening reads no ids to see otherwise
+        m["tokenizer"]["vocab_size"] = 200
+        for s in m["shards"]:
+            s["max_token"] = min(s["max_token"], 199)
+
+    copy = edited(made, tmp_path, smaller)
+    store = TokenStore.open(copy)
+    with pytest.raises(ShardError, match=f"token store {copy}: store.json's tokenizer.vocab_size is 200, but its "
+                                         "tokenizer has 300 ids"):
+        store.check_tokenizer(tok)
+    with pytest.raises(ShardError, match="tokenizer.vocab_size is 1,000, but its tokenizer has 300"):
+        sample_dataset(str(edited(made, tmp_path / "b", tok_field("vocab_size", 1000))), 1024, 16, 0)
+
+
+@pytest.mark.parametrize("packing", ["concat", "packed"])
+def test_ids_above_the_vocabulary_stop_the_batch_that_reads_them(made, tmp_path, packing):
+    copy = tmp_path / "copy"
+    shutil.copytree(made.path, copy)
+    shard = made.meta["shards"][1]
+    raw = np.fromfile(copy / shard["tokens"], np.uint16)
+    raw[2] = 65535  # store.json still says max_token < 300: opening the store cannot tell
+    raw.tofile(copy / shard["tokens"])
+    samples = sample_dataset(str(copy), 384, 16, 0, data=DataConfig(packing=packing))
+    with pytest.raises(ShardError, match=f"token store {copy} holds token id 65,535, outside its vocabulary of 300 "
+                                         "ids") as e:
+        samples.rows(0, samples.windows)  # every row once
+    assert "\n" not in str(e.value)
+    sample_dataset(str(made.path), 384, 16, 0, data=DataConfig(packing=packing)).rows(0, samples.windows)
+
+
+def test_a_uint32_id_past_int32_is_not_read_as_padding():
+    tokens = TokenParts([np.array([1, 2, 0xFFFFFFFF, 3, 4], "<u4")], vocab=70000, label="token store s")
+    with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295, outside its vocabulary of "
+                                         "70,000 ids"):
+        WindowSource(tokens, 4).read(np.arange(2))
+    assert WindowSource(tokens[3:], 4).read(np.arange(1)).tolist() == [[3, 4, -1, -1, -1]]
+    # packed rows hold int32 ids, where this id is -1, as padding is: told apart by the segments
+    ends = np.array([2, 5])
+    with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295"):
+        Samples(PackedSource(tokens, pack(ends, 4)), None).rows(0, 2)
+    assert Samples(PackedSource(tokens[3:], pack(ends[:1], 4)), None).rows(0, 1)["tokens"].tolist() == \
+        [[3, 4, -1, -1, -1]]
 
 
 def test_cached_store_prepares_once_and_reuses(tmp_path, tok):

@@ -229,10 +229,12 @@ class TokenParts:
     """Token files (memory-mapped) read as one stream without copying them into memory: a folder of
     .bin/.npy shards, the usual form of a large corpus, costs page cache, not private memory per
     process. Supports what the windows need: `size`, `dtype`, a contiguous slice, `ranges` (rows of
-    consecutive tokens), `min()`/`max()`."""
+    consecutive tokens), `min()`/`max()`. A token store's carry its `vocab` (ids are below it) and its
+    `label`, which the rows read from them are checked against (shard.data.samples.check_ids)."""
 
-    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None):
-        self.parts = parts
+    def __init__(self, parts: list[np.ndarray], start: int = 0, stop: int | None = None, *,
+                 vocab: int | None = None, label: str = ""):
+        self.parts, self.vocab, self.label = parts, vocab, label
         self.bounds = np.cumsum([0, *(p.size for p in parts)])  # where each part starts in the stream
         self.start = start
         self.stop = int(self.bounds[-1]) if stop is None else stop
@@ -243,7 +245,8 @@ class TokenParts:
         first, last, step = key.indices(self.size)
         if step != 1:
             raise ValueError("TokenParts slices with step 1 only")
-        return TokenParts(self.parts, self.start + first, self.start + max(first, last))
+        return TokenParts(self.parts, self.start + first, self.start + max(first, last), vocab=self.vocab,
+                          label=self.label)
 
     def ranges(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows of `length` consecutive tokens from each start (past the end: the last token repeated),

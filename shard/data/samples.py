@@ -7,6 +7,7 @@ import numpy as np
 
 from shard.data.files import TokenParts
 from shard.data.packing import PackedSource
+from shard.errors import ShardError
 
 
 class WindowSource:
@@ -28,10 +29,30 @@ class WindowSource:
         offsets = starts[:, None] + np.arange(self.seq_len + 1)
         inside = offsets < self.tokens.size
         if isinstance(self.tokens, TokenParts):  # shards: a copy per window, not a gather across them
-            windows = self.tokens.ranges(starts, self.seq_len + 1).astype(np.int32)
+            stored = self.tokens.ranges(starts, self.seq_len + 1)
+            check_ids(self.tokens, stored)  # as stored: a uint32 id of 2**31 or more is negative as int32
+            windows = stored.astype(np.int32)
         else:
             windows = np.asarray(self.tokens[np.minimum(offsets, self.tokens.size - 1)], dtype=np.int32)
         return np.where(inside, windows, -1).astype(np.int32)
+
+
+def check_ids(tokens, ids: np.ndarray, padding: np.ndarray | None = None) -> None:
+    """Rows of ids read from a token store's `tokens` (TokenParts with a `vocab`; anything else was
+    checked whole when read) checked against its vocabulary: a max and a min (or a count of the negative
+    ids) over the rows a batch reads, so an id a damaged shard holds stops the run, in one line, before a
+    step sees it. (A store's recorded max_token is not proof, and opening one reads no shard whole.)
+    `padding`: where the rows hold -1 for no token (packed rows)."""
+    vocab = getattr(tokens, "vocab", None)
+    if vocab is None or not ids.size:
+        return
+    top = int(ids.max())
+    # int32 rows: a uint32 id of 2**31 or more reads as negative, even as -1, which is also padding
+    wrapped = int(ids.min()) < 0 if padding is None else np.count_nonzero(ids < 0) != np.count_nonzero(padding)
+    if top >= vocab or wrapped:
+        bad = top if top >= vocab else int(ids[(ids < 0) if padding is None else (ids < 0) & ~padding][0]) % 2**32
+        raise ShardError(f"{tokens.label} holds token id {bad:,}, outside its vocabulary of {vocab:,} ids (found in "
+                         "the rows of a batch): the store is damaged; prepare it again")
 
 
 class SyntheticSource:
@@ -128,7 +149,10 @@ class Samples:
 
     def rows_at(self, samples: np.ndarray):
         """Rows of these sample indices (not necessarily consecutive)."""
-        return self.source.read(self._indices(samples))
+        rows = self.source.read(self._indices(samples))
+        if isinstance(rows, dict) and "segments" in rows:  # packed rows (windows are checked as they are read)
+            check_ids(getattr(self.source, "tokens", None), rows["tokens"], padding=rows["segments"] == 0)
+        return rows
 
     def filled_at(self, samples: np.ndarray) -> int:
         """Input tokens these samples hold that are not padding (packed rows); all of them otherwise."""

@@ -3,7 +3,9 @@
     DIR/store.json           {"format": "shard-token-store", "version": 1, "dtype": "uint16" | "uint32",
                               "tokenizer": {"kind", "fingerprint", "vocab_size", "bos_id", "eos_id"},
                               "text_field", "sources", "key", "shards": [{"tokens", "documents", "n_tokens",
-                              "n_documents", "max_token"}], "n_tokens", "n_documents"}
+                              "n_documents", "max_token", "tokens_bytes", "documents_bytes", "tokens_crc32",
+                              "documents_crc32"}], "n_tokens", "n_documents"}   (the last four of a shard:
+                              stores written before them have none)
     DIR/tokens-00000.bin     a shard's token ids, raw little-endian dtype, its documents back to back
     DIR/documents-00000.npy  int64 end offset of each document in its shard (ascending; the last is n_tokens)
     DIR/plan.json            the chunk of the sources each shard was made from
@@ -11,13 +13,22 @@
 
 Each document is `document_ids` (BOS where the tokenizer uses one, EOS where it has one); empty texts are
 skipped. One shard per chunk of the sources (shard.data.documents), made by a pool of worker processes
-that read their chunk and write their shard themselves. The store is built in `DIR.partial` and renamed
-to DIR when whole; a run that stops leaves the partial, and the same command continues it."""
+that read their chunk and write their shard themselves, then its record (`DIR.partial/done-00000.json`:
+the shard's entry of store.json, sizes and CRC-32s included; its presence says the shard is finished).
+The store is built in `DIR.partial` and renamed to DIR when whole and every shard matches its record; a
+run that stops leaves the partial, and the same command continues it, redoing the shards that do not.
+
+`TokenStore.open` trusts nothing in store.json: every field is checked for its type and range, the
+shards must be files of the store's own folder, and the counts must match the files. It reads no
+shard whole (a store of 10B tokens is 20 GB, opened at every start of a run), so the ids are checked
+where a batch reads them (shard.data.samples.check_ids); `verify` reads every shard against its
+checksums."""
 
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -25,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +51,8 @@ from shard.paths import TOKENIZER_DIR, current_umask, write_text_atomic
 
 VERSION = 1
 PLAN_FILE = "plan.json"
+DTYPES = ("uint16", "uint32")
+READ_BYTES = 16 << 20  # what a checksum reads at a time
 
 
 def tokens_name(i: int) -> str:
@@ -47,6 +61,10 @@ def tokens_name(i: int) -> str:
 
 def documents_name(i: int) -> str:
     return f"documents-{i:05d}.npy"
+
+
+def record_name(i: int) -> str:
+    return f"done-{i:05d}.json"
 
 
 def store_dtype(vocab_size: int) -> np.dtype:
@@ -116,34 +134,57 @@ def _make_shard(job: tuple[int, dict, str]) -> dict:
     tok, dtype = _WORKER["tok"], _WORKER["dtype"]
     tokens, ends = encode_documents(tok, read_chunk(Chunk.from_json(chunk), _WORKER["text_field"]), dtype)
     folder = Path(folder)
-    for name, write in ((tokens_name(index), tokens.tofile), (documents_name(index), None)):
+    documents = io.BytesIO()
+    np.save(documents, ends)
+    documents = documents.getbuffer()
+    for name, data in ((tokens_name(index), tokens), (documents_name(index), documents)):
         tmp = folder / f".{name}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
-            if write is None:
-                np.save(f, ends)
-            else:
-                write(f)
-        os.replace(tmp, folder / name)  # the documents file last: its presence says the shard is whole
-    return {"index": index, "n_tokens": int(tokens.size), "n_documents": int(ends.size),
-            "max_token": int(tokens.max()) if tokens.size else -1, "nbytes": chunk["nbytes"]}
+            f.write(data)
+        os.replace(tmp, folder / name)
+    record = {"tokens": tokens_name(index), "documents": documents_name(index), "n_tokens": int(tokens.size),
+              "n_documents": int(ends.size), "max_token": int(tokens.max()) if tokens.size else -1,
+              "tokens_bytes": tokens.nbytes, "documents_bytes": documents.nbytes,
+              "tokens_crc32": _crc(zlib.crc32(tokens)), "documents_crc32": _crc(zlib.crc32(documents))}
+    # the record last: its presence says the shard is finished, and what its files must hold
+    write_text_atomic(folder / record_name(index), json.dumps(record) + "\n")
+    return {"index": index, **record, "nbytes": chunk["nbytes"]}
 
 
-def _shard_done(folder: Path, index: int, dtype: np.dtype) -> dict | None:
-    """A shard a stopped run finished, read back, or None."""
-    docs, toks = folder / documents_name(index), folder / tokens_name(index)
-    if not docs.is_file() or not toks.is_file():
-        return None
-    n = toks.stat().st_size // dtype.itemsize
-    top = int(np.memmap(toks, dtype, mode="r").max()) if n else -1
-    return {"index": index, "n_tokens": n, "n_documents": int(np.load(docs, mmap_mode="r").size), "max_token": top}
+def _crc(value: int) -> str:
+    return f"{value:08x}"
+
+
+def _shard_done(folder: Path, index: int, dtype: np.dtype, vocab_size: int) -> tuple[dict | None, str]:
+    """(a shard a stopped run finished, "") when its record and files agree, else (None, what is wrong;
+    "" when the shard was never started)."""
+    record = folder / record_name(index)
+    if not record.is_file():
+        made = (folder / tokens_name(index)).exists() or (folder / documents_name(index)).exists()
+        return None, "not recorded as finished" if made else ""
+    try:
+        s = read_json_object(record)
+        _check_entry(s, vocab_size, dtype.itemsize, recorded=True,
+                     bad=lambda field, problem: ShardError(f"{field[1:] or 'it'} {problem}"))
+        if (s["tokens"], s["documents"]) != (tokens_name(index), documents_name(index)):
+            raise ShardError(f"names {s['tokens']} and {s['documents']}")
+        _check_files(folder, s, dtype)
+    except ShardError as e:
+        return None, f"{record.name}: {e}"
+    return {"index": index, **s}, ""
+
+
+def _clear_shard(folder: Path, index: int) -> None:
+    for name in (record_name(index), tokens_name(index), documents_name(index)):
+        (folder / name).unlink(missing_ok=True)
 
 
 def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers: int | None = None,
                   progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> "TokenStore":
     """Tokenize `sources` (one spec or a list; or shard.data.sources.DataSource) with `tokenizer` (a
     Tokenizer or its spec) into a token store at `out`, over `workers` processes (default: every core).
-    Continues the `out.partial` a stopped run left; an `out` that already holds this store is returned
-    as it is."""
+    Continues the `out.partial` a stopped run left, redoing the shards that do not match their records;
+    an `out` that already holds this store is returned as it is, once every shard matches its checksums."""
     sources, tok, out = _described(sources), _tokenizer(tokenizer), Path(out)
     specs = [s.path for s in sources]
     key = store_key(sources, tok, text_field)
@@ -151,8 +192,14 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
     say = _Say(progress)
     if out.exists():
         if is_store(out) and read_json_object(out / STORE_FILE).get("key") == key:
+            try:
+                store = TokenStore.open(out)
+                store.verify()
+            except ShardError as e:
+                raise ShardError(f"--out {out} holds this store, damaged ({e}): remove it and run the same "
+                                 "command again to make it anew") from None
             say(f"{out} already holds this store (same sources, tokenizer and text field)")
-            return TokenStore.open(out)
+            return store
         what = "a token store made from other sources, tokenizer or text field" if is_store(out) else "something"
         raise ShardError(f"--out {out} already exists and holds {what}; choose another --out")
     created = not partial.exists()
@@ -169,7 +216,19 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         chunks = [Chunk.from_json(c) for c in plan["chunks"]]
         say(f"continuing {partial}")
     dtype = store_dtype(tok.vocab_size)
-    done = {i: s for i in range(len(chunks)) if (s := _shard_done(partial, i, dtype))}
+    done, redo = {}, []
+    for tmp in [] if created else partial.glob(".*.tmp-*"):  # what workers killed mid-write left
+        tmp.unlink(missing_ok=True)
+    for i in range(0 if created else len(chunks)):
+        shard, problem = _shard_done(partial, i, dtype, tok.vocab_size)
+        if shard is not None:
+            done[i] = shard
+        elif problem:
+            _clear_shard(partial, i)
+            redo.append(f"{tokens_name(i)} ({problem})")
+    if redo:
+        more = f" and {len(redo) - 1} more" if len(redo) > 1 else ""
+        say(f"redoing {len(redo)} shard(s) of {partial} left unfinished or damaged: {redo[0]}{more}")
     try:
         shards = _run_workers(partial, chunks, done, dtype, text_field, workers, say)
     except ShardError:
@@ -181,15 +240,22 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
             if created:
                 shutil.rmtree(partial, ignore_errors=True)
             raise ShardError(f"data path {spec or 'the embedded corpus'} holds no text (field {text_field!r})")
+    # every shard read back against its record before the store is called whole
+    for s in shards:
+        found, problem = _shard_done(partial, s["index"], dtype, tok.vocab_size)
+        if found is None:
+            raise ShardError(f"token store {partial}: shard {tokens_name(s['index'])} does not match what was "
+                             f"written ({problem or 'it is gone'}); the store is not finished: run the same command "
+                             "again to redo it")
     n_tokens, n_documents = sum(s["n_tokens"] for s in shards), sum(s["n_documents"] for s in shards)
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer_info(tok),
             "text_field": text_field, "sources": specs, "key": key,
-            "shards": [{"tokens": tokens_name(s["index"]), "documents": documents_name(s["index"]),
-                        "n_tokens": s["n_tokens"], "n_documents": s["n_documents"], "max_token": s["max_token"]}
-                       for s in shards],
+            "shards": [{k: s[k] for k in SHARD_FIELDS} for s in shards],
             "n_tokens": n_tokens, "n_documents": n_documents}
     write_text_atomic(partial / STORE_FILE, json.dumps(meta, indent=1) + "\n")
     os.rename(partial, out)  # whole, or not there
+    for i in range(len(chunks)):  # store.json holds what the records said
+        (out / record_name(i)).unlink(missing_ok=True)
     return TokenStore.open(out)
 
 
@@ -286,7 +352,8 @@ class _Say:
 @dataclasses.dataclass
 class TokenStore:
     """A token store, opened and checked: `tokens` is the whole stream (memory-mapped shards read as
-    one 1-D array), `document_ends` the global end offset of every document."""
+    one 1-D array, whose ids are checked against the vocabulary as batches read them), `document_ends`
+    the global end offset of every document."""
 
     path: Path
     meta: dict
@@ -295,30 +362,39 @@ class TokenStore:
 
     @classmethod
     def open(cls, path) -> "TokenStore":
+        """The store at `path`, its store.json checked whole (each field's type and range, the shards'
+        names, the totals) and its shards' sizes and document ends checked against it; no shard is read
+        whole (`verify` does that)."""
         path = Path(path)
         if not (path / STORE_FILE).is_file():
             partial = path.with_name(path.name + ".partial")
             hint = f" ({partial} is an unfinished one: run the same prepare again)" if partial.exists() else ""
             raise ShardError(f"{path} is not a token store: it has no {STORE_FILE}{hint}")
         meta = read_json_object(path / STORE_FILE)
-        if meta.get("format") != FORMAT:
-            raise ShardError(f"{path / STORE_FILE} is not a shard token store (format {meta.get('format')!r})")
-        if meta.get("version") != VERSION:
-            raise ShardError(f"{path / STORE_FILE} is version {meta.get('version')} of the token store; this shard "
-                             f"reads version {VERSION}")
-        try:
-            dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-            parts, ends, offset = [], [], 0
-            for s in meta["shards"]:
+        dtype = _check_meta(path, meta)
+        parts, ends, offset = [], [], 0
+        for s in meta["shards"]:
+            try:
                 tokens = _open_shard(path, s, dtype)
-                parts.append(tokens)
                 ends.append(_shard_ends(path, s) + offset)
-                offset += tokens.size
-        except (KeyError, TypeError) as e:
-            raise ShardError(f"{path / STORE_FILE} is incomplete ({e!r} missing or malformed)") from None
-        if not parts:
-            raise ShardError(f"{path / STORE_FILE} lists no shards")
-        return cls(path, meta, TokenParts(parts), np.concatenate(ends).astype(np.int64))
+            except ShardError as e:
+                raise ShardError(f"token store {path}: {e}") from None
+            parts.append(tokens)
+            offset += tokens.size
+        vocab = meta["tokenizer"]["vocab_size"]
+        return cls(path, meta, TokenParts(parts, vocab=vocab, label=f"token store {path}"),
+                   np.concatenate(ends).astype(np.int64))
+
+    def verify(self) -> None:
+        """Every shard read whole: its CRC-32s (where store.json records them; stores written before
+        them have none) and its ids (the largest is the recorded max_token, inside the vocabulary). One
+        line naming the store and the first damaged shard."""
+        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        for s in self.meta["shards"]:
+            try:
+                _check_files(self.path, s, dtype)
+            except ShardError as e:
+                raise ShardError(f"token store {self.path}: {e}") from None
 
     @property
     def n_tokens(self) -> int:
@@ -340,11 +416,16 @@ class TokenStore:
         return load_tokenizer(str(self.path / TOKENIZER_DIR))
 
     def check_tokenizer(self, tok: Tokenizer) -> None:
-        """A store is read with the tokenizer it was made with, or not at all."""
+        """A store is read with the tokenizer it was made with, or not at all; its recorded vocabulary
+        (what the ids of its batches are checked against) is that tokenizer's."""
         mine = self.tokenizer_info
         if (mine["kind"], mine["fingerprint"]) != (tok.kind, tok.fingerprint):
             raise ShardError(f"token store {self.path} was made with the {mine['kind']} tokenizer "
                              f"{mine['fingerprint']}, not the {tok.kind} tokenizer {tok.fingerprint} given")
+        if mine["vocab_size"] != tok.vocab_size:
+            raise ShardError(f"token store {self.path}: {STORE_FILE}'s tokenizer.vocab_size is "
+                             f"{mine['vocab_size']:,}, but its tokenizer has {tok.vocab_size:,} ids: the store is "
+                             "damaged (prepare it again)")
 
     def check_vocab(self, vocab_size: int) -> None:
         if self.max_token >= vocab_size:
@@ -352,32 +433,166 @@ class TokenStore:
                              f"of {vocab_size} (model.vocab_size)")
 
 
+SHARD_FIELDS = ("tokens", "documents", "n_tokens", "n_documents", "max_token", "tokens_bytes", "documents_bytes",
+                "tokens_crc32", "documents_crc32")
+_WRITTEN = SHARD_FIELDS[5:]  # sizes and checksums: optional in store.json (older stores have none)
+
+
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_meta(path: Path, meta: dict) -> np.dtype:
+    """store.json's fields by type and range, its shards' names (files of the store's own folder, each
+    listed once) and totals, in one line naming the store and the field; the dtype."""
+    if meta.get("format") != FORMAT:
+        raise ShardError(f"{path / STORE_FILE} is not a shard token store (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise ShardError(f"{path / STORE_FILE} is version {meta.get('version')!r} of the token store; this shard "
+                         f"reads version {VERSION}")
+
+    def bad(field: str, problem: str) -> ShardError:
+        return ShardError(f"token store {path}: {STORE_FILE}'s {field} {problem}")
+
+    if meta.get("dtype") not in DTYPES:
+        raise bad("dtype", f"is {meta.get('dtype')!r}, not one of {', '.join(DTYPES)}")
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict):
+        raise bad("tokenizer", f"is {tok!r}, not an object")
+    for k in ("kind", "fingerprint"):
+        if not isinstance(tok.get(k), str):
+            raise bad(f"tokenizer.{k}", f"is {tok.get(k)!r}, not a string")
+    vocab = tok.get("vocab_size")
+    if not _whole(vocab) or vocab < 1:
+        raise bad("tokenizer.vocab_size", f"is {vocab!r}, not a whole number above 0")
+    if vocab > np.iinfo(dtype).max + 1:
+        raise bad("tokenizer.vocab_size", f"is {vocab:,}: more ids than its dtype {dtype.name} holds")
+    for k in ("bos_id", "eos_id"):
+        if tok.get(k) is not None and not (_whole(tok[k]) and 0 <= tok[k] < vocab):
+            raise bad(f"tokenizer.{k}", f"is {tok[k]!r}, not null or an id of the vocabulary (0..{vocab - 1})")
+    for k, kind, ok in (("text_field", "a string", lambda v: isinstance(v, str)),
+                        ("key", "a string", lambda v: isinstance(v, str)),
+                        ("sources", "a list of paths", lambda v: isinstance(v, list) and
+                         all(isinstance(x, str) for x in v))):
+        if not ok(meta.get(k)):
+            raise bad(k, f"is {meta.get(k)!r}, not {kind}")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise bad("shards", "lists no shards" if shards == [] else f"is {shards!r}, not a list of shards")
+    seen: dict[Path, str] = {}
+    root = path.resolve()
+    for i, s in enumerate(shards):
+        _check_entry(s, vocab, dtype.itemsize, lambda field, problem, i=i: bad(f"shards[{i}]{field}", problem))
+        for k in ("tokens", "documents"):
+            name = s[k]
+            real = (path / name).resolve()
+            if not real.is_relative_to(root):  # a link that leads out of the store
+                raise bad(f"shards[{i}].{k}", f"names {name}, which is outside the store's own folder (a link that "
+                          "leads out)")
+            if real in seen:
+                raise bad(f"shards[{i}].{k}", f"names {name}, which {seen[real]} names too: each file is one "
+                          "shard's")
+            seen[real] = f"shards[{i}].{k}"
+    for k in ("n_tokens", "n_documents"):
+        total = sum(s[k] for s in shards)
+        if not _whole(meta.get(k)) or meta[k] < 0:
+            raise bad(k, f"is {meta.get(k)!r}, not a whole number of 0 or more")
+        if meta[k] != total:
+            raise bad(k, f"is {meta[k]:,}, but its shards' add up to {total:,}")
+    return dtype
+
+
+def _check_entry(s, vocab: int, itemsize: int, bad, recorded: bool = False) -> None:
+    """One shard's entry (in store.json, or a partial's record) by type and range: its files' plain
+    names, its counts, its largest id, its sizes and checksums (`recorded`: a record must have them).
+    `bad(".field", problem)` makes the error."""
+    if not isinstance(s, dict):
+        raise bad("", f"is {s!r}, not an object")
+    for k in ("tokens", "documents"):
+        name = s.get(k)
+        if not isinstance(name, str) or name in ("", ".", ".."):
+            raise bad(f".{k}", f"is {name!r}, not a file name")
+        if any(c in name for c in "/\\\0"):
+            raise bad(f".{k}", f"names {name}, which is outside the store's own folder (a shard's files are plain "
+                      "names in it)")
+    for k in ("n_tokens", "n_documents"):
+        if not _whole(s.get(k)) or s[k] < 0:
+            raise bad(f".{k}", f"is {s.get(k)!r}, not a whole number of 0 or more")
+    top = s.get("max_token")
+    if not _whole(top) or not -1 <= top < vocab:
+        raise bad(".max_token", f"is {top!r}, not an id of the vocabulary (0..{vocab - 1}), or -1 for no tokens")
+    if (top == -1) != (s["n_tokens"] == 0):
+        raise bad(".max_token", f"is {top}, and the shard holds {s['n_tokens']:,} tokens (-1 is for none)")
+    for k in _WRITTEN:
+        if k not in s and not recorded:
+            continue
+        v = s.get(k)
+        if k.endswith("_bytes") and not (_whole(v) and v >= 0):
+            raise bad(f".{k}", f"is {v!r}, not a whole number of 0 or more")
+        if k.endswith("_crc32") and not (isinstance(v, str) and len(v) == 8 and
+                                         all(c in "0123456789abcdef" for c in v)):
+            raise bad(f".{k}", f"is {v!r}, not a CRC-32 (8 hex digits)")
+    if "tokens_bytes" in s and s["tokens_bytes"] != s["n_tokens"] * itemsize:
+        raise bad(".tokens_bytes", f"is {s['tokens_bytes']:,}, not {s['n_tokens']:,} tokens of {itemsize} bytes")
+
+
 def _open_shard(path: Path, s: dict, dtype: np.dtype) -> np.ndarray:
     f = path / s["tokens"]
-    want = int(s["n_tokens"]) * dtype.itemsize
+    want = s["n_tokens"] * dtype.itemsize
     if not f.is_file():
-        raise ShardError(f"token store {path}: shard {f.name} is missing")
+        raise ShardError(f"shard {f.name} is missing")
     if f.stat().st_size != want:
-        raise ShardError(f"token store {path}: shard {f.name} holds {f.stat().st_size:,} bytes, not "
-                         f"{want:,} ({int(s['n_tokens']):,} tokens of {dtype.name})")
+        raise ShardError(f"shard {f.name} holds {f.stat().st_size:,} bytes, not {want:,} ({s['n_tokens']:,} tokens "
+                         f"of {dtype.name})")
     return np.memmap(f, dtype, mode="r") if want else np.zeros(0, dtype)
 
 
 def _shard_ends(path: Path, s: dict) -> np.ndarray:
     f = path / s["documents"]
+    if "documents_bytes" in s and f.is_file() and f.stat().st_size != s["documents_bytes"]:
+        raise ShardError(f"{f.name} holds {f.stat().st_size:,} bytes, not {s['documents_bytes']:,}")
     try:
         ends = np.load(f)
     except (OSError, ValueError) as e:
-        raise ShardError(f"token store {path}: cannot read {f.name} ({e})") from None
-    n = int(s["n_tokens"])
-    if ends.ndim != 1 or ends.dtype.kind not in "iu" or ends.size != int(s["n_documents"]):
-        raise ShardError(f"token store {path}: {f.name} is not {s['n_documents']} int64 document ends")
+        raise ShardError(f"cannot read {f.name} ({e})") from None
+    n = s["n_tokens"]
+    if ends.ndim != 1 or ends.dtype.kind not in "iu" or ends.size != s["n_documents"]:
+        raise ShardError(f"{f.name} is not {s['n_documents']:,} int64 document ends")
     if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0):
-        raise ShardError(f"token store {path}: the document ends in {f.name} are not ascending")
-    if ends.size and ends[-1] != n:
-        raise ShardError(f"token store {path}: the documents in {f.name} end at {int(ends[-1]):,}, "
-                         f"{'past' if ends[-1] > n else 'before'} the shard's end ({n:,} tokens)")
+        raise ShardError(f"the document ends in {f.name} are not ascending")
+    last = int(ends[-1]) if ends.size else 0
+    if last != n:
+        raise ShardError(f"the documents in {f.name} end at {last:,}, {'past' if last > n else 'before'} the "
+                         f"shard's end ({n:,} tokens)")
     return ends
+
+
+def _check_files(path: Path, s: dict, dtype: np.dtype) -> None:
+    """A shard's files read whole against its (checked) entry: sizes, document ends, CRC-32s where it
+    has them, and its largest id, which must be its max_token."""
+    _open_shard(path, s, dtype)
+    _shard_ends(path, s)
+    crc, top = _scan(path / s["tokens"], dtype)
+    if "tokens_crc32" in s and crc != s["tokens_crc32"]:
+        raise ShardError(f"shard {s['tokens']} does not match its checksum (CRC-32 {crc}, recorded "
+                         f"{s['tokens_crc32']})")
+    if top != s["max_token"]:
+        raise ShardError(f"shard {s['tokens']} holds ids up to {top:,}, and its max_token is {s['max_token']:,}")
+    if "documents_crc32" in s and (crc := _scan(path / s["documents"])[0]) != s["documents_crc32"]:
+        raise ShardError(f"{s['documents']} does not match its checksum (CRC-32 {crc}, recorded "
+                         f"{s['documents_crc32']})")
+
+
+def _scan(f: Path, dtype: np.dtype | None = None) -> tuple[str, int]:
+    """A file's CRC-32 (8 hex digits) and, read as ids of `dtype`, its largest (-1: none)."""
+    crc, top = 0, -1
+    with open(f, "rb") as handle:
+        while block := handle.read(READ_BYTES):  # a multiple of the itemsize: the file's size was checked
+            crc = zlib.crc32(block, crc)
+            if dtype is not None:
+                top = max(top, int(np.frombuffer(block, dtype).max()))
+    return _crc(crc), top
 
 
 def cached_store(sources, tokenizer, cache_dir, text_field: str = "text") -> Path:

@@ -29,7 +29,7 @@ _API = {
     # data
     "ByteTokenizer": "shard.data.tokenizers", "Tokenizer": "shard.data.tokenizers",
     "load_tokenizer": "shard.data.tokenizers", "train_bpe": "shard.data.tokenizers",
-    "prepare_store": "shard.data.store", "TokenStore": "shard.data.store",
+    "prepare_store": "shard.data.store", "TokenStore": "shard.data.token_store",
     # a run as one call (what `shard train` runs), and weights from outside a run (generate, eval, export-hf)
     "run_training": "shard.run.training_run", "RunResult": "shard.run.training_run",
     "load_model": "shard.run.inference", "open_model": "shard.run.inference",

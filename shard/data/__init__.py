@@ -9,6 +9,6 @@ __getattr__, __dir__, __all__ = lazy_api("shard.data", {
     "Tokenizer": "shard.data.tokenizers", "ByteTokenizer": "shard.data.tokenizers",
     "load_tokenizer": "shard.data.tokenizers", "train_bpe": "shard.data.tokenizers",
     "padded_vocab": "shard.data.tokenizers", "encode": "shard.data.tokenizers",
-    "prepare_store": "shard.data.store", "TokenStore": "shard.data.store",
+    "prepare_store": "shard.data.store", "TokenStore": "shard.data.token_store",
     "ChatRenderer": "shard.data.chat",
 })

@@ -19,7 +19,8 @@ import numpy as np
 
 from shard.data.files import read_listed
 from shard.data.sources import BYTES, STORE, SYNTHETIC, TOKENS, DataSource, data_source
-from shard.data.store import TokenStore, cached_store
+from shard.data.store import cached_store
+from shard.data.token_store import TokenStore
 from shard.data.tokenizers import BYTE, load_tokenizer, padded_vocab
 from shard.errors import ShardError
 

@@ -525,3 +525,52 @@ def test_a_misspelt_hook_fails_when_its_class_is_made_and_train_takes_observers_
 
     with pytest.raises(TypeError, match="NotAnObserver is not a shard.training.observer.Observer"):
         train(tiny_config("8x1", steps=1), devices=devices_for("8x1"), observers=[NotAnObserver()])
+
+
+def _step_record(step: int, step_time_s: float, time_s: float, start_step: int, mesh: str) -> str:
+    """A step record as the loop writes it (the keys of a real one, shard.training.loop._record)."""
+    return json.dumps({"step": step, "loss": 5.0 - step / 100, "grad_norm": 1.5, "lr": 1e-3,
+                       "tokens_per_s": 256 / step_time_s, "step_time_s": step_time_s, "tokens_seen": 256 * step,
+                       "time_s": time_s, "start_step": start_step, "mesh": mesh, "mem_in_use_bytes": 1183900,
+                       "mem_peak_bytes": 2802556, "mem_source": "compiled"}) + "\n"
+
+
+def _launched_run(path: Path) -> None:
+    """A run shard launch held for 85 s: logged every 10 steps, a process lost after step 40 (the job
+    resumes from the local snapshot of step 35 on 3 processes), then grown back to 4 at step 60's checkpoint."""
+    _fake_run(path, "data=4,model=2", [])
+    t0, first, second = 1000.0, "data=4,model=2", "data=3,model=2"
+    lines = [json.dumps({"event": "launch_start", "time": t0, "processes": 4, "mesh": first, "min_processes": 2,
+                         "max_processes": 4}) + "\n"]
+    lines += [_step_record(s, 0.5, s * 0.5, 0, first) for s in (10, 20, 30, 40)]
+    lines.append(json.dumps({"event": "resize", "time": t0 + 30, "step": 35, "reason": "lost", "lost_processes": [2],
+                             "hosts": ["h3"], "processes": 3, "mesh": second, "source": "local snapshot",
+                             "steps_redone": 7}) + "\n")
+    lines += [_step_record(40, 0.6, 3.0, 35, second), _step_record(50, 0.6, 9.0, 35, second),
+              _step_record(60, 0.6, 15.0, 35, second)]
+    lines.append(json.dumps({"event": "resize", "time": t0 + 60, "step": 60, "reason": "grow", "lost_processes": [],
+                             "hosts": ["h3"], "processes": 4, "mesh": first, "source": "checkpoint",
+                             "steps_redone": 0}) + "\n")
+    lines += [_step_record(70, 0.5, 5.0, 60, first), _step_record(80, 0.5, 10.0, 60, first)]
+    lines.append(json.dumps({"event": "launch_end", "time": t0 + 85, "held_s": 85.0, "ended": "finished",
+                             "restarts": 2, "recoveries": [{"step": 35, "recovery_s": 11.2},
+                                                           {"step": 60, "recovery_s": 4.0}]}) + "\n")
+    (path / "metrics.jsonl").write_text("".join(lines))
+
+
+def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):
+    from shard.observe.metrics import append_event, read_events, read_jsonl, read_records
+
+    _launched_run(tmp_path / "a")
+    path = tmp_path / "a" / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 81, "lo')  # a job killed mid-write, then the supervisor's event
+    append_event(path, {"event": "launch_start", "time": 2000.0, "processes": 2, "mesh": "data=2,model=2"})
+    with open(path, "a") as f:
+        f.write(json.dumps({"event": "resize", "time": "soon", "step": 81}) + "\n")  # not an event report can read
+    records, skipped = read_records(path)
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 40, 50, 60, 70, 80] and skipped == 2
+    assert [r["step"] for r in read_jsonl(path)] == [r["step"] for r in records]
+    assert [e["event"] for e in read_events(path)] == ["launch_start", "resize", "resize", "launch_end", "launch_start"]
+    with pytest.raises(ValueError, match="not an event record"):
+        append_event(path, {"event": "resize", "time": 1.0, "step": 3.5})

@@ -1,4 +1,5 @@
-"""Where logged metrics go: metrics.jsonl (one JSON object per logged step) and TensorBoard events."""
+"""Where logged metrics go: metrics.jsonl (one JSON object per logged step, and the event records `shard launch`
+appends between jobs) and TensorBoard events."""
 
 import atexit
 import contextlib
@@ -103,6 +104,16 @@ def _summary_writer_class():
     return SummaryWriter
 
 
+def append_event(path: Path, event: dict) -> None:
+    """Append an event record (`{"event": "resize", "time": ..., ...}`, docs/observing.md) to a metrics.jsonl,
+    between jobs: on a line of its own even after a job killed mid-line, and strict JSON."""
+    if "event" not in event or not _well_typed_event(event):
+        raise ValueError(f"not an event record: {event}")
+    with open(path, "a") as f:
+        torn = f.tell() > 0 and _last_byte(Path(path)) != b"\n"
+        f.write(("\n" if torn else "") + json.dumps(event, allow_nan=False) + "\n")
+
+
 def _last_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, 2)
@@ -110,13 +121,27 @@ def _last_byte(path: Path) -> bytes:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl; lines that are not records are skipped (see read_records)."""
+    """The step records of a metrics.jsonl; lines that are not records are skipped (see read_records)."""
     return read_records(path)[0]
 
 
 def read_records(path: Path) -> tuple[list[dict], int]:
-    """The records of a metrics.jsonl, and how many lines were not records (torn by a crash, edited)."""
-    records, skipped = [], 0
+    """The step records of a metrics.jsonl, and how many lines were neither records nor events (torn by a
+    crash, edited). Event records (`shard launch`'s, see read_events) are left out and not counted."""
+    lines, skipped = read_lines(path)
+    return [r for r in lines if not is_event(r)], skipped
+
+
+def read_events(path: Path) -> list[dict]:
+    """The event records of a metrics.jsonl (`{"event": "resize", "time": ...}`: what `shard launch` appends
+    between jobs), in the order written; an event whose fields have the wrong type is left out."""
+    return [r for r in read_lines(path)[0] if is_event(r)]
+
+
+def read_lines(path: Path) -> tuple[list[dict], int]:
+    """The step records and event records of a metrics.jsonl together, in the order written, and how many
+    lines were neither."""
+    out, skipped = [], 0
     for line in Path(path).read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -124,11 +149,16 @@ def read_records(path: Path) -> tuple[list[dict], int]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if isinstance(record, dict) and _well_typed(record):
-            records.append(record)
+        if isinstance(record, dict) and (_well_typed_event(record) if is_event(record) else _well_typed(record)):
+            out.append(record)
         else:
             skipped += 1
-    return records, skipped
+    return out, skipped
+
+
+def is_event(record: dict) -> bool:
+    """An event record (a line `shard launch` wrote), not a step record: it has an `event` field."""
+    return "event" in record
 
 
 # The fields a record holds as numbers, which `report` computes with: always finite, or null where a
@@ -147,3 +177,19 @@ def _well_typed(record: dict) -> bool:
     return (all(number(record[k]) for k in NUMBER_FIELDS if k in record)
             and ("step" not in record or float(record["step"]).is_integer())
             and all(record[k] is None or number(record[k]) for k in NUMBER_OR_NULL_FIELDS if k in record))
+
+
+# An event's fields that `report` computes with (the rest are shown as written).
+EVENT_NUMBER_FIELDS = ("time", "held_s")
+EVENT_INT_FIELDS = ("step", "processes", "steps_redone", "restarts")
+
+
+def _well_typed_event(event: dict) -> bool:
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    recoveries = event.get("recoveries", [])
+    return (isinstance(event["event"], str) and number(event.get("time"))
+            and all(number(event[k]) for k in EVENT_NUMBER_FIELDS if k in event)
+            and all(number(event[k]) and float(event[k]).is_integer() for k in EVENT_INT_FIELDS if k in event)
+            and isinstance(recoveries, list) and all(isinstance(x, dict) for x in recoveries))

@@ -558,6 +558,78 @@ def _launched_run(path: Path) -> None:
     (path / "metrics.jsonl").write_text("".join(lines))
 
 
+def test_report_marks_resizes_and_counts_goodput_of_a_launched_run(tmp_path, monkeypatch):
+    """Time training: steps 1-35 of the first job at 0.5 s (its record of step 40 stands for 31-40, of which
+    36-40 were redone), 36-60 of the second at 0.6 s, 61-80 of the third at 0.5 s: 17.5 + 15 + 10 = 42.5 s
+    of the 85 held, goodput 50%. A run without events shows - in the new columns."""
+    import matplotlib.figure
+
+    _launched_run(tmp_path / "a")
+    _fake_run(tmp_path / "b", "fsdp", [3.0, 2.5])
+    drawn, savefig = {}, matplotlib.figure.Figure.savefig
+
+    def keep(fig, name, *args, **kwargs):  # the figures as drawn, to read their marks back
+        drawn[Path(name).name] = fig
+        return savefig(fig, name, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    launched, plain = json.loads(r.output)["runs"]
+    assert [(x["step"], x["reason"], x["processes"], x["mesh"]) for x in launched["resizes"]] == [
+        (35, "lost", 3, "data=3,model=2"), (60, "grow", 4, "data=4,model=2")]
+    assert launched["steps_redone"] == 7 and launched["time_held_s"] == 85.0
+    assert launched["time_training_s"] == pytest.approx(42.5) and launched["goodput"] == pytest.approx(0.5)
+    assert launched["skipped_lines"] == 0 and launched["steps"] == 80  # events are neither records nor torn lines
+    assert [x["step"] for x in launched["resumes"]] == [40, 70]  # the resume marks stay
+    assert all(plain[k] is None for k in ("resizes", "steps_redone", "goodput", "time_held_s", "time_training_s"))
+    for png in json.loads(r.output)["plots"]:
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def vertical(fig, style):  # x of the vertical lines drawn in this line style
+        return [line.get_xdata()[0] for line in fig.axes[0].get_lines() if line.get_linestyle() == style
+                and len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1]]
+
+    labels = ["lost → 3 processes (data=3,model=2)", "grow → 4 processes (data=4,model=2)"]
+    for name in ("loss_vs_step.png", "throughput_vs_step.png"):
+        assert vertical(drawn[name], "-") == [35, 60] and vertical(drawn[name], "--") == [40, 70], name
+        assert [t.get_text() for t in drawn[name].axes[0].texts] == ["data=3,model=2", "data=4,model=2", *labels]
+        assert "solid: resized" in drawn[name].axes[0].get_title()
+    # on the time chart, where the kept steps reached the step resumed from (time runs on across starts)
+    assert vertical(drawn["loss_vs_time.png"], "-") == pytest.approx([19.0, 35.0])
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out2")])
+    assert r.exit_code == 0 and "skipped" not in r.output, r.output
+    cells, none = _table_row(r.output, str(tmp_path / "a")), _table_row(r.output, str(tmp_path / "b"))
+    assert (cells["resizes"], cells["steps redone"], cells["goodput"]) == ("2", "7", "50.0%"), r.output
+    assert (none["resizes"], none["steps redone"], none["goodput"]) == ("-", "-", "-"), r.output
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "b"), "--out", str(tmp_path / "out3")])
+    assert r.exit_code == 0 and "goodput" not in r.output, r.output  # runs without events: the table as it was
+
+
+def test_goodput_counts_only_the_steps_a_launch_held(tmp_path):
+    """Steps a plain `shard train` logged before the launch are not the launch's time; a launch that has
+    not ended has no goodput yet, though its resizes count."""
+    from shard.observe.metrics import read_lines
+    from shard.observe.report import launch_summary
+
+    path, mesh = tmp_path / "metrics.jsonl", "data=4"
+    before = [_step_record(s, 1.0, float(s), 0, mesh) for s in (10, 20)]
+    start = json.dumps({"event": "launch_start", "time": 50.0, "processes": 4, "mesh": mesh}) + "\n"
+    resize = json.dumps({"event": "resize", "time": 60.0, "step": 30, "reason": "lost", "processes": 2,
+                         "mesh": "data=2", "steps_redone": 3}) + "\n"
+    launched = [_step_record(30, 0.25, 2.5, 20, mesh), _step_record(40, 0.5, 5.0, 30, "data=2")]
+    end = json.dumps({"event": "launch_end", "time": 70.0, "ended": "stopped"}) + "\n"  # no held_s: the times'
+    path.write_text("".join(before + [start] + launched[:1] + [resize] + launched[1:] + [end]))
+    summary = launch_summary(read_lines(path)[0])
+    assert summary["time_held_s"] == 20.0 and summary["time_training_s"] == 7.5 and summary["goodput"] == 0.375
+    path.write_text("".join(before + [start] + launched[:1] + [resize] + launched[1:]))
+    summary = launch_summary(read_lines(path)[0])
+    assert summary["goodput"] is None and summary["steps_redone"] == 3 and len(summary["resizes"]) == 1
+    path.write_text("".join(before))
+    assert launch_summary(read_lines(path)[0]) is None
+
+
 def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):
     from shard.observe.metrics import append_event, read_events, read_jsonl, read_records
 

@@ -18,11 +18,12 @@ def report(
                                                        "(default: report/, or report-2/, ...; with --json, only when given)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as JSON")] = False,
 ):
-    """Plots of loss and throughput (runs overlaid, resumes marked) and a table of the runs.
+    """Plots of loss and throughput (runs overlaid, resumes and resizes marked) and a table of the runs.
 
-    The table: model, layout, final loss, tokens/s, MFU, memory, where each run resumed. An earlier report
-    is never written over: a given --out must be new or empty, and without one the report goes to report/
-    or the first free report-N/."""
+    The table: model, layout, final loss, tokens/s, MFU, memory, where each run resumed; for a run that
+    shard launch ran, its resizes, the steps they redid and its goodput (time training / time held). An
+    earlier report is never written over: a given --out must be new or empty, and without one the report
+    goes to report/ or the first free report-N/."""
     from shard.observe.report import check_empty_out, fresh_folder
     from shard.observe.report import report as make_report
 
@@ -48,8 +49,9 @@ def report(
 
 def _print_table(doc: dict) -> None:
     table = Table(title="runs")
+    launched = any(r["resizes"] is not None for r in doc["runs"])  # shard launch's columns, where a run has its events
     for col in ("run", "model", "layout", "steps", "final loss", "median tokens/s", "MFU", "peak memory/device",
-                "resumed at"):
+                "resumed at") + (("resizes", "steps redone", "goodput") if launched else ()):
         table.add_column(col, overflow="fold")  # run paths whole, never "/tmp/ru…"
     for r in doc["runs"]:
         mem = human_bytes(r["peak_memory_bytes"]) + (" (compiled)" if r["memory_source"] == "compiled" else "") \
@@ -57,7 +59,10 @@ def _print_table(doc: dict) -> None:
         loss = "-" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         resumed = ", ".join(f"{x['step']}" + (f" (on {x['mesh']})" if x["layout_changed"] else "")
                             for x in r["resumes"]) or "-"
+        elastic = ("-" if r["resizes"] is None else str(len(r["resizes"])),
+                   "-" if r["steps_redone"] is None else str(r["steps_redone"]),
+                   "-" if r["goodput"] is None else f"{r['goodput']:.1%}")
         table.add_row(r["run"], r["model"], r["layout"], str(r["steps"]), loss, f"{r['median_tokens_per_s']:,.0f}",
-                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem, resumed)
+                      "-" if r["mfu"] is None else f"{r['mfu']:.1%}", mem, resumed, *(elastic if launched else ()))
     # at least 120 columns, as plan's table: in 80 a column's heading shrank to "e"; paths are not markup
-    table_console(120).print(table)
+    table_console(140 if launched else 120).print(table)

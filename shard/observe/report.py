@@ -6,7 +6,7 @@ from pathlib import Path
 
 from shard.errors import ShardError
 from shard.sharding.mesh import rename_mesh_file
-from shard.observe.metrics import read_records
+from shard.observe.metrics import is_event, read_lines
 
 RECORD_FIELDS = {"step", "loss", "time_s", "tokens_per_s"}  # what the table and plots read
 
@@ -16,7 +16,8 @@ def load_run(run_dir: str) -> dict:
     metrics, config = path / "metrics.jsonl", path / "config.toml"
     if not metrics.is_file():
         raise ShardError(f"{run_dir} is not a run directory: no metrics.jsonl")
-    records, skipped = read_records(metrics)
+    lines, skipped = read_lines(metrics)  # step records and shard launch's events, in the order written
+    records = [r for r in lines if not is_event(r)]
     complete = [r for r in records if set(r) >= RECORD_FIELDS]
     skipped += len(records) - len(complete)
     if not complete:
@@ -35,6 +36,7 @@ def load_run(run_dir: str) -> dict:
     trained, latest_start = as_trained(complete)
     return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
             "records": trained, "latest_start": latest_start, "resumes": resumes(complete, trained),
+            "launch": launch_summary([x for x in lines if is_event(x) or set(x) >= RECORD_FIELDS]),
             "skipped_lines": skipped,
             "config_problem": config_problem}  # the model and layout are then shown as "?"
 
@@ -83,9 +85,57 @@ def resumes(records: list[dict], trained: list[dict]) -> list[dict]:
     return [x for i, x in enumerate(counted) if all(y["step"] > x["step"] for y in counted[i + 1:])]
 
 
+def launch_summary(lines: list[dict]) -> dict | None:
+    """What `shard launch`'s events say of a run (None when it has none): its resizes, the steps they
+    redid, and its goodput (time_training_s / time_held_s; None until a launch has ended).
+
+    `lines` are the run's events and complete step records in the order written. Time held is that of
+    each launch that ended: launch_end's held_s (else its time less launch_start's). Time training is the
+    time its kept steps took: each step as_trained keeps counts once, at the step_time_s of the record
+    that logged it (a record stands for the steps since the one before it in its start, or since the
+    checkpoint its start resumed from); only the steps logged between a launch's start and end count,
+    and steps a later start trained again (redone) count only as that start trained them."""
+    events = [x for x in lines if is_event(x)]
+    if not events:
+        return None
+    resizes = [{k: v for k, v in e.items() if k != "event"} for e in events if e["event"] == "resize"]
+    held, training = _held_and_training(lines)
+    return {"resizes": resizes, "steps_redone": sum(r.get("steps_redone", 0) for r in resizes),
+            "time_held_s": held, "time_training_s": training,
+            "goodput": training / held if held and training is not None else None}
+
+
+def _held_and_training(lines: list[dict]) -> tuple[float | None, float | None]:
+    """The seconds held by the launches that ended, and the seconds their kept steps took (launch_summary);
+    (None, None) when no launch ended, a time None where a step record lacks step_time_s."""
+    # (first step, last step, seconds a step, the launch it was logged in): the steps each record stands for
+    spans: list[tuple[int, int, float | None, int | None]] = []
+    held: dict[int, float] = {}
+    launch, began, launches, last = None, 0.0, 0, None
+    for x in lines:
+        if is_event(x):
+            if x["event"] == "launch_start":
+                launch, began, launches = launches, x["time"], launches + 1
+            elif x["event"] == "launch_end" and launch is not None:
+                held[launch], launch = x.get("held_s", x["time"] - began), None
+            continue
+        if _new_start(last, x):  # the steps an earlier start logged past this one's checkpoint were redone
+            since = x.get("start_step", x["step"] - 1)
+            spans = [(lo, min(hi, since), t, n) for lo, hi, t, n in spans if lo < since]
+        else:
+            since = last["step"] if last is not None else x.get("start_step", 0)
+        spans.append((since, x["step"], x.get("step_time_s"), launch))
+        last = x
+    if not held:
+        return None, None
+    counted = [(hi - lo, t) for lo, hi, t, n in spans if n in held]
+    training = None if any(t is None for _, t in counted) else sum(steps * t for steps, t in counted)
+    return sum(held.values()), training
+
+
 def summary_row(run: dict) -> dict:
     """The table's row: loss at the end; speed, MFU and memory of the latest start (the layout shown)."""
-    recs = run["records"]
+    recs, launch = run["records"], run.get("launch")
     latest = [r for r in recs if r["step"] >= run["latest_start"]]
     steady = latest[1:] or latest  # the first interval warms up
     tps = [r["tokens_per_s"] for r in steady]
@@ -97,6 +147,8 @@ def summary_row(run: dict) -> dict:
         "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
         "config_problem": run.get("config_problem"), "resumes": run.get("resumes", []),
+        # from shard launch's events; None for a run without them
+        **{k: (launch or {}).get(k) for k in ("resizes", "steps_redone", "goodput", "time_held_s", "time_training_s")},
     }
 
 
@@ -120,8 +172,10 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
             recs = run["records"]
             (line,) = ax.plot([r[x] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
             _mark_resumes(ax, run, x, line.get_color())
-        ax.set_title(title + (" (dotted: resumed; dashed: resumed on another layout)"
-                              if any(run.get("resumes") for run in runs) else ""), fontsize=10)
+            _mark_resizes(ax, run, x, line.get_color())
+        notes = ["dotted: resumed; dashed: resumed on another layout"] if any(run.get("resumes") for run in runs) else []
+        notes += ["solid: resized"] if any(_resizes(run) for run in runs) else []
+        ax.set_title(title + (f" ({'; '.join(notes)})" if notes else ""), fontsize=10)
         ax.set_xlabel({"time_s": "time (s)"}.get(x, x))
         ax.set_ylabel({"tokens_per_s": "tokens/s"}.get(y, y))
         ax.grid(alpha=0.3)
@@ -159,6 +213,27 @@ def _mark_resumes(ax, run: dict, x: str, color) -> None:
         if changed:
             ax.annotate(resume["mesh"], (where, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
                         va="top", ha="right", color=color)
+
+
+def _resizes(run: dict) -> list[dict]:
+    return (run.get("launch") or {}).get("resizes", [])
+
+
+def _mark_resizes(ax, run: dict, x: str, color) -> None:
+    """A solid vertical line at the step each resize resumed from, labelled at the foot with why, the new
+    process count and mesh (on the time chart: where the run's kept steps reached that step)."""
+    import numpy as np
+
+    steps, xs = [r["step"] for r in run["records"]], [r[x] for r in run["records"]]
+    for resize in _resizes(run):
+        if "step" not in resize:
+            continue
+        where = float(np.interp(resize["step"], steps, xs))
+        ax.axvline(where, color=color, alpha=0.5, linestyle="-", linewidth=2)
+        label = " ".join(str(part) for part in (resize.get("reason"), "→", resize.get("processes"), "processes",
+                                                 f"({resize['mesh']})" if resize.get("mesh") else None) if part is not None)
+        ax.annotate(label, (where, 0), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="bottom",
+                    ha="left", color=color)
 
 
 def fresh_folder(base: Path) -> Path:

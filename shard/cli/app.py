@@ -14,6 +14,7 @@ from shard.cli.export import export
 from shard.cli.generate import generate
 from shard.cli.hf import export_hf, import_hf
 from shard.cli.inspect import inspect
+from shard.cli.launch import launch
 from shard.cli.plan import plan
 from shard.cli.report import report
 from shard.cli.tokenizer import tokenizer_app
@@ -59,6 +60,7 @@ app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, 
                   help="Train Transformers on any device mesh: the parallel layout is data, not code.")
 # In this order in `shard --help` (the bench group after the commands).
 app.command()(train)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)
 app.command()(export)
 app.command()(inspect)
 app.command()(plan)

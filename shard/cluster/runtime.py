@@ -29,6 +29,7 @@ from shard.cluster.jax_private import backends_started, jax_distributed_module, 
 from shard.cluster.join import JoinStuck, connect
 from shard.cluster.launch import ClusterSpec
 from shard.cluster.mpi import mpi_world
+from shard.cluster.workers import note_lost, say_who_i_am
 from shard.config.train import CROSS_HOST_MODES
 from shard.errors import ShardError, first_line
 
@@ -103,6 +104,7 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
             raise ShardError(f"--cross-host mpi needs an MPI launcher (mpiexec, or srun with an MPI plugin); "
                              f"MPI sees {comm.Get_size()} process(es) but the job has {cluster.num_processes}")
         _ctx = Context(MPI, comm.Get_rank(), comm.Get_size(), failure_timeout)
+        say_who_i_am(_ctx.rank)
         return _ctx
     import jax
 
@@ -117,6 +119,7 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
     _ctx = Context(XLA, jax.process_index(), jax.process_count(), failure_timeout)
     _ctx._watchdog = _Watchdog(_ctx.size, failure_timeout)
     _ctx._watchdog.start()
+    say_who_i_am(_ctx.rank)  # to a supervisor (shard launch), if one started this process
     if _ctx.size != cluster.num_processes:  # the coordinator's count won the join; the others hear why
         raise ShardError(f"process {cluster.process_id} was started for a job of {cluster.num_processes} processes, "
                          f"but joined one of {_ctx.size}; start every process with the same --num-processes")
@@ -277,6 +280,8 @@ def _stop_on_lost(missing: list[int], otherwise: str) -> None:
         reasons.append(f"process {rank} stopped on: {reason}")
         codes.add(int(code))
     code = codes.pop() if len(reasons) == len(missing) and len(codes) == 1 else EXIT_LOST_PROCESS
+    if code == EXIT_LOST_PROCESS:  # to a supervisor (shard launch): not a process that left its own error
+        note_lost(_ctx.rank, missing)
     _lost(f"lost process {', '.join(map(str, missing))} of {_ctx.size} ({'; '.join(reasons) or otherwise})", code)
 
 

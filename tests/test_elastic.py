@@ -1,0 +1,199 @@
+"""`shard launch`: the supervisor that starts, watches and restarts a training job. Local processes with
+simulated devices (4 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9, a host that
+leaves the discovery's list and comes back, process 0 killed until the restart budget is spent, a worker's
+own error; the curve stays the uninterrupted one. And the pure parts: which sizes fit, host slots."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shard.cluster.hosts import HostSlots, parse_slots
+from shard.cluster.sizes import SizePolicy
+from shard.errors import ShardError
+from shard.observe.metrics import read_jsonl
+from shard.sharding.mesh import parse_mesh
+from shard.testing import finish, free_ports, subprocess_env
+
+BIN = Path(sys.executable).parent
+ARGS = ["--model", "tiny", "--mesh", "data=-1,model=2", "--simulate-devices", "2", "--steps", "10", "--batch", "12",
+        "--seq", "32", "--log-every", "1", "--checkpoint-every", "2", "--keep", "10", "--failure-timeout", "20"]
+
+
+def env() -> dict:
+    out = subprocess_env()
+    out["PATH"] = f"{BIN}{os.pathsep}{out.get('PATH', '')}"
+    return out
+
+
+def launch(tmp_path: Path, *options: str, args=ARGS, run_dir: str = "r", environ: dict | None = None):
+    """`shard launch OPTIONS -- ARGS --run-dir RUN_DIR` in the background, its output in files."""
+    with open(tmp_path / "launch.out", "w") as out, open(tmp_path / "launch.err", "w") as err:  # the child keeps them
+        return subprocess.Popen([sys.executable, "-m", "shard", "launch", *options, "--", *args, "--run-dir", run_dir],
+                                cwd=tmp_path, env=environ or env(), stdout=out, stderr=err)
+
+
+def steps(run_dir: Path) -> list[dict]:
+    """The step records, the last of each step (a restart redoes some)."""
+    path = run_dir / "metrics.jsonl"
+    records = [r for r in read_jsonl(path) if "event" not in r] if path.is_file() else []
+    return list({r["step"]: r for r in records}.values())
+
+
+def wait_until(done, timeout: float = 300, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := done():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pid_of(run_dir: Path, rank: int, after: float = 0.0) -> int:
+    """The pid of process `rank` of the start under way (its status file, written after `after`)."""
+    path = run_dir / ".launch" / f"process-{rank}.json"
+    wait_until(lambda: path.is_file() and path.stat().st_mtime >= after, what=f"process {rank} to start")
+    return json.loads(path.read_text())["pid"]
+
+
+def output(tmp_path: Path) -> str:
+    return (tmp_path / "launch.out").read_text() + (tmp_path / "launch.err").read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The job's losses on one process of 8 devices, never interrupted (data=4,model=2)."""
+    import shard
+
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    settings = {"model": {"name": "tiny"}, "mesh": {"spec": "data=4,model=2"}, "steps": 10, "log_every": 1,
+                "data": {"batch": 12, "seq_len": 32}, "checkpoint": {"every": 0}, "run_dir": str(run)}
+    result = shard.run_training(settings)
+    return [r["loss"] for r in result.records]
+
+
+def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_stays(tmp_path, uninterrupted):
+    """kill -9 of process 2 of 4: the job goes on on 3 processes (data=3,model=2) from its newest
+    checkpoint, finishes with exit 0, its losses are the uninterrupted run's (rtol 1e-5) and, from the
+    step it resumed at, bitwise those of a manual --resume on 3 processes."""
+    supervisor = launch(tmp_path, "--processes", "4", "--min-processes", "2")
+    run = tmp_path / "r"
+    wait_until(lambda: len(steps(run)) >= 5, what="step 5")
+    os.kill(pid_of(run, 2), signal.SIGKILL)
+    assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
+    said = output(tmp_path)
+    assert "lost process 2 (host localhost): continuing on 3 processes, data=3,model=2, from step " in said, said
+    resize = next(e for e in read_jsonl(run / "metrics.jsonl") if e.get("event") == "resize")
+    assert resize["processes"] == 3 and resize["lost_processes"] == [2] and resize["source"] == "checkpoint"
+    losses = [r["loss"] for r in steps(run)]
+    np.testing.assert_allclose(losses, uninterrupted, rtol=1e-5)
+    # a manual --resume from the same checkpoint on 3 processes
+    at = resize["step"]
+    manual = tmp_path / "manual"
+    (manual / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.toml", manual / "config.toml")
+    shutil.copytree(run / "checkpoints" / str(at), manual / "checkpoints" / str(at))
+    port = free_ports()[0]
+    procs = [subprocess.Popen([sys.executable, "-m", "shard", "train", *ARGS, "--run-dir", str(manual), "--resume",
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3", "--process-id", str(i)],
+                              cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    assert [rc for rc, _, _ in finish(procs)] == [0, 0, 0]
+    assert [r["loss"] for r in steps(manual)] == losses[at:]
+
+
+def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, uninterrupted):
+    """The discovery script's list loses h3 (its worker is stopped: the job goes on on 3 processes), then
+    lists it again (the job saves at its next step and grows back to 4); the curve is the uninterrupted
+    one, and each change of size is a line and a record."""
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("h0\nh1\nh2\nh3\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    supervisor = launch(tmp_path, "--host-discovery", str(script), "--min-processes", "2", "--max-processes", "4")
+    run = tmp_path / "r"
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    hosts.write_text("h0\nh1\nh2\n")
+    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink")
+    hosts.write_text("h0\nh1\nh2\nh3\n")
+    assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
+    said = output(tmp_path)
+    assert "lost process 3 (host h3): continuing on 3 processes, data=3,model=2" in said, said
+    assert "4 process slots: growing to 4 processes, data=4,model=2" in said, said
+    events = [e for e in read_jsonl(run / "metrics.jsonl") if "event" in e]
+    assert [e["event"] for e in events] == ["launch_start", "resize", "resize", "launch_end"], events
+    assert [e["reason"] for e in events[1:3]] == ["lost", "grow"] and events[-1]["ended"] == "finished"
+    np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted, rtol=1e-5)
+
+
+def test_process_0_lost_twice_spends_a_budget_of_one_restart(tmp_path):
+    """Process 0 (where the coordinator ran) killed: the job restarts with a new process 0; killed again
+    with a restart budget of 1, the supervisor stops with a line naming the budget (exit 3)."""
+    supervisor = launch(tmp_path, "--processes", "3", "--max-restarts", "1")
+    run = tmp_path / "r"
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    first = pid_of(run, 0)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: "continuing on 2 processes, data=2,model=2" in output(tmp_path), what="the restart")
+    os.kill(wait_until(lambda: (p := pid_of(run, 0)) != first and p), signal.SIGKILL)
+    assert supervisor.wait(timeout=300) == 3, output(tmp_path)[-3000:]
+    assert "lost process 0 (host localhost): the restart budget of 1 is spent; stopping" in output(tmp_path)
+    assert [e["ended"] for e in read_jsonl(run / "metrics.jsonl") if e.get("event") == "launch_end"] == \
+        ["restart budget"]
+
+
+def test_a_workers_own_error_stops_the_job_without_a_restart(tmp_path):
+    """A worker that stops on the user's error (out of memory, exit 2) is never restarted: the job stops
+    with exit 2 and that worker's line."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import sys\n"
+        "argv = sys.orig_argv\n"
+        "if '--process-id' in argv and argv[argv.index('--process-id') + 1] == '1':\n"
+        "    from shard.data import batches\n"
+        "    def _oom(*a, **k):\n"
+        "        raise MemoryError('simulated on process 1')\n"
+        "    batches.BatchStream.next = _oom\n")
+    environ = env()
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(inject), environ.get("PYTHONPATH")]))
+    supervisor = launch(tmp_path, "--processes", "2", environ=environ)
+    assert supervisor.wait(timeout=300) == 2, output(tmp_path)[-3000:]
+    said = output(tmp_path)
+    assert "error: out of memory (simulated on process 1)" in said and "continuing on" not in said, said
+
+
+# --- the pure parts ---------------------------------------------------------------------------------------
+
+
+def test_the_largest_size_that_the_mesh_and_the_batch_divide_is_chosen():
+    policy = SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, batch=8, microbatches=1, min_processes=1,
+                           max_processes=4)
+    assert policy.largest(4) == 4 and policy.describe(4) == "data=4,model=2"
+    assert policy.largest(3) == 2  # data=3 does not divide a batch of 8
+    assert "does not divide over the 3 data-parallel devices" in policy.problem(3)
+    with pytest.raises(ShardError, match="fewer than --min-processes 2"):
+        SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, 8, 1, 2, 4).largest(1)
+    with pytest.raises(ShardError, match="needs a mesh with one -1 axis"):
+        SizePolicy.of(parse_mesh("data=4,model=2"), {}, 2, 8, 1, 1, 4)
+
+
+def test_host_slots_from_a_file_or_a_discovery_script(tmp_path):
+    assert parse_slots("h0\nh1:2  # two\n\n", "x") == ["h0", "h1", "h1"]
+    with pytest.raises(ShardError, match="line 1: 'h0:x' is not HOST or HOST:SLOTS"):
+        parse_slots("h0:x\n", "x")
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho h0:2\n")
+    script.chmod(0o755)
+    slots = HostSlots(discovery=str(script))
+    assert slots.current() == ["h0", "h0"]
+    script.write_text("#!/bin/sh\nexit 5\n")
+    assert slots.current() == ["h0", "h0"] and "exited with 5" in slots.problem  # the last list is kept

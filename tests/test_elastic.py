@@ -18,7 +18,7 @@ import pytest
 from shard.cluster.hosts import HostSlots, parse_slots
 from shard.cluster.sizes import SizePolicy
 from shard.errors import ShardError
-from shard.observe.metrics import read_jsonl
+from shard.observe.metrics import read_events, read_jsonl
 from shard.sharding.mesh import parse_mesh
 from shard.testing import finish, free_ports, subprocess_env
 
@@ -43,7 +43,7 @@ def launch(tmp_path: Path, *options: str, args=ARGS, run_dir: str = "r", environ
 def steps(run_dir: Path) -> list[dict]:
     """The step records, the last of each step (a restart redoes some)."""
     path = run_dir / "metrics.jsonl"
-    records = [r for r in read_jsonl(path) if "event" not in r] if path.is_file() else []
+    records = read_jsonl(path) if path.is_file() else []
     return list({r["step"]: r for r in records}.values())
 
 
@@ -69,14 +69,20 @@ def output(tmp_path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The job's losses on one process of 8 devices, never interrupted (data=4,model=2)."""
+    """The job's losses on one process of 8 devices, never interrupted (data=4,model=2), by its --steps."""
     import shard
 
-    run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    settings = {"model": {"name": "tiny"}, "mesh": {"spec": "data=4,model=2"}, "steps": 10, "log_every": 1,
-                "data": {"batch": 12, "seq_len": 32}, "checkpoint": {"every": 0}, "run_dir": str(run)}
-    result = shard.run_training(settings)
-    return [r["loss"] for r in result.records]
+    losses = {}
+
+    def of(steps: int) -> list[float]:
+        if steps not in losses:
+            run = tmp_path_factory.mktemp("uninterrupted") / "run"
+            settings = {"model": {"name": "tiny"}, "mesh": {"spec": "data=4,model=2"}, "steps": steps, "log_every": 1,
+                        "data": {"batch": 12, "seq_len": 32}, "checkpoint": {"every": 0}, "run_dir": str(run)}
+            losses[steps] = [r["loss"] for r in shard.run_training(settings).records]
+        return losses[steps]
+
+    return of
 
 
 def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_stays(tmp_path, uninterrupted):
@@ -90,10 +96,10 @@ def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_sta
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
     assert "lost process 2 (host localhost): continuing on 3 processes, data=3,model=2, from step " in said, said
-    resize = next(e for e in read_jsonl(run / "metrics.jsonl") if e.get("event") == "resize")
+    resize = next(e for e in read_events(run / "metrics.jsonl") if e["event"] == "resize")
     assert resize["processes"] == 3 and resize["lost_processes"] == [2] and resize["source"] == "checkpoint"
     losses = [r["loss"] for r in steps(run)]
-    np.testing.assert_allclose(losses, uninterrupted, rtol=1e-5)
+    np.testing.assert_allclose(losses, uninterrupted(10), rtol=1e-5)
     # a manual --resume from the same checkpoint on 3 processes
     at = resize["step"]
     manual = tmp_path / "manual"
@@ -118,7 +124,8 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
-    supervisor = launch(tmp_path, "--host-discovery", str(script), "--min-processes", "2", "--max-processes", "4")
+    supervisor = launch(tmp_path, "--host-discovery", str(script), "--discovery-interval", "0.5", "--min-processes", "2",
+                        "--max-processes", "4", args=[*ARGS, "--steps", "30"])
     run = tmp_path / "r"
     wait_until(lambda: len(steps(run)) >= 3, what="step 3")
     hosts.write_text("h0\nh1\nh2\n")
@@ -128,10 +135,10 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     said = output(tmp_path)
     assert "lost process 3 (host h3): continuing on 3 processes, data=3,model=2" in said, said
     assert "4 process slots: growing to 4 processes, data=4,model=2" in said, said
-    events = [e for e in read_jsonl(run / "metrics.jsonl") if "event" in e]
+    events = read_events(run / "metrics.jsonl")
     assert [e["event"] for e in events] == ["launch_start", "resize", "resize", "launch_end"], events
     assert [e["reason"] for e in events[1:3]] == ["lost", "grow"] and events[-1]["ended"] == "finished"
-    np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted, rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(30), rtol=1e-5)
 
 
 def test_process_0_lost_twice_spends_a_budget_of_one_restart(tmp_path):
@@ -146,7 +153,7 @@ def test_process_0_lost_twice_spends_a_budget_of_one_restart(tmp_path):
     os.kill(wait_until(lambda: (p := pid_of(run, 0)) != first and p), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 3, output(tmp_path)[-3000:]
     assert "lost process 0 (host localhost): the restart budget of 1 is spent; stopping" in output(tmp_path)
-    assert [e["ended"] for e in read_jsonl(run / "metrics.jsonl") if e.get("event") == "launch_end"] == \
+    assert [e["ended"] for e in read_events(run / "metrics.jsonl") if e["event"] == "launch_end"] == \
         ["restart budget"]
 
 

@@ -7,7 +7,6 @@ is never retried. The global batch and the data order never change with the size
 uninterrupted one. Every change of size is a line (`say`) and an event record in metrics.jsonl.
 """
 
-import json
 import os
 import socket
 import time
@@ -20,6 +19,7 @@ from shard.cluster.sizes import SizePolicy
 from shard.cluster.workers import ENGINES, EXIT_USER_ERROR, Job, worker_command
 from shard.errors import ShardError
 from shard.observe.console import note as console_note
+from shard.observe.metrics import append_event, read_jsonl
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.checkpoint_files import step_dirs
 from shard.run.devices import Notice
@@ -43,7 +43,7 @@ class LaunchOptions:
     max_restarts: int = 3
     engine: str = "local"
     poll_s: float = 0.2
-    discover_every_s: float = 2.0
+    discover_every_s: float = 2.0  # how often the discovery script is asked
 
 
 @dataclass
@@ -59,8 +59,8 @@ class _Record:
     def flush(self) -> None:
         if self.pending:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write("".join(json.dumps(e) + "\n" for e in self.pending))
+            for event in self.pending:
+                append_event(self.path, event)  # on a line of its own, after a worker killed mid-line
             self.pending.clear()
 
 
@@ -178,9 +178,10 @@ class _Supervisor:
                     change = None
                 if any(c not in (None, 0) for c in codes) and not asked_to_stop:
                     return self._failed(job)
-                if all(c is not None for c in codes):
-                    return ("grow", None) if asked_to_stop and not interrupted else \
-                        (("stopped", None) if interrupted else ("finished", None))
+                if all(c is not None for c in codes):  # all exited 0: at --steps, or stopped as asked
+                    if self._finished():
+                        return "finished", None
+                    return ("stopped", None) if interrupted or not asked_to_stop else ("grow", None)
                 if not asked_to_stop and time.monotonic() - last_discovery >= self.options.discover_every_s:
                     last_discovery = time.monotonic()
                     verdict = self._hosts_changed(job)
@@ -232,6 +233,11 @@ class _Supervisor:
                 "since": self.lost_at if outcome == "lost" else time.monotonic(), "at": time.time(),
                 "last_logged": self._last_logged()}
 
+    def _finished(self) -> bool:
+        """Whether the run has its checkpoint at --steps (the last step always saves)."""
+        saved = step_dirs(self.run_dir / CHECKPOINTS_DIR)
+        return bool(saved) and saved[-1] >= self.cfg.steps
+
     def _lost_words(self, lost: list[int]) -> str:
         """`lost process 2 (host h3)`."""
         hosts = [self.hosts[i] for i in lost if i < len(self.hosts)]
@@ -259,10 +265,8 @@ class _Supervisor:
         return True
 
     def _records(self) -> list[dict]:
-        from shard.observe.metrics import read_jsonl
-
         path = self.run_dir / "metrics.jsonl"
-        return [r for r in read_jsonl(path) if "event" not in r] if path.is_file() else []  # step records
+        return read_jsonl(path) if path.is_file() else []
 
     def _last_logged(self) -> int:
         return max((int(r["step"]) for r in self._records()), default=0)

@@ -25,7 +25,7 @@ assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX start
 # the short files even out the workers' ends; xdist's own order (most tests first) leaves the notebooks
 # and the long runs of test_train and test_benchmarks for last. Insurance against a long file left to the
 # end, not a measured gain: a cold clean clone took 1,000 s in this order and 995 s in xdist's.
-LONGEST_FIRST = ["test_multiprocess.py", "test_notebooks.py", "test_benchmarks.py", "test_checkpoint.py",
+LONGEST_FIRST = ["test_multiprocess.py", "test_elastic.py", "test_notebooks.py", "test_benchmarks.py", "test_checkpoint.py",
                  "test_train.py", "test_cli.py", "test_observe.py", "test_parallel.py"]
 
 

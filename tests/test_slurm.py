@@ -128,6 +128,30 @@ def test_srun_an_error_before_joining_reaches_the_other_task(slurm, tmp_path):
     assert "Traceback" not in r.stderr and "Check failure" not in r.stderr
 
 
+def test_shard_launch_recovers_a_killed_task_through_a_new_srun_step(slurm, tmp_path):
+    """`shard launch --engine srun`: a task killed with kill -9 takes its step down (srun -K); the
+    supervisor starts a new step on the slots left, which resumes the run and finishes it."""
+    import json
+    import signal
+
+    env = dict(slurm, XLA_FLAGS=xla_flags_for_tests(), PATH=f"{Path(sys.executable).parent}{os.pathsep}{slurm['PATH']}")
+    args = ["--model", "tiny", "--mesh", "data=-1,model=2", "--simulate-devices", "2", "--steps", "8", "--batch", "8",
+            "--seq", "32", "--log-every", "1", "--checkpoint-every", "2", "--run-dir", "r"]
+    with open(tmp_path / "out.txt", "w") as out:
+        supervisor = subprocess.Popen([sys.executable, "-m", "shard", "launch", "--engine", "srun", "--processes", "2",
+                                       "--", *args], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    metrics, status = tmp_path / "r" / "metrics.jsonl", tmp_path / "r" / ".launch" / "process-1.json"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(read_jsonl(metrics)) >= 3 and status.is_file()):
+        assert time.monotonic() < deadline and supervisor.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+        time.sleep(0.2)
+    os.kill(json.loads(status.read_text())["pid"], signal.SIGKILL)
+    assert supervisor.wait(timeout=400) == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    said = (tmp_path / "out.txt").read_text()
+    assert "continuing on 1 process, data=1,model=2, from step" in said, said[-3000:]
+    assert max(r["step"] for r in read_jsonl(metrics)) == 8
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "4", "SLURM_PROCID": "3",
       "SLURM_LOCALID": "1"}, ClusterSpec("slurm", 4, 3)),

@@ -157,16 +157,18 @@ class _Supervisor:
     def _start(self, n: int) -> Job:
         hosts = self.usable()[:n]
         base = [*worker_command(), "train", *self.train_args, "--resume", "--allow-fresh"]
+        env = dict(os.environ)
         if self.options.engine == "local":
             port = _free_port()
             argvs = [base + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i)]
                      for i in range(n)]
-        else:
-            argvs = [base]
+        else:  # the launcher's environment names each process; JAX derives srun's port from the job id, which
+            argvs = [base]  # an earlier start's lingering service may hold: a fresh one for each start
+            env["JAX_COORDINATOR_PORT"] = str(_free_port())
         self.record.flush()
         self.n, self.hosts = n, hosts
         self.records_before = len(self._records())
-        return Job(self.options.engine, argvs, hosts, self.run_dir / ".launch", dict(os.environ))
+        return Job(self.options.engine, argvs, hosts, self.run_dir / ".launch", env)
 
     def _watch(self, job: Job, change: dict | None) -> tuple[str, object]:
         """Until the start ends: ("finished" | "stopped" | "user error" | "lost" | "grow", detail)."""
@@ -256,7 +258,7 @@ class _Supervisor:
         seconds = time.monotonic() - change["since"]
         n = change["processes"]
         verb = "continuing on" if change["reason"] == "lost" else "growing to"
-        self.say(f"{change['what']}: {verb} {n} processes, {self.policy.describe(n)}, from step {step} ({source}, "
+        self.say(f"{change['what']}: {verb} {n} process{'es' if n != 1 else ''}, {self.policy.describe(n)}, from step {step} ({source}, "
                  f"{redone} step{'s' if redone != 1 else ''} redone) after {seconds:.1f} s")
         self.record.add("resize", at=change["at"], step=step, reason=change["reason"], lost_processes=change["lost"],
                         hosts=change["hosts"], processes=n, mesh=self.policy.describe(n), source=source,

@@ -28,3 +28,17 @@ def test_the_library_page_runs_as_written(tmp_path):
     assert out[0].endswith("(None, 'fsdp', 'model')"), out  # w_up on fsdp=2,model=4
     assert float(out[1].split("'loss': ")[1].split(",")[0]) < 3.5, out  # from ln(256) = 5.5
     assert out[2].startswith("20 ") and out[2].endswith("(None, None, 'model', None)"), out  # wq restored onto 2x4
+
+
+def test_the_kubernetes_example_is_a_jobset_whose_workers_resume_on_a_mesh_with_a_fill_axis():
+    """docs/cluster.md's manifest parses (syntax only: no cluster here) and keeps what makes it elastic."""
+    import yaml
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (DOCS / "cluster.md").read_text(), flags=re.S)
+    assert len(blocks) == 1
+    doc = yaml.safe_load(blocks[0])
+    assert (doc["apiVersion"], doc["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    job = doc["spec"]["replicatedJobs"][0]["template"]["spec"]
+    command = " ".join(job["template"]["spec"]["containers"][0]["args"])
+    assert "--resume --allow-fresh" in command and "--mesh data=-1," in command
+    assert job["completionMode"] == "Indexed" and "$JOB_COMPLETION_INDEX" in command

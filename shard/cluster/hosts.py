@@ -29,13 +29,16 @@ class HostSlots:
     """The slots a job may use now: a fixed list (a hosts file, or this machine's `local` slots), or what
     the discovery script prints each time it is asked."""
 
-    def __init__(self, *, hosts_file: str | None = None, discovery: str | None = None, local: int = 1):
+    def __init__(self, *, hosts_file: str | None = None, discovery: str | None = None, local: int = 1,
+                 slots: list[str] | None = None):
         if hosts_file and discovery:
             raise ShardError("give --hosts or --host-discovery, not both")
         self.discovery = discovery
         self.fixed = None
         self.problem = ""  # why the discovery script's last answer was not taken
-        if hosts_file:
+        if slots:  # given whole: a SLURM allocation's nodes (allocation_slots)
+            self.fixed = list(slots)
+        elif hosts_file:
             path = Path(hosts_file)
             if not path.is_file():
                 raise ShardError(f"--hosts {hosts_file} is not a file")
@@ -70,3 +73,18 @@ class HostSlots:
             raise ShardError(f"--host-discovery {self.discovery} exited with {done.returncode}" +
                              (f": {last}" if last else ""))
         return parse_slots(done.stdout, f"--host-discovery {self.discovery}'s output")
+
+
+def allocation_slots(env) -> list[str]:
+    """The slots of the SLURM allocation this runs in (its nodes, SLURM_NTASKS_PER_NODE each, else one):
+    where `shard launch --engine srun` starts its steps; [] outside an allocation."""
+    nodes = env.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        return []
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    per_node = int(per_node) if per_node.isdigit() else 1
+    return [host for host in done.stdout.split() for _ in range(per_node)] if done.returncode == 0 else []

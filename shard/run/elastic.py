@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shard import config as config_mod
-from shard.cluster.hosts import HostSlots
+from shard.cluster.hosts import HostSlots, allocation_slots
 from shard.cluster.sizes import SizePolicy
 from shard.cluster.workers import ENGINES, EXIT_USER_ERROR, Job, worker_command
 from shard.errors import ShardError
@@ -79,8 +79,10 @@ def launch(train_args: list[str], settings: dict, *, config_file: str | None = N
     if not devices:
         raise ShardError("give --devices-per-process (the accelerators each worker holds), or --simulate-devices "
                          "among the train arguments on a CPU")
+    allocation = allocation_slots(os.environ) if options.engine == "srun" else []
     slots = HostSlots(hosts_file=options.hosts_file, discovery=options.discovery,
-                      local=options.processes or options.max_processes or 1)
+                      local=options.processes or options.max_processes or 1,
+                      slots=allocation if not (options.hosts_file or options.discovery) else None)
     first = options.processes or min(len(slots.last), options.max_processes or len(slots.last))
     policy = SizePolicy.of(parse_mesh(cfg.mesh.spec), cfg.rules, devices, cfg.data.batch, cfg.data.microbatches,
                            options.min_processes, options.max_processes or first)

@@ -20,8 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from shard import config as config_mod
+from shard.config.train import CheckpointConfig
 from shard.paths import CHECKPOINTS_DIR
-from shard.run.checkpoint import TMP_MARK, Checkpoints, SaveCheckpoints
+from shard.run.checkpoint import TMP_MARK, Checkpoints, SaveCheckpoints, step_dirs
 from shard.cli.app import app
 from shard.errors import ShardError
 from shard.sharding.layout import make_layout
@@ -839,3 +840,195 @@ def test_orbax_ends_a_restore_in_a_device_barrier():
     from orbax.checkpoint._src.multihost import multihost
 
     assert multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.default is False
+
+
+# -- local snapshots (checkpoint.local_every) -------------------------------------------------------
+
+def test_a_kill_9_loses_at_most_local_every_steps_and_a_finished_run_leaves_no_snapshot(reference, tmp_path):
+    """Durable saves far apart, a local snapshot (in /dev/shm) every 2 steps: the trainer killed while the
+    snapshot of step 6 is written (so past step 5) resumes from the snapshot of step 4, not from step 0,
+    and removes the unfinished one; the stitched curve is the uninterrupted one, bitwise. Having finished,
+    the run leaves no snapshot behind."""
+    from shard.run.snapshots import snapshot_folder
+
+    _, ref_losses, _, _ = reference
+    run_dir = tmp_path / "run"
+    folder = snapshot_folder("auto", run_dir)
+    args = ["train", "--run-dir", str(run_dir), "--resume", "--allow-fresh", "--model", "tiny", "--mesh", "2x4",
+            "--steps", str(STEPS), "--batch", "8", "--seq", "32", "--log-every", "1", "--checkpoint-every", "1000",
+            "--set", "checkpoint.local_every=2"]
+    killed = [sys.executable, str(Path(__file__).parent / "helpers" / "killed_in_save.py"), *args]
+    try:
+        rc, _, err = finish(subprocess.Popen(killed, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                             env=subprocess_env(SHARD_TEST_KILL_AT=f"{re.escape(str(folder))}/6$")))
+        assert rc == -signal.SIGKILL, err
+        assert [p.name.split(TMP_MARK)[0] for p in sorted(folder.iterdir())] == ["4", "6"]  # 6 unfinished
+        assert not (run_dir / CHECKPOINTS_DIR).exists()  # no durable save yet
+        rc, out, err = finish(shard_process(*args))
+        assert rc == 0, err
+        assert re.search(rf"removing incomplete local snapshot 6{re.escape(TMP_MARK)}\S* \(a save that never", err)
+        assert f"resumed from step 4 (local snapshot {folder / '4'}), data position 32\n" in err, err
+        losses = logged_losses(run_dir)
+        assert [losses[s] for s in range(1, STEPS + 1)] == ref_losses  # bitwise
+        assert not folder.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _snapshot_beside_checkpoints(reference, tmp_path, newest: int = 8):
+    """The reference's checkpoints up to `newest` in tmp_path, and its checkpoint `newest` + 2 as the
+    run's local snapshot: (checkpoints, snapshots, spec, notices)."""
+    from shard.run.snapshots import Snapshots
+
+    ckpts, spec, notices = _copy_checkpoints(reference, tmp_path)
+    (tmp_path / "snapshots").mkdir()
+    ckpts.path(newest + 2).rename(tmp_path / "snapshots" / str(newest + 2))  # a snapshot is a checkpoint
+    for late in ckpts.steps()[ckpts.steps().index(newest) + 1:]:
+        if ckpts.path(late).exists():
+            shutil.rmtree(ckpts.path(late))
+    ckpts.reload()
+    every_2 = dataclasses.replace(reference[0].checkpoint, local_every=2)
+    snapshots = Snapshots(tmp_path / "snapshots", every_2, notices.append, holds=True)
+    request_close(snapshots.store)
+    return ckpts, snapshots, spec, notices
+
+
+def test_resume_reads_a_snapshot_newer_than_the_checkpoints(reference, tmp_path):
+    from shard.run.resume import NewestState
+
+    ckpts, snapshots, spec, notices = _snapshot_beside_checkpoints(reference, tmp_path)
+    restore = NewestState(ckpts, snapshots, None, 0, notices.append)
+    restored = restore(spec)
+    assert (restored.step, restored.position) == (10, 10 * 8) and notices == []
+    assert restore.where == f"local snapshot {snapshots.folder / '10'}"
+    assert_trees_equal(restored.state, ckpts_state_at(reference, 10))
+
+
+def test_a_fresh_start_removes_the_snapshots_an_earlier_run_left(reference, tmp_path):
+    """A run dir removed by hand leaves its snapshots in /dev/shm: a new run there must not resume them."""
+    from shard.run.resume import restore_source
+
+    ckpts, snapshots, _, notices = _snapshot_beside_checkpoints(reference, tmp_path)
+    assert restore_source(ckpts, False, False, "", 0, notices.append, snapshots) is None  # the init
+    assert notices == [f"removing the local snapshots in {snapshots.folder}: an earlier run in this run dir left "
+                       "them, and this one starts from step 0"]
+    assert not snapshots.folder.exists()
+
+
+def ckpts_state_at(reference, step):
+    cfg, _, _, ckpts = reference
+    layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
+    return jax.device_get(ckpts.restore(step, state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)).state)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's closed loop, as above
+@pytest.mark.parametrize("damage", ["garbage", "on another host"])
+def test_a_snapshot_that_cant_be_read_falls_back_to_the_checkpoint_and_stays(reference, tmp_path, monkeypatch,
+                                                                             damage):
+    """Damaged files, or a snapshot that one process of the job does not find (its folder is another
+    host's): the restore falls back to the durable checkpoint in one line; the snapshot is neither set
+    aside as corrupt nor removed, and the checkpoints are untouched."""
+    import shard.run.snapshots as snapshots_mod
+    from shard.run.resume import NewestState
+
+    ckpts, snapshots, spec, notices = _snapshot_beside_checkpoints(reference, tmp_path)
+    if damage == "garbage":
+        for f in (snapshots.folder / "10" / "state" / "d").iterdir():
+            f.write_bytes(b"garbage")
+        why = r"[^()]*(\([^()]*\)[^()]*)*"  # the read's error: a line of orbax's or tensorstore's
+    else:  # process 1 finds no snapshot in the folder
+        from types import SimpleNamespace
+
+        real = snapshots_mod.exchange
+        monkeypatch.setattr(snapshots_mod, "exchange", SimpleNamespace(
+            gather_text=lambda text: [text, "[]"], broadcast_text=real.broadcast_text, barrier=real.barrier,
+            any_process=real.any_process))
+        why = re.escape(f"it is not in {snapshots.folder} on process 1")
+    restored = NewestState(ckpts, snapshots, None, 0, notices.append)(spec)
+    assert restored.step == 8
+    assert len(notices) == 1 and re.fullmatch(rf"local snapshot at step 10 can't be read \({why}\): resuming from "
+                                              r"checkpoint 8", notices[0]), notices
+    assert step_dirs(snapshots.folder) == [10] and sorted(p.name for p in snapshots.folder.iterdir()) == ["10"]
+    assert ckpts.steps() == [2, 4, 6, 8] and not list(ckpts.directory.glob("corrupt-*"))
+    if damage == "garbage":  # the run goes on from 8: its own snapshot of step 10 takes the old one's place
+        from shard.run.snapshots import SaveSnapshots
+
+        cfg, ref_losses, _, _ = reference
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every=0, local_every=2))
+        run = prepare(cfg, devices_for(cfg.mesh.spec), restore=lambda spec: restored)
+        saver = SaveCheckpoints(ckpts, seed=cfg.seed, config_toml="")
+        snapshotter = SaveSnapshots(snapshots, saver, seed=cfg.seed, config_toml="")
+        records = train(cfg, run=run, observers=[snapshotter, saver])
+        assert [r["loss"] for r in records] == ref_losses[8:]
+        assert not snapshots.folder.exists() and len(notices) == 1  # finished: its snapshots removed
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's closed loop, as above
+def test_an_unreadable_snapshot_and_no_checkpoint_start_again_only_with_allow_fresh(reference, tmp_path):
+    from shard.run.resume import NewestState
+
+    ckpts, snapshots, spec, notices = _snapshot_beside_checkpoints(reference, tmp_path)
+    shutil.rmtree(ckpts.directory)
+    ckpts.reload()
+    for f in (snapshots.folder / "10" / "state" / "d").iterdir():
+        f.write_bytes(b"garbage")
+    with pytest.raises(ShardError, match=r"^--resume: local snapshot at step 10 can't be read \(.+\), and \S+ holds "
+                                         r"no checkpoint; --resume --allow-fresh starts this run again from step 0$"):
+        NewestState(ckpts, snapshots, None, 0, notices.append)(spec)
+    restored = NewestState(ckpts, snapshots, lambda: None, 0, notices.append)(spec)  # --allow-fresh, no init_from
+    assert (restored.step, restored.position, restored.config_toml) == (0, 0, "")
+    assert len(notices) == 1 and re.fullmatch(r"local snapshot at step 10 can't be read \(.+\): starting from step 0",
+                                              notices[0])
+    assert step_dirs(snapshots.folder) == [10]
+
+
+def test_snapshots_go_to_the_ram_disk_by_run_dir_or_to_the_run_dir_and_need_room_for_two(tmp_path, monkeypatch):
+    from shard.run.snapshots import Snapshots, snapshot_folder
+
+    ram, run_dir = tmp_path / "shm", tmp_path / "runs" / "a"
+    ram.mkdir()
+    folder = snapshot_folder("auto", run_dir, ram_disk=ram)
+    assert folder.parent == ram / "shard-snapshots" and len(folder.name) == 16
+    assert snapshot_folder("auto", tmp_path / "runs" / ".." / "runs" / "a", ram_disk=ram) == folder
+    assert snapshot_folder("auto", tmp_path / "runs" / "b", ram_disk=ram) != folder
+    assert snapshot_folder("auto", run_dir, ram_disk=tmp_path / "no-ram-disk") == run_dir / "snapshots"
+    monkeypatch.chdir(tmp_path)
+    assert snapshot_folder("snaps", run_dir, ram_disk=ram) == tmp_path / "snaps"
+    unfit = Snapshots(folder, CheckpointConfig(local_every=2), print, holds=False)
+    request_close(unfit.store)
+    assert unfit.unfit(2**10) is None and (ram / "shard-snapshots").stat().st_mode & 0o1777 == 0o1777
+    assert re.fullmatch(rf"{re.escape(str(folder))} has room for \S+ [GM]iB, two snapshots \(one committed while "
+                        r"the next is written\) take 2048.00 GiB", unfit.unfit(2**40))
+
+
+def test_a_stopped_run_keeps_its_snapshot_and_a_finished_one_removes_it(reference, tmp_path):
+    """SIGTERM at step 5: the durable save of step 5 and the snapshot of step 4 stay. The resume reads
+    the newer checkpoint, replaces the old snapshot with its own and, at --steps, removes them all."""
+    from shard.run.resume import restore_source
+    from shard.run.snapshots import SaveSnapshots, open_snapshots, snapshot_folder
+
+    cfg, ref_losses, _, _ = reference
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path), checkpoint=dataclasses.replace(cfg.checkpoint, every=0,
+                                                                                          local_every=2))
+    toml, notices, folder = config_mod.to_toml(cfg), [], snapshot_folder("auto", tmp_path)
+
+    def start(resume: bool, observers=()) -> tuple[list[float], object]:
+        ckpts = request_close(Checkpoints(tmp_path / CHECKPOINTS_DIR, cfg.checkpoint, notice=notices.append))
+        snapshots = open_snapshots(cfg.checkpoint, tmp_path, notices.append)
+        request_close(snapshots.store)
+        restore = restore_source(ckpts, resume, False, "", cfg.seed, notices.append, snapshots)
+        run = prepare(cfg, devices_for(cfg.mesh.spec), restore=restore)
+        saver = SaveCheckpoints(ckpts, seed=cfg.seed, config_toml=toml)
+        snapshotter = SaveSnapshots(snapshots, saver, seed=cfg.seed, config_toml=toml)
+        records = train(cfg, run=run, observers=[*observers, snapshotter, saver])
+        assert snapshots.folder == folder
+        return [r["loss"] for r in records], run
+
+    try:
+        first, run = start(False, [SignalAt(5), StopOnSignal()])
+        assert run.stopped_at == 5 and step_dirs(folder) == [4] and step_dirs(tmp_path / CHECKPOINTS_DIR) == [5]
+        second, run = start(True)
+        assert run.start_step == 5 and first + second == ref_losses
+        assert not folder.exists() and notices == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

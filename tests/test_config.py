@@ -36,6 +36,8 @@ def test_set_overrides_with_types():
     ("optimizer.lr=inf", "optimizer.lr must be a finite positive number, got inf"),
     ("guard.max_grad_norm=0", r"guard.max_grad_norm must be positive \(inf: off\)"),
     ("checkpoint.keep_best=0", "checkpoint.keep_best must be positive, got 0"),
+    ("checkpoint.local_every=-1", r"checkpoint.local_every must be 0 \(off\) or positive, got -1"),
+    ('checkpoint.local_dir=""', 'checkpoint.local_dir must be "auto" or a folder, got ""'),
     ("model.rope_theta=0", "model.rope_theta must be a positive number"),
     ("model.norm_eps=-1", "model.norm_eps must be a positive number"),
     ('param_regex.(=["embed"]', "is not a regular expression"),

@@ -195,6 +195,39 @@ def test_a_checkpoint_one_process_cannot_read_is_set_aside_and_every_process_fal
     np.testing.assert_allclose(run_losses(run), reference[0], rtol=1e-5)
 
 
+def test_a_snapshot_two_processes_wrote_resumes_on_one(tmp_path):
+    """The elastic case in small: two processes (fsdp=8, each writing its half of every array) take local
+    snapshots into one /dev/shm folder; process 0 is killed (-9) while the snapshot of step 6 is
+    committed, process 1 with it; one process on 4 devices resumes from the snapshot of step 4 and
+    finishes within float tolerance of the uninterrupted run, leaving no snapshot behind."""
+    from shard.run.snapshots import snapshot_folder
+
+    folder = snapshot_folder("auto", tmp_path / "r")
+    args = [*TINY, "--steps", "8", "--mesh", "fsdp=8", "--run-dir", "r", "--checkpoint-every", "1000",
+            "--set", "checkpoint.local_every=2"]
+    port, killer = free_ports()[0], Path(__file__).parent / "helpers" / "killed_in_save.py"
+    env = child_env() | {"SHARD_TEST_KILL_AT": f"{re.escape(str(folder))}/6$"}
+    procs = [subprocess.Popen([sys.executable, str(killer), "train", *args, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        procs[0].wait(timeout=300)
+        procs[1].kill()
+        (rc0, _, err0), _ = finish(procs)
+        assert rc0 == -signal.SIGKILL, err0[-2000:]
+        assert sorted(p.name for p in (folder / "4" / "state").glob("ocdbt.process_*")) == [
+            "ocdbt.process_0", "ocdbt.process_1"]
+        r = subprocess.run(shard_cmd("--run-dir", "r", "--resume", "--mesh", "fsdp=4", "--simulate-devices", "4"),
+                           cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"resumed from step 4 (local snapshot {folder / '4'})" in r.stderr, r.stderr[-3000:]
+        want = [rec["loss"] for rec in train(tiny_config("2x4", steps=8), devices=devices_for("2x4"))]
+        np.testing.assert_allclose(run_losses(tmp_path / "r")[-4:], want[-4:], rtol=1e-5)
+        assert not folder.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @needs_mpi
 def test_mpiexec_detects_the_cluster(tmp_path, agreed):
     r = subprocess.run([MPIEXEC, "-n", "2", *shard_cmd(*TINY, *AGREEMENT_ARGS, "--mesh", "2x4", "--run-dir", "r")],

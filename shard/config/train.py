@@ -107,6 +107,11 @@ class CheckpointConfig:
     best_metric: str = ""
     best_mode: str = "min"  # min | max
     keep_best: int = 1
+    # a local snapshot every N steps between the saves above (0 = off), so a kill -9 or a lost host costs
+    # at most N steps; the newest one is kept, in `local_dir`: "auto" is a RAM disk folder,
+    # /dev/shm/shard-snapshots/<hash of the run dir> (RUN_DIR/snapshots where /dev/shm can't be written)
+    local_every: int = 0
+    local_dir: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,8 @@ class TrainConfig:
             problems.append(f"guard.action must be stop or skip, got {self.guard.action!r}")
         if self.checkpoint.best_mode not in ("min", "max"):
             problems.append(f"checkpoint.best_mode must be min or max, got {self.checkpoint.best_mode!r}")
+        if not self.checkpoint.local_dir.strip():
+            problems.append('checkpoint.local_dir must be "auto" or a folder, got ""')
         best = self.checkpoint.best_metric
         if best and best not in METRIC_NAMES and not is_harness_metric(best):
             problems.append(f"checkpoint.best_metric must be one of {', '.join(METRIC_NAMES)} or eval/<task>/<metric> "
@@ -334,6 +341,7 @@ _RANGES = {
     "steps": _SIZE, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
     "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
+    "checkpoint.local_every": (lambda v: v >= 0, "0 (off) or positive"),
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
     "eval.holdout": (lambda v: 0 < v < 1, "between 0 and 1 (exclusive): the share of data.path held out"),
     "eval.harness_every": _NON_NEGATIVE, "eval.harness_limit": _NON_NEGATIVE,

@@ -120,21 +120,33 @@ def _first_difference(a: list[str], b: list[str]) -> tuple[str, str]:
 def check_shared_run_dir(path: Path) -> None:
     """Under the global mesh every process writes its checkpoint shards under the run dir, so `path`
     (process 0's string, read from each process's working directory) must be one folder that all of
-    them see. Process 0 leaves a marker file in it (or its nearest existing parent) and the others
-    look for it there."""
+    them see."""
     ctx = runtime.context()
     if ctx.mode != runtime.XLA or ctx.size < 2:
         return
-    levels = (path.absolute(), *path.absolute().parents)  # the run dir, then the folders above it
+    if where := unshared_folder(path):
+        raise ShardError(
+            f"run dir {path} is not one folder shared by every process ({where}): with --cross-host xla each "
+            "process writes its checkpoint shards there; give an absolute --run-dir on a shared file system")
+
+
+def unshared_folder(path: Path) -> str | None:
+    """Whether `path` (process 0's string, read from each process's working directory) is one folder
+    that every process sees: None when it is (or one process runs), else which process does not see it.
+    Process 0 leaves a marker file in it (or its nearest existing parent) and the others look for it
+    there."""
+    if runtime.context().size < 2:
+        return None
+    levels = (path.absolute(), *path.absolute().parents)  # the folder, then the folders above it
     made: Path | None = None
-    marker = ""  # "UP/NAME": file NAME in the folder UP levels above the run dir
-    if ctx.is_main:
+    marker = ""  # "UP/NAME": file NAME in the folder UP levels above `path`
+    if runtime.context().is_main:
         up = next(i for i, p in enumerate(levels) if p.is_dir())
         try:
             fd, name = tempfile.mkstemp(prefix=".shard-shared-", dir=levels[up])
             os.close(fd)
             made, marker = Path(name), f"{up}/{Path(name).name}"
-        except OSError:  # not writable: making the run dir will say so
+        except OSError:  # not writable: writing there will say so
             pass
     marker = exchange.broadcast_text(marker)
     missing = False
@@ -146,8 +158,6 @@ def check_shared_run_dir(path: Path) -> None:
     finally:
         if made is not None:
             made.unlink(missing_ok=True)
-    if lost:
-        where = "this process does not see it" if missing else "another process does not see it"
-        raise ShardError(
-            f"run dir {path} is not one folder shared by every process ({where}): with --cross-host xla each "
-            "process writes its checkpoint shards there; give an absolute --run-dir on a shared file system")
+    if not lost:
+        return None
+    return "this process does not see it" if missing else "another process does not see it"

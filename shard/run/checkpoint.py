@@ -44,9 +44,12 @@ class Checkpoints:
 
     def __init__(self, directory: Path | str, cfg: CheckpointConfig | None = None,
                  notice: Callable[[str], None] | None = None, read_only: bool = False,
-                 write_concurrent_gb: float | None = None):
+                 write_concurrent_gb: float | None = None, label: str = "checkpoint",
+                 barrier_prefix: str | None = None):
         """`write_concurrent_gb`: the most bytes (GB) orbax writes at once; None its default (96), which
-        buffers a whole model's chunks at once (import-hf bounds it: a second copy of what it imports)."""
+        buffers a whole model's chunks at once (import-hf bounds it: a second copy of what it imports).
+        `label` names a step in notices; `barrier_prefix` keeps the barriers of a second folder's saves
+        (local snapshots, shard.run.snapshots) apart from this one's."""
         self.directory = globless(Path(directory).absolute())
         if not read_only and self.directory.is_dir() and not os.access(self.directory, os.W_OK):
             # before any step runs: a save would fail only after the steps since the last checkpoint
@@ -54,7 +57,8 @@ class Checkpoints:
                              "permission); its checkpoints can still be read with shard generate or export")
         self.cfg = cfg or CheckpointConfig()
         self.notice = notice or (lambda message: None)
-        self._manager = orbax_manager(self.directory, self.cfg, read_only, write_concurrent_gb)
+        self.label = label
+        self._manager = orbax_manager(self.directory, self.cfg, read_only, write_concurrent_gb, barrier_prefix)
 
     # -- what is on disk --------------------------------------------------------------------------
 
@@ -71,13 +75,21 @@ class Checkpoints:
     def clean_incomplete(self) -> None:
         """Remove unfinished saves, one notice line each; complete checkpoints are never touched."""
         for p in self.incomplete():
-            self.notice(f"removing incomplete checkpoint {p.name} (a save that never finished)")
+            self.notice(f"removing incomplete {self.label} {p.name} (a save that never finished)")
             if runtime.context().is_main:
                 shutil.rmtree(p, ignore_errors=True)
         self._sync("clean_incomplete")
 
     def path(self, step: int) -> Path:
         return self.directory / str(step)
+
+    def reload(self) -> None:
+        """Read the steps on disk again, after the folder was changed by hand (removed)."""
+        self._manager.reload()
+
+    def delete(self, step: int) -> None:
+        """Remove complete step `step` (every process calls it; orbax's primary process deletes)."""
+        self._manager.delete(step)
 
     # -- save -------------------------------------------------------------------------------------
 
@@ -193,16 +205,7 @@ class Checkpoints:
             raise ShardError(f"no complete checkpoint in {self.directory}")
         for i in range(len(steps) - 1, -1, -1):
             step = steps[i]
-            error, reading = None, True
-            try:
-                out = self._read(step, spec)
-                reading = False  # past orbax's closing barrier: the checks fail alike on every process
-                restored = self._checked(step, out, spec)
-            except ShardError:
-                raise
-            except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
-                error = e
-            outcomes = read_outcomes(step, error, in_read=reading)
+            restored, outcomes, error = self.read_agreed(step, spec)
             if not any(outcomes):
                 return restored
             where = "" if len(outcomes) == 1 else " on process {rank}"
@@ -219,11 +222,25 @@ class Checkpoints:
         raise ShardError(f"no readable checkpoint in {self.directory} (unreadable ones were renamed "
                          f"{CORRUPT_PREFIX}<step>); --resume --allow-fresh starts this run again from step 0")
 
+    def read_agreed(self, step: int, spec: StateSpec) -> tuple[Restored | None, list[str], Exception | None]:
+        """Read and check `step` on every process: (what this process read, every process's outcome
+        (shard.run.read_failures.read_outcomes: all "" when each read its part), this process's error)."""
+        error, reading, restored = None, True, None
+        try:
+            out = self._read(step, spec)
+            reading = False  # past orbax's closing barrier: the checks fail alike on every process
+            restored = self._checked(step, out, spec)
+        except ShardError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise ValueError, OSError, ...
+            error = e
+        return restored, read_outcomes(step, error, in_read=reading), error
+
     def _set_aside(self, step: int) -> None:
         if runtime.context().is_main:
             self._move_aside(step)
         self._sync(f"set_aside_{step}")
-        self._manager.reload()
+        self.reload()
 
     def _move_aside(self, step: int) -> Path:
         """Rename what stands at `step` to corrupt-<step> (corrupt-<step>.N when that is taken)."""

@@ -16,9 +16,10 @@ from shard.run.orbax_quiet import absl_quiet, configure_orbax
 
 
 def orbax_manager(directory: Path, cfg: CheckpointConfig | None = None, read_only: bool = False,
-                  write_concurrent_gb: float | None = None) -> ocp.CheckpointManager:
+                  write_concurrent_gb: float | None = None, barrier_prefix: str | None = None) -> ocp.CheckpointManager:
     """The manager of `directory` (made at its first save), keeping what `cfg` says; `write_concurrent_gb`
-    bounds the bytes orbax writes at once (None: its default)."""
+    bounds the bytes orbax writes at once (None: its default). `barrier_prefix` names its barriers between
+    the processes apart from another manager's whose saves may be under way at the same time."""
     cfg = cfg or CheckpointConfig()
     keep: list = [policies.LatestN(n=cfg.keep)]
     ranking = {}
@@ -44,6 +45,7 @@ def orbax_manager(directory: Path, cfg: CheckpointConfig | None = None, read_onl
             preservation_policy=policies.AnyPreservationPolicy(keep), enable_async_checkpointing=True,
             # No directory until the first save: a start that fails before it leaves no trace.
             create=False, read_only=read_only, **ranking,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=barrier_prefix),
         )
         return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 

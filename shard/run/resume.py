@@ -92,24 +92,87 @@ def resume_changes(base: dict, cfg: TrainConfig) -> list[str]:
 
 
 def restore_source(checkpoints, resume: bool, allow_fresh: bool, init_from: str, seed: int,
-                   notice: Callable[[str], None]) -> Callable | None:
-    """What `prepare` restores the state with: the run's newest complete checkpoint (--resume), else
-    weights from elsewhere with a fresh optimizer (init_from), or None for a fresh init."""
+                   notice: Callable[[str], None], snapshots=None) -> Callable | None:
+    """What `prepare` restores the state with: with --resume the newest of the run's complete checkpoints
+    and its local snapshot (`snapshots`, shard.run.snapshots), as a NewestState; else weights from
+    elsewhere with a fresh optimizer (init_from), or None for a fresh init. A fresh start removes the
+    snapshots an earlier run in the same run dir left (in /dev/shm they outlive its folder)."""
     if resume:
         checkpoints.clean_incomplete()
-        if checkpoints.steps():
-            return checkpoints.restore_latest
+        if snapshots is not None:
+            snapshots.clean_incomplete()
+        snapshot = snapshots.newest_everywhere()[0] if snapshots is not None else None  # on every process
+        if checkpoints.steps() or snapshot is not None:
+            fresh = (lambda: _fresh_source(init_from, seed)) if allow_fresh else None
+            return NewestState(checkpoints, snapshots, fresh, seed, notice)
         if not allow_fresh:
             raise ShardError(f"--resume: no complete checkpoint in {checkpoints.directory}; pass "
                              "--allow-fresh to start this run from step 0")
         notice(f"no checkpoint in {checkpoints.directory} yet: starting from step 0")
-    if init_from:
-        from shard.run import weights
-        from shard.run.inference import load_model
+    elif snapshots is not None and snapshots.holds:
+        notice(f"removing the local snapshots in {snapshots.folder}: an earlier run in this run dir left them, "
+               "and this one starts from step 0")
+        snapshots.remove_all()
+    return _fresh_source(init_from, seed)
 
-        loaded = load_model(init_from, inference=False)  # on the host: placed into the run's own layout
-        return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from)
-    return None
+
+def _fresh_source(init_from: str, seed: int) -> Callable | None:
+    """A fresh start's source: the weights of `init_from` with a fresh optimizer, or None (the init)."""
+    if not init_from:
+        return None
+    from shard.run import weights
+    from shard.run.inference import load_model
+
+    loaded = load_model(init_from, inference=False)  # on the host: placed into the run's own layout
+    return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from)
+
+
+class NewestState:
+    """--resume's restore: the newest of the run's durable checkpoints and its local snapshot, each read
+    and checked as restores are. A snapshot that does not read back whole on this mesh (its files are on
+    a host that is gone, or damaged) is left where it is, never set aside as a corrupt checkpoint is: the
+    restore falls back to the durable checkpoint, said in one line; with --allow-fresh and no durable
+    checkpoint, to step 0 (`fresh`). After the call, `where` names what was read."""
+
+    def __init__(self, checkpoints, snapshots, fresh: Callable[[], Callable | None] | None, seed: int,
+                 notice: Callable[[str], None]):
+        self.checkpoints, self.snapshots, self.fresh, self.seed, self.notice = (checkpoints, snapshots, fresh,
+                                                                                seed, notice)
+        self.where = ""
+
+    def __call__(self, spec):
+        durable = self.checkpoints.steps()
+        step, problem = self.snapshots.newest_everywhere() if self.snapshots is not None else (None, None)
+        if step is not None and (not durable or step > durable[-1]):
+            restored, problem = (None, problem) if problem else self.snapshots.read(step, spec)
+            if restored is not None:
+                self.where = f"local snapshot {restored.path}"
+                return restored
+            unread = f"local snapshot at step {step} can't be read ({problem})"
+            if not durable and self.fresh is None:
+                raise ShardError(f"--resume: {unread}, and {self.checkpoints.directory} holds no checkpoint; "
+                                 "--resume --allow-fresh starts this run again from step 0")
+            self.notice(f"{unread}: " + (f"resuming from checkpoint {durable[-1]}" if durable else
+                                         "starting from step 0"))
+        if durable:
+            restored = self.checkpoints.restore_latest(spec)
+            self.where = str(restored.path)
+            return restored
+        return self._fresh(spec)
+
+    def _fresh(self, spec):
+        """Step 0: the init_from weights, or the init of the seed, as a Restored at step 0."""
+        from shard.run.checkpoint_files import Restored
+        from shard.training.state import init_state
+
+        if self.fresh is None:  # the folders changed since restore_source looked
+            raise ShardError(f"--resume: no complete checkpoint in {self.checkpoints.directory}; pass --allow-fresh "
+                             "to start this run from step 0")
+        source = self.fresh()
+        if source is not None:
+            return source(spec)
+        return Restored(step=0, state=init_state(spec, spec.model, self.seed), position=0, seed=self.seed,
+                        config_toml="", path=self.checkpoints.directory)
 
 
 def init_from_base(source: str) -> dict:

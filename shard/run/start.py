@@ -121,10 +121,10 @@ def _check_saved_model(cfg: config_mod.TrainConfig, base: dict | None, resumed: 
 
 
 def absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
-    """The config with data.path and eval.path (once checked to exist), a mesh file and init_from made
-    absolute: the saved config then names the same files wherever a resume starts from (a relative one
-    read another folder's, or none). init_from is read only when the run has no checkpoint yet, so it is
-    not checked here."""
+    """The config with data.path and eval.path (once checked to exist), a mesh file, init_from and
+    checkpoint.local_dir made absolute: the saved config then names the same files wherever a resume
+    starts from (a relative one read another folder's, or none). init_from is read only when the run has
+    no checkpoint yet, so it is not checked here."""
     from shard.data.sources import EMBEDDED, SYNTHETIC, is_glob
 
     def absolute(path: str, key: str) -> str:
@@ -146,6 +146,10 @@ def absolute_paths(cfg: config_mod.TrainConfig) -> config_mod.TrainConfig:
     evaluation = cfg.eval if unused_and_missing else dataclasses.replace(cfg.eval,
                                                                          path=absolute(cfg.eval.path, "eval.path"))
     init_from = str(Path(cfg.init_from).absolute()) if cfg.init_from else ""
+    snapshots = cfg.checkpoint.local_dir
+    if snapshots != "auto":  # a restart from another folder finds the same snapshots
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                      local_dir=str(Path(snapshots).absolute())))
     mesh_file, _ = split_mesh_file(cfg.mesh.spec) or ("", "")
     if mesh_file and Path(mesh_file).is_file():
         spec = rename_mesh_file(cfg.mesh.spec, lambda path: str(path.absolute()))

@@ -29,6 +29,7 @@ from shard.paths import CHECKPOINTS_DIR
 from shard.run.checkpoint import Checkpoints, SaveCheckpoints, step_dirs
 from shard.run.resume import restore_source
 from shard.run.run_dir import compile_cache_dir, continue_command
+from shard.run.snapshots import SaveSnapshots, open_snapshots
 from shard.run.devices import Notice, check_devices_per_process, start_devices
 from shard.run.start import RunDirClaim, StartConfig, resolve_start, run_dir_for, run_dir_named
 from shard.sharding.mesh import parse_mesh
@@ -136,7 +137,7 @@ class _TrainingRun:
         self.window = None  # --profile-steps as (first, last), once read
         self.start_step = 0  # where the run resumes, once prepared
         self.cfg_on_record = None  # the config the run trains with, once its run dir is known
-        self.checkpoints = None  # once the run dir is known
+        self.checkpoints = self.snapshots = None  # once the run dir is known (snapshots: None when off and none left)
         self.stopper = self.saver = self.profiler = None  # until the loop takes them
 
     def train(self) -> RunResult:
@@ -151,8 +152,9 @@ class _TrainingRun:
 
     def _train_in(self, claim: RunDirClaim, devices) -> RunResult:
         self.checkpoints = Checkpoints(claim.path / CHECKPOINTS_DIR, self.cfg.checkpoint, notice=self.speech.notice)
+        self.snapshots = open_snapshots(self.cfg.checkpoint, claim.path, self.speech.notice)
         restore = restore_source(self.checkpoints, self.resume, self.allow_fresh, self.cfg.init_from, self.cfg.seed,
-                                 self.speech.notice)
+                                 self.speech.notice, self.snapshots)
         try:
             run = self._prepare(devices, restore)
             if run is None:  # nothing to do
@@ -210,8 +212,8 @@ class _TrainingRun:
         if cfg.init_from and not run.start_step and restore is not None:
             notice(f"initialised from {cfg.init_from}")
         if run.start_step:
-            notice(f"resumed from step {run.start_step} ({self.checkpoints.path(run.start_step)}), "
-                   f"data position {run.stream.position}")
+            where = getattr(restore, "where", "") or self.checkpoints.path(run.start_step)  # or "local snapshot PATH"
+            notice(f"resumed from step {run.start_step} ({where}), data position {run.stream.position}")
         if window and window[0] <= run.start_step:  # a trace opens before the window's first step
             notice(f"--profile-steps {self.profile_steps} starts before step {run.start_step + 1}, where this run "
                    "resumes: nothing is profiled")
@@ -240,6 +242,8 @@ class _TrainingRun:
             finished = True
         finally:  # also on divergence: saves already under way commit; nothing newer is written
             self.checkpoints.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
             if not finished and not run.start_step:  # a first start (--resume --allow-fresh too)
                 claim.forget_unstarted()
         return records
@@ -271,7 +275,10 @@ class _TrainingRun:
                 observers.append(WandbTracker(cfg, path))
         self.saver = SaveCheckpoints(self.checkpoints, seed=cfg.seed, config_toml=config_toml)
         self.stopper = StopOnSignal(self.speech.notice)
-        observers += [*self.extra_observers, self.stopper, self.saver]
+        # local snapshots (checkpoint.local_every) between the saver's checkpoints; before it, so it ends after it
+        snapshots = [SaveSnapshots(self.snapshots, self.saver, seed=cfg.seed, config_toml=config_toml)
+                     ] if self.snapshots is not None else []
+        observers += [*self.extra_observers, self.stopper, *snapshots, self.saver]
         if self.window and self.main:
             self.profiler = profiling.Profiler(*self.window, path / "profile")
             observers.append(self.profiler)

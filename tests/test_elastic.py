@@ -116,16 +116,17 @@ def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_sta
 
 
 def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, uninterrupted):
-    """The discovery script's list loses h3 (its worker is stopped: the job goes on on 3 processes), then
-    lists it again (the job saves at its next step and grows back to 4); the curve is the uninterrupted
-    one, and each change of size is a line and a record."""
+    """The discovery script's list loses h3 (its worker is stopped: the job goes on on 3 processes from its
+    local snapshot, at most 2 steps back), then lists it again (the job saves at its next step and grows
+    back to 4); the curve is the uninterrupted one, and each change of size is a line and a record."""
     hosts = tmp_path / "hosts.txt"
     hosts.write_text("h0\nh1\nh2\nh3\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
     supervisor = launch(tmp_path, "--host-discovery", str(script), "--discovery-interval", "0.5", "--min-processes", "2",
-                        "--max-processes", "4", args=[*ARGS, "--steps", "30"])
+                        "--max-processes", "4",
+                        args=[*ARGS, "--steps", "30", "--checkpoint-every", "10", "--set", "checkpoint.local_every=2"])
     run = tmp_path / "r"
     wait_until(lambda: len(steps(run)) >= 3, what="step 3")
     hosts.write_text("h0\nh1\nh2\n")
@@ -138,6 +139,9 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     events = read_events(run / "metrics.jsonl")
     assert [e["event"] for e in events] == ["launch_start", "resize", "resize", "launch_end"], events
     assert [e["reason"] for e in events[1:3]] == ["lost", "grow"] and events[-1]["ended"] == "finished"
+    # the loss resumed from a local snapshot, at most local_every steps back; the grow from the save it asked for
+    assert events[1]["source"] == "local snapshot" and events[1]["steps_redone"] <= 2, events[1]
+    assert events[2]["source"] == "checkpoint" and events[2]["steps_redone"] == 0, events[2]
     np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(30), rtol=1e-5)
 
 

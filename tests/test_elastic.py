@@ -208,3 +208,13 @@ def test_host_slots_from_a_file_or_a_discovery_script(tmp_path):
     assert slots.current() == ["h0", "h0"]
     script.write_text("#!/bin/sh\nexit 5\n")
     assert slots.current() == ["h0", "h0"] and "exited with 5" in slots.problem  # the last list is kept
+
+
+def test_a_process_set_over_ranks_a_smaller_job_lacks_is_refused_and_the_world_is_the_new_one():
+    """After a restart on fewer processes, a set over the ranks that are gone is one line; world() is the
+    job as it is now (here: this one process)."""
+    from shard.cluster import process_sets
+
+    with pytest.raises(ShardError, match=r"process set ranks must be in 0\.\.0, got \[0, 3\]"):
+        process_sets.process_set([0, 3])
+    assert process_sets.world().ranks == (0,)

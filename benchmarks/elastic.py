@@ -5,7 +5,7 @@ and the steps redone, and the run's goodput (time training / time held, as `shar
 the compile cache cold (--compile-cache none: every size compiles anew) and warm (a second run over the
 same sizes, its programs in the cache).
 
-    python benchmarks/elastic.py [--steps 60] [--local-every 2] [--checkpoint-every 20] [--modes cold,warm]
+    python benchmarks/elastic.py [--steps 60] [--local-every 2] [--checkpoint-every 20] [--modes cold,warm] [--seq 32]
 
 Goal on this machine: <= 30 s from kill to training again with a warm cache, <= 2 steps redone with
 local snapshots every 2 steps.
@@ -25,10 +25,10 @@ from shard.observe.metrics import read_events, read_jsonl, read_lines
 from shard.observe.report import launch_summary
 
 
-def run(work: Path, steps: int, local_every: int, checkpoint_every: int, cache: str, kills: int = 3) -> dict:
+def run(work: Path, steps: int, local_every: int, checkpoint_every: int, cache: str, seq: int, kills: int = 3) -> dict:
     run_dir = work / "run"
     args = ["--model", "tiny", "--mesh", "data=-1,model=2", "--simulate-devices", "2", "--steps", str(steps),
-            "--batch", "12", "--seq", "32", "--log-every", "1", "--checkpoint-every", str(checkpoint_every),
+            "--batch", "12", "--seq", str(seq), "--log-every", "1", "--checkpoint-every", str(checkpoint_every),
             "--set", f"checkpoint.local_every={local_every}", "--compile-cache", cache, "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     with open(work / "launch.out", "w") as out:
@@ -70,19 +70,20 @@ def main():
     ap.add_argument("--local-every", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--modes", default="cold,warm")
+    ap.add_argument("--seq", type=int, default=32, help="longer: slower steps, beside which a snapshot commits")
     a = ap.parse_args()
-    print(f"shard launch: 4 local processes x 2 devices, tiny, {a.steps} steps, kill -9 of the highest rank three "
+    print(f"shard launch: 4 local processes x 2 devices, tiny at seq {a.seq}, {a.steps} steps, kill -9 of the highest rank three "
           f"times; local snapshots every {a.local_every} steps, checkpoints every {a.checkpoint_every}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         modes = a.modes.split(",")
         if "warm" in modes:  # the cache filled by a run over the same sizes
             (Path(tmp) / "fill").mkdir()
-            run(Path(tmp) / "fill", a.steps, a.local_every, a.checkpoint_every, str(cache))
+            run(Path(tmp) / "fill", a.steps, a.local_every, a.checkpoint_every, str(cache), a.seq)
         for mode in modes:
             work = Path(tmp) / mode
             work.mkdir()
-            r = run(work, a.steps, a.local_every, a.checkpoint_every, "none" if mode == "cold" else str(cache))
+            r = run(work, a.steps, a.local_every, a.checkpoint_every, "none" if mode == "cold" else str(cache), a.seq)
             times = ", ".join(f"{x['recovery_s']:.1f}" for x in r["recoveries"])
             print(f"{mode:5s} cache: kill -> training again {times} s; steps redone {r['redone']}; goodput "
                   f"{r['goodput']:.1%} of {r['held_s']:.0f} s held", flush=True)

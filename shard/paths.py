@@ -4,6 +4,7 @@ any device starts."""
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -83,6 +84,16 @@ def write_text_atomic(path: Path, text: str) -> None:
         if isinstance(e, OSError) and e.filename is None:  # a write's or fsync's error names no file
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
+
+
+def read_json_or_empty(path: Path) -> dict:
+    """A JSON object that is only a courtesy (a cache, a worker's note): {} where it is missing, unreadable
+    or not an object."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def current_umask() -> int:

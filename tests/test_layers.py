@@ -25,13 +25,19 @@ def test_the_package_keeps_its_layers():
     assert "2 kept, 0 broken" in result.stdout
 
 
-def test_a_planted_back_edge_breaks_the_contract(tmp_path):
-    """The model importing the CLI (a room far above it) is named as a broken layer."""
+def lint_with_planted_import(tmp_path: Path, module: str, statement: str) -> subprocess.CompletedProcess:
+    """import-linter on a copy of the package whose `module` (a path under shard/) gained a function
+    holding `statement`."""
     shutil.copytree(REPO / "shard", tmp_path / "shard", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    llama = tmp_path / "shard" / "models" / "llama.py"
-    llama.write_text(llama.read_text() + "\n\ndef _planted():\n    from shard.cli import app  # noqa: F401\n")
-    result = lint_imports(tmp_path)
+    planted = tmp_path / "shard" / module
+    planted.write_text(planted.read_text() + f"\n\ndef _planted():\n    {statement}  # noqa: F401\n")
+    return lint_imports(tmp_path)
+
+
+def test_a_planted_back_edge_breaks_the_contract(tmp_path):
+    """The model importing the CLI (a room far above it) is named as a broken layer."""
+    result = lint_with_planted_import(tmp_path, "models/llama.py", "from shard.cli import app")
     assert result.returncode != 0
     assert "shard.models is not allowed to import shard.cli" in result.stdout
     assert "shard.models.llama -> shard.cli.app" in result.stdout
@@ -40,11 +46,7 @@ def test_a_planted_back_edge_breaks_the_contract(tmp_path):
 def test_a_command_that_reaches_past_the_front_breaks_the_contract(tmp_path):
     """A command importing the training room itself, not through the library's front (shard, config, run,
     measure, observe, data), is named as a forbidden import."""
-    shutil.copytree(REPO / "shard", tmp_path / "shard", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    plan = tmp_path / "shard" / "cli" / "plan.py"
-    plan.write_text(plan.read_text() + "\n\ndef _planted():\n    from shard.training import loop  # noqa: F401\n")
-    result = lint_imports(tmp_path)
+    result = lint_with_planted_import(tmp_path, "cli/plan.py", "from shard.training import loop")
     assert result.returncode != 0
     assert "the command line imports the library's front BROKEN" in result.stdout
     assert "shard.cli is not allowed to import shard.training" in result.stdout

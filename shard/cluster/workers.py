@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shard.paths import read_json_or_empty
+
 STATUS_ENV = "SHARD_LAUNCH_STATUS"  # the folder where the workers of one start say who they are and who was lost
 ENGINES = ("local", "srun", "mpiexec")
 EXIT_USER_ERROR = 2
@@ -89,7 +91,7 @@ class Job:
     def ended(self) -> Ended:
         """How the finished (or killed) start ended."""
         codes = dict(enumerate(self.poll())) if self.engine == "local" else {}
-        named = sorted({r for f in self.status.glob("lost-*.json") for r in _read_json(f).get("lost", [])})
+        named = sorted({r for f in self.status.glob("lost-*.json") for r in read_json_or_empty(f).get("lost", [])})
         if self.engine == "local":
             # the others' word, else the first to die (a signal, a crash; exit 3: it saw another one lost):
             # those after it stopped because of it, however they ended
@@ -126,14 +128,6 @@ def _die_with_parent() -> None:
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def worker_command() -> list[str]:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shard.paths import read_json_or_empty
+
 # flag -> (value, what it does). Applied on GPU only.
 GPU_PRESET: dict[str, tuple[str, str]] = {
     "--xla_gpu_enable_latency_hiding_scheduler": (
@@ -109,7 +111,7 @@ def unknown_to_xla(flags: list[str]) -> list[str]:
     versions = _versions()
     key = hashlib.sha256(" ".join([versions, *sorted(flags)]).encode()).hexdigest()[:16]
     path = _cache_file() if versions else None
-    known = _read_json(path) if path else {}
+    known = read_json_or_empty(path) if path else {}
     if isinstance(known.get(key), list):
         return known[key]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
@@ -145,14 +147,6 @@ def _cache_file() -> Path | None:
         except (RuntimeError, KeyError):  # no HOME, and a user id with no passwd entry
             return None
     return Path(root) / "shard" / "xla_flags.json"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
 
 
 def _write_json(path: Path, doc: dict) -> None:

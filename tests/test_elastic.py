@@ -1,7 +1,8 @@
 """`shard launch`: the supervisor that starts, watches and restarts a training job. Local processes with
 simulated devices (4 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9, a host that
-leaves the discovery's list and comes back, process 0 killed until the restart budget is spent, a worker's
-own error; the curve stays the uninterrupted one. And the pure parts: which sizes fit, host slots."""
+leaves the discovery's list and comes back, process 0 killed twice, a loss past the restart budget, a
+worker's own error, a rank of an mpiexec job; the curve stays the uninterrupted one. And the pure parts:
+which sizes fit, host slots, process sets after a restart."""
 
 import json
 import os
@@ -23,6 +24,7 @@ from shard.sharding.mesh import parse_mesh
 from shard.testing import finish, free_ports, subprocess_env
 
 BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 ARGS = ["--model", "tiny", "--mesh", "data=-1,model=2", "--simulate-devices", "2", "--steps", "10", "--batch", "12",
         "--seq", "32", "--log-every", "1", "--checkpoint-every", "2", "--keep", "10", "--failure-timeout", "20"]
 
@@ -145,20 +147,45 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(30), rtol=1e-5)
 
 
-def test_process_0_lost_twice_spends_a_budget_of_one_restart(tmp_path):
-    """Process 0 (where the coordinator ran) killed: the job restarts with a new process 0; killed again
-    with a restart budget of 1, the supervisor stops with a line naming the budget (exit 3)."""
-    supervisor = launch(tmp_path, "--processes", "3", "--max-restarts", "1")
+def test_process_0_lost_twice_recovers_twice_within_the_budget(tmp_path, uninterrupted):
+    """Process 0 (where the coordinator ran) killed at step 3, and the new process 0 killed again: within a
+    restart budget of 2, both recover (4 -> 3 -> 2 processes) and the curve is the uninterrupted one."""
+    supervisor = launch(tmp_path, "--processes", "4", "--max-restarts", "2")
     run = tmp_path / "r"
     wait_until(lambda: len(steps(run)) >= 3, what="step 3")
     first = pid_of(run, 0)
     os.kill(first, signal.SIGKILL)
-    wait_until(lambda: "continuing on 2 processes, data=2,model=2" in output(tmp_path), what="the restart")
+    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart")
     os.kill(wait_until(lambda: (p := pid_of(run, 0)) != first and p), signal.SIGKILL)
+    assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
+    assert "lost process 0 (host localhost): continuing on 2 processes, data=2,model=2" in output(tmp_path)
+    np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(10), rtol=1e-5)
+
+
+def test_a_loss_past_the_restart_budget_stops_the_job_with_a_line(tmp_path):
+    """With --max-restarts 0 the first lost process stops the supervisor: exit 3, a line naming the budget,
+    and the launch's end recorded as such."""
+    supervisor = launch(tmp_path, "--processes", "2", "--max-restarts", "0")
+    run = tmp_path / "r"
+    wait_until(lambda: len(steps(run)) >= 2, what="step 2")
+    os.kill(pid_of(run, 0), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 3, output(tmp_path)[-3000:]
-    assert "lost process 0 (host localhost): the restart budget of 1 is spent; stopping" in output(tmp_path)
+    assert "lost process 0 (host localhost): the restart budget of 0 is spent; stopping" in output(tmp_path)
     assert [e["ended"] for e in read_events(run / "metrics.jsonl") if e["event"] == "launch_end"] == \
         ["restart budget"]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+def test_the_mpiexec_engine_restarts_a_killed_rank_with_a_new_mpiexec(tmp_path):
+    """--engine mpiexec: a rank killed takes its mpiexec down (MPICH ends the job); the supervisor starts
+    a new mpiexec on the slot left, which resumes the run and finishes it."""
+    supervisor = launch(tmp_path, "--engine", "mpiexec", "--processes", "2", args=[*ARGS, "--steps", "8"])
+    run = tmp_path / "r"
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    os.kill(pid_of(run, 1), signal.SIGKILL)
+    assert supervisor.wait(timeout=300) == 0, output(tmp_path)[-3000:]
+    assert "continuing on 1 process, data=1,model=2, from step" in output(tmp_path)
+    assert max(r["step"] for r in steps(run)) == 8
 
 
 def test_a_workers_own_error_stops_the_job_without_a_restart(tmp_path):

@@ -174,3 +174,18 @@ def test_the_sp_presets_start_up_line_says_sequence_parallelism_is_on():
 
     assert said("sp") == " · sequence parallel: norms and residual adds split along length on model=2"
     assert said("tp") == ""
+
+
+def test_a_run_dir_whose_metrics_hold_only_a_supervisors_events_holds_no_run_yet(tmp_path):
+    """shard launch writes its launch_start event before the first start logs a step: that (or a torn line)
+    is no run yet, one step record is."""
+    from shard.run.run_dir import has_records
+
+    run = tmp_path / "r"
+    run.mkdir()
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(json.dumps({"event": "launch_start", "time": 1.0, "processes": 2}) + "\n{\"step\": 1, \"lo\n")
+    assert not has_records(run)
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": 1, "loss": 5.0, "time_s": 0.1}) + "\n")
+    assert has_records(run)

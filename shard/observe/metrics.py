@@ -138,22 +138,38 @@ def read_events(path: Path) -> list[dict]:
     return [r for r in read_lines(path)[0] if is_event(r)]
 
 
-def read_lines(path: Path) -> tuple[list[dict], int]:
+def read_lines(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     """The step records and event records of a metrics.jsonl together, in the order written, and how many
-    lines were neither."""
+    lines were neither; `offset`: those written after that many bytes (a size taken earlier)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
     out, skipped = [], 0
-    for line in Path(path).read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if isinstance(record, dict) and (_well_typed_event(record) if is_event(record) else _well_typed(record)):
+        if (record := _record_of(line)) is not None:
             out.append(record)
         else:
             skipped += 1
     return out, skipped
+
+
+def holds_step_record(path: Path) -> bool:
+    """Whether a metrics.jsonl holds a step record (not only events, or torn lines), read until the first."""
+    with open(path, errors="replace") as f:
+        return any((r := _record_of(line)) is not None and not is_event(r) for line in f if line.strip())
+
+
+def _record_of(line: str) -> dict | None:
+    """A line's record (a step record or an event, well typed), or None."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(record, dict) and (_well_typed_event(record) if is_event(record) else _well_typed(record)):
+        return record
+    return None
 
 
 def is_event(record: dict) -> bool:

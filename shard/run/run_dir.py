@@ -44,12 +44,12 @@ def config_on_record(path: Path) -> bool:
 def has_records(path: Path) -> bool:
     """A logged step or a saved checkpoint (an empty checkpoints/, or a metrics.jsonl with no step record,
     such as the events of a supervisor whose job has not logged yet, is neither)."""
-    from shard.observe.metrics import read_jsonl
+    from shard.observe.metrics import holds_step_record
 
     metrics, checkpoints = path / "metrics.jsonl", path / CHECKPOINTS_DIR
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return True
-    return metrics.is_file() and metrics.stat().st_size > 0 and bool(read_jsonl(metrics))
+    return metrics.is_file() and metrics.stat().st_size > 0 and holds_step_record(metrics)
 
 
 def start_files() -> tuple[str, ...]:

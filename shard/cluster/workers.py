@@ -34,10 +34,6 @@ class Ended:
     lost: list[int] = field(default_factory=list)
     user_error: bool = False
 
-    @property
-    def clean(self) -> bool:
-        return bool(self.codes) and all(c == 0 for c in self.codes.values())
-
 
 class Job:
     """One start: `argv(i)` is process i's command line; `hosts[i]` where it runs (`local`: a label)."""
@@ -55,11 +51,6 @@ class Job:
             self.procs = [subprocess.Popen(_launcher_argv(engine, argvs[0], hosts), env=env,
                                            preexec_fn=_die_with_parent)]
 
-    @property
-    def pids(self) -> list[int]:
-        """The pids of the processes this supervisor started (local: one per worker)."""
-        return [p.pid for p in self.procs]
-
     def poll(self) -> list[int | None]:
         codes = [p.poll() for p in self.procs]
         self.exit_order += [i for i, c in enumerate(codes) if c is not None and i not in self.exit_order]
@@ -72,6 +63,11 @@ class Job:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(sig)
+
+    def kill_one(self, process: int) -> None:
+        """SIGKILL one worker (its host is gone); the srun and mpiexec engines have no handle on one."""
+        if self.engine == "local":
+            self.procs[process].kill()
 
     def stop_at_step_boundary(self) -> None:
         """SIGTERM: every worker finishes its step, saves and stops, after the same step."""
@@ -96,17 +92,13 @@ class Job:
             # the others' word, else the first to die (a signal, a crash; exit 3: it saw another one lost):
             # those after it stopped because of it, however they ended
             died = [i for i in self.exit_order if codes[i] not in (0, EXIT_USER_ERROR, 3)]
-            lost = named or died[:1]
+            lost = named or died[:1] or [i for i in self.exit_order if codes[i] not in (0, None)][:1]
         else:
             code = self.procs[0].poll()
             codes = dict.fromkeys(range(len(self.hosts)), code)
             lost = named or ([] if code in (0, EXIT_USER_ERROR) else [len(self.hosts) - 1])
         # a worker's own error (and the others, who heard it, stop with its code too): never retried
         return Ended(codes, lost, EXIT_USER_ERROR in codes.values())
-
-    def wait(self) -> None:
-        for p in self.procs:
-            p.wait()
 
 
 def _launcher_argv(engine: str, argv: list[str], hosts: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from shard.cluster.sizes import SizePolicy
 from shard.cluster.workers import ENGINES, EXIT_USER_ERROR, Job, worker_command
 from shard.errors import ShardError
 from shard.observe.console import note as console_note
-from shard.observe.metrics import append_event, read_jsonl
+from shard.observe.metrics import append_event, is_event, read_jsonl, read_lines
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.checkpoint_files import step_dirs
 from shard.run.devices import Notice
@@ -169,7 +169,8 @@ class _Supervisor:
             env["JAX_COORDINATOR_PORT"] = str(_free_port())
         self.record.flush()
         self.n, self.hosts = n, hosts
-        self.records_before = len(self._records())
+        path = self.run_dir / "metrics.jsonl"
+        self.metrics_size = path.stat().st_size if path.is_file() else 0  # this start's records come after
         return Job(self.options.engine, argvs, hosts, self.run_dir / ".launch", env)
 
     def _watch(self, job: Job, change: dict | None) -> tuple[str, object]:
@@ -205,10 +206,9 @@ class _Supervisor:
         ended = job.ended()
         if ended.user_error:
             return "user error", None
-        lost = ended.lost or [i for i, c in ended.codes.items() if c not in (0, None)][:1]
-        self.gone += [self.hosts[i] for i in lost if i < len(self.hosts)]
+        self.gone += self._hosts_of(ended.lost)
         self.lost_at = time.monotonic()
-        return "lost", lost
+        return "lost", ended.lost
 
     def _hosts_changed(self, job: Job) -> str:
         """"lost" (a running process's host left the discovery's list: its workers are stopped), "grow"
@@ -222,7 +222,7 @@ class _Supervisor:
         left = [i for i, h in enumerate(self.hosts) if now.count(h) < self.hosts[:i + 1].count(h)]
         if left:
             for i in left:
-                job.procs[i].kill() if self.options.engine == "local" else None
+                job.kill_one(i)
             return "lost"
         try:
             return "grow" if self.policy.largest(len(now)) > self.n else ""
@@ -231,9 +231,8 @@ class _Supervisor:
 
     def _resize(self, outcome: str, lost: list[int], new: int) -> dict:
         """A change of size under way: said and recorded once the new start trains (`_trains_again`)."""
-        hosts = [self.hosts[i] for i in lost if i < len(self.hosts)]
         what = self._lost_words(lost) if outcome == "lost" else f"{len(self.usable())} process slots"
-        return {"what": what, "reason": outcome, "lost": lost, "hosts": hosts, "processes": new,
+        return {"what": what, "reason": outcome, "lost": lost, "hosts": self._hosts_of(lost), "processes": new,
                 "since": self.lost_at if outcome == "lost" else time.monotonic(), "at": time.time(),
                 "last_logged": self._last_logged()}
 
@@ -242,18 +241,22 @@ class _Supervisor:
         saved = step_dirs(self.run_dir / CHECKPOINTS_DIR)
         return bool(saved) and saved[-1] >= self.cfg.steps
 
+    def _hosts_of(self, processes: list[int]) -> list[str]:
+        return [self.hosts[i] for i in processes if i < len(self.hosts)]
+
     def _lost_words(self, lost: list[int]) -> str:
         """`lost process 2 (host h3)`."""
-        hosts = [self.hosts[i] for i in lost if i < len(self.hosts)]
+        hosts = self._hosts_of(lost)
         return f"lost process {', '.join(map(str, lost)) or '?'}" + (f" (host {', '.join(hosts)})" if hosts else "")
 
     def _trains_again(self, change: dict) -> bool:
         """Whether the new start has logged a step; then the change of size is said and recorded, with the
         step it resumed from (a local snapshot's, or a checkpoint's) and the steps it redoes."""
-        records = self._records()
-        if len(records) <= self.records_before:
+        path = self.run_dir / "metrics.jsonl"
+        new = [r for r in read_lines(path, self.metrics_size)[0] if not is_event(r)] if path.is_file() else []
+        if not new:
             return False
-        step = int(records[self.records_before].get("start_step", 0))
+        step = int(new[0].get("start_step", 0))
         source = "checkpoint" if step in step_dirs(self.run_dir / CHECKPOINTS_DIR) else \
             "local snapshot" if step else "the start"
         redone = max(0, change["last_logged"] - step)
@@ -268,12 +271,9 @@ class _Supervisor:
         self.recoveries.append({"step": step, "recovery_s": round(seconds, 1)})
         return True
 
-    def _records(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        return read_jsonl(path) if path.is_file() else []
-
     def _last_logged(self) -> int:
-        return max((int(r["step"]) for r in self._records()), default=0)
+        path = self.run_dir / "metrics.jsonl"
+        return max((int(r["step"]) for r in read_jsonl(path)), default=0) if path.is_file() else 0
 
     def _end(self, ended: str, code: int) -> int:
         self.record.add("launch_end", held_s=round(time.time() - self.started, 1), ended=ended,

@@ -20,8 +20,12 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, cosine decay to min_lr_ratio * lr, and global-norm clipping."""
+    """AdamW, or Muon on the layers' weight matrices (docs/config.md), with linear warmup, cosine decay to
+    min_lr_ratio * lr, and global-norm clipping."""
 
+    # "adamw" | "muon": Newton-Schulz orthogonalised momentum on the layers' weight matrices (experts one
+    # by one), AdamW on the embedding, the head, norms and biases (shard.training.optimizers)
+    name: str = "adamw"
     lr: float = 2e-3
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
@@ -30,6 +34,17 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    muon_beta: float = 0.95  # Muon's momentum (Nesterov)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # Muon's update scaled to this RMS (Moonlight's 0.2, AdamW's typical RMS), so one lr and weight decay
+    # serve both halves; 0: Keller Jordan's sqrt(max(1, fan_out / fan_in)) instead
+    muon_rms: float = 0.2
+    # MuonClip's QK-clip (Kimi K2): after each step, the query weights of a head whose largest attention
+    # logit in the step passed this are scaled down by tau / that logit; 0: off
+    qk_clip: float = 0.0
+
+
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -284,6 +299,7 @@ class TrainConfig:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
         problems.extend(_task_problems(self))
+        problems.extend(_optimizer_problems(self))
         if problems:
             raise ShardError(problems[0])
 
@@ -300,6 +316,23 @@ def _task_problems(cfg: "TrainConfig") -> list[str]:
         return [f"task dpo reads preference pairs, two sequences each: data.batch ({cfg.data.batch}) must be even"]
     if cfg.task == "dpo" and cfg.data.microbatches != 1:
         return ["task dpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    return []
+
+
+def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
+    """What the optimizer's name and Muon's QK-clip do not combine with."""
+    opt = cfg.optimizer
+    if opt.name not in OPTIMIZERS:
+        return [f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {opt.name!r}"]
+    if opt.name == "muon" and cfg.lora.rank:
+        return ["optimizer.name=muon does not train LoRA adapters (rank-r factors, not the weight matrices Muon "
+                "orthogonalises): use optimizer.name=adamw with lora.rank"]
+    if opt.qk_clip and cfg.model.qk_norm:
+        return [f"optimizer.qk_clip with model.qk_norm ({cfg.model.name}): the q/k norms undo a rescaled query "
+                "weight and bound the logits themselves; leave optimizer.qk_clip at 0"]
+    if opt.qk_clip and cfg.model.attn_softcap:
+        return [f"optimizer.qk_clip with model.attn_softcap ({cfg.model.name}): the scores are soft-capped "
+                "already; leave optimizer.qk_clip at 0"]
     return []
 
 
@@ -353,7 +386,9 @@ _RANGES = {
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
-    "dpo.beta": _POSITIVE,
+    "dpo.beta": _POSITIVE, "optimizer.muon_beta": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.muon_ns_steps": (lambda v: 0 < v <= 100, "between 1 and 100"),
+    "optimizer.muon_rms": _NON_NEGATIVE, "optimizer.qk_clip": (lambda v: 0 <= v < math.inf, "0 (off) or a positive logit"),
 }
 
 

@@ -135,23 +135,27 @@ def warmup_cosine(args: dict) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(opt: OptimizerConfig, total_steps: int):
-    """AdamW (no decay on norms or vectors), warmup + cosine schedule, global-norm clipping."""
-    return optimizer_with(opt, schedule_args(opt, total_steps))
+def make_optimizer(opt: OptimizerConfig, total_steps: int, model: ModelConfig | None = None):
+    """AdamW (no decay on norms or vectors), or with opt.name "muon" Muon on `model`'s weight matrices and
+    that AdamW on the rest (shard.training.optimizers); warmup + cosine schedule, global-norm clipping."""
+    return optimizer_with(opt, schedule_args(opt, total_steps), model)
 
 
-def optimizer_with(opt: OptimizerConfig, args: dict):
+def optimizer_with(opt: OptimizerConfig, args: dict, model: ModelConfig | None = None):
     """make_optimizer's (tx, schedule) with the schedule's numbers `args` (schedule_args' or traced)."""
     schedule = warmup_cosine(args)
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda p, x: x.ndim >= 2 and "norm" not in path_str(p), params)
 
-    tx = optax.chain(
-        optax.clip_by_global_norm(opt.grad_clip),
-        optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask),
-    )
-    return tx, schedule
+    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=decay_mask)
+    if opt.name == "muon":
+        if model is None:
+            raise ShardError("optimizer.name=muon needs the model config: which weights are its matrices")
+        from shard.training.optimizers import muon
+
+        adamw = muon(opt, model, schedule, adamw)
+    return optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw), schedule
 
 
 def _init_fn(model_cfg: ModelConfig, tx, seed: int, lora: LoraConfig | None = None):
@@ -214,7 +218,7 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     args, optimizer_from = {}, None
     if tx is None:
         args = schedule_args(opt, total_steps)
-        optimizer_from = lambda a: optimizer_with(opt, a)  # noqa: E731
+        optimizer_from = lambda a: optimizer_with(opt, a, model_cfg)  # noqa: E731
         tx, schedule = optimizer_from(args)
     elif schedule is None:
         raise ShardError("state_spec: an optimizer of one's own (tx) needs the schedule its learning rate "

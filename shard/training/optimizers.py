@@ -1,0 +1,98 @@
+"""Muon (Newton-Schulz orthogonalised momentum) on the layers' weight matrices, AdamW on the rest, from
+optax.contrib's pieces; which axes of each stored weight form the matrix it orthogonalises.
+
+optax.contrib.muon itself is not used whole: its AdamW half takes one weight decay for every leaf (no
+mask: it would decay norms and biases, which shard's AdamW leaves alone) and shares Muon's eps. So the
+two halves are optax.partition'ed here: optax.contrib.scale_by_muon (what muon() chains) on the
+matrices, then the RMS scaling muon() applies (its scale_by_shape, private in optax 0.2.8, is
+`_scale_by_shape` here), shard's masked AdamW on the rest.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from shard.axes import EMBED, EXPERT, LAYERS, VOCAB
+from shard.config.model import ModelConfig
+from shard.config.params import model_params
+from shard.config.train import OptimizerConfig
+
+# Axes Muon treats as a batch of matrices: a stacked weight is one matrix per layer (and per expert).
+_BATCH_AXES = (LAYERS, EXPERT)
+
+
+def matrix_axes(axes: tuple, init) -> MuonDimensionNumbers | None:
+    """The (reduction, output) axes of a stored weight with these logical axes and initial values
+    (shard.config.params.ParamSpec.init), or None where it is not a matrix Muon orthogonalises: the
+    embedding and the head (a vocab axis), norms and biases (constant initial values) and vectors. A
+    weight that writes the residual stream (embed its last axis: wo, w_down) reads all its other axes;
+    the others read their first (embed, or a latent) and write the rest (wq: embed -> heads x head_dim)."""
+    inner = [i for i, a in enumerate(axes) if a not in _BATCH_AXES]
+    if len(inner) < 2 or VOCAB in axes or not init:
+        return None
+    if axes[inner[-1]] == EMBED:
+        return MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=(inner[-1],))
+    return MuonDimensionNumbers(reduction_axis=(inner[0],), output_axis=tuple(inner[1:]))
+
+
+def muon_dimension_numbers(model: ModelConfig) -> dict:
+    """The params tree ({"embed", "layers": {...}, ...}) of each weight's MuonDimensionNumbers, None for
+    those AdamW trains."""
+    tree: dict = {}
+    for path, spec in model_params(model).items():
+        *outer, name = path.split("/")
+        node = tree
+        for key in outer:
+            node = node.setdefault(key, {})
+        node[name] = matrix_axes(spec.axes, spec.init)
+    return tree
+
+
+def muon(opt: OptimizerConfig, model: ModelConfig, schedule, adamw: optax.GradientTransformation):
+    """Muon on the matrices of `model`, `adamw` on the rest, one `schedule` for both (muon_rms scales
+    Muon's update to AdamW's RMS, so one lr and weight decay serve both, as Moonlight does)."""
+    dims = muon_dimension_numbers(model)
+
+    def labels(params):
+        return jax.tree.map(lambda d, _: "adamw" if d is None else "muon", dims, params,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    def matrix_dims(updates):  # the Muon half's tree: optax.partition masks the others out of it
+        return jax.tree.map(lambda d, u: d if d is not None else optax.MaskedNode(), dims, updates,
+                            is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
+
+    matrices = optax.chain(
+        scale_by_muon(ns_steps=opt.muon_ns_steps, beta=opt.muon_beta, eps=opt.eps,
+                      weight_dimension_numbers=matrix_dims),
+        _scale_by_shape(matrix_dims, opt.muon_rms),
+        optax.add_decayed_weights(opt.weight_decay),
+        optax.scale_by_learning_rate(schedule),
+    )
+    return optax.partition({"muon": matrices, "adamw": adamw}, labels)
+
+
+def _axes(d: MuonDimensionNumbers, names: str) -> tuple[int, ...]:
+    axes = getattr(d, names)
+    return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+def update_scale(shape: tuple[int, ...], d: MuonDimensionNumbers, rms: float) -> float:
+    """The factor on an orthogonalised update of a weight of `shape`: sqrt(max(fan_in, fan_out)) * rms,
+    an update of RMS `rms` (Moonlight), or for rms 0 sqrt(max(1, fan_out / fan_in)) (Keller Jordan's)."""
+    fan_in = math.prod(shape[a] for a in _axes(d, "reduction_axis"))
+    fan_out = math.prod(shape[a] for a in _axes(d, "output_axis"))
+    return math.sqrt(max(fan_in, fan_out)) * rms if rms else math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def _scale_by_shape(dims_of, rms: float) -> optax.GradientTransformation:
+    """Each orthogonalised update times update_scale (optax.contrib.muon's scaling, private in optax)."""
+    def update(updates, state, params=None):
+        del params
+        scaled = jax.tree.map(lambda u, d: u * jnp.asarray(update_scale(u.shape, d, rms), u.dtype),
+                              updates, dims_of(updates), is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        return scaled, state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)

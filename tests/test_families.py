@@ -179,14 +179,14 @@ def test_export_reloads_in_transformers_with_identical_tensors(family, tmp_path)
     ("qwen3", {"attention_bias": True},
      "attention_bias=true is not supported: shard's decoder has no bias on the attention's output projection"),
     ("qwen2", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported: shard has no dropout"),
-    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling .* is not supported"),
+    ("qwen2", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling .* is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ("mistral", {"sliding_window": 0}, "sliding_window must be a positive integer or null"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported: shard's router has no "
                                               "jitter noise"),
     ("mixtral", {"num_local_experts": 0}, "num_local_experts must be a positive integer, got 0"),
     ("mixtral", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
-], ids=["qwen2-window", "qwen3-window", "qwen3-output-bias", "dropout", "yarn", "gelu", "mistral-window-0",
+], ids=["qwen2-window", "qwen3-window", "qwen3-output-bias", "dropout", "longrope", "gelu", "mistral-window-0",
         "mixtral-jitter", "mixtral-no-experts", "mixtral-dropout"])
 def test_what_shard_cannot_represent_is_refused_in_one_line(kind, change, message):
     base = hf.config_to_hf(PRESETS[f"{kind}-tiny"])
@@ -311,9 +311,9 @@ def test_presets_are_the_real_models_with_transformers_parameter_count(name):
     ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
     ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]},
      "is not every k-th layer global"),
-    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
-                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     "rope scaling .* of the full_attention layers is not supported"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 8.0}}},
+     "rope scaling .* of the sliding_attention layers is not supported"),
     ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number or null"),
     ("gemma2", {"model_type": "gemma3"}, "model_type 'gemma3' is Gemma 3 with its vision tower"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, r"decoder_sparse_step=1 with mlp_only_layers=\[0\] is not supported"),

@@ -83,7 +83,7 @@ def test_what_shard_cannot_represent(tmp_path):
     with pytest.raises(ShardError, match="llama3 rope scaling needs a positive low_freq_factor, got None"):
         hf.config_from_hf(base | {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ShardError, match="rope scaling .* is not supported"):
-        hf.config_from_hf(base | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+        hf.config_from_hf(base | {"rope_scaling": {"type": "dynamic", "factor": 2.0}})
     # plain RoPE spelled out in the older key is plain RoPE (it was refused, by a message saying it's fine)
     assert hf.config_from_hf(base | {"rope_scaling": {"rope_type": "default"}}) == hf.config_from_hf(base)
     with pytest.raises(ShardError, match="model_type 'gpt2'"):

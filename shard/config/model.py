@@ -13,11 +13,19 @@ ATTENTION_IMPLS = ("auto", "cudnn", "xla", "reference")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 MOE_ROUTINGS = ("capacity", "dropless")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("llama3", "yarn", "linear")
 ROUTER_SCORES = ("softmax", "sigmoid")
 # The stored embedding and unembedding tables round their vocab dim up to a multiple of this, whatever
 # the mesh, so a vocabulary no split divides (GPT-2's 50257) runs on any mesh whose vocab split divides
 # 128, and a checkpoint restores on every such mesh (ModelConfig.padded_vocab).
 VOCAB_MULTIPLE = 128
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its paper's Eq. 21, transformers' yarn_get_mscale): 0.1 mscale
+    ln(factor) + 1, 1 for a factor of 1 or less. With MLA, DeepSeek-V3 also multiplies the softmax scale
+    by yarn_mscale(factor, mscale_all_dim) squared (transformers' yarn_apply_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _cpu_bf16() -> bool:
@@ -41,12 +49,24 @@ class ModelConfig:
     mlp_dim: int = 768
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    # Llama 3's RoPE scaling (Llama 3.1 and 3.2): the low frequencies divided by rope_scaling, the high
-    # ones kept, those between blended; 0: plain RoPE.
+    # RoPE scaling by a factor rope_scaling (0: plain RoPE), of the kind rope_scaling_type (docs/models.md):
+    # "llama3" (Llama 3.1 and 3.2): the low frequencies divided by the factor, the high ones kept, those
+    # between blended; "yarn" (YaRN: DeepSeek-V3, Qwen's long context): the same with the blend over the
+    # dims whose rotations in rope_original_context lie between rope_beta_slow and rope_beta_fast, and
+    # cos and sin times the attention factor; "linear" (Gemma 3's global layers): every frequency divided.
     rope_scaling: float = 0.0
+    rope_scaling_type: str = "llama3"
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    # YaRN's attention factor on cos and sin: rope_attention_factor where set, else mscale(rope_mscale) /
+    # mscale(rope_mscale_all_dim) where both are set, else mscale(1), mscale(m) = 0.1 m ln(factor) + 1.
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0
+    rope_truncate: bool = True  # YaRN's blended dims rounded outward to whole dims (transformers' truncate)
     norm_eps: float = 1e-5
     # Model families as features of the one decoder (docs/models.md). qkv_bias: a bias on the q, k and v
     # projections (Qwen2 and Qwen2.5). qk_norm: RMSNorm over head_dim of each query and key head, before
@@ -174,8 +194,13 @@ class ModelConfig:
                 problems.append(f"model.{f} must be a positive number, got {getattr(self, f)}")
         if not 0 <= self.rope_scaling < math.inf:
             problems.append(f"model.rope_scaling must be 0 (off) or a positive factor, got {self.rope_scaling}")
-        if self.rope_scaling and not (0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf
-                                      and self.rope_original_context > 0):
+        if self.rope_scaling_type not in ROPE_SCALINGS:
+            problems.append(f"model.rope_scaling_type must be one of {', '.join(ROPE_SCALINGS)}, got "
+                            f"{self.rope_scaling_type!r}")
+        elif self.rope_scaling and self.rope_scaling_type == "yarn":
+            problems.extend(self._yarn_problems())
+        elif self.rope_scaling and self.rope_scaling_type == "llama3" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf and self.rope_original_context > 0):
             problems.append("model.rope_scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor and a "
                             f"positive rope_original_context, got {self.rope_low_freq_factor}, "
                             f"{self.rope_high_freq_factor}, {self.rope_original_context}")
@@ -213,16 +238,48 @@ class ModelConfig:
         """Whether layers differ in their window (local and global layers alternating)."""
         return len(set(self.layer_windows())) > 1
 
+    def _yarn_problems(self) -> list[str]:
+        problems = []
+        if not 0 < self.rope_beta_slow < self.rope_beta_fast < math.inf:
+            problems.append("model.rope_scaling_type=yarn needs 0 < rope_beta_slow < rope_beta_fast, got "
+                            f"{self.rope_beta_slow}, {self.rope_beta_fast}")
+        if self.rope_original_context <= 0:
+            problems.append(f"model.rope_original_context must be positive, got {self.rope_original_context}")
+        for f in ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
+            if not 0 <= getattr(self, f) < math.inf:
+                problems.append(f"model.{f} must be 0 (unset) or a positive number, got {getattr(self, f)}")
+        return problems
+
+    def _rope_scaled(self, local: bool) -> bool:
+        """Whether these layers' RoPE is scaled: the windowed layers with a base of their own are not."""
+        return bool(self.rope_scaling) and not (local and self.rope_local_theta)
+
+    def rope_attention_scale(self, local: bool = False) -> float:
+        """The factor on RoPE's cos and sin (so on the scores, squared): YaRN's attention factor (the
+        `attention_factor` transformers computes), 1 for every other kind."""
+        if not self._rope_scaled(local) or self.rope_scaling_type != "yarn":
+            return 1.0
+        if self.rope_attention_factor:
+            return self.rope_attention_factor
+        if self.rope_mscale and self.rope_mscale_all_dim:
+            return yarn_mscale(self.rope_scaling, self.rope_mscale) / yarn_mscale(self.rope_scaling,
+                                                                                   self.rope_mscale_all_dim)
+        return yarn_mscale(self.rope_scaling)
+
     def rope_frequencies(self, local: bool = False):
-        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when
-        rope_scaling is set; `local`: those of the windowed layers (rope_local_theta, unscaled, where set)."""
+        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), scaled as rope_scaling and
+        rope_scaling_type say; `local`: those of the windowed layers (rope_local_theta, unscaled, where set)."""
         import numpy as np
 
         theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
         # in float64, rounded to float32 once at the end
         inv = 1.0 / theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
-        if not self.rope_scaling or (local and self.rope_local_theta):
+        if not self._rope_scaled(local):
             return inv.astype(np.float32)
+        if self.rope_scaling_type == "linear":
+            return (inv / self.rope_scaling).astype(np.float32)
+        if self.rope_scaling_type == "yarn":
+            return self._yarn_frequencies(inv, theta).astype(np.float32)
         factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
                                       self.rope_original_context)
         wavelen = 2 * math.pi / inv
@@ -231,6 +288,27 @@ class ModelConfig:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         between = (wavelen >= context / high) & (wavelen <= context / low)
         return np.where(between, blended, scaled).astype(np.float32)
+
+    def _yarn_frequencies(self, inv, theta: float):
+        """YaRN's blend (transformers' _compute_yarn_parameters): the dims that turn fewer than beta_slow
+        times over rope_original_context divided by the factor (interpolated), those turning more than
+        beta_fast times kept (extrapolated), a linear ramp between."""
+        import numpy as np
+
+        dim, context = self.head_dim, self.rope_original_context
+
+        def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the context
+            return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(self.rope_beta_fast), dim_of(self.rope_beta_slow)
+        if self.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        # transformers ramps in float32
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        keep = 1 - ramp.astype(np.float64)
+        return inv / self.rope_scaling * (1 - keep) + inv * keep
 
     def compute_dtype_on(self, platform: str) -> str:
         """The compute dtype's name on `platform` ("cpu", "gpu", "cuda", ...): "auto" resolves to bfloat16,

@@ -45,15 +45,18 @@ _rms_norm_recomputed = jax.checkpoint(_rms_norm, static_argnums=(2, 3), prevent_
 
 def rope_tables(positions_t: jax.Array, cfg: ModelConfig, local: bool = False):
     """cos/sin of shape (T, H) at these positions, in the rotate-half layout used by Llama checkpoints;
-    (B, T, H) for per-row positions (B, T) (packed rows). `local`: the windowed layers' (rope_local_theta)."""
+    (B, T, H) for per-row positions (B, T) (packed rows). `local`: the windowed layers' (rope_local_theta).
+    Both times YaRN's attention factor where the RoPE is YaRN's, as transformers applies it."""
     inv_freq = jnp.asarray(cfg.rope_frequencies(local))
     if positions_t.ndim == 2:
-        angles_bth = positions_t.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-        angles_bth = jnp.concatenate([angles_bth, angles_bth], axis=-1)
-        return jnp.cos(angles_bth), jnp.sin(angles_bth)
-    angles_th = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles_th = jnp.concatenate([angles_th, angles_th], axis=-1)
-    return jnp.cos(angles_th), jnp.sin(angles_th)
+        angles = positions_t.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # (B, T, H/2)
+    else:
+        angles = positions_t.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, H/2)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    scale = cfg.rope_attention_scale(local)  # YaRN's attention factor; 1 otherwise
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x_btnh, cos_th, sin_th):

@@ -7,7 +7,7 @@ changes the math is mapped to a model key or refused by name. shard/run/hf.py ma
 
 import math
 
-from shard.config.model import ModelConfig
+from shard.config.model import ROPE_SCALINGS, ModelConfig
 from shard.config.values import is_positive_number
 from shard.errors import ShardError
 
@@ -106,24 +106,26 @@ def _model_type(hf: dict) -> str:
 
 
 def _rope_fields(kind: str, hf: dict, rope: dict) -> tuple:
-    """(RoPE base, the ModelConfig fields of Llama 3's scaling: {} without it) of a config.json whose
-    rope_parameters are `rope`; any other scaling is refused."""
+    """(RoPE base, the ModelConfig fields of its scaling: {} without it) of a config.json whose
+    rope_parameters are `rope`; a scaling other than llama3, yarn and linear is refused."""
     if kind == "gemma3_text" and set(rope) <= set(_LAYER_TYPES) and rope:  # one table per layer type
         rope = rope.get("full_attention") or {}
     legacy = hf.get("rope_scaling") or {}  # {"rope_type": "default"} there is plain RoPE too
     kinds = {r.get("rope_type", r.get("type", "default")) for r in (legacy, rope) if isinstance(r, dict)}
-    if not isinstance(legacy, dict) or not kinds <= {"default", "llama3"}:
+    if not isinstance(legacy, dict) or not kinds <= {"default", *ROPE_SCALINGS}:
         scaling = legacy or rope
-        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default) and "
-                         "Llama 3's (llama3) are")
+        raise ShardError(f"rope scaling {scaling!r} is not supported; only plain RoPE (rope_type default), "
+                         "Llama 3's (llama3), YaRN (yarn) and linear are")
     theta = rope.get("rope_theta", hf.get("rope_theta")) or FAMILIES[kind]["defaults"].get("rope_theta", 10000.0)
     # transformers reads rope_scaling before rope_parameters
     given = legacy or rope
-    llama3 = given if given.get("rope_type", given.get("type")) == "llama3" else None
-    return theta, _llama3_scaling(llama3) if llama3 is not None else {}
+    scaling_type = given.get("rope_type", given.get("type", "default"))
+    if scaling_type == "default":
+        return theta, {}
+    return theta, _SCALING_READERS[scaling_type](given, hf)
 
 
-def _llama3_scaling(llama3: dict) -> dict:
+def _llama3_scaling(llama3: dict, hf: dict) -> dict:
     """The ModelConfig fields of Llama 3's RoPE scaling table."""
     keys = {"rope_scaling": "factor", "rope_low_freq_factor": "low_freq_factor",
             "rope_high_freq_factor": "high_freq_factor", "rope_original_context": "original_max_position_embeddings"}
@@ -132,11 +134,55 @@ def _llama3_scaling(llama3: dict) -> dict:
         raise ShardError(f"config.json: llama3 rope scaling needs a positive {missing[0]}, got "
                          f"{llama3.get(missing[0])!r}")
     scaling = {k: float(llama3[v]) for k, v in keys.items()}
-    if not scaling["rope_original_context"].is_integer():
-        raise ShardError(f"config.json: original_max_position_embeddings must be a whole number, got "
-                         f"{llama3['original_max_position_embeddings']!r}")
-    scaling["rope_original_context"] = int(scaling["rope_original_context"])
-    return scaling
+    return scaling | {"rope_original_context": _whole_context(llama3)}
+
+
+def _whole_context(table: dict) -> int:
+    value = table.get("original_max_position_embeddings")
+    if not is_positive_number(value) or not float(value).is_integer():
+        raise ShardError(f"config.json: original_max_position_embeddings must be a positive whole number, got "
+                         f"{value!r}")
+    return int(value)
+
+
+def _yarn_scaling(yarn: dict, hf: dict) -> dict:
+    """The ModelConfig fields of a YaRN table (DeepSeek-V3's, Qwen's long-context configs'): transformers'
+    keys and defaults, the factor from max_position_embeddings / original_max_position_embeddings where
+    the table gives none. partial_rotary_factor is refused where below 1 (shard rotates whole heads)."""
+    if yarn.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ShardError(f"partial_rotary_factor={yarn['partial_rotary_factor']!r} is not supported: shard's RoPE "
+                         "rotates the whole head")
+    # transformers: the table's, else config.json's own original_max_position_embeddings, else its
+    # max_position_embeddings
+    given = yarn.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                                hf.get("max_position_embeddings")))
+    context = _whole_context({"original_max_position_embeddings": given})
+    factor = yarn.get("factor")
+    if factor is None and is_positive_number(hf.get("max_position_embeddings")):
+        factor = hf["max_position_embeddings"] / context
+    out = {"rope_scaling_type": "yarn", "rope_original_context": context, "rope_truncate": yarn.get("truncate", True)}
+    for key, field, default in (("factor", "rope_scaling", factor), ("beta_fast", "rope_beta_fast", 32.0),
+                                ("beta_slow", "rope_beta_slow", 1.0), ("mscale", "rope_mscale", 0.0),
+                                ("mscale_all_dim", "rope_mscale_all_dim", 0.0),
+                                ("attention_factor", "rope_attention_factor", 0.0)):
+        value = default if key == "factor" else yarn.get(key) or default  # transformers: `or` for these
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf or (
+                key == "factor" and not value):
+            raise ShardError(f"config.json: yarn rope scaling's {key} must be a positive number, got {value!r}")
+        out[field] = float(value)
+    if not isinstance(out["rope_truncate"], bool):
+        raise ShardError(f"config.json: yarn rope scaling's truncate must be true or false, got {out['rope_truncate']!r}")
+    return out
+
+
+def _linear_scaling(linear: dict, hf: dict) -> dict:
+    """Linear RoPE scaling (position interpolation: Gemma 3's global layers): every frequency / factor."""
+    if not is_positive_number(linear.get("factor")):
+        raise ShardError(f"config.json: linear rope scaling needs a positive factor, got {linear.get('factor')!r}")
+    return {"rope_scaling_type": "linear", "rope_scaling": float(linear["factor"])}
+
+
+_SCALING_READERS = {"llama3": _llama3_scaling, "yarn": _yarn_scaling, "linear": _linear_scaling}
 
 
 def _refuse_biases(kind: str, hf: dict) -> None:
@@ -264,9 +310,10 @@ def _gemma_fields(kind: str, hf: dict, rope: dict) -> dict:
         if set(rope) <= set(_LAYER_TYPES) and rope:
             for layer_type, table in rope.items():
                 kind_of = table.get("rope_type", "default") if isinstance(table, dict) else table
-                if kind_of != "default":
+                if kind_of != "default" and (layer_type, kind_of) != ("full_attention", "linear"):
                     raise ShardError(f"rope scaling {table!r} of the {layer_type} layers is not supported; only "
-                                     "plain RoPE (rope_type default) is for gemma3_text")
+                                     "plain RoPE (rope_type default), and linear on the full_attention layers, "
+                                     "are for gemma3_text")
             local = (rope.get("sliding_attention") or {}).get("rope_theta", local)
         if not is_positive_number(local):
             raise ShardError(f"config.json: rope_local_base_freq must be a positive number, got {local!r}")
@@ -284,7 +331,10 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.sandwich_norms:
         kind = "gemma3_text" if cfg.qk_norm else "gemma2"
         wrong = [f"{f}={getattr(cfg, f)!r}" for f, v in _GEMMA.items() if getattr(cfg, f) != v]
-        wrong += [f"{f}={getattr(cfg, f)!r}" for f in ("qkv_bias", "n_experts", "rope_scaling") if getattr(cfg, f)]
+        wrong += [f"{f}={getattr(cfg, f)!r}" for f in ("qkv_bias", "n_experts") if getattr(cfg, f)]
+        if cfg.rope_scaling and (kind != "gemma3_text" or cfg.rope_scaling_type != "linear" or not cfg.rope_local_theta):
+            wrong.append(f"rope_scaling={cfg.rope_scaling!r} ({cfg.rope_scaling_type}; Gemma 3 scales its global "
+                         "layers' RoPE linearly)")
         if kind == "gemma2" and cfg.rope_local_theta:
             wrong.append(f"rope_local_theta={cfg.rope_local_theta!r}")
         if wrong:
@@ -352,13 +402,28 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu", **biases, **windows, "torch_dtype": "float32",
-        "max_position_embeddings": max(4096, cfg.rope_original_context if cfg.rope_scaling else 0),
+        "max_position_embeddings": _max_positions(cfg),
     } | ({"rope_scaling": _rope_scaling_to_hf(cfg)} if cfg.rope_scaling else {})
+
+
+def _max_positions(cfg: ModelConfig) -> int:
+    """config.json's max_position_embeddings: YaRN's scaled context (what its factor extends to)."""
+    if cfg.rope_scaling and cfg.rope_scaling_type == "yarn":
+        return max(4096, round(cfg.rope_original_context * cfg.rope_scaling))
+    return max(4096, cfg.rope_original_context if cfg.rope_scaling else 0)
 
 
 def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
     if not cfg.rope_scaling:
         return {"rope_type": "default"}
+    if cfg.rope_scaling_type == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_scaling}
+    if cfg.rope_scaling_type == "yarn":
+        optional = {"mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                    "attention_factor": cfg.rope_attention_factor}
+        return {"rope_type": "yarn", "factor": cfg.rope_scaling, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "original_max_position_embeddings": cfg.rope_original_context,
+                "truncate": cfg.rope_truncate, **{k: v for k, v in optional.items() if v}}
     return {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_context}
@@ -369,7 +434,7 @@ def _rope_scaling_to_hf(cfg: ModelConfig) -> dict:
 def _gemma_config_to_hf(cfg: ModelConfig, kind: str) -> dict:
     """The config.json of a Gemma 2 or Gemma 3 text model."""
     types = ["full_attention" if not w else "sliding_attention" for w in cfg.layer_windows()]
-    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    full = {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}
     rope = full
     if kind == "gemma3_text":
         rope = {"full_attention": full,

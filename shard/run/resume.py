@@ -32,7 +32,9 @@ INEXACT_CHANGES = (
     (("data.batch",), "the batch changes ({what}): the samples after the saved position come in other batches"),
     (("model.param_dtype",), "the parameter dtype changes ({what}): the saved state is cast to it"),
     (("model.rope_theta", "model.rope_scaling", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-      "model.rope_original_context", "model.norm_eps", "model.compute_dtype", "model.experts_per_token",
+      "model.rope_original_context", "model.rope_scaling_type", "model.rope_beta_fast", "model.rope_beta_slow",
+      "model.rope_mscale", "model.rope_mscale_all_dim", "model.rope_attention_factor", "model.rope_truncate",
+      "model.norm_eps", "model.compute_dtype", "model.experts_per_token",
       "model.capacity_factor", "model.aux_loss_weight", "model.router_z_loss_weight",
       "model.router_bias_update"),
      "the model changes ({what}): the restored weights compute something else from here on"),
@@ -201,7 +203,9 @@ def init_from_base(source: str) -> dict:
 # What a Hugging Face config.json decides of a model (shard.run.hf.config_from_hf); the rest is how to run it.
 HF_MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
                    "tie_embeddings", "rope_theta", "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor",
-                   "rope_original_context", "norm_eps", "qkv_bias", "qk_norm", "n_experts", "sliding_window",
+                   "rope_original_context", "rope_scaling_type", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                   "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "norm_eps", "qkv_bias", "qk_norm",
+                   "n_experts", "sliding_window",
                    "global_every", "rope_local_theta", "query_scale", "attn_softcap", "final_softcap",
                    "norm_plus_one", "sandwich_norms", "embed_scale", "mlp_activation")
 

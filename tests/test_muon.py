@@ -1,7 +1,10 @@
 """Muon (optimizer.name = "muon"): its update against a float64 NumPy Newton-Schulz, which weights it
 orthogonalises (experts one by one), the same losses on every test layout, and the configs it refuses."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,7 +12,7 @@ from shard import config as c
 from shard.config.presets import PRESETS
 from shard.config.train import OptimizerConfig
 from shard.errors import ShardError
-from shard.testing import agreement_config, assert_same_curves, train_curves
+from shard.testing import agreement_config, assert_same_curves
 from shard.training.optimizers import muon_dimension_numbers
 from shard.training.state import make_optimizer
 
@@ -71,20 +74,48 @@ def test_muon_orthogonalises_the_layer_matrices_and_leaves_the_rest_to_adamw():
     assert experts["w_gate"].reduction_axis == (2,) and experts["w_gate"].output_axis == (3,)  # (L, E, D, F)
 
 
+TAU = 3.0  # below the tiny model's largest logits (~5), so QK-clip acts from the first step
+
+
+def _muon_run(mesh: str, **sets) -> tuple[dict, list]:
+    """Muon with QK-clip: (train_curves' loss and grad_norm, each step's largest logit before the clip)."""
+    from shard.training.loop import train
+
+    records = train(agreement_config(mesh, optimizer__name="muon", optimizer__qk_clip=TAU, **sets),
+                    devices=jax.devices()[:1] if mesh == "1x1" else None)
+    return {k: [r[k] for r in records] for k in ("loss", "grad_norm")}, [r["max_logit"] for r in records]
+
+
 @pytest.fixture(scope="module")
 def muon_reference():
-    return train_curves(agreement_config("1x1", optimizer__name="muon"))
+    return _muon_run("1x1")
 
 
-@pytest.mark.parametrize("mesh", ["fsdp_tp:4x2", "data=2,fsdp=2,model=2"])
-def test_muon_gives_the_same_losses_on_every_layout(mesh, muon_reference):
-    assert_same_curves(train_curves(agreement_config(mesh, optimizer__name="muon")), muon_reference, 1e-5, mesh)
+def test_muon_with_qk_clip_gives_the_same_losses_sharded_over_every_axis(muon_reference):
+    """Newton-Schulz on matrices split over fsdp and model (data too), and the per-head largest logit of
+    heads split over model, over two microbatches (the largest of theirs): one layout with every axis of
+    the test meshes stands for them (test_layouts.py checks the others agree for AdamW); fsdp_tp:4x2
+    agreed as well when this was written."""
+    mesh = "data=2,fsdp=2,model=2"
+    curves, top = _muon_run(mesh, data__microbatches=2)
+    assert_same_curves(curves, muon_reference[0], 1e-5, mesh)
+    np.testing.assert_allclose(top, muon_reference[1], rtol=1e-5)
 
 
-def test_muon_is_not_adamw(muon_reference):
-    adamw = train_curves(agreement_config("1x1"))
-    assert muon_reference["loss"][0] == pytest.approx(adamw["loss"][0])  # the same start
-    assert abs(muon_reference["loss"][-1] - adamw["loss"][-1]) > 1e-2
+def test_the_step_trains_with_muon_and_qk_clip_acts(muon_reference):
+    from optax.contrib import MuonState
+
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.training.state import state_spec
+
+    cfg = agreement_config("1x1", optimizer__name="muon")
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, make_layout(cfg, parse_mesh("1x1"), jax.devices()[:1]))
+    assert any(isinstance(x, MuonState) for x in jax.tree.leaves(
+        spec.abstract["opt_state"], is_leaf=lambda x: isinstance(x, MuonState)))
+    top = muon_reference[1]
+    # the first step's heads past TAU were brought back to it: unclipped, the logits grow (4.89 -> 5.01)
+    assert top[0] > TAU + 1 and top[1] < top[0] - 0.5
 
 
 @pytest.mark.parametrize("items, message", [
@@ -94,7 +125,50 @@ def test_muon_is_not_adamw(muon_reference):
     (["optimizer.muon_ns_steps=0"], "optimizer.muon_ns_steps must be between 1 and 100"),
     (["optimizer.qk_clip=-1"], r"optimizer.qk_clip must be 0 \(off\) or a positive logit"),
     (["optimizer.qk_clip=100", "model.name=qwen3-tiny"], "optimizer.qk_clip with model.qk_norm"),
+    (["optimizer.qk_clip=100", "lora.rank=4"], "optimizer.qk_clip does not run with lora.rank"),
 ])
 def test_bad_muon_configs_are_one_line(items, message):
     with pytest.raises(ShardError, match=message):
         c.resolve(c.parse_sets(items))
+
+
+def test_max_logits_are_the_largest_scaled_score_each_head_may_see():
+    """Brute force in NumPy: grouped-query heads, a window of 5, two segments, over query chunks."""
+    from shard.models.attention import max_logits
+
+    rng = np.random.default_rng(1)
+    B, T, N, K, H, window = 2, 16, 4, 2, 8, 5
+    q, k = rng.normal(size=(B, T, N, H)).astype(np.float32), rng.normal(size=(B, T, K, H)).astype(np.float32)
+    seg = np.repeat(np.array([[1] * 9 + [2] * 7]), B, 0).astype(np.int32)
+    want = np.full(N, -np.inf)
+    for b, t, s, n in np.ndindex(B, T, T, N):
+        if 0 <= t - s < window and seg[b, t] == seg[b, s]:
+            want[n] = max(want[n], q[b, t, n] @ k[b, s, n // (N // K)] * 0.3)
+    for chunk in (0, 4):
+        got = max_logits(jnp.asarray(q), jnp.asarray(k), 0.3, window, jnp.asarray(seg), chunk)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+def test_qk_clip_brings_the_heads_past_tau_back_to_tau_and_leaves_the_rest(kv_heads):
+    from flax import nnx
+
+    from shard import models
+    from shard.models import llama
+    from shard.training.optimizers import qk_clip
+
+    model = dataclasses.replace(PRESETS["tiny"], n_kv_heads=kv_heads, compute_dtype="float32", qkv_bias=True)
+    params = nnx.to_pure_dict(nnx.state(models.build(model, seed=0)))
+    params["layers"]["bq"] = 0.3 * jnp.ones_like(params["layers"]["bq"])  # a bias scales with its weight
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)))
+
+    @jax.jit
+    def top(p):
+        return llama.forward_hidden(model, p, tokens, max_logits=True)[2]["max_logit"]
+
+    before = np.asarray(top(params))  # (layers, heads)
+    tau = float(np.median(before[0]))  # half of layer 0's heads past it
+    after = np.asarray(top(qk_clip(params, jnp.asarray(before), tau, model)))
+    np.testing.assert_allclose(after[0], np.minimum(before[0], tau), rtol=1e-5)
+    assert np.all(after[1] <= np.maximum(before[1], tau) + 1e-5)  # layer 1 sees layer 0's clipped output
+

@@ -330,6 +330,10 @@ def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
     if opt.qk_clip and cfg.model.qk_norm:
         return [f"optimizer.qk_clip with model.qk_norm ({cfg.model.name}): the q/k norms undo a rescaled query "
                 "weight and bound the logits themselves; leave optimizer.qk_clip at 0"]
+    if opt.qk_clip and (cfg.lora.rank or cfg.task == "dpo" or cfg.cluster.cross_host == "mpi"):
+        what = "lora.rank (the query weights are frozen)" if cfg.lora.rank else (
+            "task dpo (its loss records no logits)" if cfg.task == "dpo" else "cluster.cross_host=mpi")
+        return [f"optimizer.qk_clip does not run with {what}; leave it at 0"]
     if opt.qk_clip and cfg.model.attn_softcap:
         return [f"optimizer.qk_clip with model.attn_softcap ({cfg.model.name}): the scores are soft-capped "
                 "already; leave optimizer.qk_clip at 0"]

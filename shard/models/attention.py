@@ -203,3 +203,37 @@ def cached_attention(q_btnh, k_bskh, v_bskh, start, segment_ids=None, window=0, 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
     """cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits); x itself for cap 0."""
     return cap * jnp.tanh(x / cap) if cap else x
+
+
+def max_logits(q_btnh, k_bskh, scale: float | None = None, window=0, segment_ids=None, chunk: int = 0) -> jax.Array:
+    """The largest attention logit (scaled score, before the softmax) of each query head over the positions
+    causal attention lets it see (within `window`, within its segment): (N,) float32, for MuonClip's QK-clip
+    (optimizer.qk_clip). No gradient; the flash kernels keep no scores, so this is one more QK^T matmul
+    (a sixth of attention's FLOPs with its backward) and a max, the queries in chunks as the attention takes
+    them (`chunk`: model.attention_chunk), so one chunk's scores exist at a time."""
+    q_btnh, k_bskh = jax.lax.stop_gradient(q_btnh), jax.lax.stop_gradient(k_bskh)
+    B, T, N, H = q_btnh.shape
+    K = k_bskh.shape[2]
+    scale = H**-0.5 if scale is None else scale
+
+    def chunk_max(start, q, seg_q):  # queries (B, C, N, H) at positions start.. -> (N,)
+        q_btkgh = q.reshape(B, q.shape[1], K, N // K, H)
+        scores_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh).astype(jnp.float32) * scale
+        back_ts = (start + jnp.arange(q.shape[1]))[:, None] - jnp.arange(k_bskh.shape[1])[None, :]
+        if isinstance(window, jax.Array):
+            seen = (back_ts >= 0) & ((window == 0) | (back_ts < window))
+        else:
+            seen = (back_ts >= 0) & (back_ts < window) if window else back_ts >= 0
+        seen = seen[None, None, None]  # (1, 1, 1, T, S)
+        if seg_q is not None:  # and the query's own segment
+            seen = seen & (seg_q[:, :, None] == segment_ids[:, None, :])[:, None, None]
+        return jnp.max(jnp.where(seen, scores_bkgts, -jnp.inf), axis=(0, 3, 4)).reshape(N)
+
+    n = _query_chunks(q_btnh, chunk)
+    if n <= 1:
+        return chunk_max(0, q_btnh, segment_ids)
+    c = T // n
+    q_nbtnh = jnp.moveaxis(q_btnh.reshape(B, n, c, N, H), 1, 0)  # (chunks, batch, T/n, heads, head_dim)
+    seg_nbt = None if segment_ids is None else jnp.moveaxis(segment_ids.reshape(B, n, c), 1, 0)
+    tops_nn = jax.lax.map(lambda xs: chunk_max(xs[0] * c, xs[1], xs[2]), (jnp.arange(n), q_nbtnh, seg_nbt))
+    return jnp.max(tops_nn, axis=0)

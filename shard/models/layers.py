@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, MLP
 from shard.config.model import ModelConfig
 from shard.models import lora as adapters
-from shard.models.attention import cached_attention, causal_attention, rolling_attention, rolling_cache
+from shard.models.attention import (cached_attention, causal_attention, max_logits, rolling_attention,
+                                    rolling_cache)
 from shard.sharding.queries import heads_split_alike
 from shard.sharding.rules import constrain
 
@@ -71,11 +72,12 @@ def apply_rope(x_btnh, cos_th, sin_th):
 
 
 def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
-                    segment_ids=None, window=None):
+                    segment_ids=None, window=None, record: dict | None = None):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position.
     `zigzag`, `segment_ids`: as in `forward`. `window`: this layer's (0: none; traced where layers
-    differ, cfg.global_every); None: cfg.sliding_window."""
+    differ, cfg.global_every); None: cfg.sliding_window. `record` (training with optimizer.qk_clip): a
+    dict the block puts each head's largest attention logit in, "max_logit" (N,) (`max_logits`)."""
     window = cfg.sliding_window if window is None else window
     scale = (cfg.query_scale or cfg.head_dim) ** -0.5
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
@@ -87,6 +89,8 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
     k_btkh = constrain(apply_rope(k_btkh, cos_th, sin_th), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
     v_btkh = constrain(v_btkh, (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    if record is not None:
+        record["max_logit"] = max_logits(q_btnh, k_btkh, scale, window, segment_ids, cfg.attention_chunk)
     if kv is None:
         o_btnh = causal_attention(q_btnh, k_btkh, v_btkh, cfg.attention, zigzag, segment_ids, window, scale,
                                   cfg.attn_softcap, cfg.attention_chunk)

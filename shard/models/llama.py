@@ -114,14 +114,15 @@ def forward(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool =
 
 def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag: bool = False,
                    segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                   router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, dict]:
+                   router_bias: jax.Array | None = None,
+                   max_logits: bool = False) -> tuple[jax.Array, jax.Array | None, dict]:
     """`forward` up to the head: the residual stream after the last layer, the tied table the head is to
     share with the lookup (`tied_table`; None otherwise) and the MoE statistics. The loss runs the head
-    itself, in chunks (shard.models.xent)."""
+    itself, in chunks (shard.models.xent). `max_logits`: as in `run_layers`."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
     x_btd, moe_stats = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
-                                  positions=positions, router_bias=router_bias)
+                                  positions=positions, router_bias=router_bias, max_logits=max_logits)
     return x_btd, table, moe_stats
 
 
@@ -170,7 +171,7 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
                zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               router_bias: jax.Array | None = None, first_layer=0):
+               router_bias: jax.Array | None = None, first_layer=0, max_logits: bool = False):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the MoE statistics ({"aux": the summed auxiliary loss; for a MoE
     model also "load" (L, E), the (token, choice) pairs each layer routed to each expert, and "dropped"
@@ -178,7 +179,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     well. `zigzag`, `segment_ids`, `positions`, `router_bias`: as in `forward` (given positions are
     already in the zig-zag order, as the batch is). `first_layer`: the index of the stack's first layer
     in the model (a pipeline stage's, traced there), which layers alternating local and global
-    attention (cfg.global_every) need."""
+    attention (cfg.global_every) need. `max_logits` (optimizer.qk_clip): the statistics hold each layer's
+    and head's largest attention logit too, "max_logit" (L, N)."""
     dtype = compute_dtype(cfg)
     T = x_btd.shape[1]
     if positions is not None:  # per row: (B, T, H) tables
@@ -211,7 +213,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
              for k, v in p.items()}
         if key is not None:
             p["dropout_key"] = key
-        attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
+        record = {} if max_logits else None
+        attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window, record)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
@@ -222,6 +225,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             stats = {"aux": aux, **counts}
         else:
             ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype), {"aux": jnp.zeros((), jnp.float32)}
+        if record:
+            stats["max_logit"] = record["max_logit"]
         if cfg.sandwich_norms:
             ffn_btd = norm(cfg, ffn_btd, p["post_mlp_norm"])
         return constrain(x_btd + ffn_btd, (BATCH, RES_LENGTH, EMBED)), (stats, kv)

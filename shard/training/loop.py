@@ -226,7 +226,7 @@ class _StepLoop:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
             record["packing"] = per_step / (self.cfg.data.batch * self.cfg.data.seq_len)
-        for key in MOE_METRICS + DPO_METRICS:  # a MoE model's, a DPO run's
+        for key in MOE_METRICS + DPO_METRICS + ("max_logit",):  # a MoE model's, a DPO run's, QK-clip's
             if key in values:
                 record[key] = float(values[key])
         return record

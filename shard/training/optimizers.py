@@ -96,3 +96,28 @@ def _scale_by_shape(dims_of, rms: float) -> optax.GradientTransformation:
         return scaled, state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def qk_clip(params: dict, max_logit_ln: jax.Array, tau: float, model: ModelConfig) -> dict:
+    """MuonClip's QK-clip (Kimi K2): each head h of layer l whose largest attention logit S passed `tau`
+    has its logits scaled by gamma = tau / S, so they peak at tau; others are left alone. With one key
+    head per query head both sides take sqrt(gamma) (q and k weights and biases); with grouped-query
+    attention a key head serves several query heads, so the query side takes all of gamma."""
+    over_ln = max_logit_ln > tau
+    gamma_ln = jnp.where(over_ln, tau / jnp.where(over_ln, max_logit_ln, 1.0), 1.0)
+    shared = model.n_kv_heads != model.n_heads
+    q_ln, k_ln = (gamma_ln, None) if shared else (jnp.sqrt(gamma_ln), jnp.sqrt(gamma_ln))
+    layers = dict(params["layers"])
+
+    def scale(name: str, f_ln, head_axis: int):  # the weight times f, by layer and head
+        w = layers[name]
+        shape = [1] * w.ndim
+        shape[0], shape[head_axis] = f_ln.shape
+        layers[name] = (w * f_ln.reshape(shape)).astype(w.dtype)
+
+    for side, f_ln in (("q", q_ln), ("k", k_ln)):
+        if f_ln is not None:
+            scale(f"w{side}", f_ln, 2)  # (L, D, heads, H)
+            if f"b{side}" in layers:
+                scale(f"b{side}", f_ln, 1)  # (L, heads, H)
+    return params | {"layers": layers}

@@ -40,6 +40,9 @@ class StateSpec:
     # LoRA (rank > 0): the params hold adapters beside the frozen base weights, and the optimizer state
     # mirrors the adapters alone (shard.training.lora); None: every parameter is trained.
     lora: LoraConfig | None = None
+    # MuonClip's QK-clip threshold (optimizer.qk_clip): the step records each head's largest attention
+    # logit and scales down the query (and key) weights of heads past it; 0: off
+    qk_clip: float = 0.0
 
     def trainable(self, params):
         """The part of a params tree (arrays, shardings, shapes) the optimizer updates: the adapters
@@ -233,7 +236,8 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     }
     if "router_bias" in abstract:
         shardings["router_bias"] = replicated
-    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from, lora)
+    return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from, lora,
+                     opt.qk_clip)
 
 
 # The init runs once, so on CPU it is compiled without LLVM's optimisations: the same numbers, in a

@@ -20,6 +20,7 @@ from shard.parallel import pipeline
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.rules import Layout, activation_layout
 from shard.training import lora
+from shard.training.optimizers import qk_clip
 from shard.training.state import StateSpec
 
 BATCH_KEYS = ("inputs", "targets", "mask")
@@ -92,7 +93,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     def plain(params, mb, router_bias=None):
         mb, zigzag = context_order(mb, layout, cfg)
         x_btd, table, moe = llama.forward_hidden(cfg, params, mb["inputs"], zigzag, **packing_of(mb),
-                                                 router_bias=router_bias)
+                                                 router_bias=router_bias, max_logits=bool(spec.qk_clip))
         nll, count = head_nll(cfg, params, x_btd, mb["targets"], target_mask(mb), table)
         router_loss = aux_w * moe["aux"] + (z_w * moe["z"] if z_w else 0.0)
         return nll + router_loss * count, (nll, count, moe)
@@ -163,7 +164,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                     g_acc, nll_acc, n_acc, moe_acc = carry
                     (_, (nll, n, moe)), g = grad_fn(params, mb, router_bias)
                     return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n,
-                            jax.tree.map(jnp.add, moe_acc, moe)), None
+                            {k: (jnp.maximum if k == "max_logit" else jnp.add)(moe_acc[k], moe[k])
+                             for k in moe_acc}), None
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), spec.trainable(params))
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.trainable(spec.shardings["params"]))
@@ -173,6 +175,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                     L, E = spec.model.n_layers, spec.model.n_experts
                     moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
                                   "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
+                if spec.qk_clip:
+                    moe_zeros["max_logit"] = jnp.full((spec.model.n_layers, spec.model.n_heads), -jnp.inf)
                 (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
                 moe = moe | {k: moe[k] / microbatches for k in ("aux", "z") if k in moe}
         return grads, nll, count, moe
@@ -187,6 +191,9 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         new_params = spec.with_trainable(params, optax.apply_updates(spec.trainable(params), updates))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
                    "tokens": count}
+        if spec.qk_clip:  # MuonClip: heads whose logits passed the threshold scaled back to it
+            new_params = qk_clip(new_params, moe["max_logit"], spec.qk_clip, spec.model)
+            metrics["max_logit"] = jnp.max(moe["max_logit"])
         new_state = {"step": state["step"] + 1}
         if spec.model is not None and spec.model.n_experts:
             metrics["aux_loss"] = moe["aux"] / spec.model.n_layers  # per layer; 1 when experts are balanced
@@ -344,6 +351,9 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
                          + (f" and be a multiple of the {ways} ways it is split" if ways > 1 else "")
                          + "; or use -1 (auto) or 0 (off)")
     stages = pipeline_stages(layout)
+    if cfg.optimizer.qk_clip and (stages > 1 or layout.degree(LENGTH) > 1):
+        raise ShardError("optimizer.qk_clip needs each layer's attention logits in the step: it does not run "
+                         "through the pipeline or with context parallelism (`length` split) yet; leave it at 0")
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
                        layout.degree(LENGTH))

@@ -2,6 +2,7 @@
 orthogonalises (experts one by one), the same losses on every test layout, and the configs it refuses."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from shard.config.presets import PRESETS
 from shard.config.train import OptimizerConfig
 from shard.errors import ShardError
 from shard.testing import agreement_config, assert_same_curves
-from shard.training.optimizers import muon_dimension_numbers
+from shard.training.optimizers import _layer_axes, muon_dimension_numbers
 from shard.training.state import make_optimizer
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, optax's default
@@ -72,6 +73,9 @@ def test_muon_orthogonalises_the_layer_matrices_and_leaves_the_rest_to_adamw():
     assert layers["bq"] is None and layers["attn_norm"] is None  # biases and norms: constants at init
     experts = muon_dimension_numbers(PRESETS["moe-tiny"])["layers"]
     assert experts["w_gate"].reduction_axis == (2,) and experts["w_gate"].output_axis == (3,)  # (L, E, D, F)
+    # sharded, each device orthogonalises the matrices of the layers the axes dividing the layer count give it
+    mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2, "model": 2})
+    assert [_layer_axes(mesh, n) for n in (2, 4, 8, 3)] == [("data",), ("data", "fsdp"), ("data", "fsdp", "model"), ()]
 
 
 TAU = 3.0  # below the tiny model's largest logits (~5), so QK-clip acts from the first step

@@ -13,12 +13,14 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from shard.axes import EMBED, EXPERT, LAYERS, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params
 from shard.config.train import OptimizerConfig
+from shard.sharding.rules import active_layout
 
 # Axes Muon treats as a batch of matrices: a stacked weight is one matrix per layer (and per expert).
 _BATCH_AXES = (LAYERS, EXPERT)
@@ -65,13 +67,47 @@ def muon(opt: OptimizerConfig, model: ModelConfig, schedule, adamw: optax.Gradie
                             is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
     matrices = optax.chain(
-        scale_by_muon(ns_steps=opt.muon_ns_steps, beta=opt.muon_beta, eps=opt.eps,
-                      weight_dimension_numbers=matrix_dims),
+        _whole(scale_by_muon(ns_steps=opt.muon_ns_steps, beta=opt.muon_beta, eps=opt.eps,
+                             weight_dimension_numbers=matrix_dims)),
         _scale_by_shape(matrix_dims, opt.muon_rms),
         optax.add_decayed_weights(opt.weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
     return optax.partition({"muon": matrices, "adamw": adamw}, labels)
+
+
+def _whole(muon_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """scale_by_muon on whole matrices, each layer's on some devices only (as torchtitan's DistMuon
+    spreads them): under the layout the step is traced in (shard.sharding.rules.active_layout; none: as
+    it is), a shard_map splits the stacked matrices' layer axis over the mesh axes whose sizes divide it
+    (`_layer_axes`) and gives every device its layers' gradients and momenta whole (an all-to-all from
+    the parameters' shards, an all-gather over the other axes), the Newton-Schulz iterations run locally,
+    and the results go back to the parameters' shards. Left to the partitioner, the iterate stayed split
+    like its parameter (FSDP: by rows) and each of the three matmuls of each iteration all-gathered it
+    again: 15 all-gathers of every matrix per step (small on fsdp: 105 MiB for 10.5 MiB of matrices)."""
+    def update(updates, state, params=None):
+        layout = active_layout()
+        if layout is None or layout.mesh.size == 1:
+            return muon_tx.update(updates, state, params)
+        layers = _layer_axes(layout.mesh, jax.tree.leaves(updates)[0].shape[0])
+        split = jax.tree.map(lambda u: PartitionSpec(layers or None), updates)
+        specs = (split, state._replace(count=PartitionSpec(), mu=split, ns_coeffs=PartitionSpec()))
+        local = jax.shard_map(lambda u, s: muon_tx.update(u, s), mesh=layout.mesh, in_specs=specs,
+                              out_specs=specs, check_vma=False)
+        return local(updates, state)
+
+    return optax.GradientTransformation(muon_tx.init, update)
+
+
+def _layer_axes(mesh, n_layers: int) -> tuple[str, ...]:
+    """The mesh axes, in order, whose sizes multiply to a divisor of the layer count: the devices the
+    layers' matrices are spread over (the rest repeat the same work)."""
+    axes, ways = [], 1
+    for name, size in mesh.shape.items():
+        if size > 1 and n_layers % (ways * size) == 0:
+            axes.append(name)
+            ways *= size
+    return tuple(axes)
 
 
 def _axes(d: MuonDimensionNumbers, names: str) -> tuple[int, ...]:

@@ -187,7 +187,8 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         loss, grad_norm = nll / count, optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], spec.trainable(params))
+        with activation_layout(layout):  # Muon orthogonalises whole matrices under it (shard.training.optimizers)
+            updates, opt_state = tx.update(grads, state["opt_state"], spec.trainable(params))
         new_params = spec.with_trainable(params, optax.apply_updates(spec.trainable(params), updates))
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(schedule_count(state["opt_state"], state["step"])),
                    "tokens": count}

@@ -82,21 +82,28 @@ def _whole(muon_tx: optax.GradientTransformation) -> optax.GradientTransformatio
     it is), a shard_map splits the stacked matrices' layer axis over the mesh axes whose sizes divide it
     (`_layer_axes`) and gives every device its layers' gradients and momenta whole (an all-to-all from
     the parameters' shards, an all-gather over the other axes), the Newton-Schulz iterations run locally,
-    and the results go back to the parameters' shards. Left to the partitioner, the iterate stayed split
-    like its parameter (FSDP: by rows) and each of the three matmuls of each iteration all-gathered it
-    again: 15 all-gathers of every matrix per step (small on fsdp: 105 MiB for 10.5 MiB of matrices)."""
+    and the results go back to the parameters' shards. Left to the partitioner, the iterate stays split
+    like its parameter (FSDP: by rows) and each of the three matmuls of each iteration all-gathers it
+    again: 15 all-gathers of every matrix per step (small on fsdp: 105 MiB for 10.5 MiB of matrices), which
+    is what runs where the layers do not spread over at least a quarter of the devices."""
     def update(updates, state, params=None):
         layout = active_layout()
-        if layout is None or layout.mesh.size == 1:
+        mesh = layout.mesh if layout is not None else None
+        layers = _layer_axes(mesh, jax.tree.leaves(updates)[0].shape[0]) if mesh is not None else ()
+        # each device holds 1 / ways of the matrices whole: at most 4 / devices of them, the memory of four
+        # fully sharded copies; fewer ways (61 layers on 256 devices) are left to the partitioner
+        if not layers or math.prod(mesh.shape[a] for a in layers) * _MAX_COPIES < mesh.size:
             return muon_tx.update(updates, state, params)
-        layers = _layer_axes(layout.mesh, jax.tree.leaves(updates)[0].shape[0])
-        split = jax.tree.map(lambda u: PartitionSpec(layers or None), updates)
+        split = jax.tree.map(lambda u: PartitionSpec(layers), updates)
         specs = (split, state._replace(count=PartitionSpec(), mu=split, ns_coeffs=PartitionSpec()))
         local = jax.shard_map(lambda u, s: muon_tx.update(u, s), mesh=layout.mesh, in_specs=specs,
                               out_specs=specs, check_vma=False)
         return local(updates, state)
 
     return optax.GradientTransformation(muon_tx.init, update)
+
+
+_MAX_COPIES = 4
 
 
 def _layer_axes(mesh, n_layers: int) -> tuple[str, ...]:

@@ -5,7 +5,9 @@ optax.contrib.muon itself is not used whole: its AdamW half takes one weight dec
 mask: it would decay norms and biases, which shard's AdamW leaves alone) and shares Muon's eps. So the
 two halves are optax.partition'ed here: optax.contrib.scale_by_muon (what muon() chains) on the
 matrices, then the RMS scaling muon() applies (its scale_by_shape, private in optax 0.2.8, is
-`_scale_by_shape` here), shard's masked AdamW on the rest.
+`_scale_by_shape` here), shard's masked AdamW on the rest. On sharded weights the Newton-Schulz
+iterations run on whole matrices, spread over the devices by layer (`_whole`). MuonClip's QK-clip
+(`qk_clip`), applied by the step after the update, is here too.
 """
 
 import math

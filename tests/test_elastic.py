@@ -49,13 +49,24 @@ def steps(run_dir: Path) -> list[dict]:
     return list({r["step"]: r for r in records}.values())
 
 
-def wait_until(done, timeout: float = 300, what: str = ""):
+def wait_until(done, timeout: float = 300, what: str = "", supervisor: subprocess.Popen | None = None,
+               tmp_path: Path | None = None):
+    """Poll `done` until it holds; a supervisor that ended first fails at once, with its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := done():
             return value
+        if supervisor is not None and supervisor.poll() is not None:
+            raise AssertionError(f"shard launch ended with {supervisor.returncode} before {what}:\n"
+                                 + (output(tmp_path)[-3000:] if tmp_path else ""))
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f":\n{output(tmp_path)[-3000:]}" if tmp_path else ""))
+
+
+def write_hosts(path: Path, text: str) -> None:
+    """Replace a hosts file whole (a discovery script never reads it half written)."""
+    path.with_name(path.name + ".new").write_text(text)
+    os.replace(path.with_name(path.name + ".new"), path)
 
 
 def pid_of(run_dir: Path, rank: int, after: float = 0.0) -> int:
@@ -93,7 +104,7 @@ def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_sta
     step it resumed at, bitwise those of a manual --resume on 3 processes."""
     supervisor = launch(tmp_path, "--processes", "4", "--min-processes", "2")
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 5, what="step 5")
+    wait_until(lambda: len(steps(run)) >= 5, what="step 5", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 2), signal.SIGKILL)
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
@@ -122,7 +133,7 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     local snapshot, at most 2 steps back), then lists it again (the job saves at its next step and grows
     back to 4); the curve is the uninterrupted one, and each change of size is a line and a record."""
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("h0\nh1\nh2\nh3\n")
+    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
@@ -130,10 +141,11 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
                         "--max-processes", "4",
                         args=[*ARGS, "--steps", "30", "--checkpoint-every", "10", "--set", "checkpoint.local_every=2"])
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
-    hosts.write_text("h0\nh1\nh2\n")
-    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink")
-    hosts.write_text("h0\nh1\nh2\nh3\n")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
+    write_hosts(hosts, "h0\nh1\nh2\n")
+    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink",
+               supervisor=supervisor, tmp_path=tmp_path)
+    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
     assert "lost process 3 (host h3): continuing on 3 processes, data=3,model=2" in said, said
@@ -152,10 +164,11 @@ def test_process_0_lost_twice_recovers_twice_within_the_budget(tmp_path, uninter
     restart budget of 2, both recover (4 -> 3 -> 2 processes) and the curve is the uninterrupted one."""
     supervisor = launch(tmp_path, "--processes", "4", "--max-restarts", "2")
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
     first = pid_of(run, 0)
     os.kill(first, signal.SIGKILL)
-    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart")
+    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart",
+               supervisor=supervisor, tmp_path=tmp_path)
     os.kill(wait_until(lambda: (p := pid_of(run, 0)) != first and p), signal.SIGKILL)
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     assert "lost process 0 (host localhost): continuing on 2 processes, data=2,model=2" in output(tmp_path)
@@ -167,7 +180,7 @@ def test_a_loss_past_the_restart_budget_stops_the_job_with_a_line(tmp_path):
     and the launch's end recorded as such."""
     supervisor = launch(tmp_path, "--processes", "2", "--max-restarts", "0")
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 2, what="step 2")
+    wait_until(lambda: len(steps(run)) >= 2, what="step 2", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 0), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 3, output(tmp_path)[-3000:]
     assert "lost process 0 (host localhost): the restart budget of 0 is spent; stopping" in output(tmp_path)
@@ -181,7 +194,7 @@ def test_the_mpiexec_engine_restarts_a_killed_rank_with_a_new_mpiexec(tmp_path):
     a new mpiexec on the slot left, which resumes the run and finishes it."""
     supervisor = launch(tmp_path, "--engine", "mpiexec", "--processes", "2", args=[*ARGS, "--steps", "8"])
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 1), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 0, output(tmp_path)[-3000:]
     assert "continuing on 1 process, data=1,model=2, from step" in output(tmp_path)
@@ -235,6 +248,35 @@ def test_host_slots_from_a_file_or_a_discovery_script(tmp_path):
     assert slots.current() == ["h0", "h0"]
     script.write_text("#!/bin/sh\nexit 5\n")
     assert slots.current() == ["h0", "h0"] and "exited with 5" in slots.problem  # the last list is kept
+    script.write_text("#!/bin/sh\n")  # no host at all: a file caught mid-rewrite, never "every host left"
+    assert slots.current() == ["h0", "h0"] and "listed no host" in slots.problem
+
+
+def test_too_few_slots_after_a_loss_wait_for_discovery_up_to_the_elastic_timeout(tmp_path):
+    """With --host-discovery, a loss that leaves fewer slots than any size needs waits for the script to
+    list more (Horovod's --elastic-timeout), and says so; past the timeout it stops in one line."""
+    import threading
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from shard.run.elastic import LaunchOptions, _Supervisor
+
+    hosts = tmp_path / "hosts.txt"
+    write_hosts(hosts, "h0\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    policy = SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, batch=8, microbatches=1, min_processes=2,
+                           max_processes=4)
+    said = []
+    supervisor = _Supervisor([], SimpleNamespace(run_dir=str(tmp_path)), policy, HostSlots(discovery=str(script)),
+                             LaunchOptions(discover_every_s=0.05, elastic_timeout_s=0.3), said.append, said.append)
+    assert supervisor._next_size() is None, said
+    assert said[0].startswith("1 process slot(s) left, fewer than --min-processes 2: waiting up to 0.3 s"), said
+    assert said[-1].startswith("can't continue: 1 process slot(s) left"), said
+    supervisor.options = replace(supervisor.options, elastic_timeout_s=120)
+    threading.Timer(0.3, write_hosts, (hosts, "h0\nh1\nh2\n")).start()
+    assert supervisor._next_size() == 2  # three slots back; data=3 does not divide 8
 
 
 def test_a_process_set_over_ranks_a_smaller_job_lacks_is_refused_and_the_world_is_the_new_one():

@@ -188,11 +188,13 @@ def test_inspect_13b_on_32_devices_from_shapes_alone(run_shard):
 
 
 def test_help_shows_flags_as_flags_and_whole_phrases():
-    """A flag took `<bool>` in typer's help, and a docstring's line breaks broke eval's line mid-phrase."""
+    """A flag took `<bool>` in typer's help, a docstring's line breaks broke eval's line mid-phrase, and
+    rich took `[wandb]` in a help line for markup."""
     train_help = invoke("train", "--help").output
     (resume,) = [line for line in train_help.splitlines() if "--resume " in line]
     assert "<bool>" not in train_help and "continue the run" in resume
     assert "<int>" in train_help  # options that take a value still say what
+    assert "(needs shard[wandb]; [tracking] sets" in train_help  # rich read the brackets as markup and ate them
     top = invoke("--help").output
     assert "data (as its evaluations saw it) or --data;" in top, top
 

@@ -117,7 +117,7 @@ def test_bad_tasks_are_one_line_errors(tmp_path, monkeypatch):
         run_tasks(None, ["x"], limit=0)
     monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)  # as if lm-eval were not installed
     monkeypatch.delitem(sys.modules, "shard.training.harness")
-    with pytest.raises(ShardError, match=r"pip install 'shard\[eval\]'"):
+    with pytest.raises(ShardError, match=r"./install.sh eval"):
         import shard.training.harness  # noqa: F401
 
 

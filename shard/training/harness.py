@@ -3,7 +3,7 @@
 and generates with shard.training.generate.Generator, both laid out as training lays the model out;
 `run_tasks` runs lm-eval tasks, named or given as task YAML files, on it.
 
-Importing this module needs lm-eval (`pip install 'shard[eval]'`): without it the import is a
+Importing this module needs lm-eval (`./install.sh eval`): without it the import is a
 ShardError, so a command that asks for tasks says so in one line. With it, the backend is registered
 with lm-eval as "shard".
 """
@@ -18,7 +18,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError:
-    raise ShardError("benchmark tasks need lm-eval: pip install 'shard[eval]'") from None
+    raise ShardError("benchmark tasks need lm-eval: ./install.sh eval") from None
 
 from shard.data.tokenizers import Tokenizer, encode
 from shard.training.scoring import Scorer

@@ -40,9 +40,11 @@ def export_hf(
     checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
     check_export(checkpoint, out, merge, lora_out)
     if lora_out is not None:
-        lora = export_adapters(checkpoint, lora_out)
+        lora, base = export_adapters(checkpoint, lora_out)
         console.print(f"wrote {lora_out}/adapter_config.json and adapter_model.safetensors (rank {lora.rank}, "
-                      f"{', '.join(lora.targets)})", soft_wrap=True)
+                      f"{', '.join(lora.targets)}) over " + (f"{base}" if base else "no Hugging Face folder: "
+                      "export the base with shard export-hf BASE --out DIR and load the adapters over it"),
+                      soft_wrap=True)
     if out is not None:
         files, tokenizer = export_hf_folder(checkpoint, out)
         console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)"

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from shard.cli.options import CheckpointArg, CheckpointOpt, checkpoint_given
-from shard.observe.console import console, param_count
+from shard.observe.console import console, params_phrase
 
 
 def import_hf(
@@ -20,7 +20,7 @@ def import_hf(
     from shard.run.hf_convert import import_hf_folder
 
     model_cfg = import_hf_folder(hf_dir, out)
-    console.print(f"imported {hf_dir} ({param_count(model_cfg.num_params())} parameters) into {out}; "
+    console.print(f"imported {hf_dir} ({params_phrase(model_cfg, 'parameters')}) into {out}; "
                   f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
 
 

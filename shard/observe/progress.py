@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from shard.observe.console import console, err_console, human_bytes, param_count
+from shard.observe.console import console, err_console, human_bytes, param_count, params_phrase
 from shard.errors import ShardError
 from shard.training.observer import Observer
 
@@ -68,7 +68,7 @@ class ConsoleProgress(Observer):
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
             f"mesh {mesh} on {where}" + sequence_parallel(run.layout)
-            + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
+            + f" · model {cfg.model.name} ({params_phrase(cfg.model)})"
             + (f" · LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} ({param_count(_trained(run))} "
                "params trained)" if run.spec.lora is not None else "")
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"

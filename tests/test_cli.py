@@ -577,6 +577,9 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
                    str(tmp_path / "r"), "--compile-cache", "none", "--set", "eval.path=tokens.npy")
     assert first.exit_code == 0, first.output
     assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
+    # with the memory (on a CPU, XLA's estimate), the time run and left (no MFU: no CPU peak is known)
+    assert re.search(r"step 2/2 · loss [\d.]+ · [\d,]+ tokens/s · mem ~[\d.]+[BKMG] · \d+:\d\d:\d\d elapsed, "
+                     r"ETA 0:00:00\n", first.output), first.output
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
     # eval.path too, though unused until a resume sets --eval-every
     assert saved.data.path == saved.eval.path == str(tmp_path / "a" / "tokens.npy")

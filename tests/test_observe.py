@@ -646,3 +646,30 @@ def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):
     assert [e["event"] for e in read_events(path)] == ["launch_start", "resize", "resize", "launch_end", "launch_start"]
     with pytest.raises(ValueError, match="not an event record"):
         append_event(path, {"event": "resize", "time": 1.0, "step": 3.5})
+
+
+def test_the_console_shows_mfu_memory_a_moes_balance_and_the_time(monkeypatch, tmp_path):
+    """A file's line per logged step and the terminal's bar showed loss and tokens/s alone, though the
+    record held MFU, memory and the time; a MoE's aux loss and expert load reached only the file."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from shard.observe import progress
+
+    r = {"step": 10, "loss": 6.689, "tokens_per_s": 830.0, "step_time_s": 6.0, "time_s": 65.2, "mfu": 0.1234,
+         "mem_peak_bytes": 1.3e9, "mem_source": "device", "aux_loss": 1.0213, "expert_load_min": 0.81,
+         "expert_load_max": 1.243, "tokens_dropped": 1234.0}
+    assert progress.step_line(r, 200) == ("step 10/200 · loss 6.6890 · 830 tokens/s · MFU 12.3% · mem 1.2G · aux 1.021 "
+                                          "· load 0.81-1.24 · dropped 1,234 · 0:01:05 elapsed, ETA 0:19:00")
+    estimate = {k: r[k] for k in ("step", "loss", "tokens_per_s")} | {"mem_peak_bytes": 1.5e8, "mem_source": "compiled"}
+    assert progress.step_line(estimate, 200) == "step 10/200 · loss 6.6890 · 830 tokens/s · mem ~143M"
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
+    monkeypatch.setattr(progress, "console", terminal)
+    bar = progress.ConsoleProgress(types.SimpleNamespace(steps=200), tmp_path)
+    bar.progress.start()
+    bar.on_log(r)
+    bar.on_abort()
+    shown = terminal.file.getvalue()
+    assert "MFU 12.3% · mem 1.2G · aux 1.021 · load 0.81-1.24 · dropped 1,234" in shown and "ETA" in shown, shown

@@ -194,11 +194,30 @@ def test_report_marks_where_a_run_resumed_and_on_which_layout(tmp_path):
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out"), "--json"])
     assert r.exit_code == 0, r.output
     row = json.loads(r.output)["runs"][0]
-    assert row["model"] == "tiny" and row["resumes"] == [{"step": 3, "mesh": "data=8", "layout_changed": False},
-                                                         {"step": 5, "mesh": "fsdp=8", "layout_changed": True}]
+    # the steps it resumed from (its checkpoints), not the first ones each start logged (3 and 5)
+    assert row["model"] == "tiny" and row["resumes"] == [{"step": 2, "mesh": "data=8", "layout_changed": False},
+                                                         {"step": 4, "mesh": "fsdp=8", "layout_changed": True}]
+    assert row["legend"] == "tiny data=8 → fsdp=8 (a)"  # every layout its steps ran on, not the config's last
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out2")])
     cells = _table_row(r.output, str(run))
-    assert cells["model"] == "tiny" and cells["resumed at"] == "3, 5 (on fsdp=8)", r.output
+    assert cells["model"] == "tiny" and cells["resumed at"] == "2, 4 (on fsdp=8)", r.output
+
+
+def test_report_draws_the_eval_loss_beside_the_loss(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from shard.observe.report import load_run, plot
+
+    run = tmp_path / "a"
+    _fake_run(run, "fsdp", [3.0, 2.5, 2.0])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = json.dumps(json.loads(lines[1]) | {"eval_loss": 2.7})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    drawn, draw = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: drawn.append((a, k)) or draw(ax, *a, **k))
+    plot([load_run(str(run))], tmp_path / "out")
+    evals = [a for a, k in drawn if k.get("label") == "tiny fsdp (a) eval"]
+    assert evals == [([2], [2.7]), ([2.0], [2.7])]  # on loss by step and loss by time
 
 
 def _table_row(output: str, run: str) -> dict:
@@ -582,7 +601,7 @@ def test_report_marks_resizes_and_counts_goodput_of_a_launched_run(tmp_path, mon
     assert launched["steps_redone"] == 7 and launched["time_held_s"] == 85.0
     assert launched["time_training_s"] == pytest.approx(42.5) and launched["goodput"] == pytest.approx(0.5)
     assert launched["skipped_lines"] == 0 and launched["steps"] == 80  # events are neither records nor torn lines
-    assert [x["step"] for x in launched["resumes"]] == [40, 70]  # the resume marks stay
+    assert [x["step"] for x in launched["resumes"]] == [35, 60]  # the resume marks stay, at the steps resumed from
     assert all(plain[k] is None for k in ("resizes", "steps_redone", "goodput", "time_held_s", "time_training_s"))
     for png in json.loads(r.output)["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -593,7 +612,7 @@ def test_report_marks_resizes_and_counts_goodput_of_a_launched_run(tmp_path, mon
 
     labels = ["lost → 3 processes (data=3,model=2)", "grow → 4 processes (data=4,model=2)"]
     for name in ("loss_vs_step.png", "throughput_vs_step.png"):
-        assert vertical(drawn[name], "-") == [35, 60] and vertical(drawn[name], "--") == [40, 70], name
+        assert vertical(drawn[name], "-") == [35, 60] and vertical(drawn[name], "--") == [35, 60], name
         assert [t.get_text() for t in drawn[name].axes[0].texts] == ["data=3,model=2", "data=4,model=2", *labels]
         assert "solid: resized" in drawn[name].axes[0].get_title()
     # on the time chart, where the kept steps reached the step resumed from (time runs on across starts)

@@ -184,7 +184,7 @@ def test_a_loss_past_the_restart_budget_stops_the_job_with_a_line(tmp_path):
         ["restart budget"]
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: ./install.sh mpi")
 def test_the_mpiexec_engine_restarts_a_killed_rank_with_a_new_mpiexec(tmp_path):
     """--engine mpiexec: a rank killed takes its mpiexec down (MPICH ends the job); the supervisor starts
     a new mpiexec on the slot left, which resumes the run and finishes it."""

@@ -25,7 +25,7 @@ from shard.testing import (AGREEMENT_ARGS, agreement_config, assert_same_curves,
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 TINY = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1"]
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: ./install.sh mpi")
 
 
 def child_env() -> dict:

@@ -52,7 +52,7 @@ def need(module: str, path):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ShardError(f"reading {path} needs {module.split('.')[0]} (pip install 'shard[data]')") from None
+        raise ShardError(f"reading {path} needs {module.split('.')[0]} (./install.sh data)") from None
 
 
 def source_parts(spec: str) -> list[tuple[str, Path]]:

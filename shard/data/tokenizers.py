@@ -202,7 +202,7 @@ class SentencePieceTokenizer:
             import sentencepiece
         except ImportError:
             raise ShardError(f"{path} is a SentencePiece model; reading it needs sentencepiece "
-                             "(pip install 'shard[data]')") from None
+                             "(./install.sh data)") from None
         self.path = path
         self._sp = sentencepiece.SentencePieceProcessor()
         try:

@@ -270,9 +270,11 @@ def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_fie
 @contextlib.contextmanager
 def _one_thread_each():
     """Workers inherit these: one tokenizer thread each, as many processes as cores (a process a core
-    beats a pool of threads in each: no oversubscription, no locks between them)."""
-    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    beats a pool of threads in each: no oversubscription, no locks between them); and PYTHONSAFEPATH, so
+    a spawned worker's `python -c` never imports from the working folder (`multiprocessing/` there would
+    run before the worker takes its parent's import path)."""
+    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONSAFEPATH")}
+    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
     try:
         yield
     finally:

@@ -15,6 +15,7 @@ from shard.data.batches import split_window
 from shard.data.chat import ChatRenderer
 from shard.data.finetune import dpo_samples, sft_samples
 from shard.data.tokenizers import load_tokenizer, train_bpe
+from shard.errors import ShardError
 from shard.models import llama
 from shard.observe.metrics import read_jsonl
 from shard.sharding.layout import make_layout
@@ -154,6 +155,31 @@ def test_dpo_loss_matches_a_hand_computation(files):
     metrics = jax.device_get(metrics)
     for key, value in want.items():
         np.testing.assert_allclose(metrics[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+
+
+def test_dpo_pairs_longer_than_seq_lose_their_prompts_start_or_are_left_out(tmp_path):
+    """One pair longer than --seq stopped the run: a too-long pair keeps the last dpo.max_prompt_tokens of
+    its prompt (as TRL's max_prompt_length), one still too long is left out, the start-up line counts
+    both, and only a file where none fits is refused. A pair that fits is kept whole."""
+    long_prompt = "".join(str(i % 10) for i in range(100))
+    rows = [{"prompt": "1+1?", "chosen": "2", "rejected": "3"},
+            {"prompt": long_prompt, "chosen": "yes", "rejected": "no"},
+            {"prompt": "hi", "chosen": "x" * 80, "rejected": "y"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = dpo_samples(str(path), BYTE, 96, 0, max_prompt_tokens=40)
+    assert samples.source.pairs == 2
+    assert samples.describe().endswith("; 1 prompt(s) cut to their last 40 tokens, 1 pair(s) left out, longer than "
+                                       "--seq 96 even so)")
+    ids, trained = samples.source.rows["tokens"], samples.source.rows["trained"]
+    text = [BYTE.decode(row[row >= 0].tolist()) for row in ids]
+    assert text[0] == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"  # whole
+    suffix = "<|im_end|>\n<|im_start|>assistant\n"  # ChatML's, the last 33 of the prompt's 40 tokens kept
+    assert text[2] == long_prompt[-7:] + suffix + "yes<|im_end|>\n" and text[3].endswith(suffix + "no<|im_end|>\n")
+    assert int(np.argmax(trained[2] == 1)) == int(np.argmax(trained[3] == 1)) == 40
+    with pytest.raises(ShardError, match=r"none of its 3 preference pairs fits --seq 8, even with its prompt cut to "
+                                         r"its last 4 tokens \(dpo.max_prompt_tokens\); raise --seq"):
+        dpo_samples(str(path), BYTE, 8, 0)
 
 
 TINY = ["--model", "tiny", "--batch", "8", "--seq", "64", "--mesh", "8x1", "--log-every", "1"]

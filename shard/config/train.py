@@ -209,9 +209,11 @@ class LoraConfig:
 @dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (task = "dpo"): `beta` scales the log-probability ratios against
-    the reference model (the weights the run starts from)."""
+    the reference model (the weights the run starts from). A pair longer than --seq keeps the last
+    `max_prompt_tokens` of its prompt (0: half of --seq), and is left out if still too long."""
 
     beta: float = 0.1
+    max_prompt_tokens: int = 0
 
 
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
@@ -353,7 +355,7 @@ _RANGES = {
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
-    "dpo.beta": _POSITIVE,
+    "dpo.beta": _POSITIVE, "dpo.max_prompt_tokens": (lambda v: 0 <= v < 2**31, "0 (half of --seq) or positive"),
 }
 
 

@@ -293,3 +293,13 @@ def test_bad_finetuning_rows_are_one_line(files, tmp_path, task, rows, message):
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.output, result.output
+
+
+def test_a_saved_config_naming_packing_is_no_packing_flag():
+    """A run's config.toml names every key, packing = "concat" too: given as --config it is not refused."""
+    from shard.run.start import _check_task
+
+    cfg = tiny_config("1x1", task="sft")
+    _check_task(cfg, {"data": {"packing": "concat"}}, {"data": {"packing": "concat"}})
+    with pytest.raises(ShardError, match="task sft packs conversations"):
+        _check_task(cfg, {"data": {"packing": "concat"}}, {})

@@ -52,7 +52,7 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     overrides = layers(base)
     cfg = config_mod.resolve(overrides)
     _check_saved_model(cfg, base, resumed, weights, run_dir)
-    _check_task(cfg, layers(None))
+    _check_task(cfg, layers(None), from_file)
     runtime.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == runtime.MPI:
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
@@ -69,10 +69,13 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     return StartConfig(cfg, base, resumed, weights, tuple(changes), source)
 
 
-def _check_task(cfg: config_mod.TrainConfig, given: dict) -> None:
+def _check_task(cfg: config_mod.TrainConfig, given: dict, from_file: dict) -> None:
     """What a fine-tuning task would otherwise ignore, or start from without a word (`given`: the keys the
-    config file, the flags and --set name)."""
+    config file, the flags and --set name). A packing the config file alone names is let be: a run's
+    saved config.toml names every key."""
     packing = (given.get("data") or {}).get("packing")
+    if packing == (from_file.get("data") or {}).get("packing"):
+        packing = None
     if cfg.task == "sft" and packing == "concat":
         raise ShardError("task sft packs conversations into rows with attention and positions restarting at each "
                          "(as --packing packed does); --packing concat, which runs them into each other, does not "

@@ -97,18 +97,21 @@ def dpo_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSourc
 def fit_pairs(pairs, width: int, max_prompt_tokens: int) -> tuple[list, int]:
     """(the pairs whose two sequences fit `width` tokens, how many of them had their prompt cut). A pair
     too long keeps only the last `max_prompt_tokens` tokens of its prompt (the tokens before its first
-    trained one), as TRL's max_prompt_length; one still too long is left out. A pair that fits is kept
-    whole."""
+    trained one), as TRL's max_prompt_length; one still too long is left out, as is one with no
+    completion token to compare (an empty answer). A pair that fits is kept whole."""
+    def fits(ci, cf, ri, rf) -> bool:  # and a completion token to compare in each (a target: past index 0)
+        return len(ci) <= width and len(ri) <= width and bool(cf[1:].any() and rf[1:].any())
+
     fitted, cut = [], 0
-    for ci, cf, ri, rf in pairs:
-        if len(ci) <= width and len(ri) <= width:
-            fitted.append((ci, cf, ri, rf))
+    for pair in pairs:
+        if fits(*pair):
+            fitted.append(pair)
             continue
         both = []
-        for ids, flags in ((ci, cf), (ri, rf)):
+        for ids, flags in (pair[:2], pair[2:]):
             start = max(0, int(np.argmax(flags > 0)) - max_prompt_tokens)  # the prompt's first token kept
             both += [ids[start:], flags[start:]]
-        if len(both[0]) <= width and len(both[2]) <= width:
+        if fits(*both):
             fitted.append(tuple(both))
             cut += 1
     return fitted, cut

@@ -84,6 +84,11 @@ def test_context_and_pipeline_parallel_lora_match_single_device(mesh):
     (dict(lora__rank=4, lora__dropout=1.0), "lora.dropout must be in [0, 1)"),
     (dict(lora__rank=4, lora__targets=[]), "lora.targets names no weight"),
     (dict(lora__rank=4, lora__targets=["w_up"], model__name="moe-tiny"), "is an expert weight"),
+    # a rank past the weight's smaller side was accepted (100000 on a 64-wide model)
+    (dict(lora__rank=100000, lora__targets=["wq"]), "lora.rank 100000 is above what wq (64 -> 64 in tiny) can use: "
+                                                    "at most 64"),
+    (dict(lora__rank=0, lora__targets=[]), "lora.targets is empty but lora.rank is 0, which turns LoRA off"),
+    (dict(lora__targets=["wo"]), "lora.targets is wo but lora.rank is 0"),
 ])
 def test_bad_lora_settings_are_one_line(sets, message):
     with pytest.raises(ShardError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

@@ -86,6 +86,9 @@ def test_every_source_kind_gives_the_same_documents(tmp_path, tok):
         store = prepare_store(str(spec), tok, tmp_path / f"s{i}", workers=2, progress=False, chunk_bytes=CHUNK)
         assert [tok.decode(d) for d in documents(store)] == [t + "<|endoftext|>" for t in TEXTS], spec
     assert len(json.loads((tmp_path / "s2" / "store.json").read_text())["shards"]) == 4  # a row group each
+    # a dictionary-encoded string column (pandas' categoricals) is text too: it was refused as "not text"
+    pq.write_table(pa.table({"text": pa.array(TEXTS).dictionary_encode()}), tmp_path / "dict.parquet")
+    assert list(iter_documents([str(tmp_path / "dict.parquet")])) == TEXTS
 
 
 def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
@@ -480,3 +483,16 @@ def test_the_commands(tmp_path, tok):
         assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1, done.output
         assert "bad.jsonl line 1 has no field 'text'" in done.output, done.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_invalid_utf8_in_a_text_file_is_counted_at_start(tmp_path, capsys):
+    """Invalid UTF-8 in a .txt source became U+FFFD without a word: the preparation says how many
+    sequences, in how many files (a U+FFFD written in the file is no replacement)."""
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_bytes("caf\xe9 \ufffd ok".encode("latin-1", "ignore") + b" \xff\xfe end")
+    (tmp_path / "txt" / "b.txt").write_text("clean \ufffd text")
+    store = prepare_store(str(tmp_path / "txt"), ByteTokenizer(), tmp_path / "s", workers=1)
+    assert store.n_documents == 2
+    said = capsys.readouterr().err
+    assert (f"warning: 3 invalid UTF-8 sequence(s) in 1 text file(s) read as U+FFFD (the replacement character), "
+            f"3 of them in {tmp_path / 'txt' / 'a.txt'}") in said.replace("\n", ""), said

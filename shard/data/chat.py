@@ -31,20 +31,30 @@ ASSISTANT = "assistant"
 
 def chat_template(tokenizer: Tokenizer) -> str:
     """The tokenizer's chat template: tokenizer_config.json's `chat_template` (a string, or the one named
-    "default" of a list), else a chat_template.jinja beside it, else DEFAULT_CHAT_TEMPLATE."""
+    "default" of a list), else a chat_template.jinja beside it, else DEFAULT_CHAT_TEMPLATE. A
+    `chat_template` of another kind is an error, not a silent ChatML."""
     config_path = getattr(tokenizer, "config_path", None)
     if config_path is not None:
         if config_path.is_file():
             found = read_json_object(config_path).get("chat_template")
             if isinstance(found, list):  # [{"name": "default", "template": ...}, ...]
                 found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"),
-                             None)
+                             found)
             if isinstance(found, str) and found:
                 return found
+            if found not in (None, ""):
+                raise ShardError(f"{config_path}: chat_template must be a template (a string), or a list of "
+                                 f"{{name, template}} with one named \"default\", got {_kind(found)}")
         jinja = config_path.with_name(TEMPLATE_FILE)
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8")
     return DEFAULT_CHAT_TEMPLATE
+
+
+def _kind(value) -> str:
+    if isinstance(value, list):
+        return "a list without a string template named \"default\""
+    return f"{type(value).__name__} {json.dumps(value)[:40]}"
 
 
 def _template_tokens(tokenizer: Tokenizer) -> dict:

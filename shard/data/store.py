@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
+from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk_counted
 from shard.data.files import STORE_FILE, is_store
 from shard.data.files import STORE_FORMAT as FORMAT
 from shard.data.sources import DataSource, describe_data, source_signature
@@ -106,7 +106,8 @@ def _start_worker(tokenizer_dir: str, dtype: str, text_field: str) -> None:
 def _make_shard(job: tuple[int, dict, str]) -> dict:
     index, chunk, folder = job
     tok, dtype = _WORKER["tok"], _WORKER["dtype"]
-    tokens, ends = encode_documents(tok, read_chunk(Chunk.from_json(chunk), _WORKER["text_field"]), dtype)
+    texts, replaced = read_chunk_counted(Chunk.from_json(chunk), _WORKER["text_field"])
+    tokens, ends = encode_documents(tok, texts, dtype)
     folder = Path(folder)
     documents = io.BytesIO()
     np.save(documents, ends)
@@ -122,7 +123,7 @@ def _make_shard(job: tuple[int, dict, str]) -> dict:
               "tokens_crc32": crc_hex(zlib.crc32(tokens)), "documents_crc32": crc_hex(zlib.crc32(documents))}
     # the record last: its presence says the shard is finished, and what its files must hold
     write_text_atomic(folder / record_name(index), json.dumps(record) + "\n")
-    return {"index": index, **record, "nbytes": chunk["nbytes"]}
+    return {"index": index, **record, "nbytes": chunk["nbytes"], "replaced": replaced}
 
 
 def _shard_done(folder: Path, index: int, dtype: np.dtype, vocab_size: int) -> tuple[dict | None, str]:
@@ -210,6 +211,8 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
             if created:
                 shutil.rmtree(partial, ignore_errors=True)
             raise ShardError(f"data path {spec or 'the embedded corpus'} holds no text (field {text_field!r})")
+    if note := replaced_note([s.get("replaced", {}) for s in shards]):
+        say(note)
     # every shard read back against its record before the store is called whole
     for s in shards:
         found, problem = _shard_done(partial, s["index"], dtype, tok.vocab_size)
@@ -227,6 +230,16 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
     for i in range(len(chunks)):  # store.json holds what the records said
         (out / record_name(i)).unlink(missing_ok=True)
     return TokenStore.open(out)
+
+
+def replaced_note(replaced: list[dict[str, int]]) -> str:
+    """The line that says how much invalid UTF-8 the text files held (read as U+FFFD), or ""."""
+    files = {f: n for part in replaced for f, n in part.items()}
+    if not files:
+        return ""
+    first = min(files)
+    return (f"warning: {sum(files.values()):,} invalid UTF-8 sequence(s) in {len(files):,} text file(s) read as "
+            f"U+FFFD (the replacement character), {files[first]:,} of them in {first}")
 
 
 def _start_partial(partial: Path, tok: Tokenizer, plan: dict) -> None:
@@ -270,9 +283,11 @@ def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_fie
 @contextlib.contextmanager
 def _one_thread_each():
     """Workers inherit these: one tokenizer thread each, as many processes as cores (a process a core
-    beats a pool of threads in each: no oversubscription, no locks between them)."""
-    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    beats a pool of threads in each: no oversubscription, no locks between them); and PYTHONSAFEPATH, so
+    a spawned worker's `python -c` never imports from the working folder (`multiprocessing/` there would
+    run before the worker takes its parent's import path)."""
+    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONSAFEPATH")}
+    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
     try:
         yield
     finally:

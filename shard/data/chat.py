@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data.tokenizers import Tokenizer, read_json_object
+from shard.data.files import BadRow, json_row
+from shard.data.tokenizers import Tokenizer, lone_surrogate, read_json_object
 from shard.errors import ShardError
 
 # ChatML, for a tokenizer without a chat template of its own (the byte tokenizer, a bare tokenizer.json).
@@ -125,13 +126,13 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     if p.suffix != ".jsonl" or not p.is_file():
         raise ShardError(f"fine-tuning data {path} must be a JSON Lines file (.jsonl), one row per line")
     rows = []
-    for n, text in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, text in enumerate(p.read_bytes().splitlines(), 1):  # bytes: U+2028 in a string ends no line
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ShardError(f"{path} line {n} is not JSON ({e.msg})") from None
+            row = json_row(text)
+        except BadRow as e:
+            raise ShardError(f"{path} line {n} {e}") from None
         if not isinstance(row, dict):
             raise ShardError(f"{path} line {n} is not a JSON object")
         rows.append((n, row))
@@ -143,13 +144,16 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
 def messages_of(value, where: str, line: int, field: str, default_role: str) -> list[dict]:
     """A list of {role, content} messages; a plain string is one message of `default_role`."""
     if isinstance(value, str):
-        return [{"role": default_role, "content": value}]
+        value = [{"role": default_role, "content": value}]
     if not isinstance(value, list) or not value:
         raise ShardError(f"{where} line {line}: {field!r} must be a string or a non-empty list of messages")
     for m in value:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ShardError(f"{where} line {line}: every message of {field!r} needs a string 'role' and 'content', "
                              f"got {json.dumps(m)[:80]}")
+        for key in ("role", "content"):
+            if problem := lone_surrogate(m[key]):
+                raise ShardError(f"{where} line {line}: a message's {key!r} in {field!r} holds {problem}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -9,6 +9,7 @@ has one, so document boundaries are known downstream (packing, evaluation)."""
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -27,6 +28,12 @@ BYTE_FILE = "shard_tokenizer.json"  # the byte tokenizer's marker in a saved fol
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+# A lone UTF-16 surrogate: JSON can escape one ("\\ud800") and Python keeps a byte that is not UTF-8 in a
+# command-line argument as one (U+DC80..U+DCFF), but it is no Unicode character: no tokenizer encodes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Vocabularies above this are refused before the `tokenizers` library sizes its tables by them (it aborts the
+# process past about 2**31; 2**24 already takes 0.5 GB and seconds): 4x the largest released (Gemma's 262,144).
+MAX_BPE_VOCAB = 1 << 20
 
 
 @runtime_checkable
@@ -57,6 +64,19 @@ class Tokenizer(Protocol):
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """One text's ids, without BOS or EOS (a prompt, a continuation)."""
     return tokenizer.encode_batch([text])[0]
+
+
+def lone_surrogate(text: str, argv: bool = False) -> str:
+    """What makes `text` no Unicode text ("" when nothing does): its first lone surrogate, named with where
+    it is; `argv`: the text came from the command line, where such a character stands for a byte that is
+    not UTF-8."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return ""
+    code = ord(found.group())
+    if argv and 0xDC80 <= code <= 0xDCFF:
+        return f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8 (at character {found.start()})"
+    return f"a lone UTF-16 surrogate \\u{code:04x}, which is no Unicode character (at character {found.start()})"
 
 
 def document_ids(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
@@ -95,7 +115,11 @@ class ByteTokenizer:
     fingerprint = BYTE
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ShardError(f"a text holds {lone_surrogate(text)}") from None
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
@@ -294,6 +318,9 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
     if vocab_size < BYTE_VOCAB + 1:
         raise ShardError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
                          "an end-of-text token at least")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise ShardError(f"--vocab-size {vocab_size:,} is too large: at most {MAX_BPE_VOCAB:,} ids (four times the "
+                         "largest released vocabulary)")
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -108,7 +108,11 @@ def _start_worker(tokenizer_dir: str, dtype: str, text_field: str, parent: int |
 def _make_shard(job: tuple[int, dict, str]) -> dict:
     index, chunk, folder = job
     tok, dtype = _WORKER["tok"], _WORKER["dtype"]
-    tokens, ends = encode_documents(tok, read_chunk(Chunk.from_json(chunk), _WORKER["text_field"]), dtype)
+    texts = read_chunk(Chunk.from_json(chunk), _WORKER["text_field"])
+    try:
+        tokens, ends = encode_documents(tok, texts, dtype)
+    except ShardError as e:  # a text too long to cut
+        raise ShardError(f"{', '.join(chunk['files'])}: {e}") from None
     folder = Path(folder)
     documents = io.BytesIO()
     np.save(documents, ends)

@@ -78,7 +78,7 @@ def lone_surrogate(text: str, argv: bool = False) -> str:
     """What makes `text` no Unicode text ("" when nothing does): its first lone surrogate, named with where
     it is; `argv`: the text came from the command line, where such a character stands for a byte that is
     not UTF-8."""
-    found = _SURROGATE.search(text)
+    found = None if text.isascii() else _SURROGATE.search(text)  # isascii: a flag, no scan
     if found is None:
         return ""
     code = ord(found.group())

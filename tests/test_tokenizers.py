@@ -171,8 +171,9 @@ def test_a_config_naming_no_token_is_one_line(bpe, tmp_path, config, message):
 
 def test_a_long_text_is_encoded_in_pieces_with_the_ids_of_the_whole(bpe, sentencepiece_model, monkeypatch,
                                                                      tmp_path):
-    """One 50 MB JSONL line took 6 GB to encode whole; it is encoded in pieces of PIECE_CHARS (small here)
-    cut where the ids stay those of the whole, and a text with no such place is refused, not encoded whole."""
+    """One 50 MB JSONL line took 6 GB to encode whole (and 4.4 GB to train a tokenizer on); it is encoded in
+    pieces of PIECE_CHARS (small here) cut where the ids stay those of the whole, and a text with no such
+    place is refused, not encoded whole."""
     import random
 
     from shard.data import tokenizers
@@ -182,10 +183,13 @@ def test_a_long_text_is_encoded_in_pieces_with_the_ids_of_the_whole(bpe, sentenc
     text = "\n".join(_lines(300)) + "".join(rnd.choice(words) for _ in range(3000))
     sp = load_tokenizer(str(sentencepiece_model))
     whole = [bpe._encode([text])[0], np.asarray(sp._sp.Encode(text), np.int32)]
+    trained_whole = train_bpe([text], 300, tmp_path / "whole").path.read_text()
     monkeypatch.setattr(tokenizers, "PIECE_CHARS", 200)
     monkeypatch.setattr(tokenizers, "MAX_PIECE_CHARS", 1600)
     monkeypatch.setattr(tokenizers, "_CUT_WINDOW", 64)
     assert len(tokenizers._cuts(bpe._encode, text)) > 50
+    # a tokenizer trained on the text in pieces (its words counted a piece at a time) is the same one
+    assert train_bpe([text], 300, tmp_path / "pieces").path.read_text() == trained_whole
     for tok, ids in zip((bpe, sp), whole):
         short, cut = tok.encode_batch(["a b", text])
         assert cut.tolist() == ids.tolist() and short.tolist() == tok.encode_batch(["a b"])[0].tolist()

@@ -180,7 +180,7 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         # bad sources fail here, before any file is made
         chunks = plan_chunks(specs, text_field, chunk_bytes, parts=[s.documents for s in sources])
         _start_partial(partial, tok, {"key": key, "sources": specs, "text_field": text_field,
-                                      "chunks": [c.to_json() for c in chunks]})
+                                      "chunks": [c.to_json() for c in chunks]}, say)
     # held until the store is renamed into place, by this process and its workers: a second prepare of the
     # same --out is refused while either lives
     with writing(partial, f"{partial} is being written by another shard data prepare (or its workers); wait for "
@@ -243,9 +243,9 @@ def _made_shards(partial: Path, chunks: list[Chunk], specs: list[str], tok: Toke
     return shards
 
 
-def _start_partial(partial: Path, tok: Tokenizer, plan: dict) -> None:
+def _start_partial(partial: Path, tok: Tokenizer, plan: dict, say: "_Say") -> None:
     """The partial's tokenizer and plan, made beside it and renamed into place: a partial always has both."""
-    with written_whole(partial) as tmp:
+    with written_whole(partial, say) as tmp:
         tok.save(tmp / TOKENIZER_DIR)
         write_text_atomic(tmp / PLAN_FILE, json.dumps(plan, indent=1) + "\n")
 

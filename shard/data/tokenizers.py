@@ -108,8 +108,7 @@ def encode_in_pieces(encode, texts: list[str]) -> list[np.ndarray]:
             size += b - a
     for owner, ids in zip(owners, encode(batch) if batch else []):
         out[owner].append(ids)
-    return [parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.int32)
-            for parts in out]
+    return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in out]  # a text: 1 piece or more
 
 
 def _cuts(encode, text: str) -> list[int]:
@@ -398,7 +397,7 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer, length=length)
+    tok.train_from_iterator(_training_pieces(texts), trainer, length=length)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / HF_FILE))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": None,
@@ -406,3 +405,17 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
               "clean_up_tokenization_spaces": False}
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return HuggingFaceTokenizer(out / HF_FILE)
+
+
+def _training_pieces(texts):
+    """The texts, each longer than PIECE_CHARS cut into pieces of about that many characters at a space or
+    line end between words (past MAX_PIECE_CHARS without one, anywhere): the trainer counts a text's words
+    all at once (one 50 MB line took 4.4 GB), and such a cut leaves the words it counts as they were."""
+    for text in texts:
+        at = 0
+        while len(text) - at > PIECE_CHARS:
+            place = _CUT.search(text, at + PIECE_CHARS, at + MAX_PIECE_CHARS)
+            cut = place.start() if place else at + PIECE_CHARS
+            yield text[at:cut]
+            at = cut
+        yield text[at:] if at else text

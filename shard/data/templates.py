@@ -1,11 +1,12 @@
 """Chat templates rendered within bounds. A template is code that comes with a tokenizer's files; transformers'
 sandboxed Jinja environment keeps it from the machine's files and Python's insides, but not from its memory
 or time (`{{ 'x' * 10**9 }}` took 15 GB, loops nested over `range(10**5)` ran for hours). So a rendering
-here may output at most RENDER_CHARS characters, may build no text or list longer than that with `*` or
-`+` (nor an integer of more than MAX_INT_BITS bits with `**`), and may take at most RENDER_SECONDS: a
-timer interrupts it, where it runs on the main thread (shard's commands do; elsewhere the size bounds
-alone hold). The environment is transformers' own (its filters, globals and sandbox), overlaid with the
-operators intercepted."""
+here may output at most RENDER_CHARS characters, may build no text or list longer than that with `*`,
+`+` or `~` (nor an integer of more than MAX_INT_BITS bits with `**`), and may take at most
+RENDER_SECONDS: a timer interrupts it, where it runs on the main thread (shard's commands do; elsewhere
+the size bounds alone hold). The environment is transformers' own (its filters, globals and sandbox),
+overlaid with the operators intercepted. Filters that build text (`center`, `indent`, `format` ...) are
+bounded by the output count and the timer only."""
 
 import contextlib
 import functools
@@ -27,9 +28,9 @@ class TemplateBound(Exception):
 def render(template: str, **context) -> str:
     """The template rendered with `context` (messages, add_generation_prompt, the special tokens ...),
     within the bounds; TemplateBound past one of them."""
-    out, size = [], 0
+    out, size, compiled = [], 0, _compiled(template)  # compiled before the timer starts (once a template)
     with _time_bound(RENDER_SECONDS):
-        for piece in _compiled(template).generate(**context):
+        for piece in compiled.generate(**context):
             size += len(piece)
             if size > RENDER_CHARS:
                 raise TemplateBound(f"output more than {RENDER_CHARS:,} characters, its bound")
@@ -39,7 +40,11 @@ def render(template: str, **context) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _compiled(template: str):
-    return _environment().from_string(template)
+    compiled = _environment().from_string(template)
+    names = compiled.root_render_func.__globals__  # the compiled template's module: `~` calls its str_join
+    for name in ("str_join", "markup_join"):
+        names[name] = _bounded_join(names[name], "'~'")
+    return compiled
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,10 +52,25 @@ def _environment():
     # here: transformers is the hf extra's, and takes over half a second to import
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    env = _compile_jinja_template("").environment.overlay()  # transformers' environment, its template cache apart
+    # transformers' environment (a private name: its tests fail here first if it moves), without a template cache
+    # of its own (_compiled is the cache, and bounds each template's joins once)
+    env = _compile_jinja_template("").environment.overlay(cache_size=0)
     env.intercepted_binops = frozenset({"*", "+", "**"})
     env.call_binop = types.MethodType(_bounded_binop, env)
+    env.concat = _bounded_join(env.concat, "a block")  # {% set x %}...{% endset %}, a macro's output
     return env
+
+
+def _bounded_join(join, what: str):
+    """`join` (Jinja's, of the pieces of a text), refused once the text passes RENDER_CHARS: a text doubled
+    with `~` in a loop stops at twice the bound, not at the machine's memory."""
+    def bounded(pieces):
+        text = join(pieces)
+        if len(text) > RENDER_CHARS:
+            raise TemplateBound(f"built a text of {len(text):,} characters with {what}, past its bound of "
+                                f"{RENDER_CHARS:,}")
+        return text
+    return bounded
 
 
 def _bounded_binop(env, context, operator: str, left, right):

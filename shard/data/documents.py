@@ -15,7 +15,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from shard.data.files import EMBEDDED, Listing, list_source, read_text_bytes
+from shard.data.files import EMBEDDED, BadRow, Listing, json_row, list_source, read_text_bytes
+from shard.data.tokenizers import lone_surrogate
 from shard.errors import ShardError
 
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
@@ -218,18 +219,19 @@ def _read_jsonl(path: Path, start: int, stop: int, text_field: str) -> list[str]
         f.seek(start)
         data = f.read(stop - start)
     texts = []
-    loads = json.loads
     for n, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
         try:
-            row = loads(line)
+            row = json_row(line)
             texts.append(row[text_field])
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise ShardError(_jsonl_error(path, start, n, line, text_field, e)) from None
+        except (BadRow, KeyError, TypeError, IndexError) as e:
+            raise ShardError(_jsonl_error(path, start, n, text_field, e)) from None
         if not isinstance(texts[-1], str):
             raise ShardError(f"{path} line {_line_number(path, start, n)}: field {text_field!r} is "
                              f"{type(texts[-1]).__name__}, not text")
+        if problem := lone_surrogate(texts[-1]):
+            raise ShardError(f"{path} line {_line_number(path, start, n)}: field {text_field!r} holds {problem}")
     return texts
 
 
@@ -238,10 +240,10 @@ def _line_number(path: Path, start: int, n: int) -> int:
         return f.read(start).count(b"\n") + n + 1
 
 
-def _jsonl_error(path: Path, start: int, n: int, line: bytes, field: str, e: Exception) -> str:
+def _jsonl_error(path: Path, start: int, n: int, field: str, e: Exception) -> str:
     where = f"{path} line {_line_number(path, start, n)}"
-    if isinstance(e, ValueError):
-        return f"{where} is not JSON ({str(e)[:120]})"
+    if isinstance(e, BadRow):
+        return f"{where} {e}"
     return f"{where} has no field {field!r} (give --text-field)"
 
 

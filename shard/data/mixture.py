@@ -95,6 +95,7 @@ def _number(x) -> bool:
 def block_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
     """Slots per block for each weight (0 for none): proportional, by largest remainder, summing to `block`."""
     w = np.asarray(weights, np.float64)
+    w = w / w.max()  # weights are relative: two of 1e308 are two halves, not an overflow to inf
     exact = w / w.sum() * block
     counts = np.floor(exact).astype(np.int64)
     short = block - counts.sum()

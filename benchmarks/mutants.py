@@ -6,6 +6,7 @@ only that every patch still applies to the source and every test it names still 
     python benchmarks/mutants.py --quick          # leave out those whose killers are end-to-end runs
     python benchmarks/mutants.py --only dpo-swap --only sft-mask-shift
     python benchmarks/mutants.py --list
+    python benchmarks/mutants.py --why            # and, under each killed one, the failure pytest reported
 
 How: the repository's files (git's tracked and untracked, not its ignored ones) are copied once to a
 temporary folder; for each mutant its one exact piece of text is replaced there, its tests are run
@@ -160,34 +161,40 @@ def copy_repo(root: Path, to: Path) -> None:
             shutil.copy2(source, to / name)
 
 
-def run_tests(copy: Path, tests, timeout: float) -> tuple[str, float]:
-    """("passed" | "failed" | "error: ..." | "timeout", seconds) of the tests run in the copy."""
+def run_tests(copy: Path, tests, timeout: float) -> tuple[str, float, str]:
+    """("passed" | "failed" | "error: ..." | "timeout", seconds, pytest's line on the first failure) of
+    the tests run in the copy."""
     env = {**os.environ, "PYTHONPATH": str(copy), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "WANDB_MODE": "offline"}
+           "WANDB_MODE": "offline", "COLUMNS": "300"}  # COLUMNS: the short summary's failure line whole
     command = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
                *tests]
     start = time.monotonic()
     try:
         done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - start
+        return "timeout", time.monotonic() - start, ""
     seconds = time.monotonic() - start
+    lines = done.stdout.splitlines()
+    failed = next((line.split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))), "")
+    error = next((line[1:].strip() for line in lines if line.startswith("E ")), "")  # its first line
+    failure = f"{failed}: {error}" if failed and error else failed
     if done.returncode in (0, 1):
-        return ("passed", "failed")[done.returncode], seconds
+        return ("passed", "failed")[done.returncode], seconds, failure
     last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["no output"]
-    return f"error: pytest exit {done.returncode} ({last[0][:120]})", seconds
+    return f"error: pytest exit {done.returncode} ({last[0][:120]})", seconds, failure
 
 
-def mutate(copy: Path, m: Mutant, timeout: float) -> tuple[str, float]:
-    """The mutant's outcome: killed, survived, or why neither; its tests' seconds."""
+def mutate(copy: Path, m: Mutant, timeout: float) -> tuple[str, float, str]:
+    """The mutant's outcome: killed, survived, or why neither; its tests' seconds; the failure's line."""
     path = copy / m.file
     original = path.read_text(encoding="utf-8")
     path.write_text(original.replace(m.old, m.new, 1), encoding="utf-8")
     try:
-        outcome, seconds = run_tests(copy, m.tests, timeout)
+        outcome, seconds, failure = run_tests(copy, m.tests, timeout)
     finally:
         path.write_text(original, encoding="utf-8")
-    return {"failed": "killed", "passed": "SURVIVED", "timeout": "killed (timeout)"}.get(outcome, outcome), seconds
+    outcome = {"failed": "killed", "passed": "SURVIVED", "timeout": "killed (timeout)"}.get(outcome, outcome)
+    return outcome, seconds, failure
 
 
 def main() -> int:
@@ -196,6 +203,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="leave out the mutants whose tests are end-to-end runs")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for one mutant's tests (default 600)")
+    parser.add_argument("--why", action="store_true", help="under each killed mutant, pytest's line on the failure")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if (not args.only or m.name in args.only) and not (args.quick and m.slow)]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
@@ -213,7 +221,7 @@ def main() -> int:
         copy = Path(tmp)
         copy_repo(ROOT, copy)
         tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
-        baseline, seconds = run_tests(copy, tests, args.timeout * len(chosen))
+        baseline, seconds, _ = run_tests(copy, tests, args.timeout * len(chosen))
         print(f"unmutated: the {len(tests)} tests {baseline} ({seconds:.0f} s)")
         if baseline != "passed":
             print("error: the tests must pass unmutated for a failure to mean anything", file=sys.stderr)
@@ -221,9 +229,11 @@ def main() -> int:
         print(f"{'mutant':28s} {'file':28s} {'outcome':18s} seconds")
         killed = 0
         for m in chosen:
-            outcome, seconds = mutate(copy, m, args.timeout)
+            outcome, seconds, failure = mutate(copy, m, args.timeout)
             killed += outcome.startswith("killed")
             print(f"{m.name:28s} {m.file:28s} {outcome:18s} {seconds:7.1f}", flush=True)
+            if args.why and failure:
+                print(f"    {failure[:200]}", flush=True)
     print(f"score: {killed}/{len(chosen)} mutants killed")
     return 0 if killed == len(chosen) else 1
 

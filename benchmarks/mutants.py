@@ -80,6 +80,10 @@ MUTANTS = [
            "beta * (reference_b - policy_b)",
            ("tests/test_finetune.py::test_dpo_loss_matches_a_hand_computation",),
            "DPO's rewards are the reference over the policy"),
+    Mutant("dpo-ascends", "shard/training/dpo.py", "apply(state, grads, loss, pairs, moe, args)",
+           "apply(state, jax.tree.map(jnp.negative, grads), loss, pairs, moe, args)",
+           ("tests/test_finetune.py::test_dpo_loss_matches_a_hand_computation",),
+           "the DPO step climbs its loss: the rejected answers gain on the chosen (its metrics stay right)"),
     Mutant("lora-load-base", "shard/run/weights.py",
            "    check_lora_base(saved_meta(directory / str(step)).get(LORA_BASE_FINGERPRINT), read, path, saved)\n",
            "",
@@ -151,9 +155,15 @@ def check_patches(root: Path = ROOT, mutants=MUTANTS) -> list[str]:
 
 
 def copy_repo(root: Path, to: Path) -> None:
-    """The files git holds or would hold (tracked, and untracked but not ignored) copied to `to`."""
+    """The files git holds or would hold (tracked, and untracked but not ignored) copied to `to`; without
+    git, the tree less its environments, caches and runs."""
     listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            capture_output=True, check=True).stdout.decode().split("\0")
+                            capture_output=True)
+    if listed.returncode:
+        shutil.copytree(root, to, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "__pycache__", ".pytest_cache", "runs", "*.egg-info"))
+        return
+    listed = listed.stdout.decode().split("\0")
     for name in filter(None, listed):
         source = root / name
         if source.is_file():
@@ -164,8 +174,11 @@ def copy_repo(root: Path, to: Path) -> None:
 def run_tests(copy: Path, tests, timeout: float) -> tuple[str, float, str]:
     """("passed" | "failed" | "error: ..." | "timeout", seconds, pytest's line on the first failure) of
     the tests run in the copy."""
-    env = {**os.environ, "PYTHONPATH": str(copy), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "WANDB_MODE": "offline", "COLUMNS": "300"}  # COLUMNS: the short summary's failure line whole
+    # the repository's compilation cache (tests/conftest.py's), not a cold one in the copy
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax"))
+    env = {**os.environ, "PYTHONPATH": str(copy), "JAX_COMPILATION_CACHE_DIR": cache, "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "COLUMNS": "300"}  # the short summary's failure line whole
     command = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-x", "-p", "no:randomly", "-p", "no:cacheprovider",
                *tests]
     start = time.monotonic()

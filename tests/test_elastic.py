@@ -227,6 +227,10 @@ def test_the_largest_size_that_the_mesh_and_the_batch_divide_is_chosen():
     assert policy.largest(4) == 4 and policy.describe(4) == "data=4,model=2"
     assert policy.largest(3) == 2  # data=3 does not divide a batch of 8
     assert "does not divide over the 3 data-parallel devices" in policy.problem(3)
+    assert policy.largest(1) == 1  # down to --min-processes
+    in_four = SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, batch=8, microbatches=4, min_processes=1,
+                            max_processes=4)  # 8 rows in 4 microbatches: 2 a microbatch, over at most 2 devices
+    assert in_four.largest(4) == 2 and "data-parallel devices of data=4,model=2 in 4 microbatches" in in_four.problem(4)
     with pytest.raises(ShardError, match="fewer than --min-processes 2"):
         SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, 8, 1, 2, 4).largest(1)
     with pytest.raises(ShardError, match="needs a mesh with one -1 axis"):

@@ -2,6 +2,8 @@
 loss and gradients that mask gives, DPO against a hand computation, and bad input as one line."""
 
 import json
+import re
+import shutil
 
 import jax
 import numpy as np
@@ -65,6 +67,18 @@ def test_assistant_turns_are_the_trained_pieces():
     assert [t for t, trained in pieces if trained] == ["yes<|eot_id|>"]
 
 
+def test_sft_trains_exactly_the_assistant_answers(files):
+    """In the batch, the targets a loss mask keeps decode to each conversation's assistant answers with
+    their end markers, no token more or less (a mask one token off trains on what follows a turn)."""
+    batch = split_window(sft_samples(str(files / "chats.jsonl"), BYTE, 256, 0).rows(0, 16))  # a chat a row
+    for r in range(16):
+        for segment in set(batch["segment_ids"][r].tolist()) - {0}:  # 0: padding
+            at = batch["segment_ids"][r] == segment
+            a, b = map(int, re.search(r"user\n(\d)\+(\d)\?", BYTE.decode(batch["inputs"][r][at])).groups())
+            trained = at & (batch["loss_mask"][r] == 1) & (batch["mask"][r] == 1)
+            assert BYTE.decode(batch["targets"][r][trained]) == f"{a + b}<|im_end|>\nyes<|im_end|>\n"
+
+
 def _tiny_setup(cfg):
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices_for(cfg.mesh.spec))
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
@@ -124,14 +138,26 @@ def test_sft_loss_counts_assistant_targets_only(files):
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(grads3), jax.tree.leaves(grads)))
 
 
+def _answers(files) -> set[tuple[str, str]]:
+    """pairs.jsonl's (chosen, rejected) answer texts (no pair's reversed is another's: rejected a+b+1)."""
+    pairs = [json.loads(line) for line in (files / "pairs.jsonl").read_text().splitlines()]
+    text = lambda v: v if isinstance(v, str) else v[0]["content"]  # noqa: E731
+    return {(text(p["chosen"]), text(p["rejected"])) for p in pairs}
+
+
 def test_dpo_loss_matches_a_hand_computation(files):
     """The DPO step's loss and reward metrics equal numpy's from the two models' logits: sequence
-    log-probabilities over the completions' tokens, beta-scaled ratios to the reference, -log sigmoid."""
+    log-probabilities over the completions' tokens, beta-scaled ratios to the reference, -log sigmoid.
+    The two rows of a pair are its chosen then its rejected completion (the trained tokens decode to
+    them), and the step raises the chosen one's log-probability relative to the rejected one's."""
     beta = 0.5
-    cfg = tiny_config("2x4", data__seq_len=64, task="dpo", dpo__beta=beta)
+    cfg = tiny_config("2x4", data__seq_len=64, task="dpo", dpo__beta=beta, optimizer__warmup_steps=0)
     layout, spec, reference = _tiny_setup(cfg)
     samples = dpo_samples(str(files / "pairs.jsonl"), BYTE, 64, 0)
     batch = split_window(samples.rows(0, 8))
+    trained = [BYTE.decode(t[m == 1]).split("<|im_end|>")[0] for t, m in zip(batch["targets"], batch["loss_mask"])]
+    for k in range(4):  # rows 2k and 2k + 1: a pair's chosen then its rejected answer
+        assert (trained[2 * k], trained[2 * k + 1]) in _answers(files), trained
     noise = jax.tree.map(lambda x: 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), reference)
     policy = jax.tree.map(jax.numpy.add, reference, noise)
 
@@ -141,7 +167,8 @@ def test_dpo_loss_matches_a_hand_computation(files):
         logp = np.take_along_axis(_log_softmax(logits), batch["targets"][..., None], -1)[..., 0]
         return (logp * batch["mask"] * batch["loss_mask"]).sum(1)
 
-    ratio = (seq_logps(policy) - seq_logps(reference)).reshape(-1, 2)
+    before = seq_logps(policy)
+    ratio = (before - seq_logps(reference)).reshape(-1, 2)
     chosen, rejected = beta * ratio[:, 0], beta * ratio[:, 1]
     want = {"loss": np.mean(np.log1p(np.exp(-(chosen - rejected)))), "reward_chosen": chosen.mean(),
             "reward_rejected": rejected.mean(), "reward_margin": (chosen - rejected).mean(),
@@ -151,10 +178,13 @@ def test_dpo_loss_matches_a_hand_computation(files):
              "opt_state": spec.tx.init(policy)}
     state = jax.device_put(state, spec.shardings)
     step = jit_dpo_step(spec, layout, beta)
-    _, metrics = step(state, jax.device_put(batch, batch_sharding(layout)), schedule_inputs(spec, layout), reference)
+    state, metrics = step(state, jax.device_put(batch, batch_sharding(layout)), schedule_inputs(spec, layout),
+                          reference)
     metrics = jax.device_get(metrics)
     for key, value in want.items():
         np.testing.assert_allclose(metrics[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+    moved = (seq_logps(state["params"]) - before).reshape(-1, 2)  # (pairs, chosen|rejected)
+    assert (moved[:, 0] - moved[:, 1]).mean() > 0, moved
 
 
 def test_dpo_pairs_longer_than_seq_lose_their_prompts_start_or_are_left_out(tmp_path):
@@ -203,20 +233,29 @@ def test_bad_pair_rows_and_chat_templates_are_one_line(tmp_path):
 TINY = ["--model", "tiny", "--batch", "8", "--seq", "64", "--mesh", "8x1", "--log-every", "1"]
 
 
-def test_sft_then_dpo_from_its_checkpoint(files, tmp_path):
+def test_sft_then_dpo_from_its_checkpoint_and_a_dpo_resume(files, tmp_path):
     """The command line end to end: sft from scratch, then dpo --init-from its checkpoint, whose
-    records carry the reward metrics, starting at the reference (loss log 2, margin 0)."""
+    records carry the reward metrics, starting at the reference (loss log 2, margin 0). That DPO run
+    resumed from its step 1 redoes step 2 bit for bit: its reference is the --init-from weights again
+    (not the seed's fresh init, as a resume once took)."""
     sft = CliRunner().invoke(app, ["train", "--task", "sft", "--data", str(files / "chats.jsonl"), *TINY,
                                    "--steps", "2", "--run-dir", str(tmp_path / "sft")])
     assert sft.exit_code == 0, sft.output
-    dpo = CliRunner().invoke(app, ["train", "--task", "dpo", "--data", str(files / "pairs.jsonl"), *TINY,
-                                   "--steps", "2", "--init-from", str(tmp_path / "sft" / "checkpoints" / "2"),
-                                   "--run-dir", str(tmp_path / "dpo")])
+    dpo_run = ["train", "--task", "dpo", "--data", str(files / "pairs.jsonl"), *TINY, "--steps", "2",
+               "--init-from", str(tmp_path / "sft" / "checkpoints" / "2"), "--run-dir", str(tmp_path / "dpo")]
+    dpo = CliRunner().invoke(app, [*dpo_run, "--checkpoint-every", "1", "--set", "optimizer.warmup_steps=0"])
     assert dpo.exit_code == 0, dpo.output
-    first = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")[0]
+    records = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    first = records[0]
     assert first["loss"] == pytest.approx(np.log(2), abs=1e-6) and first["reward_margin"] == pytest.approx(0, abs=1e-6)
     assert {"reward_chosen", "reward_rejected", "accuracy"} <= set(first)
     assert "reward margin" in dpo.output
+    shutil.rmtree(tmp_path / "dpo" / "checkpoints" / "2")
+    resumed = CliRunner().invoke(app, [*dpo_run, "--checkpoint-every", "1", "--set", "optimizer.warmup_steps=0",
+                                       "--resume"])
+    assert resumed.exit_code == 0 and "resumed from step 1" in resumed.output, resumed.output
+    again = [r for r in read_jsonl(tmp_path / "dpo" / "metrics.jsonl") if r.get("step") == 2][-1]
+    assert again["reward_margin"] != 0 and again["loss"] == records[1]["loss"], (again, records[1])
 
 
 def test_a_fine_tune_reads_its_data_with_the_tokenizer_its_weights_came_with(files, tmp_path):

@@ -251,5 +251,12 @@ def test_a_lora_checkpoint_is_refused_as_a_whole_model_and_its_base_is_checked(f
         meta_cfg.write_text(text.replace(str(tmp / "base"), str(changed)))
         with pytest.raises(ShardError, match="are not those its adapters were trained on"):
             weights.load(tmp / "run")
+        ckpts = Checkpoints(tmp / "run" / CHECKPOINTS_DIR, read_only=True)
+        try:  # a resume reads the base through the checkpoints, not weights.load: checked there too
+            with pytest.raises(ShardError, match=f"checkpoint {ckpts.path(4)} \\({changed}\\) are not those its "
+                                                 "adapters were trained on"):
+                ckpts.restore_latest(fine_tuned[3].spec)
+        finally:
+            ckpts.close()
     finally:
         meta_cfg.write_text(text)

@@ -647,6 +647,8 @@ def test_goodput_counts_only_the_steps_a_launch_held(tmp_path):
     assert summary["goodput"] is None and summary["steps_redone"] == 3 and len(summary["resizes"]) == 1
     path.write_text("".join(before))
     assert launch_summary(read_lines(path)[0]) is None
+    # from an offset (the file's size taken earlier, as the supervisor reads): the lines after it alone
+    assert read_lines(path, len(before[0].encode()))[0] == [json.loads(before[1])]
 
 
 def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):

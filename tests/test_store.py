@@ -436,6 +436,9 @@ def test_ids_above_the_vocabulary_stop_the_batch_that_reads_them(made, tmp_path,
 
 
 def test_a_uint32_id_past_int32_is_not_read_as_padding():
+    at_vocab = TokenParts([np.array([1, 2, 300, 3], "<u2")], vocab=300, label="token store v")
+    with pytest.raises(ShardError, match="token store v holds token id 300, outside its vocabulary of 300 ids"):
+        WindowSource(at_vocab, 2).read(np.arange(2))  # the first id past the vocabulary, not only far past it
     tokens = TokenParts([np.array([1, 2, 0xFFFFFFFF, 3, 4], "<u4")], vocab=70000, label="token store s")
     with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295, outside its vocabulary of "
                                          "70,000 ids"):

@@ -152,6 +152,28 @@ def test_a_bare_tokenizer_json_takes_eos_from_its_special_tokens_and_its_export_
     assert describe(load_tokenizer(str(_bare_bpe(tmp_path / "none", ["<|stop|>"])))) == "huggingface (300 ids, no eos)"
 
 
+def test_bos_added_by_a_post_processor_starts_documents(tmp_path):
+    """Llama-3 style: the tokenizer.json's TemplateProcessing post-processor adds BOS and the config names
+    bos_token without add_bos_token; documents start with BOS as transformers' tokenizer starts them,
+    and a prompt's ids (encode) carry none."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import processors
+
+    folder = _bare_bpe(tmp_path / "llama3ish", ["<|begin_of_text|>", "<|end_of_text|>"])
+    rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                        special_tokens=[("<|begin_of_text|>", 0)])
+    rust.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (0, 1, True)
+    ids = encode(tok, TEXT)
+    assert ids[0] != 0 and document_ids(tok, ids).tolist() == [0, *ids.tolist(), 1]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))  # said: kept
+    assert not load_tokenizer(str(folder)).add_bos
+
+
 @pytest.mark.parametrize("config, message", [
     ({"eos_token": "<|eot_id|>"}, 'eos_token "<|eot_id|>" is no token of'),
     ({"eos_token": 12345}, "eos_token must be a token (a string), not 12345"),

@@ -117,6 +117,22 @@ class ModelConfig:
     # scores to choose experts (not to gate them), moved by this much toward the mean load after each
     # step, outside the gradient; 0: off (no bias in the train state)
     router_bias_update: float = 0.0
+    # Group-limited routing (DeepSeek-V3's n_group, topk_group): the experts in router_groups equal groups,
+    # each group scored by the sum of its two best scores (+ bias); a token chooses its k experts among
+    # the experts of its router_topk_groups best groups only. 1, 1: no limit.
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # Multi-head latent attention (DeepSeek-V2/V3, shard.models.mla), on where kv_lora_rank > 0: keys and
+    # values are up-projected from one compressed latent of kv_lora_rank per token (RMS-normalised), queries
+    # from one of q_lora_rank (0: straight from the residual, no compression); each head's query and key
+    # are qk_nope_head_dim without RoPE and qk_rope_head_dim with it, the RoPE key one per token shared by
+    # every head; values are v_head_dim wide. head_dim must be qk_nope_head_dim + qk_rope_head_dim (the
+    # scores' width) and n_kv_heads n_heads.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def validate(self) -> list[str]:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
@@ -148,8 +164,9 @@ class ModelConfig:
         if not -1 <= self.attention_chunk < 2**31:
             problems.append(f"model.attention_chunk must be -1 (auto), 0 (off) or queries per chunk, got "
                             f"{self.attention_chunk}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.mla:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        problems += self._mla_problems() + self._group_problems()
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
@@ -191,6 +208,62 @@ class ModelConfig:
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
 
+    def _mla_problems(self) -> list[str]:
+        """Problems with the multi-head latent attention fields."""
+        fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        bad = [f for f in fields if not 0 <= getattr(self, f) < 2**31]
+        if bad:
+            return [f"model.{bad[0]} must be 0 or more and below 2**31, got {getattr(self, bad[0])}"]
+        if not self.mla:
+            if on := [f for f in fields if getattr(self, f)]:
+                return [f"model.{on[0]}={getattr(self, on[0])} needs multi-head latent attention (model.kv_lora_rank > 0)"]
+            return []
+        if not self.qk_rope_head_dim or self.qk_rope_head_dim % 2:
+            return [f"model.qk_rope_head_dim must be even and positive for RoPE, got {self.qk_rope_head_dim}"]
+        if not self.v_head_dim:
+            return ["model.v_head_dim must be positive with multi-head latent attention (model.kv_lora_rank > 0)"]
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            return [f"model.head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                    f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) with multi-head latent attention"]
+        if self.n_kv_heads != self.n_heads:
+            return [f"model.n_kv_heads ({self.n_kv_heads}) must be model.n_heads ({self.n_heads}) with multi-head "
+                    "latent attention: every head has its own key and value"]
+        if on := [f for f in ("qkv_bias", "qk_norm", "attn_softcap", "rope_local_theta") if getattr(self, f)]:
+            return [f"model.{on[0]} can't be combined with multi-head latent attention (model.kv_lora_rank > 0)"]
+        return []
+
+    def _group_problems(self) -> list[str]:
+        """Problems with group-limited routing."""
+        G, top = self.router_groups, self.router_topk_groups
+        if not 0 < G < 2**31 or not 0 < top < 2**31:
+            return [f"model.router_groups and model.router_topk_groups must be positive, got {G} and {top}"]
+        if top > G:
+            return [f"model.router_topk_groups ({top}) must be at most model.router_groups ({G})"]
+        if G == 1:
+            return []
+        if not self.n_experts or self.n_experts % G or self.n_experts // G < 2:
+            return [f"model.router_groups={G} must divide model.n_experts ({self.n_experts}) into groups of at "
+                    "least 2 experts (a group scores by its two best)"]
+        if self.experts_per_token > top * (self.n_experts // G):
+            return [f"model.experts_per_token ({self.experts_per_token}) must be at most the experts of "
+                    f"router_topk_groups ({top}) groups of {self.n_experts // G}"]
+        return []
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (shard.models.mla)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: head_dim, or with MLA the RoPE part qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Each head's value (and attention output) width: head_dim, or with MLA v_head_dim."""
+        return self.v_head_dim if self.mla else self.head_dim
+
     @property
     def padded_vocab(self) -> int:
         """The vocab dim of the stored tables and the logits: vocab_size rounded up to VOCAB_MULTIPLE
@@ -214,13 +287,13 @@ class ModelConfig:
         return len(set(self.layer_windows())) > 1
 
     def rope_frequencies(self, local: bool = False):
-        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), with Llama 3's scaling when
+        """RoPE's inverse frequencies (numpy float32, rope_dim / 2 of them), with Llama 3's scaling when
         rope_scaling is set; `local`: those of the windowed layers (rope_local_theta, unscaled, where set)."""
         import numpy as np
 
         theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
         # in float64, rounded to float32 once at the end
-        inv = 1.0 / theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        inv = 1.0 / theta ** (np.arange(0, self.rope_dim, 2, dtype=np.float64) / self.rope_dim)
         if not self.rope_scaling or (local and self.rope_local_theta):
             return inv.astype(np.float32)
         factor, low, high, context = (self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor,
@@ -298,7 +371,7 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     T / 2 (attended_keys). Recomputation by remat, and a mixture of experts' capacity slack and
     dispatch, are not counted: MFU measures useful work."""
     keys = sum(attended_keys(seq_len, w) for w in cfg.layer_windows())
-    return 6 * matmul_params(cfg) + 12 * keys * cfg.n_heads * cfg.head_dim
+    return 6 * matmul_params(cfg) + 6 * keys * cfg.n_heads * (cfg.head_dim + cfg.v_dim)
 
 
 def attended_keys(seq_len: int, window: int) -> float:

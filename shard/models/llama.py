@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LAYERS, LENGTH, RES_LENGTH, VOCAB
+from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LATENT, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
+from shard.models.mla import mla_block
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
@@ -211,7 +212,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
              for k, v in p.items()}
         if key is not None:
             p["dropout_key"] = key
-        attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
+        attend = mla_block if cfg.mla else attention_block
+        attn_btd, kv = attend(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
@@ -322,6 +324,15 @@ _logits_einsum.defvjp(_logits_einsum_fwd, _logits_einsum_bwd)
 
 
 CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+# multi-head latent attention's cache (shard.models.mla): the latent and the shared RoPE key per token
+LATENT_CACHE_AXES = {"ckv": (LAYERS, BATCH, LENGTH, LATENT), "k_rope": (LAYERS, BATCH, LENGTH, HEAD_DIM)}
+
+
+def cache_axes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The logical axes of each array of `init_cache`'s cache."""
+    if cfg.mla:
+        return dict(LATENT_CACHE_AXES)
+    return dict.fromkeys(("k", "v", "k_local", "v_local"), CACHE_AXES)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
@@ -329,8 +340,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     every layer has the same window shorter than that (Mistral), the window: a rolling cache
     (`rolling_cache`) that keeps the last `sliding_window` positions only. Where local and global layers
     alternate (Gemma) and the window is shorter than max_len, the global layers' k and v (max_len) and
-    the local layers' "k_local" and "v_local" (the window) are two stacks."""
+    the local layers' "k_local" and "v_local" (the window) are two stacks. With multi-head latent
+    attention: "ckv" (L, B, S, kv_lora_rank) and "k_rope" (L, B, S, qk_rope_head_dim), the latent cache."""
     window, dtype = cfg.sliding_window, compute_dtype(cfg)
+    if cfg.mla:  # the latent cache: every position, a window masked (shard.models.mla.absorbed_attention)
+        return {"ckv": jnp.zeros((cfg.n_layers, batch, max_len, cfg.kv_lora_rank), dtype),
+                "k_rope": jnp.zeros((cfg.n_layers, batch, max_len, cfg.qk_rope_head_dim), dtype)}
     rolling = 0 < window < max_len
 
     def stack(layers, length):

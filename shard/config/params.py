@@ -79,13 +79,14 @@ def _gqa_params(cfg) -> dict[str, ParamSpec]:
 
 
 def mla_params(cfg) -> dict[str, ParamSpec]:
-    """Multi-head latent attention's parameters in the attention's place (shard.models.mla): the query's
-    down-projection to q_lora_rank, its norm and up-projection to the heads (or with q_lora_rank 0 one
-    projection, `wq`); the key-value latent's down-projection and norm, the shared RoPE key's projection,
-    the latent's up-projections to each head's key (without RoPE) and value; the output. The
-    down-projections' latent column is unnamed, like the router's expert column: FSDP splits them on
-    embed, and `latent` has its own rule (fsdp for parameters), which would name fsdp twice. The latent
-    norms are `feature` "mla": not in a matmul (matmul_params)."""
+    """Multi-head latent attention's parameters in the attention's place (shard.models.mla), shaped as
+    transformers' DeepseekV3 holds them: the query's down-projection to q_lora_rank, its norm and
+    up-projection to the heads (or with q_lora_rank 0 one projection, `wq`); one down-projection to the
+    key-value latent and the shared RoPE key side by side (`wkv_a`), the latent's norm, one
+    up-projection of the latent to each head's key (without RoPE) and value side by side (`wkv_b`); the
+    output. The down-projections' latent column is unnamed, like the router's expert column: FSDP
+    splits them on embed, and `latent` has its own rule (fsdp for parameters), which would name fsdp
+    twice. The latent norms are `feature` "mla": not in a matmul (matmul_params)."""
     D, N, C, Cq = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.q_lora_rank
     Hn, Hr, Hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     out_std = _residual_std(cfg)
@@ -96,11 +97,9 @@ def mla_params(cfg) -> dict[str, ParamSpec]:
     else:
         query = {"wq": ParamSpec((D, N, Hn + Hr), (EMBED, HEADS, HEAD_DIM), D**-0.5)}
     return query | {
-        "wkv_a": ParamSpec((D, C), (EMBED, None), D**-0.5),
-        "wk_rope": ParamSpec((D, Hr), (EMBED, HEAD_DIM), D**-0.5),
+        "wkv_a": ParamSpec((D, C + Hr), (EMBED, None), D**-0.5),
         "kv_a_norm": ParamSpec((C,), (LATENT,), None, "mla"),
-        "wk_b": ParamSpec((C, N, Hn), (LATENT, HEADS, HEAD_DIM), C**-0.5),
-        "wv_b": ParamSpec((C, N, Hv), (LATENT, HEADS, HEAD_DIM), C**-0.5),
+        "wkv_b": ParamSpec((C, N, Hn + Hv), (LATENT, HEADS, HEAD_DIM), C**-0.5),
         "wo": ParamSpec((N, Hv, D), (HEADS, HEAD_DIM, EMBED), (N * Hv) ** -0.5 * out_std),
     }
 

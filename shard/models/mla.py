@@ -1,10 +1,12 @@
 """Multi-head latent attention (DeepSeek-V2/V3), the decoder's attention where model.kv_lora_rank > 0.
 
 Keys and values come from one compressed latent per token, c_kv (kv_lora_rank wide, RMS-normalised),
-through per-head up-projections (`wk_b` to the keys' non-RoPE part, `wv_b` to the values); queries from
+through per-head up-projections (`wkv_b`: W_kb to the keys' non-RoPE part, W_vb to the values); queries from
 a latent of q_lora_rank (`wq_a`, its norm, `wq_b`), or straight from the residual (`wq`) where
 q_lora_rank is 0. RoPE is decoupled: each head's query has qk_rope_head_dim more dims that RoPE rotates,
-and the key's are one projection of the residual (`wk_rope`) shared by every head. The parameters are
+and the key's are one projection of the residual (`wkv_a`'s last columns, beside the latent's) shared
+by every head. RoPE rotates halves (shard.models.layers.apply_rope); DeepSeek's checkpoints pair the
+rotated dims interleaved, which import-hf turns into halves (shard.run.hf). The parameters are
 shard.config.params.mla_params'.
 
 Training (no cache) up-projects the latent to full keys and values and runs the decoder's causal
@@ -53,8 +55,9 @@ def queries(h_btd, p, dtype):
 def latents(h_btd, p, dtype, cos_tr, sin_tr):
     """The key-value latent c_kv (B, T, C), normalised, and the rotated RoPE key (B, T, R): what the
     latent cache holds per token."""
-    ckv_btc = _rms(jnp.einsum("btd,dc->btc", h_btd, p["wkv_a"].astype(dtype)), p["kv_a_norm"])
-    kr_btr = jnp.einsum("btd,dr->btr", h_btd, p["wk_rope"].astype(dtype))
+    C = p["kv_a_norm"].shape[-1]
+    ckv_kr_btx = jnp.einsum("btd,dx->btx", h_btd, p["wkv_a"].astype(dtype))
+    ckv_btc, kr_btr = _rms(ckv_kr_btx[..., :C], p["kv_a_norm"]), ckv_kr_btx[..., C:]
     kr_btr = apply_rope(kr_btr[:, :, None, :], cos_tr, sin_tr)[:, :, 0]
     return constrain(ckv_btc, (BATCH, LENGTH, LATENT)), kr_btr
 
@@ -74,9 +77,8 @@ def mla_attention(h_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, st
               "k_rope": jax.lax.dynamic_update_slice_in_dim(kv["k_rope"], kr_btr.astype(kv["k_rope"].dtype),
                                                             start, 1)}
         return absorbed_attention(q_btnh, kv["ckv"], kv["k_rope"], p, cfg, dtype, start, window, scale), kv
-    k_btnp = jnp.einsum("btc,cnp->btnp", ckv_btc, p["wk_b"].astype(dtype))
-    v_btnv = constrain(jnp.einsum("btc,cnv->btnv", ckv_btc, p["wv_b"].astype(dtype)),
-                       (BATCH, LENGTH, HEADS, HEAD_DIM))
+    kv_btnx = jnp.einsum("btc,cnx->btnx", ckv_btc, p["wkv_b"].astype(dtype))
+    k_btnp, v_btnv = kv_btnx[..., :P], constrain(kv_btnx[..., P:], (BATCH, LENGTH, HEADS, HEAD_DIM))
     B, T, N, H = q_btnh.shape
     k_btnh = jnp.concatenate([k_btnp, jnp.broadcast_to(kr_btr[:, :, None], (B, T, N, H - P))], axis=-1)
     k_btnh = constrain(k_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
@@ -95,7 +97,8 @@ def absorbed_attention(q_btnh, ckv_bsc, kr_bsr, p, cfg: ModelConfig, dtype, star
     `window` where > 0), with the up-projections absorbed: scores = (q_nope W_kb^T) c_kv + q_rope k_rope,
     output = (probs c_kv) W_vb. Returns (B, T, N, V)."""
     P = cfg.qk_nope_head_dim
-    qc_btnc = jnp.einsum("btnp,cnp->btnc", q_btnh[..., :P], p["wk_b"].astype(dtype))
+    w_cnx = p["wkv_b"].astype(dtype)
+    qc_btnc = jnp.einsum("btnp,cnp->btnc", q_btnh[..., :P], w_cnx[..., :P])
     scores_bnts = (jnp.einsum("btnc,bsc->bnts", qc_btnc, ckv_bsc.astype(dtype))
                    + jnp.einsum("btnr,bsr->bnts", q_btnh[..., P:], kr_bsr.astype(dtype))).astype(jnp.float32)
     back_ts = (start + jnp.arange(q_btnh.shape[1]))[:, None] - jnp.arange(ckv_bsc.shape[1])[None, :]
@@ -103,7 +106,7 @@ def absorbed_attention(q_btnh, ckv_bsc, kr_bsr, p, cfg: ModelConfig, dtype, star
     scores_bnts = jnp.where(allowed_ts, scores_bnts * scale, jnp.finfo(jnp.float32).min)
     probs_bnts = jax.nn.softmax(scores_bnts, axis=-1).astype(dtype)
     oc_btnc = jnp.einsum("bnts,bsc->btnc", probs_bnts, ckv_bsc.astype(dtype))
-    return jnp.einsum("btnc,cnv->btnv", oc_btnc, p["wv_b"].astype(dtype))
+    return jnp.einsum("btnc,cnv->btnv", oc_btnc, w_cnx[..., P:])
 
 
 def mla_block(x_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,

@@ -117,6 +117,22 @@ def test_bad_configs_are_one_line(change, message):
     assert re.search(message, problems[0]), problems
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["model.qk_rope_head_dim=7", "model.head_dim=15"], "model.qk_rope_head_dim must be even and positive for RoPE"),
+    (["model.router_topk_groups=5"], "model.router_topk_groups (5) must be at most model.router_groups (4)"),
+    (["lora.rank=4"], "lora.targets: 'wq' is not a weight of deepseek-v3-tiny's multi-head latent attention"),
+])
+def test_bad_configs_exit_2_in_one_line(tmp_path, sets, message):
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+
+    args = ["train", "--model", "deepseek-v3-tiny", "--mesh", "1x1", "--run-dir", str(tmp_path / "run")]
+    result = CliRunner().invoke(app, args + [x for s in sets for x in ("--set", s)])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 # --- parity with transformers ---------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")

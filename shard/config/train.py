@@ -198,6 +198,9 @@ class LoraConfig:
         for t in self.targets:
             if t not in LORA_TARGETS:
                 out.append(f"lora.targets: {t!r} names no weight LoRA adapts (one of {', '.join(LORA_TARGETS)})")
+            elif model.mla and t in ("wq", "wk", "wv"):
+                out.append(f"lora.targets: {t!r} is not a weight of {model.name}'s multi-head latent attention; "
+                           "LoRA adapts its output projection (wo) and a dense MLP there")
             elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
                 out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
                            "LoRA adapts the attention weights there (wq, wk, wv, wo)")

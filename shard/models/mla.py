@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, LATENT, LENGTH
 from shard.config.model import ModelConfig
+from shard.models import lora as adapters
 from shard.models.attention import causal_attention
 from shard.models.layers import apply_rope, norm
 from shard.sharding.rules import constrain
@@ -116,4 +117,5 @@ def mla_block(x_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, start=
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
     o_btnv, kv = mla_attention(h_btd, p, cos_tr, sin_tr, cfg, dtype, kv, start, zigzag, segment_ids, window)
     o_btnv = constrain(o_btnv, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    return jnp.einsum("btnv,nvd->btd", o_btnv, p["wo"].astype(dtype)), kv
+    out_btd = jnp.einsum("btnv,nvd->btd", o_btnv, p["wo"].astype(dtype))
+    return adapters.with_delta(out_btd, o_btnv, p, "wo", p.get("dropout_key")), kv

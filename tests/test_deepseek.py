@@ -142,13 +142,13 @@ TOKENS = np.random.default_rng(1).integers(0, 256, (8, 16))
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    """A random tiny DeepseekV3ForCausalLM (the tiny twin's dims: MLA with a query latent, 16 experts in 4
-    groups, top 4 of the best 2 groups, a shared expert) with weights of std 0.2 and random norm scales,
+    """A random tiny DeepseekV3ForCausalLM (the tiny twin's dims: MLA with a query latent, a dense first
+    layer, then two with 16 experts in 4 groups, top 4 of the best 2 groups, and a shared expert) with weights of std 0.2 and random norm scales,
     saved and read back as shard's config and params."""
     cfg = transformers.DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, n_shared_experts=1,
-        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=0, q_lora_rank=32, kv_lora_rank=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, tie_word_embeddings=False,
         initializer_range=0.2, eos_token_id=None)
     torch.manual_seed(0)
@@ -220,7 +220,6 @@ def test_export_reloads_in_transformers_with_identical_tensors(deepseek, tmp_pat
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"first_k_dense_replace": 1}, r"first_k_dense_replace=1 is not supported: shard's experts are in every layer"),
     ({"rope_interleave": False}, "rope_interleave=false is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope scaling .* is not supported"),
 ])

@@ -122,6 +122,11 @@ class ModelConfig:
     # the experts of its router_topk_groups best groups only. 1, 1: no limit.
     router_groups: int = 1
     router_topk_groups: int = 1
+    # The first dense_layers layers have a dense gated MLP of dense_mlp_dim (0: mlp_dim) where the others
+    # have experts (DeepSeek-V3's first_k_dense_replace: 3 layers of 18432); stored as a stack of their
+    # own (`dense_layers/...`) run before the experts' (`dense_part`). 0: every layer has experts.
+    dense_layers: int = 0
+    dense_mlp_dim: int = 0
     # Multi-head latent attention (DeepSeek-V2/V3, shard.models.mla), on where kv_lora_rank > 0: keys and
     # values are up-projected from one compressed latent of kv_lora_rank per token (RMS-normalised), queries
     # from one of q_lora_rank (0: straight from the residual, no compression); each head's query and key
@@ -166,7 +171,7 @@ class ModelConfig:
                             f"{self.attention_chunk}")
         if self.head_dim % 2 and not self.mla:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
-        problems += self._mla_problems() + self._group_problems()
+        problems += self._mla_problems() + self._group_problems() + self._dense_problems()
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
@@ -248,6 +253,33 @@ class ModelConfig:
             return [f"model.experts_per_token ({self.experts_per_token}) must be at most the experts of "
                     f"router_topk_groups ({top}) groups of {self.n_experts // G}"]
         return []
+
+    def _dense_problems(self) -> list[str]:
+        """Problems with dense first layers."""
+        if not 0 <= self.dense_mlp_dim < 2**31:
+            return [f"model.dense_mlp_dim must be 0 (mlp_dim) or a width below 2**31, got {self.dense_mlp_dim}"]
+        if not self.dense_layers:
+            return []
+        if not 0 < self.dense_layers < self.n_layers or not self.n_experts:
+            return [f"model.dense_layers={self.dense_layers} must be fewer than model.n_layers ({self.n_layers}) "
+                    "in a mixture of experts (model.n_experts > 0): the first layers dense, the others with experts"]
+        if self.global_every:
+            return ["model.dense_layers can't be combined with model.global_every (local and global layers)"]
+        return []
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers with experts (their router bias and expert load are per layer): n_layers less the
+        dense first ones; 0 for a dense model."""
+        return self.n_layers - self.dense_layers if self.n_experts else 0
+
+    @property
+    def dense_part(self) -> "ModelConfig":
+        """The config of the dense first layers' stack (dense_layers): this model's, with that many layers,
+        no experts and an MLP of dense_mlp_dim."""
+        return dataclasses.replace(self, n_layers=self.dense_layers, n_experts=0, n_shared_experts=0,
+                                   router_bias_update=0.0, router_groups=1, router_topk_groups=1, dense_layers=0,
+                                   mlp_dim=self.dense_mlp_dim or self.mlp_dim, dense_mlp_dim=0)
 
     @property
     def mla(self) -> bool:
@@ -359,7 +391,7 @@ def matmul_params(cfg: ModelConfig) -> int:
         n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
     n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
     if cfg.n_experts:
-        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+        n -= cfg.moe_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
     return n
 
 

@@ -154,7 +154,8 @@ def stacked(p: ParamSpec, n_layers: int) -> ParamSpec:
 
 
 def model_params(cfg) -> dict[str, ParamSpec]:
-    """Every parameter of the model by its path ("embed", "layers/wq", ...), the layers' stacked.
+    """Every parameter of the model by its path ("embed", "layers/wq", ...), the layers' stacked (the
+    dense first layers of a mixture of experts, cfg.dense_layers, in "dense_layers/..." before them).
 
     Listed in the order the planner sums them in, which is not the order of creation: the embedding; of
     a layer, the parameters every dense layer has (with experts, theirs in the MLP's place), then the
@@ -166,5 +167,10 @@ def model_params(cfg) -> dict[str, ParamSpec]:
     if cfg.n_experts:
         layer |= expert_params(cfg)  # the experts' MLP weights keep the dense ones' places
     outer = outer_params(cfg)
-    return ({"embed": outer["embed"]} | {f"layers/{name}": stacked(p, cfg.n_layers) for name, p in layer.items()}
+    first = {}
+    if cfg.dense_layers:  # DeepSeek-V3's dense first layers, a stack of their own
+        first = {f"dense_layers/{name}": stacked(p, cfg.dense_layers)
+                 for name, p in dense_layer_params(cfg.dense_part).items()}
+    L = cfg.n_layers - cfg.dense_layers
+    return ({"embed": outer["embed"]} | first | {f"layers/{name}": stacked(p, L) for name, p in layer.items()}
             | {name: p for name, p in outer.items() if name != "embed"})

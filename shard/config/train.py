@@ -204,6 +204,9 @@ class LoraConfig:
             elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
                 out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
                            "LoRA adapts the attention weights there (wq, wk, wv, wo)")
+        if model.dense_layers:
+            out.append(f"lora with model.dense_layers={model.dense_layers} is not supported yet: its adapters sit "
+                       "beside the expert layers' stack only")
         if len(set(self.targets)) != len(self.targets):
             out.append(f"lora.targets names a weight twice: {', '.join(self.targets)}")
         return out

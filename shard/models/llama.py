@@ -76,6 +76,10 @@ class Llama(nnx.Module):
             return _param(rngs, p.shape, p.axes, p.init, dt)
 
         self.embed = make(outer["embed"])  # table_vd
+        if cfg.dense_layers:  # DeepSeek-V3's dense first layers: a stack of their own, run first
+            self.dense_layers = nnx.Dict({name: make(stacked(p, cfg.dense_layers))
+                                          for name, p in dense_layer_params(cfg.dense_part).items()})
+        L -= cfg.dense_layers
         layers = {name: make(stacked(p, L)) for name, p in layer_params(cfg).items()}
         self.final_norm = make(outer["final_norm"])
         if "unembed" in outer:
@@ -97,7 +101,7 @@ class Llama(nnx.Module):
             return forward(self.cfg, params, tokens_bt, router_bias=router_bias)[0]
         table = tied_table(self.cfg, params, tokens_bt)
         x_btd = embed_tokens(self.cfg, params, tokens_bt, table)
-        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start, router_bias=router_bias)
+        x_btd, _, cache = run_stacks(self.cfg, params, x_btd, cache, start, router_bias=router_bias)
         return head_logits(self.cfg, params, x_btd, table), cache
 
 
@@ -121,9 +125,24 @@ def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag:
     itself, in chunks (shard.models.xent)."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
-    x_btd, moe_stats = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
+    x_btd, moe_stats = run_stacks(cfg, params, x_btd, zigzag=zigzag, segment_ids=segment_ids,
                                   positions=positions, router_bias=router_bias)
     return x_btd, table, moe_stats
+
+
+def run_stacks(cfg: ModelConfig, params: dict, x_btd: jax.Array, cache: dict | None = None, start=0, **kw):
+    """`run_layers` over the model's layer stacks: the dense first layers' (cfg.dense_layers, DeepSeek-V3)
+    and then the main one; a cache's layers are split between them and joined again."""
+    if not cfg.dense_layers:
+        return run_layers(cfg, params["layers"], x_btd, cache, start, **kw)
+    k = cfg.dense_layers
+    parts = (None, None) if cache is None else (jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache))
+    first = run_layers(cfg.dense_part, params["dense_layers"], x_btd, parts[0], start, **(kw | {"router_bias": None}))
+    rest = run_layers(cfg, params["layers"], first[0], parts[1], start, **kw, first_layer=k)
+    stats = rest[1] | {"aux": first[1]["aux"] + rest[1]["aux"]}
+    if cache is None:
+        return rest[0], stats
+    return rest[0], stats, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first[2], rest[2])
 
 
 def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:

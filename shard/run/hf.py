@@ -111,26 +111,43 @@ def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
     return [tmpl.format(layer)]
 
 
+def _stacks(cfg: ModelConfig) -> list[tuple[str, ModelConfig, range]]:
+    """(params key, the stack's config, its HF layer numbers) of each layer stack: "layers", and before it
+    the dense first layers' "dense_layers" (cfg.dense_layers, DeepSeek-V3's first_k_dense_replace)."""
+    k = cfg.dense_layers
+    if not k:
+        return [("layers", cfg, range(cfg.n_layers))]
+    return [("dense_layers", cfg.dense_part, range(k)), ("layers", cfg, range(k, cfg.n_layers))]
+
+
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor a model of `cfg` is made of: name -> shape."""
-    D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    for _, c, numbers in _stacks(cfg):
+        per_layer = _layer_shapes(c)
+        for key, (tmpl, _, _) in _layer_map(c).items():
+            for i in numbers:
+                shapes |= dict.fromkeys(_names(tmpl, i, c), per_layer[key])
+    return shapes
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor shape of each shard layer param of `cfg` (per layer, per expert)."""
+    D, F = cfg.d_model, cfg.mlp_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
-                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "bq": (q,), "bk": (kv,),
-                 "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,), "router": (cfg.n_experts, D)}
+    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D),
+                 "wk": (kv, D), "wv": (kv, D), "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
+                 "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
+                 "router": (cfg.n_experts, D)}
     if cfg.mla:
         S, C, R = cfg.n_shared_experts * F, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         per_layer |= {"wq_a": (cfg.q_lora_rank, D), "q_a_norm": (cfg.q_lora_rank,), "wq_b": (q, cfg.q_lora_rank),
                       "wkv_a": (C + R, D), "kv_a_norm": (C,), "wo": (D, cfg.n_heads * cfg.v_head_dim),
                       "wkv_b": (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), C),
                       "shared_gate": (S, D), "shared_up": (S, D), "shared_down": (D, S)}
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for key, (tmpl, _, _) in _layer_map(cfg).items():
-        for i in range(cfg.n_layers):
-            shapes |= dict.fromkeys(_names(tmpl, i, cfg), per_layer[key])
-    return shapes
+    return per_layer
 
 
 def params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
@@ -199,14 +216,14 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
             raise ShardError(f"tensor {name} holds NaN or infinite values")
         return t
 
-    def stacked(tmpl, to_shard, shape):
+    def stacked(tmpl, to_shard, shape, numbers):
         def read(index):
             layer_index, rest = index[0], index[1:]
             if "{e}" in tmpl:  # one tensor per expert: read only the experts this block holds
                 return np.stack([np.stack([to_shard(get(n))[rest[1:]] for n in _names(tmpl, i, cfg)[rest[0]]])
-                                 for i in range(cfg.n_layers)[layer_index]])
-            return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in range(cfg.n_layers)[layer_index]])
-        return LazyParam((cfg.n_layers, *shape), dtype, read, tensor_dims=2 if "{e}" in tmpl else 1)
+                                 for i in numbers[layer_index]])
+            return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in numbers[layer_index]])
+        return LazyParam((len(numbers), *shape), dtype, read, tensor_dims=2 if "{e}" in tmpl else 1)
 
     def table(name, transpose: bool):  # (V, D) stored, padded to cfg.padded_vocab rows (columns transposed)
         V, Vp, D = cfg.vocab_size, cfg.padded_vocab, cfg.d_model
@@ -221,10 +238,12 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
             return block.T if transpose else block
         return LazyParam((D, Vp) if transpose else (Vp, D), dtype, read)
 
-    layer_shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith("layers/")}
-    layers = {key: stacked(tmpl, to_shard, layer_shapes[key]) for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
     final = LazyParam((cfg.d_model,), dtype, lambda index: get("model.norm.weight")[index])
-    params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final, "layers": layers}
+    params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final}
+    for stack, c, numbers in _stacks(cfg):
+        shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith(stack + "/")}
+        params[stack] = {key: stacked(tmpl, to_shard, shapes[key], numbers)
+                         for key, (tmpl, to_shard, _) in _layer_map(c).items()}
     if not cfg.tie_embeddings:
         params["unembed"] = table("lm_head.weight", True)
     return params
@@ -278,17 +297,18 @@ def params_to_hf(params: dict, cfg: ModelConfig, router_bias=None) -> dict[str, 
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["unembed"])[:, :V].T)
-    for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
-        stacked = np.asarray(params["layers"][key])
-        for i in range(cfg.n_layers):
-            if "{e}" in tmpl:
-                out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, cfg), stacked[i])}
-            else:
-                out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
+    for stack, c, numbers in _stacks(cfg):
+        for key, (tmpl, _, to_hf) in _layer_map(c).items():
+            stacked = np.asarray(params[stack][key])
+            for j, i in enumerate(numbers):
+                if "{e}" in tmpl:
+                    out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, c), stacked[j])}
+                else:
+                    out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[j]))
     if cfg.mla and cfg.n_experts:
-        bias = np.zeros((cfg.n_layers, cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
-        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.ascontiguousarray(bias[i], np.float32)
-                for i in range(cfg.n_layers)}
+        bias = np.zeros((cfg.moe_layers, cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
+        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.ascontiguousarray(bias[j], np.float32)
+                for j, i in enumerate(range(cfg.dense_layers, cfg.n_layers))}
     return out
 
 

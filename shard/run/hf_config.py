@@ -49,8 +49,8 @@ FAMILIES = {
                                  "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
                                  "global_every": 6},
                     "bias_keys": ("attention_bias",), "window": True, "gemma": True},
-    # DeepSeek-V3 and its descendants (Kimi K2): multi-head latent attention, and experts in every layer
-    # (first_k_dense_replace 0) or in none (first_k_dense_replace >= num_hidden_layers), sigmoid scores,
+    # DeepSeek-V3 and its descendants (Kimi K2): multi-head latent attention, and experts in every layer from
+    # first_k_dense_replace on (model.dense_layers; >= num_hidden_layers: none), sigmoid scores,
     # group-limited, renormalised and scaled, shared experts; transformers drops no token
     "deepseek_v3": {"architecture": "DeepseekV3ForCausalLM", "features": {},
                     "defaults": {"rms_norm_eps": 1e-6, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -242,7 +242,8 @@ def _whole_number(hf: dict, key: str, default, zero: bool = False) -> int:
 
 
 def _deepseek_fields(hf: dict) -> dict:
-    """The multi-head latent attention and mixture-of-experts fields of a DeepSeek-V3 config.json."""
+    """The multi-head latent attention and mixture-of-experts fields of a DeepSeek-V3 config.json: experts
+    in every layer from first_k_dense_replace on (the first ones dense, of intermediate_size), or none."""
     defaults = FAMILIES["deepseek_v3"]["defaults"]
     if hf.get("rope_interleave", True) is not True:
         raise ShardError("rope_interleave=false is not supported: import-hf reads DeepSeek's RoPE dims in the "
@@ -257,9 +258,8 @@ def _deepseek_fields(hf: dict) -> dict:
     dense = _whole_number(hf, "first_k_dense_replace", defaults["first_k_dense_replace"], zero=True)
     if isinstance(layers, int) and dense >= layers:
         return out  # every layer dense, of intermediate_size
-    if dense:
-        raise ShardError(f"first_k_dense_replace={dense} is not supported: shard's experts are in every layer or "
-                         f"in none (0, or num_hidden_layers={layers})")
+    if dense:  # the first layers dense, of intermediate_size
+        out |= {"dense_layers": dense, "dense_mlp_dim": _whole_number(hf, "intermediate_size", None)}
     fields = {"n_routed_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
               "moe_intermediate_size": "mlp_dim", "n_group": "router_groups", "topk_group": "router_topk_groups"}
     out |= {field: _whole_number(hf, key, defaults[key]) for key, field in fields.items()}
@@ -334,6 +334,9 @@ def family_of(cfg: ModelConfig) -> str:
         "final_softcap": cfg.final_softcap, "query_scale": cfg.query_scale}
     if cfg.mla:
         return _deepseek_family(cfg)
+    if cfg.dense_layers:
+        raise ShardError(f"model {cfg.name} has dense_layers={cfg.dense_layers} without multi-head latent attention, "
+                         "which no Hugging Face family export-hf writes has (DeepSeek-V3 has both)")
     if cfg.sandwich_norms:
         kind = "gemma3_text" if cfg.qk_norm else "gemma2"
         wrong = [f"{f}={getattr(cfg, f)!r}" for f, v in _GEMMA.items() if getattr(cfg, f) != v]
@@ -394,18 +397,20 @@ def _deepseek_family(cfg: ModelConfig) -> str:
 
 
 def _deepseek_config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json of a DeepSeek-V3 model: experts in every layer, or (no experts) none."""
+    """The config.json of a DeepSeek-V3 model: experts in every layer after the first dense_layers, or
+    (no experts) none."""
     moe = {"first_k_dense_replace": cfg.n_layers, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1,
            "topk_group": 1, "n_shared_experts": 0, "moe_intermediate_size": cfg.mlp_dim}
     if cfg.n_experts:
-        moe = {"first_k_dense_replace": 0, "n_routed_experts": cfg.n_experts, "num_experts_per_tok":
+        moe = {"first_k_dense_replace": cfg.dense_layers, "n_routed_experts": cfg.n_experts, "num_experts_per_tok":
                cfg.experts_per_token, "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
                "n_shared_experts": cfg.n_shared_experts, "moe_intermediate_size": cfg.mlp_dim,
                "routed_scaling_factor": cfg.routed_scale, "norm_topk_prob": cfg.router_normalize}
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim, "intermediate_size": cfg.mlp_dim,
+        "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim,
+        "intermediate_size": cfg.dense_mlp_dim or cfg.mlp_dim,
         "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "qk_head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,

@@ -170,7 +170,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 scalar = jnp.zeros((), jnp.float32)
                 moe_zeros = {"aux": scalar}
                 if spec.model is not None and spec.model.n_experts:
-                    L, E = spec.model.n_layers, spec.model.n_experts
+                    L, E = spec.model.moe_layers, spec.model.n_experts
                     moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
                                   "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
                 (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
@@ -189,9 +189,9 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                    "tokens": count}
         new_state = {"step": state["step"] + 1}
         if spec.model is not None and spec.model.n_experts:
-            metrics["aux_loss"] = moe["aux"] / spec.model.n_layers  # per layer; 1 when experts are balanced
+            metrics["aux_loss"] = moe["aux"] / spec.model.moe_layers  # per layer; 1 when experts are balanced
             if "z" in moe:  # not through the pipeline
-                metrics["router_z_loss"] = moe["z"] / spec.model.n_layers  # per layer
+                metrics["router_z_loss"] = moe["z"] / spec.model.moe_layers  # per layer
             if "load" in moe:  # not through the pipeline (MoE is not pipelined)
                 metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
                                                moe["sent"])

@@ -121,6 +121,8 @@ def test_bad_configs_are_one_line(change, message):
     (["model.qk_rope_head_dim=7", "model.head_dim=15"], "model.qk_rope_head_dim must be even and positive for RoPE"),
     (["model.router_topk_groups=5"], "model.router_topk_groups (5) must be at most model.router_groups (4)"),
     (["lora.rank=4"], "lora.targets: 'wq' is not a weight of deepseek-v3-tiny's multi-head latent attention"),
+    (["model.name=tiny", "model.mtp_depth=1", "mesh.spec=pipeline"],
+     "pipeline: multi-token prediction (model.mtp_depth) is not pipelined yet"),
 ])
 def test_bad_configs_exit_2_in_one_line(tmp_path, sets, message):
     from typer.testing import CliRunner
@@ -131,6 +133,50 @@ def test_bad_configs_exit_2_in_one_line(tmp_path, sets, message):
     result = CliRunner().invoke(app, args + [x for s in sets for x in ("--set", s)])
     assert result.exit_code == 2 and message in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_mtp_loss_equals_a_hand_computation():
+    """Two modules on the tiny model: module k reads the token k + 1 ahead, normalises it and the previous
+    hidden state, projects them, runs one decoder layer (run_layers, checked elsewhere) and predicts the
+    token k + 2 ahead through its norm and the tied head; the loss function adds their mean, weighted, to
+    the objective and reports it."""
+    from flax import nnx
+
+    from shard import models
+    from shard.training.step import make_loss_fn
+
+    cfg = dataclasses.replace(PRESETS["tiny"], mtp_depth=2, mtp_loss_weight=0.5)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg, seed=0)))
+    rng = np.random.default_rng(0)
+    B, T = 2, 12
+    batch = {"inputs": rng.integers(0, 256, (B, T)), "targets": rng.integers(0, 256, (B, T)),
+             "mask": (rng.random((B, T)) > 0.2).astype(np.float32)}
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * np.asarray(w)
+
+    h = np.asarray(jax.jit(lambda p, t: llama.forward_hidden(cfg, p, t)[0])(params, batch["inputs"]))
+    table, m = np.asarray(params["embed"]), params["mtp"]
+    losses = []
+    for k in range(2):
+        ahead = np.concatenate([batch["inputs"][:, k + 1:], batch["inputs"][:, :k + 1]], 1)
+        x = np.concatenate([rms(table[ahead], m["enorm"][k]), rms(h, m["hnorm"][k])], -1) @ np.asarray(m["eh_proj"][k])
+        layer = jax.tree.map(lambda a, k=k: a[k:k + 1], m["layers"])
+        h = np.asarray(jax.jit(lambda lay, x: llama.run_layers(cfg, lay, x)[0])(layer, jnp.asarray(x, jnp.float32)))
+        logits = rms(h, m["norm"][k]) @ table[:cfg.vocab_size].T
+        logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        n = T - k - 1  # positions whose target (k + 1 on) lies in the row
+        target, mask = batch["targets"][:, k + 1:], batch["mask"][:, k + 1:]
+        nll = -np.take_along_axis(logp[:, :n], target[..., None], -1)[..., 0]
+        losses.append(np.sum(nll * mask) / np.sum(mask))
+    want = np.mean(losses)
+    tc = tiny_config("1x1")
+    layout = make_layout(tc, parse_mesh("1x1"), devices_for("1x1"))
+    loss_fn = make_loss_fn(state_spec(cfg, tc.optimizer, 3, layout), layout)
+    objective, (nll, count, stats) = jax.jit(loss_fn)(params, {k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_allclose(stats["mtp"], want, rtol=1e-5)
+    np.testing.assert_allclose(objective, nll + 0.5 * want * count, rtol=1e-5)
 
 
 # --- parity with transformers ---------------------------------------------------------------------------

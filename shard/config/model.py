@@ -127,6 +127,14 @@ class ModelConfig:
     # own (`dense_layers/...`) run before the experts' (`dense_part`). 0: every layer has experts.
     dense_layers: int = 0
     dense_mlp_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3, shard.models.mtp): mtp_depth extra sequential modules, module k
+    # predicting the token k + 1 further than the next one from the previous module's hidden state and the
+    # embedding of the token k positions on, through one more layer of the main kind; they share the
+    # embedding and the output head. Their mean losses, times mtp_loss_weight / mtp_depth, join the
+    # objective (DeepSeek-V3: depth 1, weight 0.3 then 0.1) and are logged as `mtp_loss`. Training only:
+    # generation ignores them. 0: off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     # Multi-head latent attention (DeepSeek-V2/V3, shard.models.mla), on where kv_lora_rank > 0: keys and
     # values are up-projected from one compressed latent of kv_lora_rank per token (RMS-normalised), queries
     # from one of q_lora_rank (0: straight from the residual, no compression); each head's query and key
@@ -172,6 +180,7 @@ class ModelConfig:
         if self.head_dim % 2 and not self.mla:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         problems += self._mla_problems() + self._group_problems() + self._dense_problems()
+        problems += self._mtp_problems()
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
@@ -252,6 +261,15 @@ class ModelConfig:
         if self.experts_per_token > top * (self.n_experts // G):
             return [f"model.experts_per_token ({self.experts_per_token}) must be at most the experts of "
                     f"router_topk_groups ({top}) groups of {self.n_experts // G}"]
+        return []
+
+    def _mtp_problems(self) -> list[str]:
+        if not 0 <= self.mtp_depth < 2**31:
+            return [f"model.mtp_depth must be 0 (off) or a number of modules, got {self.mtp_depth}"]
+        if not 0 <= self.mtp_loss_weight < math.inf:
+            return [f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}"]
+        if self.mtp_depth and self.global_every:
+            return ["model.mtp_depth can't be combined with model.global_every (local and global layers)"]
         return []
 
     def _dense_problems(self) -> list[str]:
@@ -392,6 +410,10 @@ def matmul_params(cfg: ModelConfig) -> int:
     n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
     if cfg.n_experts:
         n -= cfg.moe_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+    if cfg.mtp_depth:  # each module's five norms and its layer's features, its idle experts; the shared head
+        n -= cfg.mtp_depth * (5 * cfg.d_model + sum(math.prod(p.shape) for p in features))
+        n += cfg.mtp_depth * cfg.vocab_size * cfg.d_model  # runs once more per module
+        n -= cfg.mtp_depth * 3 * cfg.d_model * cfg.mlp_dim * max(cfg.n_experts - cfg.experts_per_token, 0)
     return n
 
 

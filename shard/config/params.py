@@ -173,4 +173,20 @@ def model_params(cfg) -> dict[str, ParamSpec]:
                  for name, p in dense_layer_params(cfg.dense_part).items()}
     L = cfg.n_layers - cfg.dense_layers
     return ({"embed": outer["embed"]} | first | {f"layers/{name}": stacked(p, L) for name, p in layer.items()}
-            | {name: p for name, p in outer.items() if name != "embed"})
+            | {name: p for name, p in outer.items() if name != "embed"}
+            | {f"mtp/{name}": p for name, p in mtp_params(cfg).items()})
+
+
+def mtp_params(cfg) -> dict[str, ParamSpec]:
+    """Multi-token prediction's modules (cfg.mtp_depth, shard.models.mtp), stacked with the module first:
+    each one's norms of the previous hidden state and of the embedding, the projection of the two
+    side by side back to the residual width, one layer of the main stack's kind ("layers/..."), and its
+    own final norm before the shared head. Empty without them."""
+    if not cfg.mtp_depth:
+        return {}
+    D, one = cfg.d_model, _norm_init(cfg)
+    module = {"enorm": ParamSpec((D,), (EMBED,), one), "hnorm": ParamSpec((D,), (EMBED,), one),
+              "eh_proj": ParamSpec((2 * D, D), (None, EMBED), (2 * D) ** -0.5)}
+    module |= {f"layers/{name}": p for name, p in layer_params(cfg).items()}
+    module["norm"] = ParamSpec((D,), (EMBED,), one)
+    return {name: stacked(p, cfg.mtp_depth) for name, p in module.items()}

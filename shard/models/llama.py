@@ -36,7 +36,7 @@ from shard.models.mla import mla_block
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
-from shard.config.params import ParamSpec, dense_layer_params, layer_params, outer_params, stacked
+from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
@@ -84,6 +84,10 @@ class Llama(nnx.Module):
         self.final_norm = make(outer["final_norm"])
         if "unembed" in outer:
             self.unembed = make(outer["unembed"])  # w_dv
+        if cfg.mtp_depth:  # multi-token prediction's modules (shard.models.mtp), after every decoder weight
+            mtp = {name: make(p) for name, p in mtp_params(cfg).items()}
+            layer = {n.split("/", 1)[1]: mtp.pop(n) for n in list(mtp) if n.startswith("layers/")}
+            self.mtp = nnx.Dict(mtp | {"layers": nnx.Dict(layer)})
         if lora is not None and lora.rank:
             layers |= adapters.adapter_params(rngs, lora, dense_layer_params(cfg), L, _param, dt)
         self.layers = nnx.Dict(layers)

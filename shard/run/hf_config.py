@@ -334,6 +334,9 @@ def family_of(cfg: ModelConfig) -> str:
         "final_softcap": cfg.final_softcap, "query_scale": cfg.query_scale}
     if cfg.mla:
         return _deepseek_family(cfg)
+    if cfg.mtp_depth:
+        raise ShardError(f"model {cfg.name} has multi-token prediction (mtp_depth={cfg.mtp_depth}), whose modules "
+                         "no Hugging Face family export-hf writes runs")
     if cfg.dense_layers:
         raise ShardError(f"model {cfg.name} has dense_layers={cfg.dense_layers} without multi-head latent attention, "
                          "which no Hugging Face family export-hf writes has (DeepSeek-V3 has both)")
@@ -383,6 +386,9 @@ def family_of(cfg: ModelConfig) -> str:
 
 def _deepseek_family(cfg: ModelConfig) -> str:
     """deepseek_v3 for a model with multi-head latent attention, or a ShardError naming what DeepSeek-V3 lacks."""
+    if cfg.mtp_depth:
+        raise ShardError(f"model {cfg.name} has multi-token prediction (mtp_depth={cfg.mtp_depth}), whose modules "
+                         "export-hf does not write yet (transformers' DeepSeek-V3 runs none)")
     wrong = [f"{f}={getattr(cfg, f)!r}" for f in ("sliding_window", "sandwich_norms", "norm_plus_one",
                                                   "embed_scale", "final_softcap", "rope_scaling", "query_scale")
              if getattr(cfg, f)]

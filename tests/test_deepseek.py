@@ -179,6 +179,16 @@ def test_mtp_loss_equals_a_hand_computation():
     np.testing.assert_allclose(objective, nll + 0.5 * want * count, rtol=1e-5)
 
 
+def test_the_latent_cache_holds_the_latent_and_the_rope_key_per_token():
+    from shard.config.model import cache_bytes_per_token
+
+    # DeepSeek-V3 in bfloat16: 61 layers of 512 + 64 numbers, against 128 heads of keys (192) and values (128)
+    assert cache_bytes_per_token(PRESETS["deepseek-v3"], "gpu") == (61 * 576 * 2, 61 * 128 * 320 * 2)
+    cache = llama.init_cache(TINY, 1, 10)
+    assert {k: v.shape for k, v in cache.items()} == {"ckv": (3, 1, 10, 16), "k_rope": (3, 1, 10, 8)}
+    assert sum(v.size * v.dtype.itemsize for v in cache.values()) == 10 * cache_bytes_per_token(TINY, "cpu")[0]
+
+
 # --- parity with transformers ---------------------------------------------------------------------------
 
 torch = pytest.importorskip("torch")

@@ -392,6 +392,26 @@ class ModelConfig:
         return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
 
 
+def cache_bytes_per_token(cfg: ModelConfig, platform: str) -> tuple[int, int]:
+    """(bytes generation's cache holds per token over all layers, in the compute dtype on `platform`;
+    those keys and values of every head would take): with multi-head latent attention the latent and
+    the shared RoPE key (kv_lora_rank + qk_rope_head_dim per layer) against N (head_dim + v_head_dim);
+    with grouped-query attention 2 K head_dim against 2 N head_dim."""
+    size = 2 if cfg.compute_dtype_on(platform) == "bfloat16" else 4
+    if cfg.mla:
+        held, full = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
+    else:
+        held, full = 2 * cfg.n_kv_heads * cfg.head_dim, 2 * cfg.n_heads * cfg.head_dim
+    return cfg.n_layers * held * size, cfg.n_layers * full * size
+
+
+def cache_line(cfg: ModelConfig, platform: str) -> str:
+    """What `shard generate` says of its cache: bytes per token, and beside them the full heads'."""
+    held, full = cache_bytes_per_token(cfg, platform)
+    kind = "latent (MLA)" if cfg.mla else f"{cfg.n_kv_heads} kv heads"
+    return f"KV cache: {held:,} bytes per token, {kind}; keys and values of all {cfg.n_heads} heads: {full:,}"
+
+
 def field_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(ModelConfig))
 

@@ -12,9 +12,10 @@ from typer.testing import CliRunner
 from shard import models
 from shard.cli.app import app
 from shard.data.batches import split_window
-from shard.data.chat import ChatRenderer
+from shard.data.chat import ChatRenderer, chat_template
 from shard.data.finetune import dpo_samples, sft_samples
 from shard.data.tokenizers import load_tokenizer, train_bpe
+from shard.errors import ShardError
 from shard.models import llama
 from shard.observe.metrics import read_jsonl
 from shard.sharding.layout import make_layout
@@ -156,6 +157,49 @@ def test_dpo_loss_matches_a_hand_computation(files):
         np.testing.assert_allclose(metrics[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
 
 
+def test_dpo_pairs_longer_than_seq_lose_their_prompts_start_or_are_left_out(tmp_path):
+    """One pair longer than --seq stopped the run: a too-long pair keeps the last dpo.max_prompt_tokens of
+    its prompt (as TRL's max_prompt_length), one still too long is left out, the start-up line counts
+    both, and only a file where none fits is refused. A pair that fits is kept whole."""
+    long_prompt = "".join(str(i % 10) for i in range(100))
+    rows = [{"prompt": "1+1?", "chosen": "2", "rejected": "3"},
+            {"prompt": long_prompt, "chosen": "yes", "rejected": "no"},
+            {"prompt": "hi", "chosen": "x" * 80, "rejected": "y"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = dpo_samples(str(path), BYTE, 96, 0, max_prompt_tokens=40)
+    assert samples.source.pairs == 2
+    assert samples.describe().endswith("; 1 prompt(s) cut to their last 40 tokens, 1 pair(s) left out, longer than "
+                                       "--seq 96 even so)")
+    ids, trained = samples.source.rows["tokens"], samples.source.rows["trained"]
+    text = [BYTE.decode(row[row >= 0].tolist()) for row in ids]
+    assert text[0] == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"  # whole
+    suffix = "<|im_end|>\n<|im_start|>assistant\n"  # ChatML's, the last 33 of the prompt's 40 tokens kept
+    assert text[2] == long_prompt[-7:] + suffix + "yes<|im_end|>\n" and text[3].endswith(suffix + "no<|im_end|>\n")
+    assert int(np.argmax(trained[2] == 1)) == int(np.argmax(trained[3] == 1)) == 40
+    with pytest.raises(ShardError, match=r"none of its 3 preference pairs fits --seq 8, even with its prompt cut to "
+                                         r"its last 4 tokens \(dpo.max_prompt_tokens\); raise --seq"):
+        dpo_samples(str(path), BYTE, 8, 0)
+
+
+def test_bad_pair_rows_and_chat_templates_are_one_line(tmp_path):
+    """A pair without `rejected`; a chat_template that is no template (a number, a list without a
+    "default") fell back to ChatML without a word."""
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    with pytest.raises(ShardError, match="line 1 has no 'rejected'"):
+        dpo_samples(str(tmp_path / "pairs.jsonl"), BYTE, 64, 0)
+    train_bpe(["hi there"] * 4, 300, tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    for template, said in ((42, "got int 42"), ([{"name": "tool_use", "template": "x"}],
+                                                'got a list without a string template named "default"')):
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+        with pytest.raises(ShardError, match=f"tokenizer_config.json: chat_template must be a template .*{said}"):
+            chat_template(load_tokenizer(str(tmp_path / "tok")))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": [
+        {"name": "default", "template": "{{ messages }}"}]}))
+    assert chat_template(load_tokenizer(str(tmp_path / "tok"))) == "{{ messages }}"
+
+
 TINY = ["--model", "tiny", "--batch", "8", "--seq", "64", "--mesh", "8x1", "--log-every", "1"]
 
 
@@ -227,7 +271,10 @@ def test_dpo_with_lora_takes_the_base_as_its_reference(files, tmp_path):
     ("sft", [{"text": "hi"}], "line 1 has no 'messages'"),
     ("sft", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "!"}]}],
      "line 1: the chat template failed to render this conversation (TemplateError: no system turn)"),
-    ("dpo", [{"prompt": "a", "chosen": "b"}], "line 1 has no 'rejected'"),
+    # refused before anything is read: they were ignored (packing), or trained against a random reference
+    ("sft", [{"text": "hi"}], "task sft packs conversations into rows with attention and positions restarting"),
+    ("dpo", [{"prompt": "a", "chosen": "b", "rejected": "c"}], "task dpo needs --init-from: its reference model is"),
+    ("dpo", [{"prompt": "a", "chosen": "b", "rejected": "c"}], "task dpo gives each sequence a row of its own"),
 ])
 def test_bad_finetuning_rows_are_one_line(files, tmp_path, task, rows, message):
     path = tmp_path / "rows.jsonl"
@@ -240,8 +287,19 @@ def test_bad_finetuning_rows_are_one_line(files, tmp_path, task, rows, message):
         config["chat_template"] = "{{ raise_exception('no system turn') }}"
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         tokenizer = ["--tokenizer", str(folder)]
+    more = ["--packing", "concat"] if "packs" in message or "row of its own" in message else []
     result = CliRunner().invoke(app, ["train", "--task", task, "--data", str(path), *tokenizer, *TINY, "--steps", "1",
-                                      "--run-dir", str(tmp_path / "run")])
+                                      "--run-dir", str(tmp_path / "run"), *more])
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.output, result.output
+
+
+def test_a_saved_config_naming_packing_is_no_packing_flag():
+    """A run's config.toml names every key, packing = "concat" too: given as --config it is not refused."""
+    from shard.run.start import _check_task
+
+    cfg = tiny_config("1x1", task="sft")
+    _check_task(cfg, {"data": {"packing": "concat"}}, {"data": {"packing": "concat"}})
+    with pytest.raises(ShardError, match="task sft packs conversations"):
+        _check_task(cfg, {"data": {"packing": "concat"}}, {})

@@ -143,6 +143,8 @@ def test_mixture_file_of_text_sources(tmp_path):
     ('sources = []\n', "names no sources"),
     ('[[sources]]\npath = "a.txt"\nweight = 1\nshare = 2\n', "unknown key 'share'"),
     ('[[sources]\n', "cannot read it"),
+    ('[[sources]]\npath = "a.txt"\nweight = 1\n[[sources]]\npath = "./a.txt"\nweight = 2\n',
+     "source 2: .*a.txt is source 1 already; give it one entry, with the weight of both"),
 ])
 def test_bad_mixtures_are_one_line(tmp_path, text, message):
     (tmp_path / "a.txt").write_text("hello")

@@ -167,3 +167,48 @@ def test_a_config_naming_no_token_is_one_line(bpe, tmp_path, config, message):
         load_tokenizer(str(folder))
     assert str(e.value).startswith(f"{folder / 'tokenizer_config.json'}: ") and "\n" not in str(e.value)
     assert message in str(e.value)
+
+
+def test_a_long_text_is_encoded_in_pieces_with_the_ids_of_the_whole(bpe, sentencepiece_model, monkeypatch,
+                                                                     tmp_path):
+    """One 50 MB JSONL line took 6 GB to encode whole (and 4.4 GB to train a tokenizer on); it is encoded in
+    pieces of PIECE_CHARS (small here) cut where the ids stay those of the whole, and a text with no such
+    place is refused, not encoded whole."""
+    import random
+
+    from shard.data import tokenizers
+
+    rnd = random.Random(0)
+    words = ["café", "wörld", "  ", "\n\n", "日本語", "x", "   def", "\t", "!!", "'s", "123456", "<|endoftext|>", " ", "\n"]
+    text = "\n".join(_lines(300)) + "".join(rnd.choice(words) for _ in range(3000))
+    sp = load_tokenizer(str(sentencepiece_model))
+    whole = [bpe._encode([text])[0], np.asarray(sp._sp.Encode(text), np.int32)]
+    trained_whole = train_bpe([text], 300, tmp_path / "whole").path.read_text()
+    monkeypatch.setattr(tokenizers, "PIECE_CHARS", 200)
+    monkeypatch.setattr(tokenizers, "MAX_PIECE_CHARS", 1600)
+    monkeypatch.setattr(tokenizers, "_CUT_WINDOW", 64)
+    assert len(tokenizers._cuts(bpe._encode, text)) > 50
+    # a tokenizer trained on the text in pieces (its words counted a piece at a time) is the same one
+    assert train_bpe([text], 300, tmp_path / "pieces").path.read_text() == trained_whole
+    for tok, ids in zip((bpe, sp), whole):
+        short, cut = tok.encode_batch(["a b", text])
+        assert cut.tolist() == ids.tolist() and short.tolist() == tok.encode_batch(["a b"])[0].tolist()
+    with pytest.raises(ShardError, match="a text of 2,000 characters has no place to cut it between characters "
+                                         "200 and 1,600"):
+        bpe.encode_batch(["x" * 2000])
+    # a BPE without a pre-tokenizer merges across spaces ("hello world" is one token): a cut there would change
+    # the ids, and is passed over for one that does not
+    tok = tokenizers.HuggingFaceTokenizer(_bpe_without_pre_tokenizer(tmp_path))
+    text = "he " + "hello world " * 100  # the first space past PIECE_CHARS is inside "hello world"
+    assert tok.decode(tok._encode(["hello world"])[0]) == "hello world" and len(tok._encode(["hello world"])[0]) == 1
+    assert tok.encode_batch([text])[0].tolist() == tok._encode([text])[0].tolist()
+
+
+def _bpe_without_pre_tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, trainers
+
+    rust = RustTokenizer(models.BPE())
+    rust.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(vocab_size=40, show_progress=False))
+    rust.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"

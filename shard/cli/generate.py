@@ -60,14 +60,11 @@ def _prompts(loaded, texts: list[str], prompt_ids: str | None, ids: bool):
     """(the prompts as token ids, the unshown ids each starts with: a BOS its tokenizer adds, the tokenizer)."""
     from shard.data.tokenizers import encode
 
-    vocab_size = loaded.model.vocab_size
-    tokenizer = loaded.tokenizer
+    vocab_size, tokenizer = loaded.model.vocab_size, loaded.tokenizer
     if tokenizer is None and not (ids and prompt_ids is not None):
         raise ShardError(f"this model has a {vocab_size}-token vocabulary and no tokenizer goes with it "
                          "(none in its run dir's tokenizer/ or hf/ folder): use --prompt-ids and --ids")
-    lead = []
-    if tokenizer is not None and tokenizer.add_bos and tokenizer.bos_id is not None:
-        lead = [tokenizer.bos_id]
+    lead = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
     if prompt_ids is not None:
         return [_parse_ids(prompt_ids, vocab_size)], [], tokenizer
     return [lead + encode(tokenizer, t).tolist() for t in texts], lead, tokenizer
@@ -121,6 +118,9 @@ def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, to
 def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     """The prompts to sample from: --prompt, or each line of --prompts-file (which must hold one)."""
     if prompt is not None:
+        from shard.data.tokenizers import lone_surrogate
+        if problem := lone_surrogate(prompt, argv=True):  # the shell's argument held bytes that are not UTF-8
+            raise ShardError(f"--prompt holds {problem}")
         return [prompt]
     if not prompts_file.is_file():
         raise ShardError(f"prompts file {prompts_file} not found" if not prompts_file.exists()

@@ -388,8 +388,14 @@ class ModelConfig:
         return [(path, p.shape, p.axes) for path, p in model_params(self).items()]
 
     def num_params(self) -> int:
-        """Parameter count from the hyperparameters alone."""
-        return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
+        """The model's own parameter count, from the hyperparameters alone (what transformers counts):
+        the stored tables' padded vocab rows are not in it (vocab_padding_params)."""
+        return sum(math.prod(shape) for _, shape, _ in self.param_shapes()) - self.vocab_padding_params()
+
+    def vocab_padding_params(self) -> int:
+        """Parameters in the stored tables' rows past vocab_size (padded_vocab): stored, never used."""
+        return sum(math.prod(shape) // self.padded_vocab * (self.padded_vocab - self.vocab_size)
+                   for _, shape, axes in self.param_shapes() if "vocab" in axes)
 
 
 def cache_bytes_per_token(cfg: ModelConfig, platform: str) -> tuple[int, int]:
@@ -422,12 +428,12 @@ def field_names() -> tuple[str, ...]:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (norms, biases and a lookup-only table do not); of a
     mixture of experts, the router and the k experts a token is routed to."""
+    # num_params leaves out the padded vocab rows: the head's are masked, not useful work
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
     features = [p for p in dense_layer_params(cfg).values() if p.feature]  # biases and norm scales
     n -= cfg.n_layers * sum(math.prod(p.shape) for p in features)
     if not cfg.tie_embeddings:
-        n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
-    n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
+        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
     if cfg.n_experts:
         n -= cfg.moe_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
     if cfg.mtp_depth:  # each module's five norms and its layer's features, its idle experts; the shared head

@@ -192,9 +192,13 @@ class LoraConfig:
         if not 0 < self.alpha < math.inf:
             out.append(f"lora.alpha must be a positive number, got {self.alpha}")
         if not self.rank:
+            if tuple(self.targets) != LoraConfig.targets:  # said, rather than trained without LoRA
+                out.append(f"lora.targets is {','.join(self.targets) or 'empty'} but lora.rank is 0, which turns "
+                           "LoRA off; set lora.rank (8, say), or leave lora.targets out")
             return out
         if not self.targets:
             out.append(f"lora.targets names no weight; name some of {', '.join(LORA_TARGETS)}")
+        sides = _lora_sides(model)
         for t in self.targets:
             if t not in LORA_TARGETS:
                 out.append(f"lora.targets: {t!r} names no weight LoRA adapts (one of {', '.join(LORA_TARGETS)})")
@@ -204,6 +208,9 @@ class LoraConfig:
             elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
                 out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
                            "LoRA adapts the attention weights there (wq, wk, wv, wo)")
+            elif self.rank > min(sides[t]):
+                out.append(f"lora.rank {self.rank} is above what {t} ({sides[t][0]} -> {sides[t][1]} in {model.name}) "
+                           f"can use: at most {min(sides[t])}, where its adapters already make a full-rank update")
         if model.dense_layers:
             out.append(f"lora with model.dense_layers={model.dense_layers} is not supported yet: its adapters sit "
                        "beside the expert layers' stack only")
@@ -212,12 +219,21 @@ class LoraConfig:
         return out
 
 
+def _lora_sides(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each weight LoRA adapts, heads flattened (shard.config.params's shapes)."""
+    q, kv, d, f = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.d_model, model.mlp_dim
+    o = model.n_heads * model.v_dim  # the attention's output: v_head_dim wide per head with MLA
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (o, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+
+
 @dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (task = "dpo"): `beta` scales the log-probability ratios against
-    the reference model (the weights the run starts from)."""
+    the reference model (the weights the run starts from). A pair longer than --seq keeps the last
+    `max_prompt_tokens` of its prompt (0: half of --seq), and is left out if still too long."""
 
     beta: float = 0.1
+    max_prompt_tokens: int = 0
 
 
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
@@ -359,7 +375,7 @@ _RANGES = {
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
-    "dpo.beta": _POSITIVE,
+    "dpo.beta": _POSITIVE, "dpo.max_prompt_tokens": (lambda v: 0 <= v < 2**31, "0 (half of --seq) or positive"),
 }
 
 

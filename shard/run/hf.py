@@ -458,6 +458,33 @@ def context_note(source: str | Path, seq_len: int) -> str | None:
             "context usually comes with a larger model.rope_theta or model.rope_scaling")
 
 
+# An imported run dir's note of the Hugging Face folder its weights are (SIDE_DIR/IMPORTED_FROM, an absolute
+# path): a PEFT adapter trained over the import names that folder as its base, which peft can load.
+IMPORTED_FROM = "imported_from"
+
+
+def note_import(hf_dir: Path, run_dir: Path) -> None:
+    """Record in run_dir that its weights are those of the Hugging Face folder hf_dir."""
+    (run_dir / SIDE_DIR).mkdir(exist_ok=True)
+    (run_dir / SIDE_DIR / IMPORTED_FROM).write_text(str(Path(hf_dir).absolute()))
+
+
+def hf_origin(source: str | Path) -> Path | None:
+    """The Hugging Face folder whose weights are those at `source`: the folder itself, or the one a
+    shard import (step 0, never trained since) was read from, while it still exists; None otherwise."""
+    from shard.run.checkpoint_files import find_checkpoint
+
+    if is_hf_dir(source):
+        return Path(source).absolute()
+    try:
+        directory, step = find_checkpoint(source)
+        noted = directory.parent / SIDE_DIR / IMPORTED_FROM
+        origin = Path(noted.read_text().strip()) if step == 0 and noted.is_file() else None
+    except (ShardError, OSError, UnicodeDecodeError):
+        return None
+    return origin if origin is not None and is_hf_dir(origin) else None
+
+
 def keep_side_files(source: str | Path, run_dir: Path) -> None:
     """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
     side = side_files_of(source)

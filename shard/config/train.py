@@ -202,12 +202,18 @@ class LoraConfig:
         for t in self.targets:
             if t not in LORA_TARGETS:
                 out.append(f"lora.targets: {t!r} names no weight LoRA adapts (one of {', '.join(LORA_TARGETS)})")
+            elif model.mla and t in ("wq", "wk", "wv"):
+                out.append(f"lora.targets: {t!r} is not a weight of {model.name}'s multi-head latent attention; "
+                           "LoRA adapts its output projection (wo) and a dense MLP there")
             elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
                 out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
                            "LoRA adapts the attention weights there (wq, wk, wv, wo)")
             elif self.rank > min(sides[t]):
                 out.append(f"lora.rank {self.rank} is above what {t} ({sides[t][0]} -> {sides[t][1]} in {model.name}) "
                            f"can use: at most {min(sides[t])}, where its adapters already make a full-rank update")
+        if model.dense_layers:
+            out.append(f"lora with model.dense_layers={model.dense_layers} is not supported yet: its adapters sit "
+                       "beside the expert layers' stack only")
         if len(set(self.targets)) != len(self.targets):
             out.append(f"lora.targets names a weight twice: {', '.join(self.targets)}")
         return out
@@ -216,7 +222,8 @@ class LoraConfig:
 def _lora_sides(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """(inputs, outputs) of each weight LoRA adapts, heads flattened (shard.config.params's shapes)."""
     q, kv, d, f = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.d_model, model.mlp_dim
-    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    o = model.n_heads * model.v_dim  # the attention's output: v_head_dim wide per head with MLA
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (o, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def export_hf_folder(checkpoint: str, out: Path) -> tuple[list, bool]:
 
     loaded = load_model(checkpoint, inference=False)  # read on the host, tensor by tensor as it is written
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf.side_files_of(checkpoint))
+        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf.side_files_of(checkpoint),
+                                router_bias=loaded.host_router_bias)
         # the run's own, when the side files hold none; either way with a config naming its eos for transformers
         tokenizer = copy_tokenizer(checkpoint, partial)
     return files, tokenizer

@@ -4,7 +4,7 @@ Letters follow the scaling-book convention and appear in einsum strings and vari
 """
 
 __all__ = ["BATCH", "LENGTH", "EMBED", "HEADS", "KV_HEADS", "HEAD_DIM", "MLP", "VOCAB", "LAYERS",
-           "RES_LENGTH", "EXPERT", "EXPERT_BATCH", "LORA_RANK", "LOGICAL_AXES", "ACTIVATION_LAYOUTS",
+           "RES_LENGTH", "EXPERT", "EXPERT_BATCH", "LORA_RANK", "LATENT", "LOGICAL_AXES", "ACTIVATION_LAYOUTS",
            "MOE_ACTIVATION_LAYOUTS", "DATA", "FSDP", "STAGE", "EXPERT_AXIS", "CONTEXT", "MODEL", "MESH_AXES"]
 
 BATCH = "batch"  # B: sequences in a (micro)batch
@@ -20,9 +20,10 @@ RES_LENGTH = "res_length"  # T in the residual stream (norms, residual adds): Me
 EXPERT = "expert"  # E: experts of a mixture-of-experts layer
 EXPERT_BATCH = "expert_batch"  # B once tokens are dispatched to experts: the batch axes less the expert axis
 LORA_RANK = "lora_rank"  # R: the rank of a LoRA adapter (A: in -> R, B: R -> out); replicated by default
+LATENT = "latent"  # C: multi-head latent attention's compressed query or key-value width (q/kv_lora_rank)
 
 LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, RES_LENGTH, EXPERT,
-                EXPERT_BATCH, LORA_RANK)
+                EXPERT_BATCH, LORA_RANK, LATENT)
 
 # The layouts the models constrain with the activation rules (shard/models/llama.py, the cast embedding tables
 # included; shard/models/moe.py): a rule table must give each a valid PartitionSpec (no mesh axis twice),
@@ -30,7 +31,7 @@ LOGICAL_AXES = (BATCH, LENGTH, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAY
 ACTIVATION_LAYOUTS = (
     (BATCH, LENGTH), (BATCH, LENGTH, EMBED), (BATCH, RES_LENGTH, EMBED), (BATCH, LENGTH, HEADS, HEAD_DIM),
     (BATCH, LENGTH, KV_HEADS, HEAD_DIM), (BATCH, LENGTH, MLP), (BATCH, LENGTH, VOCAB), (VOCAB, EMBED),
-    (EMBED, VOCAB),
+    (EMBED, VOCAB), (BATCH, LENGTH, LATENT),
 )
 MOE_ACTIVATION_LAYOUTS = ((EXPERT, EXPERT_BATCH, None, EMBED), (EXPERT, EXPERT_BATCH, None, MLP))
 

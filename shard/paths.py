@@ -4,10 +4,12 @@ any device starts."""
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +32,13 @@ def globless(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def written_whole(out: Path) -> Iterator[Path]:
+def written_whole(out: Path, say=None) -> Iterator[Path]:
     """A folder written whole or not at all, so that the same command can run again after an error (a
-    full disk). A new `out` is written as a hidden sibling (`.NAME.partial-*`), renamed into place when
-    the block ends and removed on an error, with the folders made above it. An existing empty `out` (a
-    mount point, a folder made for it) is written in place and emptied again on an error."""
+    full disk). A new `out` is written as a hidden sibling (`.NAME.partial-*`), marked as being written
+    (`writing`), renamed into place when the block ends and removed on an error, with the folders made
+    above it. Such siblings that no process writes any more (a killed command's) are removed first, and
+    `say` (default: stderr) names them. An existing empty `out` (a mount point, a folder made for it) is
+    written in place and emptied again on an error."""
     out = out.absolute()
     if out.is_dir():  # check_fresh_out: empty
         try:
@@ -49,15 +53,65 @@ def written_whole(out: Path) -> Iterator[Path]:
         return
     made = [p for p in out.parents if not p.exists()]  # deepest first
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_left_behind(sorted(out.parent.glob(f".{glob.escape(out.name)}.partial-*")), say)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        yield partial
-        partial.chmod(0o777 & ~current_umask())  # mkdtemp's folder is owner-only
-        partial.rename(out)
+        with writing(partial, f"{partial} is being written by another process"):
+            yield partial
+            partial.chmod(0o777 & ~current_umask())  # mkdtemp's folder is owner-only
+            partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         remove_made_folders(made)
         raise
+
+
+@contextlib.contextmanager
+def writing(folder: Path, busy: str) -> Iterator[None]:
+    """Mark `folder` as being written for the block: an exclusive `flock` on the folder itself, which the
+    kernel drops when this process ends (and the children it forked, which share it), so a folder that a
+    killed command left is told apart from one being written (`left_behind`). `busy`: the error when
+    another process holds the mark. A file system without locks marks nothing."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise ShardError(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def left_behind(folder: Path) -> bool:
+    """Whether no process is writing `folder` (nobody holds its `writing` mark): a stopped command left it.
+    False where that can't be told (no such folder, a file system without locks)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_left_behind(folders: list[Path], say=None) -> None:
+    """Remove those of `folders` that a stopped command left (`left_behind`), saying which."""
+    gone = [f for f in folders if not f.is_symlink() and left_behind(f)]
+    for f in gone:
+        shutil.rmtree(f, ignore_errors=True)
+    if gone:
+        (say or _to_stderr)(f"removed {len(gone)} unfinished folder(s) that a stopped command left: "
+                            f"{', '.join(str(f) for f in gone)}")
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def remove_made_folders(made: list[Path]) -> None:
@@ -70,14 +124,21 @@ def remove_made_folders(made: list[Path]) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a file's text whole or not at all: written beside it, flushed to disk, then renamed over
-    it. A full disk or a kill mid-write leaves the old file, never an empty or half-written one."""
+    """Replace a file's text whole or not at all (`write_atomic`, UTF-8)."""
+    write_atomic(path, text.encode("utf-8"))
+
+
+def write_atomic(path: Path, data, sync: bool = True) -> None:
+    """Replace a file's bytes (`data`: any buffer) whole or not at all: written beside it, flushed to disk
+    (`sync`), then renamed over it. A full disk or a kill mid-write leaves the old file, never an empty or
+    half-written one, and the error names `path` (a write's own names no file)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)

@@ -64,3 +64,14 @@ def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
     assert 0 < routed < static, out  # a ragged all-to-all on this step's routing
     assert len(bytes_["capacity 1.25"]) == 1 and bytes_["capacity 1.25"][0] > 0, out
     assert bytes_["dense (mlp 160)"] == [], out  # no experts, no all-to-all
+
+
+def test_every_mutant_still_applies_and_names_tests_that_exist():
+    """benchmarks/mutants.py runs on demand, not here: only that each patch's text is in the source once
+    and each test it names exists, so the mutants keep up with the code they mutate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutants", BENCHMARKS / "mutants.py")
+    mutants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutants)
+    assert len(mutants.MUTANTS) >= 17 and mutants.check_patches() == []

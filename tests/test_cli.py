@@ -188,11 +188,13 @@ def test_inspect_13b_on_32_devices_from_shapes_alone(run_shard):
 
 
 def test_help_shows_flags_as_flags_and_whole_phrases():
-    """A flag took `<bool>` in typer's help, and a docstring's line breaks broke eval's line mid-phrase."""
+    """A flag took `<bool>` in typer's help, a docstring's line breaks broke eval's line mid-phrase, and
+    rich took `[wandb]` in a help line for markup."""
     train_help = invoke("train", "--help").output
     (resume,) = [line for line in train_help.splitlines() if "--resume " in line]
     assert "<bool>" not in train_help and "continue the run" in resume
     assert "<int>" in train_help  # options that take a value still say what
+    assert "(needs shard[wandb]; [tracking] sets" in train_help  # rich read the brackets as markup and ate them
     top = invoke("--help").output
     assert "data (as its evaluations saw it) or --data;" in top, top
 
@@ -575,6 +577,9 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
                    str(tmp_path / "r"), "--compile-cache", "none", "--set", "eval.path=tokens.npy")
     assert first.exit_code == 0, first.output
     assert "step 2/2 · loss " in first.output  # not a terminal: a line per logged step, not a bar at the end
+    # with the memory (on a CPU, XLA's estimate), the time run and left (no MFU: no CPU peak is known)
+    assert re.search(r"step 2/2 · loss [\d.]+ · [\d,]+ tokens/s · mem ~[\d.]+[BKMG] · \d+:\d\d:\d\d elapsed, "
+                     r"ETA 0:00:00\n", first.output), first.output
     saved = config.resolve(config.load_file(str(tmp_path / "r" / "config.toml")))
     # eval.path too, though unused until a resume sets --eval-every
     assert saved.data.path == saved.eval.path == str(tmp_path / "a" / "tokens.npy")

@@ -42,3 +42,17 @@ def test_the_kubernetes_example_is_a_jobset_whose_workers_resume_on_a_mesh_with_
     command = " ".join(job["template"]["spec"]["containers"][0]["args"])
     assert "--resume --allow-fresh" in command and "--mesh data=-1," in command
     assert job["completionMode"] == "Indexed" and "$JOB_COMPLETION_INDEX" in command
+
+
+def test_the_readme_counts_the_notebooks_and_every_page_installs_one_way():
+    """The README said four notebooks when colabs/ held five; pages said `pip install 'shard[eval]'` beside
+    the README's `./install.sh EXTRAS` (which also builds what pip cannot)."""
+    import tomllib
+    root = DOCS.parent
+    count = len(list((root / "colabs").glob("*.ipynb")))
+    word = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"][count]
+    assert f"`colabs/` holds {word} notebooks" in (root / "README.md").read_text()
+    for page in [root / "README.md", *DOCS.glob("*.md")]:
+        assert not re.search(r"pip install ['\"]?shard\[", page.read_text()), page
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("ipywidgets") for d in extras["notebooks"])  # the notebooks' progress bars

@@ -1,11 +1,12 @@
 """`shard launch`: the supervisor that starts, watches and restarts a training job. Local processes with
-simulated devices (4 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9, a host that
-leaves the discovery's list and comes back, process 0 killed twice, a loss past the restart budget, a
+simulated devices (4 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9 and then
+process 0, a host that leaves the discovery's list and comes back, a loss past the restart budget, a
 worker's own error, a rank of an mpiexec job; the curve stays the uninterrupted one. And the pure parts:
 which sizes fit, host slots, process sets after a restart."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from shard.cluster.hosts import HostSlots, parse_slots
 from shard.cluster.sizes import SizePolicy
 from shard.errors import ShardError
 from shard.observe.metrics import read_events, read_jsonl
+from shard.run.checkpoint_files import step_dirs
 from shard.sharding.mesh import parse_mesh
 from shard.testing import finish, free_ports, subprocess_env
 
@@ -49,13 +51,24 @@ def steps(run_dir: Path) -> list[dict]:
     return list({r["step"]: r for r in records}.values())
 
 
-def wait_until(done, timeout: float = 300, what: str = ""):
+def wait_until(done, timeout: float = 300, what: str = "", supervisor: subprocess.Popen | None = None,
+               tmp_path: Path | None = None):
+    """Poll `done` until it holds; a supervisor that ended first fails at once, with its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := done():
             return value
+        if supervisor is not None and supervisor.poll() is not None:
+            raise AssertionError(f"shard launch ended with {supervisor.returncode} before {what}:\n"
+                                 + (output(tmp_path)[-3000:] if tmp_path else ""))
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f":\n{output(tmp_path)[-3000:]}" if tmp_path else ""))
+
+
+def write_hosts(path: Path, text: str) -> None:
+    """Replace a hosts file whole (a discovery script never reads it half written)."""
+    path.with_name(path.name + ".new").write_text(text)
+    os.replace(path.with_name(path.name + ".new"), path)
 
 
 def pid_of(run_dir: Path, rank: int, after: float = 0.0) -> int:
@@ -87,34 +100,44 @@ def uninterrupted(tmp_path_factory):
     return of
 
 
-def test_a_killed_worker_costs_a_restart_on_the_processes_left_and_the_curve_stays(tmp_path, uninterrupted):
+def test_killed_workers_cost_restarts_on_the_processes_left_and_the_curve_stays(tmp_path, uninterrupted):
     """kill -9 of process 2 of 4: the job goes on on 3 processes (data=3,model=2) from its newest
-    checkpoint, finishes with exit 0, its losses are the uninterrupted run's (rtol 1e-5) and, from the
-    step it resumed at, bitwise those of a manual --resume on 3 processes."""
-    supervisor = launch(tmp_path, "--processes", "4", "--min-processes", "2")
+    checkpoint; then the new process 0 (where the coordinator runs) killed: on 2, within --max-restarts 2.
+    It finishes with exit 0, its losses are the uninterrupted run's (rtol 1e-5) and, while it ran on 3,
+    bitwise those of a manual --resume on 3 processes from the same checkpoint."""
+    supervisor = launch(tmp_path, "--processes", "4", "--min-processes", "2", "--max-restarts", "2",
+                        args=[*ARGS, "--steps", "14"])
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 5, what="step 5")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 2), signal.SIGKILL)
+    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart",
+               supervisor=supervisor, tmp_path=tmp_path)
+    at = int(re.search(r"continuing on 3 processes, data=3,model=2, from step (\d+)", output(tmp_path))[1])
+    wait_until(lambda: max(step_dirs(run / "checkpoints")) >= at + 2, what="a checkpoint on 3 processes",
+               supervisor=supervisor, tmp_path=tmp_path)
+    os.kill(pid_of(run, 0), signal.SIGKILL)
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
     assert "lost process 2 (host localhost): continuing on 3 processes, data=3,model=2, from step " in said, said
-    resize = next(e for e in read_events(run / "metrics.jsonl") if e["event"] == "resize")
-    assert resize["processes"] == 3 and resize["lost_processes"] == [2] and resize["source"] == "checkpoint"
+    assert "lost process 0 (host localhost): continuing on 2 processes, data=2,model=2, from step " in said, said
+    first, second = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "resize"]
+    assert (first["processes"], first["lost_processes"], first["source"]) == (3, [2], "checkpoint"), first
+    assert (second["processes"], second["lost_processes"]) == (2, [0]) and second["step"] > at, second
     losses = [r["loss"] for r in steps(run)]
-    np.testing.assert_allclose(losses, uninterrupted(10), rtol=1e-5)
-    # a manual --resume from the same checkpoint on 3 processes
-    at = resize["step"]
+    np.testing.assert_allclose(losses, uninterrupted(14), rtol=1e-5)
+    # a manual --resume from the same checkpoint on 3 processes: bitwise, up to where the job lost process 0
     manual = tmp_path / "manual"
     (manual / "checkpoints").mkdir(parents=True)
     shutil.copy(run / "config.toml", manual / "config.toml")
     shutil.copytree(run / "checkpoints" / str(at), manual / "checkpoints" / str(at))
     port = free_ports()[0]
-    procs = [subprocess.Popen([sys.executable, "-m", "shard", "train", *ARGS, "--run-dir", str(manual), "--resume",
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3", "--process-id", str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", "shard", "train", *ARGS, "--steps", "14", "--run-dir", str(manual),
+                               "--resume", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3",
+                               "--process-id", str(i)],
                               cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(3)]
     assert [rc for rc, _, _ in finish(procs)] == [0, 0, 0]
-    assert [r["loss"] for r in steps(manual)] == losses[at:]
+    assert [r["loss"] for r in steps(manual)][:second["step"] - at] == losses[at:second["step"]]
 
 
 def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, uninterrupted):
@@ -122,7 +145,7 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     local snapshot, at most 2 steps back), then lists it again (the job saves at its next step and grows
     back to 4); the curve is the uninterrupted one, and each change of size is a line and a record."""
     hosts = tmp_path / "hosts.txt"
-    hosts.write_text("h0\nh1\nh2\nh3\n")
+    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
@@ -130,10 +153,11 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
                         "--max-processes", "4",
                         args=[*ARGS, "--steps", "30", "--checkpoint-every", "10", "--set", "checkpoint.local_every=2"])
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
-    hosts.write_text("h0\nh1\nh2\n")
-    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink")
-    hosts.write_text("h0\nh1\nh2\nh3\n")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
+    write_hosts(hosts, "h0\nh1\nh2\n")
+    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink",
+               supervisor=supervisor, tmp_path=tmp_path)
+    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
     assert "lost process 3 (host h3): continuing on 3 processes, data=3,model=2" in said, said
@@ -147,27 +171,12 @@ def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, u
     np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(30), rtol=1e-5)
 
 
-def test_process_0_lost_twice_recovers_twice_within_the_budget(tmp_path, uninterrupted):
-    """Process 0 (where the coordinator ran) killed at step 3, and the new process 0 killed again: within a
-    restart budget of 2, both recover (4 -> 3 -> 2 processes) and the curve is the uninterrupted one."""
-    supervisor = launch(tmp_path, "--processes", "4", "--max-restarts", "2")
-    run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
-    first = pid_of(run, 0)
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart")
-    os.kill(wait_until(lambda: (p := pid_of(run, 0)) != first and p), signal.SIGKILL)
-    assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
-    assert "lost process 0 (host localhost): continuing on 2 processes, data=2,model=2" in output(tmp_path)
-    np.testing.assert_allclose([r["loss"] for r in steps(run)], uninterrupted(10), rtol=1e-5)
-
-
 def test_a_loss_past_the_restart_budget_stops_the_job_with_a_line(tmp_path):
     """With --max-restarts 0 the first lost process stops the supervisor: exit 3, a line naming the budget,
     and the launch's end recorded as such."""
     supervisor = launch(tmp_path, "--processes", "2", "--max-restarts", "0")
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 2, what="step 2")
+    wait_until(lambda: len(steps(run)) >= 2, what="step 2", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 0), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 3, output(tmp_path)[-3000:]
     assert "lost process 0 (host localhost): the restart budget of 0 is spent; stopping" in output(tmp_path)
@@ -175,13 +184,13 @@ def test_a_loss_past_the_restart_budget_stops_the_job_with_a_line(tmp_path):
         ["restart budget"]
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: ./install.sh mpi")
 def test_the_mpiexec_engine_restarts_a_killed_rank_with_a_new_mpiexec(tmp_path):
     """--engine mpiexec: a rank killed takes its mpiexec down (MPICH ends the job); the supervisor starts
     a new mpiexec on the slot left, which resumes the run and finishes it."""
     supervisor = launch(tmp_path, "--engine", "mpiexec", "--processes", "2", args=[*ARGS, "--steps", "8"])
     run = tmp_path / "r"
-    wait_until(lambda: len(steps(run)) >= 3, what="step 3")
+    wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 1), signal.SIGKILL)
     assert supervisor.wait(timeout=300) == 0, output(tmp_path)[-3000:]
     assert "continuing on 1 process, data=1,model=2, from step" in output(tmp_path)
@@ -218,6 +227,10 @@ def test_the_largest_size_that_the_mesh_and_the_batch_divide_is_chosen():
     assert policy.largest(4) == 4 and policy.describe(4) == "data=4,model=2"
     assert policy.largest(3) == 2  # data=3 does not divide a batch of 8
     assert "does not divide over the 3 data-parallel devices" in policy.problem(3)
+    assert policy.largest(1) == 1  # down to --min-processes
+    in_four = SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, batch=8, microbatches=4, min_processes=1,
+                            max_processes=4)  # 8 rows in 4 microbatches: 2 a microbatch, over at most 2 devices
+    assert in_four.largest(4) == 2 and "data-parallel devices of data=4,model=2 in 4 microbatches" in in_four.problem(4)
     with pytest.raises(ShardError, match="fewer than --min-processes 2"):
         SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, 8, 1, 2, 4).largest(1)
     with pytest.raises(ShardError, match="needs a mesh with one -1 axis"):
@@ -235,6 +248,35 @@ def test_host_slots_from_a_file_or_a_discovery_script(tmp_path):
     assert slots.current() == ["h0", "h0"]
     script.write_text("#!/bin/sh\nexit 5\n")
     assert slots.current() == ["h0", "h0"] and "exited with 5" in slots.problem  # the last list is kept
+    script.write_text("#!/bin/sh\n")  # no host at all: a file caught mid-rewrite, never "every host left"
+    assert slots.current() == ["h0", "h0"] and "listed no host" in slots.problem
+
+
+def test_too_few_slots_after_a_loss_wait_for_discovery_up_to_the_elastic_timeout(tmp_path):
+    """With --host-discovery, a loss that leaves fewer slots than any size needs waits for the script to
+    list more (Horovod's --elastic-timeout), and says so; past the timeout it stops in one line."""
+    import threading
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from shard.run.elastic import LaunchOptions, _Supervisor
+
+    hosts = tmp_path / "hosts.txt"
+    write_hosts(hosts, "h0\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    policy = SizePolicy.of(parse_mesh("data=-1,model=2"), {}, 2, batch=8, microbatches=1, min_processes=2,
+                           max_processes=4)
+    said = []
+    supervisor = _Supervisor([], SimpleNamespace(run_dir=str(tmp_path)), policy, HostSlots(discovery=str(script)),
+                             LaunchOptions(discover_every_s=0.05, elastic_timeout_s=0.3), said.append, said.append)
+    assert supervisor._next_size() is None, said
+    assert said[0].startswith("1 process slot(s) left, fewer than --min-processes 2: waiting up to 0.3 s"), said
+    assert said[-1].startswith("can't continue: 1 process slot(s) left"), said
+    supervisor.options = replace(supervisor.options, elastic_timeout_s=120)
+    threading.Timer(0.3, write_hosts, (hosts, "h0\nh1\nh2\n")).start()
+    assert supervisor._next_size() == 2  # three slots back; data=3 does not divide 8
 
 
 def test_a_process_set_over_ranks_a_smaller_job_lacks_is_refused_and_the_world_is_the_new_one():

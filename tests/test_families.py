@@ -287,6 +287,26 @@ REAL = {
 }
 
 
+def test_a_padded_vocab_is_counted_apart_from_the_model_as_transformers_counts():
+    """Stored tables round the vocab up to a multiple of 128; the count printed was the stored one
+    (0.34M for 330,112): the model's own count is transformers', the padding printed apart."""
+    from flax import nnx
+
+    from shard import models
+    from shard.observe.console import params_phrase
+
+    for tied in (True, False):
+        cfg = dataclasses.replace(PRESETS["tiny"], vocab_size=320, tie_embeddings=tied)
+        config_json = hf.config_to_hf(cfg)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config_json))
+        assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+        stored = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda c=cfg: models.build(c)))))
+        assert stored - cfg.num_params() == cfg.vocab_padding_params() == (384 - 320) * 64 * (1 if tied else 2)
+    assert params_phrase(cfg) == "0.12M params + 8,192 vocab padding"
+    assert params_phrase(PRESETS["tiny"]) == "0.10M params"
+
+
 @pytest.mark.parametrize("name", list(REAL))
 def test_presets_are_the_real_models_with_transformers_parameter_count(name):
     """The preset is what import-hf makes of the real config.json, and its parameter count is that of

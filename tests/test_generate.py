@@ -81,15 +81,26 @@ def test_context_parallel_generation_takes_any_length(single):
 
 
 def test_sampling_filters():
-    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-    keys = jax.random.split(jax.random.key(0), 200)
-    top1 = {int(sample(logits, k, Sampling(top_k=1))[0]) for k in keys[:20]}
-    assert top1 == {0}
-    nucleus = {int(sample(logits, k, Sampling(top_p=0.7))[0]) for k in keys}
-    assert nucleus == {0, 1}  # 0.5 + 0.3 covers 0.7; the tail is cut
-    assert int(sample(logits, keys[0], Sampling(temperature=0))[0]) == 0
+    """Each filter's distribution, from 20,000 independent draws (one row each, one key): top-k and top-p
+    keep the tokens they should and renormalise them; temperature sharpens; greedy and a tiny temperature
+    take the largest logit in every row."""
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.log(jnp.broadcast_to(jnp.asarray(probs), (20_000, 4)))
+
+    def frequencies(s: Sampling) -> np.ndarray:
+        return np.bincount(np.asarray(sample(logits, jax.random.key(0), s)), minlength=4) / len(logits)
+
+    top2 = np.array([0.5, 0.3, 0, 0]) / 0.8
+    for s, want in ((Sampling(), probs), (Sampling(top_k=1), [1, 0, 0, 0]), (Sampling(top_k=2), top2),
+                    (Sampling(top_p=0.7), top2),  # 0.5 + 0.3 covers 0.7; the tail is cut
+                    (Sampling(top_p=0.9), np.array([0.5, 0.3, 0.15, 0]) / 0.95),
+                    (Sampling(temperature=0.5), probs**2 / (probs**2).sum())):
+        np.testing.assert_allclose(frequencies(s), want, atol=0.015, err_msg=str(s))
+    rows = jax.random.normal(jax.random.key(1), (1000, 50))
+    greedy = np.asarray(jnp.argmax(rows, -1))
+    assert (np.asarray(sample(rows, jax.random.key(2), Sampling(temperature=0))) == greedy).all()
     # a tiny temperature is greedy: logits / 1e-38 overflowed to inf everywhere, and index 0 won
-    assert int(sample(jnp.asarray([[5.0, 10.0, 3.0]]), keys[0], Sampling(temperature=1e-38))[0]) == 1
+    assert (np.asarray(sample(rows, jax.random.key(2), Sampling(temperature=1e-38))) == greedy).all()
 
 
 def test_bad_prompts(single):

@@ -6,7 +6,6 @@ device and on a sharded mesh. Offline: the task's data is a file the test writes
 import dataclasses
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,7 +116,7 @@ def test_bad_tasks_are_one_line_errors(tmp_path, monkeypatch):
         run_tasks(None, ["x"], limit=0)
     monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)  # as if lm-eval were not installed
     monkeypatch.delitem(sys.modules, "shard.training.harness")
-    with pytest.raises(ShardError, match=r"pip install 'shard\[eval\]'"):
+    with pytest.raises(ShardError, match=r"./install.sh eval"):
         import shard.training.harness  # noqa: F401
 
 
@@ -176,17 +175,30 @@ def test_ranking_by_a_task_score_needs_the_tasks_at_every_save():
         tiny_config(checkpoint__best_metric="eval/acc")
 
 
-def test_shard_eval_tasks_writes_the_results_json(exported, run_shard):
+def test_shard_eval_tasks_writes_the_results_json(exported, run_shard, tmp_path):
+    """Into the working directory's eval/ (run_shard's is tmp_path, outside any git repository), never
+    into the Hugging Face folder (an export); lm-eval's `git describe` says nothing on the console."""
     folder, task = exported
     result = run_shard("eval", str(folder), "--tasks", str(task), "--limit", "2", "--batch", "4", "--json")
     assert result.returncode == 0, result.stderr
+    assert "fatal" not in result.stderr, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["results"]["tiny_mc"]["sample_len"] == 2
-    written = json.loads(Path(out["file"]).read_text())
+    written = json.loads((tmp_path / out["file"]).read_text())
     assert written["results"]["tiny_mc"]["acc,none"] == out["results"]["tiny_mc"]["acc,none"]
-    assert out["file"].startswith(str(folder / "eval"))
+    assert out["file"].startswith("eval/harness-hf-") and not (folder / "eval").exists()
     bad = run_shard("eval", str(folder), "--tasks", str(task), "--limit", "0")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --limit must be positive (examples per task), got 0"
+
+
+def test_results_go_to_out_or_the_run_dir(exported, tmp_path):
+    from shard.run.evaluation import results_file
+
+    folder, _ = exported
+    assert results_file(str(folder), "S", tmp_path / "o") == tmp_path / "o" / "harness-hf-S.json"
+    run = tmp_path / "run" / "checkpoints" / "7" / "state"
+    run.mkdir(parents=True)
+    assert results_file(str(tmp_path / "run"), "S") == tmp_path / "run" / "eval" / "harness-step7-S.json"
 
 
 def test_weights_without_a_tokenizer_read_bytes_said_once(tmp_path):

@@ -84,6 +84,11 @@ def test_context_and_pipeline_parallel_lora_match_single_device(mesh):
     (dict(lora__rank=4, lora__dropout=1.0), "lora.dropout must be in [0, 1)"),
     (dict(lora__rank=4, lora__targets=[]), "lora.targets names no weight"),
     (dict(lora__rank=4, lora__targets=["w_up"], model__name="moe-tiny"), "is an expert weight"),
+    # a rank past the weight's smaller side was accepted (100000 on a 64-wide model)
+    (dict(lora__rank=100000, lora__targets=["wq"]), "lora.rank 100000 is above what wq (64 -> 64 in tiny) can use: "
+                                                    "at most 64"),
+    (dict(lora__rank=0, lora__targets=[]), "lora.targets is empty but lora.rank is 0, which turns LoRA off"),
+    (dict(lora__targets=["wo"]), "lora.targets is wo but lora.rank is 0"),
 ])
 def test_bad_lora_settings_are_one_line(sets, message):
     with pytest.raises(ShardError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -180,10 +185,36 @@ def test_peft_and_merged_exports_give_shards_logits(fine_tuned, tmp_path):
         got = peft_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
         got_merged = merged(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        # the adapter names its base, so peft finds it alone
+        auto = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft", dtype=torch.float32)
+        got_auto = auto(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_merged, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_auto, want, rtol=1e-4, atol=1e-4)
     # the adapters moved the logits: the test compares something LoRA changed
     assert np.abs(base_logits - want).max() > 1e-3
+
+
+def test_a_peft_adapter_over_an_imported_model_names_the_folder_it_came_from(fine_tuned, tmp_path):
+    """Fine-tuned over `shard import-hf`'s run dir, the adapter named that run dir as its base, which peft
+    cannot load: it names the Hugging Face folder the import read (the run's init_from, rewritten here)."""
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+
+    _, tmp, _, _ = fine_tuned
+    assert CliRunner().invoke(app, ["import-hf", str(tmp / "base"), "--out", str(tmp_path / "imp")]).exit_code == 0
+    meta = tmp / "run" / CHECKPOINTS_DIR / "4" / "meta" / "metadata"
+    text = meta.read_text()
+    try:
+        meta.write_text(text.replace(str(tmp / "base"), str(tmp_path / "imp")))
+        result = CliRunner().invoke(app, ["export-hf", str(tmp / "run"), "--lora-out", str(tmp_path / "peft")])
+    finally:
+        meta.write_text(text)
+    assert result.exit_code == 0, result.output
+    adapter = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((tmp / "base").absolute()), adapter
+    assert f"over {(tmp / 'base').absolute()}" in result.output
 
 
 def test_a_lora_checkpoint_is_refused_as_a_whole_model_and_its_base_is_checked(fine_tuned, tmp_path):
@@ -220,5 +251,12 @@ def test_a_lora_checkpoint_is_refused_as_a_whole_model_and_its_base_is_checked(f
         meta_cfg.write_text(text.replace(str(tmp / "base"), str(changed)))
         with pytest.raises(ShardError, match="are not those its adapters were trained on"):
             weights.load(tmp / "run")
+        ckpts = Checkpoints(tmp / "run" / CHECKPOINTS_DIR, read_only=True)
+        try:  # a resume reads the base through the checkpoints, not weights.load: checked there too
+            with pytest.raises(ShardError, match=f"checkpoint {ckpts.path(4)} \\({changed}\\) are not those its "
+                                                 "adapters were trained on"):
+                ckpts.restore_latest(fine_tuned[3].spec)
+        finally:
+            ckpts.close()
     finally:
         meta_cfg.write_text(text)

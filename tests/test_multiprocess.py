@@ -25,7 +25,7 @@ from shard.testing import (AGREEMENT_ARGS, agreement_config, assert_same_curves,
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 TINY = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--log-every", "1"]
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: pip install -e '.[mpi]'")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: ./install.sh mpi")
 
 
 def child_env() -> dict:
@@ -771,3 +771,42 @@ def test_the_coordinator_and_gloo_listen_on_loopback_when_every_process_is_local
                         joined.append((address, coordinator_bind_address)))
     join._initialize(cluster, 10, 10, bind, join.one_host(cluster))
     assert joined == [(dialled.format(p=port), bound.format(p=port))] and listened == [gloo]
+
+
+@pytest.mark.parametrize("env, bind, added", [
+    # mpiexec with every rank here: MPICH's own sockets (UCX, libfabric) on loopback, as `ss` showed them
+    ({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}, "auto", ["FI_PROVIDER", "FI_TCP_IFACE", "UCX_NET_DEVICES"]),
+    ({"SLURM_STEP_NUM_NODES": "1"}, "auto", ["FI_PROVIDER", "FI_TCP_IFACE", "UCX_NET_DEVICES"]),
+    ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2", "UCX_NET_DEVICES": "mlx5_0:1"}, "loopback",
+     ["FI_PROVIDER", "FI_TCP_IFACE"]),  # the user's own setting stays
+    ({"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, "auto", []),  # ranks on two hosts
+    ({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}, "all", []),
+    ({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}, "eth1", []),
+])
+def test_mpich_listens_on_loopback_when_every_rank_is_local(env, bind, added):
+    """MPICH's ranks listened on the host's external address too (UCX's TCP transport), also when every
+    rank ran on one host; settings MPI reads as it starts keep them on `lo`."""
+    from shard.cluster.mpi import LOOPBACK_SOCKETS, loopback_settings
+
+    settings = loopback_settings(env, bind)
+    assert sorted(settings) == added and all(settings[k] == LOOPBACK_SOCKETS[k] for k in added)
+
+
+def test_mpi_starts_with_the_loopback_settings(monkeypatch):
+    """The first mpi_world() sets them before mpi4py starts MPI (here a stand-in that only records)."""
+    import types
+
+    from shard.cluster import mpi
+    from shard.cluster.mpi import LOOPBACK_SOCKETS
+
+    seen = {}
+    fake = types.ModuleType("mpi4py")
+    fake.__getattr__ = lambda name: seen.update(os.environ) or types.SimpleNamespace(COMM_WORLD="world")
+    monkeypatch.setitem(sys.modules, "mpi4py", fake)
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    for key in [*LOOPBACK_SOCKETS, "SLURM_STEP_NUM_NODES"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert mpi.mpi_world() == "world"
+    assert {k: seen.get(k) for k in LOOPBACK_SOCKETS} == LOOPBACK_SOCKETS

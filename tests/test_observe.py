@@ -194,11 +194,30 @@ def test_report_marks_where_a_run_resumed_and_on_which_layout(tmp_path):
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out"), "--json"])
     assert r.exit_code == 0, r.output
     row = json.loads(r.output)["runs"][0]
-    assert row["model"] == "tiny" and row["resumes"] == [{"step": 3, "mesh": "data=8", "layout_changed": False},
-                                                         {"step": 5, "mesh": "fsdp=8", "layout_changed": True}]
+    # the steps it resumed from (its checkpoints), not the first ones each start logged (3 and 5)
+    assert row["model"] == "tiny" and row["resumes"] == [{"step": 2, "mesh": "data=8", "layout_changed": False},
+                                                         {"step": 4, "mesh": "fsdp=8", "layout_changed": True}]
+    assert row["legend"] == "tiny data=8 → fsdp=8 (a)"  # every layout its steps ran on, not the config's last
     r = CliRunner().invoke(app, ["report", str(run), "--out", str(tmp_path / "out2")])
     cells = _table_row(r.output, str(run))
-    assert cells["model"] == "tiny" and cells["resumed at"] == "3, 5 (on fsdp=8)", r.output
+    assert cells["model"] == "tiny" and cells["resumed at"] == "2, 4 (on fsdp=8)", r.output
+
+
+def test_report_draws_the_eval_loss_beside_the_loss(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from shard.observe.report import load_run, plot
+
+    run = tmp_path / "a"
+    _fake_run(run, "fsdp", [3.0, 2.5, 2.0])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = json.dumps(json.loads(lines[1]) | {"eval_loss": 2.7})
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    drawn, draw = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *a, **k: drawn.append((a, k)) or draw(ax, *a, **k))
+    plot([load_run(str(run))], tmp_path / "out")
+    evals = [a for a, k in drawn if k.get("label") == "tiny fsdp (a) eval"]
+    assert evals == [([2], [2.7]), ([2.0], [2.7])]  # on loss by step and loss by time
 
 
 def _table_row(output: str, run: str) -> dict:
@@ -582,7 +601,7 @@ def test_report_marks_resizes_and_counts_goodput_of_a_launched_run(tmp_path, mon
     assert launched["steps_redone"] == 7 and launched["time_held_s"] == 85.0
     assert launched["time_training_s"] == pytest.approx(42.5) and launched["goodput"] == pytest.approx(0.5)
     assert launched["skipped_lines"] == 0 and launched["steps"] == 80  # events are neither records nor torn lines
-    assert [x["step"] for x in launched["resumes"]] == [40, 70]  # the resume marks stay
+    assert [x["step"] for x in launched["resumes"]] == [35, 60]  # the resume marks stay, at the steps resumed from
     assert all(plain[k] is None for k in ("resizes", "steps_redone", "goodput", "time_held_s", "time_training_s"))
     for png in json.loads(r.output)["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -593,7 +612,7 @@ def test_report_marks_resizes_and_counts_goodput_of_a_launched_run(tmp_path, mon
 
     labels = ["lost → 3 processes (data=3,model=2)", "grow → 4 processes (data=4,model=2)"]
     for name in ("loss_vs_step.png", "throughput_vs_step.png"):
-        assert vertical(drawn[name], "-") == [35, 60] and vertical(drawn[name], "--") == [40, 70], name
+        assert vertical(drawn[name], "-") == [35, 60] and vertical(drawn[name], "--") == [35, 60], name
         assert [t.get_text() for t in drawn[name].axes[0].texts] == ["data=3,model=2", "data=4,model=2", *labels]
         assert "solid: resized" in drawn[name].axes[0].get_title()
     # on the time chart, where the kept steps reached the step resumed from (time runs on across starts)
@@ -628,6 +647,8 @@ def test_goodput_counts_only_the_steps_a_launch_held(tmp_path):
     assert summary["goodput"] is None and summary["steps_redone"] == 3 and len(summary["resizes"]) == 1
     path.write_text("".join(before))
     assert launch_summary(read_lines(path)[0]) is None
+    # from an offset (the file's size taken earlier, as the supervisor reads): the lines after it alone
+    assert read_lines(path, len(before[0].encode()))[0] == [json.loads(before[1])]
 
 
 def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):
@@ -646,3 +667,30 @@ def test_read_jsonl_leaves_events_out_without_counting_them_skipped(tmp_path):
     assert [e["event"] for e in read_events(path)] == ["launch_start", "resize", "resize", "launch_end", "launch_start"]
     with pytest.raises(ValueError, match="not an event record"):
         append_event(path, {"event": "resize", "time": 1.0, "step": 3.5})
+
+
+def test_the_console_shows_mfu_memory_a_moes_balance_and_the_time(monkeypatch, tmp_path):
+    """A file's line per logged step and the terminal's bar showed loss and tokens/s alone, though the
+    record held MFU, memory and the time; a MoE's aux loss and expert load reached only the file."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from shard.observe import progress
+
+    r = {"step": 10, "loss": 6.689, "tokens_per_s": 830.0, "step_time_s": 6.0, "time_s": 65.2, "mfu": 0.1234,
+         "mem_peak_bytes": 1.3e9, "mem_source": "device", "aux_loss": 1.0213, "expert_load_min": 0.81,
+         "expert_load_max": 1.243, "tokens_dropped": 1234.0}
+    assert progress.step_line(r, 200) == ("step 10/200 · loss 6.6890 · 830 tokens/s · MFU 12.3% · mem 1.2G · aux 1.021 "
+                                          "· load 0.81-1.24 · dropped 1,234 · 0:01:05 elapsed, ETA 0:19:00")
+    estimate = {k: r[k] for k in ("step", "loss", "tokens_per_s")} | {"mem_peak_bytes": 1.5e8, "mem_source": "compiled"}
+    assert progress.step_line(estimate, 200) == "step 10/200 · loss 6.6890 · 830 tokens/s · mem ~143M"
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
+    monkeypatch.setattr(progress, "console", terminal)
+    bar = progress.ConsoleProgress(types.SimpleNamespace(steps=200), tmp_path)
+    bar.progress.start()
+    bar.on_log(r)
+    bar.on_abort()
+    shown = terminal.file.getvalue()
+    assert "MFU 12.3% · mem 1.2G · aux 1.021 · load 0.81-1.24 · dropped 1,234" in shown and "ETA" in shown, shown

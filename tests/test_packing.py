@@ -110,6 +110,8 @@ def test_mixture_is_a_pure_function_of_seed_and_index():
     assert np.array_equal(np.concatenate([other.locate(1000, 1500)[1], other.locate(1500, 3000)[1]]), index[1000:3000])
     assert mix.rows(5, 9).ravel().tolist() == index[5:9].tolist()
     assert mix.shares() == [0.75, 0.25]
+    reseeded = MixtureSamples([_Counter(100), _Counter(100)], [3, 1], [None, None], seed=1, labels=["a", "b"])
+    assert not np.array_equal(reseeded.locate(0, 4 * BLOCK)[0], source)  # another seed, another order
 
 
 def test_spent_mixture_says_so():
@@ -143,6 +145,8 @@ def test_mixture_file_of_text_sources(tmp_path):
     ('sources = []\n', "names no sources"),
     ('[[sources]]\npath = "a.txt"\nweight = 1\nshare = 2\n', "unknown key 'share'"),
     ('[[sources]\n', "cannot read it"),
+    ('[[sources]]\npath = "a.txt"\nweight = 1\n[[sources]]\npath = "./a.txt"\nweight = 2\n',
+     "source 2: .*a.txt is source 1 already; give it one entry, with the weight of both"),
 ])
 def test_bad_mixtures_are_one_line(tmp_path, text, message):
     (tmp_path / "a.txt").write_text("hello")

@@ -248,6 +248,7 @@ def test_expert_parallel_matches_replicated_experts_and_dispatches_by_all_to_all
 
 def test_routing_respects_capacity():
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 64, 8)) * 3, axis=-1)
+    over = under = False
     for k, factor in ((1, 1.0), (2, 1.25), (2, 0.5)):
         cap = dataclasses.replace(PRESETS["moe-tiny"], experts_per_token=k, capacity_factor=factor).expert_capacity(64)
         dispatch, combine, _ = moe.route(probs, k, cap)
@@ -257,6 +258,12 @@ def test_routing_respects_capacity():
         assert float(dispatch.sum(axis=(2, 3)).max()) <= k  # a token goes to at most k experts
         kept = combine.sum(axis=(2, 3))  # gates of kept tokens sum to at most 1
         assert float(kept.max()) <= 1.0 + 1e-6
+        # each expert keeps exactly min(load, capacity) of the tokens choosing it, in every sequence
+        chosen = np.argsort(-np.asarray(probs), axis=-1)[..., :k]  # (B, T, k)
+        load = (chosen[..., None] == np.arange(8)).sum(axis=(1, 2))  # (B, E)
+        np.testing.assert_array_equal(np.asarray(dispatch.sum(axis=(1, 3))), np.minimum(load, cap))
+        over, under = over or (load > cap).any(), under or (load < cap).any()
+    assert over and under  # experts over and under their capacity were both tried
     # With room for everyone, every token reaches its k experts.
     dispatch, _, _ = moe.route(probs, 2, 64 * 2)
     assert float(dispatch.sum()) == 4 * 64 * 2

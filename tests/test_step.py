@@ -88,6 +88,22 @@ def test_one_step_lowers_the_loss_on_its_own_batch(one_step):
     assert float(loss_and_grads(cfg, after)[0]) < float(loss_and_grads(cfg, before)[0]) - 1e-3
 
 
+def test_microbatches_accumulate_to_the_step_of_one_big_batch(one_step):
+    """The same batch in 4 microbatches of 2 rows: the same loss, gradient norm and updated params as in
+    one piece (a microbatch dropped or counted twice would change all three)."""
+    cfg, before, after, metrics = one_step
+    layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    state = init_state(spec, cfg.model, cfg.seed)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), before)  # the same start
+    batch = jax.device_put(random_batch(cfg.data.batch, cfg.data.seq_len, cfg.model.vocab_size, cfg.seed),
+                           batch_sharding(layout))
+    state, accumulated = jax.device_get(make_train_step(spec, layout, microbatches=4)(state, batch))
+    for key in ("loss", "grad_norm", "tokens"):
+        assert float(accumulated[key]) == pytest.approx(float(metrics[key]), rel=1e-5), key
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), state["params"], after)
+
+
 def test_schedule_warms_up_then_decays_to_its_floor():
     _, schedule = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1), total_steps=100)
     assert float(schedule(0)) == 0.0

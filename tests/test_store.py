@@ -86,6 +86,9 @@ def test_every_source_kind_gives_the_same_documents(tmp_path, tok):
         store = prepare_store(str(spec), tok, tmp_path / f"s{i}", workers=2, progress=False, chunk_bytes=CHUNK)
         assert [tok.decode(d) for d in documents(store)] == [t + "<|endoftext|>" for t in TEXTS], spec
     assert len(json.loads((tmp_path / "s2" / "store.json").read_text())["shards"]) == 4  # a row group each
+    # a dictionary-encoded string column (pandas' categoricals) is text too: it was refused as "not text"
+    pq.write_table(pa.table({"text": pa.array(TEXTS).dictionary_encode()}), tmp_path / "dict.parquet")
+    assert list(iter_documents([str(tmp_path / "dict.parquet")])) == TEXTS
 
 
 def test_the_embedded_corpus_with_the_byte_tokenizer(tmp_path):
@@ -433,6 +436,9 @@ def test_ids_above_the_vocabulary_stop_the_batch_that_reads_them(made, tmp_path,
 
 
 def test_a_uint32_id_past_int32_is_not_read_as_padding():
+    at_vocab = TokenParts([np.array([1, 2, 300, 3], "<u2")], vocab=300, label="token store v")
+    with pytest.raises(ShardError, match="token store v holds token id 300, outside its vocabulary of 300 ids"):
+        WindowSource(at_vocab, 2).read(np.arange(2))  # the first id past the vocabulary, not only far past it
     tokens = TokenParts([np.array([1, 2, 0xFFFFFFFF, 3, 4], "<u4")], vocab=70000, label="token store s")
     with pytest.raises(ShardError, match="token store s holds token id 4,294,967,295, outside its vocabulary of "
                                          "70,000 ids"):
@@ -480,3 +486,89 @@ def test_the_commands(tmp_path, tok):
         assert done.exit_code == 2 and len(done.output.strip().splitlines()) == 1, done.output
         assert "bad.jsonl line 1 has no field 'text'" in done.output, done.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_invalid_utf8_in_a_text_file_is_counted_at_start(tmp_path, capsys):
+    """Invalid UTF-8 in a .txt source became U+FFFD without a word: the preparation says how many
+    sequences, in how many files (a U+FFFD written in the file is no replacement)."""
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_bytes("caf\xe9 \ufffd ok".encode("latin-1", "ignore") + b" \xff\xfe end")
+    (tmp_path / "txt" / "b.txt").write_text("clean \ufffd text")
+    store = prepare_store(str(tmp_path / "txt"), ByteTokenizer(), tmp_path / "s", workers=1)
+    assert store.n_documents == 2
+    said = capsys.readouterr().err
+    assert (f"warning: 3 invalid UTF-8 sequence(s) in 1 text file(s) read as U+FFFD (the replacement character), "
+            f"3 of them in {tmp_path / 'txt' / 'a.txt'}") in said.replace("\n", ""), said
+
+
+def test_a_full_disk_names_the_file_it_was_writing(tmp_path):
+    """It said `OSError: 1778221 requested and 1040384 written`. A file size limit stands in for the full
+    disk: its EFBIG reaches the writer as ENOSPC does, an error that names no file."""
+    import resource
+    import signal
+
+    from shard.errors import user_error
+
+    src = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # the plan fits, the first shard does not
+    try:
+        with pytest.raises(OSError) as e:
+            prepare_store(str(src), "byte", tmp_path / "s", workers=1, progress=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert str(user_error(e.value)) == f"{tmp_path / 's.partial' / 'tokens-00000.bin'}: File too large"
+
+
+def test_a_killed_prepare_leaves_no_worker_writing_and_the_next_one_continues(tmp_path, tok):
+    """Its workers wrote on into OUT.partial after a kill -9; now they die with it, and while they live a
+    second prepare of the same --out is refused."""
+    import subprocess
+    import sys
+    import time
+
+    src, out = write_jsonl(tmp_path / "a.jsonl", TEXTS), tmp_path / "store"
+    stuck = (f"import os, time\nfrom shard.data import store\ndef stuck(job):\n    print(os.getpid(), flush=True)\n"
+             f"    time.sleep(300)\nstore._make_shard = stuck\nstore.prepare_store({str(src)!r}, {str(tok.path)!r}, "
+             f"{str(out)!r}, workers=2, progress=False, chunk_bytes={CHUNK})\n")
+    parent = subprocess.Popen([sys.executable, "-c", stuck], stdout=subprocess.PIPE, text=True)
+    workers = [int(parent.stdout.readline()) for _ in range(2)]
+
+    def alive(pid: int) -> bool:  # a zombie (dead, not yet reaped by init) counts as gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    try:
+        with pytest.raises(ShardError, match="store.partial is being written by another shard data prepare"):
+            prepare_store(str(src), tok, out, workers=1, progress=False)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, workers))
+    finally:
+        for pid in filter(alive, workers):
+            os.kill(pid, 9)
+    assert prepare_store(str(src), tok, out, workers=1, progress=False).n_documents == len(TEXTS)
+
+
+def test_a_partial_folder_a_killed_command_left_is_removed_by_the_next_one(tmp_path):
+    """export-hf, import-hf and tokenizer train write `.OUT.partial-*`; a killed one's stayed for good."""
+    from shard.paths import left_behind, writing, written_whole
+
+    stale, live = tmp_path / ".out.partial-stale", tmp_path / ".out.partial-live"
+    for folder in (stale, live, tmp_path / ".other.partial-x"):
+        folder.mkdir()
+        (folder / "weights").write_text("half")
+    said = []
+    with writing(live, "busy"), written_whole(tmp_path / "out", say=said.append) as partial:
+        (partial / "done").write_text("whole")
+        assert not left_behind(partial)  # a command writing it holds it: a second one leaves it alone
+    assert (tmp_path / "out" / "done").read_text() == "whole"
+    assert not stale.exists() and live.exists() and (tmp_path / ".other.partial-x").exists()
+    assert said == [f"removed 1 unfinished folder(s) that a stopped command left: {stale}"]

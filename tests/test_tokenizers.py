@@ -152,6 +152,28 @@ def test_a_bare_tokenizer_json_takes_eos_from_its_special_tokens_and_its_export_
     assert describe(load_tokenizer(str(_bare_bpe(tmp_path / "none", ["<|stop|>"])))) == "huggingface (300 ids, no eos)"
 
 
+def test_bos_added_by_a_post_processor_starts_documents(tmp_path):
+    """Llama-3 style: the tokenizer.json's TemplateProcessing post-processor adds BOS and the config names
+    bos_token without add_bos_token; documents start with BOS as transformers' tokenizer starts them,
+    and a prompt's ids (encode) carry none."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import processors
+
+    folder = _bare_bpe(tmp_path / "llama3ish", ["<|begin_of_text|>", "<|end_of_text|>"])
+    rust = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                        special_tokens=[("<|begin_of_text|>", 0)])
+    rust.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (0, 1, True)
+    ids = encode(tok, TEXT)
+    assert ids[0] != 0 and document_ids(tok, ids).tolist() == [0, *ids.tolist(), 1]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": False}))  # said: kept
+    assert not load_tokenizer(str(folder)).add_bos
+
+
 @pytest.mark.parametrize("config, message", [
     ({"eos_token": "<|eot_id|>"}, 'eos_token "<|eot_id|>" is no token of'),
     ({"eos_token": 12345}, "eos_token must be a token (a string), not 12345"),
@@ -167,3 +189,48 @@ def test_a_config_naming_no_token_is_one_line(bpe, tmp_path, config, message):
         load_tokenizer(str(folder))
     assert str(e.value).startswith(f"{folder / 'tokenizer_config.json'}: ") and "\n" not in str(e.value)
     assert message in str(e.value)
+
+
+def test_a_long_text_is_encoded_in_pieces_with_the_ids_of_the_whole(bpe, sentencepiece_model, monkeypatch,
+                                                                     tmp_path):
+    """One 50 MB JSONL line took 6 GB to encode whole (and 4.4 GB to train a tokenizer on); it is encoded in
+    pieces of PIECE_CHARS (small here) cut where the ids stay those of the whole, and a text with no such
+    place is refused, not encoded whole."""
+    import random
+
+    from shard.data import tokenizers
+
+    rnd = random.Random(0)
+    words = ["café", "wörld", "  ", "\n\n", "日本語", "x", "   def", "\t", "!!", "'s", "123456", "<|endoftext|>", " ", "\n"]
+    text = "\n".join(_lines(300)) + "".join(rnd.choice(words) for _ in range(3000))
+    sp = load_tokenizer(str(sentencepiece_model))
+    whole = [bpe._encode([text])[0], np.asarray(sp._sp.Encode(text), np.int32)]
+    trained_whole = train_bpe([text], 300, tmp_path / "whole").path.read_text()
+    monkeypatch.setattr(tokenizers, "PIECE_CHARS", 200)
+    monkeypatch.setattr(tokenizers, "MAX_PIECE_CHARS", 1600)
+    monkeypatch.setattr(tokenizers, "_CUT_WINDOW", 64)
+    assert len(tokenizers._cuts(bpe._encode, text)) > 50
+    # a tokenizer trained on the text in pieces (its words counted a piece at a time) is the same one
+    assert train_bpe([text], 300, tmp_path / "pieces").path.read_text() == trained_whole
+    for tok, ids in zip((bpe, sp), whole):
+        short, cut = tok.encode_batch(["a b", text])
+        assert cut.tolist() == ids.tolist() and short.tolist() == tok.encode_batch(["a b"])[0].tolist()
+    with pytest.raises(ShardError, match="a text of 2,000 characters has no place to cut it between characters "
+                                         "200 and 1,600"):
+        bpe.encode_batch(["x" * 2000])
+    # a BPE without a pre-tokenizer merges across spaces ("hello world" is one token): a cut there would change
+    # the ids, and is passed over for one that does not
+    tok = tokenizers.HuggingFaceTokenizer(_bpe_without_pre_tokenizer(tmp_path))
+    text = "he " + "hello world " * 100  # the first space past PIECE_CHARS is inside "hello world"
+    assert tok.decode(tok._encode(["hello world"])[0]) == "hello world" and len(tok._encode(["hello world"])[0]) == 1
+    assert tok.encode_batch([text])[0].tolist() == tok._encode([text])[0].tolist()
+
+
+def _bpe_without_pre_tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, trainers
+
+    rust = RustTokenizer(models.BPE())
+    rust.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(vocab_size=40, show_progress=False))
+    rust.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"

@@ -104,7 +104,7 @@ def test_wandb_without_the_package_is_one_line(tmp_path, offline, monkeypatch):
     run = tmp_path / "run"
     result = invoke("train", *TINY, "--run-dir", str(run), "--wandb", "proj")
     assert result.exit_code == 2, result.output
-    assert result.output.strip() == "error: --wandb needs wandb: pip install 'shard[wandb]'"
+    assert result.output.strip() == "error: --wandb needs wandb: ./install.sh wandb"
     assert not run.exists()  # before the run dir, let alone a compile
 
 

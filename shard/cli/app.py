@@ -1,6 +1,7 @@
 """The `shard` command: the typer app, its commands (one module each) and how every command's user
 errors end. JAX is imported only after the simulated device count is settled."""
 
+from inspect import signature
 import re
 
 import typer
@@ -74,14 +75,30 @@ app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
 
 
-def _help_in_paragraphs(typer_app: typer.Typer) -> None:
+def _help_in_paragraphs(typer_app: typer.Typer, escaped: set[int]) -> None:
     """typer's help keeps a docstring's line breaks, so a command's line broke where its source did ("as
-    its evaluations saw / it"): each paragraph becomes one line, which the help then wraps to the terminal."""
+    its evaluations saw / it"): each paragraph becomes one line, which the help then wraps to the terminal.
+    rich reads help text as markup and ate `[wandb]`: every command's, group's and option's help is escaped
+    here, once (options shared by several commands are one object, hence `escaped`)."""
+    typer_app.info.help = escape(typer_app.info.help) if isinstance(typer_app.info.help, str) else None
     for info in typer_app.registered_commands:
         doc = info.help or (info.callback.__doc__ if info.callback else None) or ""
-        info.help = "\n\n".join(" ".join(p.split()) for p in re.split(r"\n\s*\n", doc.strip()))
+        info.help = escape("\n\n".join(" ".join(p.split()) for p in re.split(r"\n\s*\n", doc.strip())))
+        for param in _parameter_infos(info.callback):
+            if isinstance(param.help, str) and id(param) not in escaped:
+                escaped.add(id(param))
+                param.help = escape(param.help)
     for group in typer_app.registered_groups:
-        _help_in_paragraphs(group.typer_instance)
+        _help_in_paragraphs(group.typer_instance, escaped)
+
+
+def _parameter_infos(callback) -> list[typer.models.ParameterInfo]:
+    """A command's typer.Option / typer.Argument objects, given in Annotated[...] or as defaults."""
+    found = []
+    for p in signature(callback).parameters.values() if callback else []:
+        found += [m for m in getattr(p.annotation, "__metadata__", ()) if isinstance(m, typer.models.ParameterInfo)]
+        found += [p.default] if isinstance(p.default, typer.models.ParameterInfo) else []
+    return found
 
 
 def _flag_type(self, ctx):
@@ -89,7 +106,7 @@ def _flag_type(self, ctx):
     return None if self.is_flag or self.count else _option_type(self, ctx)
 
 
-_help_in_paragraphs(app)
+_help_in_paragraphs(app, set())
 _option_type, typer.core.TyperOption.display_type_rich = typer.core.TyperOption.display_type_rich, _flag_type
 
 

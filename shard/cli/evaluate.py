@@ -2,6 +2,7 @@
 or with --tasks its scores on lm-evaluation-harness tasks (shard.training.harness)."""
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,6 +29,8 @@ def evaluate(
         help="lm-eval tasks instead of the held-out loss: names and task YAML files, comma-separated")] = None,
     num_fewshot: Annotated[int | None, typer.Option("--num-fewshot", help="--tasks: examples shown first")] = None,
     limit: Annotated[int | None, typer.Option(help="--tasks: examples per task (default: all)")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="--tasks: folder for the results JSON (default: the "
+                                             "run dir's eval/; a Hugging Face folder's: ./eval/)")] = None,
 ):
     """Held-out loss and perplexity of a checkpoint: the run's held-out data (as its evaluations saw
     it) or --data; or with --tasks, its scores on lm-evaluation-harness tasks."""
@@ -37,9 +40,9 @@ def evaluate(
         given = [name for name, v in (("--data", data), ("--batches", batches), ("--seq", seq)) if v is not None]
         if given:
             raise ShardError(f"{given[0]} is for the held-out loss; --tasks scores lm-eval tasks")
-        return _tasks(checkpoint, tasks, num_fewshot, limit, batch, mesh, json_out, simulate_devices, set_)
-    if num_fewshot is not None or limit is not None:
-        raise ShardError("--num-fewshot and --limit go with --tasks")
+        return _tasks(checkpoint, tasks, num_fewshot, limit, batch, mesh, json_out, simulate_devices, set_, out)
+    if num_fewshot is not None or limit is not None or out is not None:
+        raise ShardError("--num-fewshot, --limit and --out go with --tasks")
     from shard.run.evaluation import held_out_loss
 
     figures = held_out_loss(checkpoint, data, mesh, batches=batches, batch=batch, seq=seq,
@@ -53,13 +56,13 @@ def evaluate(
 
 
 def _tasks(checkpoint: str, tasks: str, num_fewshot: int | None, limit: int | None, batch: int | None, mesh: str,
-           json_out: bool, simulate_devices: int | None, set_: list[str] | None) -> None:
-    """`shard eval --tasks`: lm-eval's table, and its results JSON in the run dir's eval/ folder."""
+           json_out: bool, simulate_devices: int | None, set_: list[str] | None, out: Path | None) -> None:
+    """`shard eval --tasks`: lm-eval's table, and its results JSON in --out or an eval/ folder."""
     from shard.run.evaluation import task_scores
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     scores = task_scores(checkpoint, names, num_fewshot=num_fewshot, limit=limit, batch=batch, mesh=mesh,
-                         simulate_devices=simulate_devices, sets=set_, note=note)
+                         simulate_devices=simulate_devices, sets=set_, note=note, out=out)
     if not scores.main:
         return
     if json_out:

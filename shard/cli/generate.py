@@ -7,6 +7,7 @@ import typer
 from rich.markup import escape
 
 from shard.cli.options import CheckpointOpt, SimOpt, WeightsArg, check_rules_only, checkpoint_given, warn
+from shard.config.model import cache_line
 from shard.errors import ShardError
 from shard.observe.console import err_console
 
@@ -43,30 +44,27 @@ def generate(
     cfg, mesh_spec, devices = start_jax(mesh, simulate_devices, set_)
     from shard import Sampling
 
-    sampling = Sampling(temperature, top_k, top_p)
-    sampling.validate()  # before the weights are read
+    (sampling := Sampling(temperature, top_k, top_p)).validate()  # before the weights are read
     loaded = load_model(checkpoint, cfg, mesh_spec, devices)
     prompts, lead, tokenizer = _prompts(loaded, texts, prompt_ids, ids)
     max_len = max(len(p) for p in prompts) + max_new_tokens
     _warn_past_positions(checkpoint, max_len)
+    if loaded.model.mla:  # the latent cache's size, beside full keys and values
+        err_console.print(escape(cache_line(loaded.model, devices[0].platform)), highlight=False, soft_wrap=True)
     gen = loaded.generator(max_len)
     for n, p in enumerate(prompts):
         _stream(gen, p, max_new_tokens, sampling, seed + n, None if ids else tokenizer, len(lead))
 
 
 def _prompts(loaded, texts: list[str], prompt_ids: str | None, ids: bool):
-    """(the prompts as token ids, the ids each starts with that are not shown, the tokenizer): a tokenizer
-    that starts documents with BOS starts prompts with it."""
+    """(the prompts as token ids, the unshown ids each starts with: a BOS its tokenizer adds, the tokenizer)."""
     from shard.data.tokenizers import encode
 
-    vocab_size = loaded.model.vocab_size
-    tokenizer = loaded.tokenizer
+    vocab_size, tokenizer = loaded.model.vocab_size, loaded.tokenizer
     if tokenizer is None and not (ids and prompt_ids is not None):
         raise ShardError(f"this model has a {vocab_size}-token vocabulary and no tokenizer goes with it "
                          "(none in its run dir's tokenizer/ or hf/ folder): use --prompt-ids and --ids")
-    lead = []
-    if tokenizer is not None and tokenizer.add_bos and tokenizer.bos_id is not None:
-        lead = [tokenizer.bos_id]
+    lead = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
     if prompt_ids is not None:
         return [_parse_ids(prompt_ids, vocab_size)], [], tokenizer
     return [lead + encode(tokenizer, t).tolist() for t in texts], lead, tokenizer
@@ -120,6 +118,9 @@ def _stream(gen, prompt: list[int], max_new_tokens: int, sampling, seed: int, to
 def _prompt_texts(prompt: str | None, prompts_file: Path | None) -> list[str]:
     """The prompts to sample from: --prompt, or each line of --prompts-file (which must hold one)."""
     if prompt is not None:
+        from shard.data.tokenizers import lone_surrogate
+        if problem := lone_surrogate(prompt, argv=True):  # the shell's argument held bytes that are not UTF-8
+            raise ShardError(f"--prompt holds {problem}")
         return [prompt]
     if not prompts_file.is_file():
         raise ShardError(f"prompts file {prompts_file} not found" if not prompts_file.exists()
@@ -144,7 +145,6 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
     if not all(p.lstrip("-").isdigit() for p in parts):
         raise ShardError(f"--prompt-ids expects comma-separated integers like 5,17,99, got {text!r}")
     ids = [int(p) for p in parts]
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
+    if bad := [i for i in ids if not 0 <= i < vocab_size]:
         raise ShardError(f"--prompt-ids: token id {bad[0]} is outside the model's vocabulary 0..{vocab_size - 1}")
     return ids

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from shard.cli.options import CheckpointArg, CheckpointOpt, checkpoint_given
-from shard.observe.console import console, param_count
+from shard.observe.console import console, params_phrase
 
 
 def import_hf(
@@ -20,7 +20,7 @@ def import_hf(
     from shard.run.hf_convert import import_hf_folder
 
     model_cfg = import_hf_folder(hf_dir, out)
-    console.print(f"imported {hf_dir} ({param_count(model_cfg.num_params())} parameters) into {out}; "
+    console.print(f"imported {hf_dir} ({params_phrase(model_cfg, 'parameters')}) into {out}; "
                   f"fine-tune with: shard train --init-from {out} ...", soft_wrap=True)
 
 
@@ -40,9 +40,11 @@ def export_hf(
     checkpoint = checkpoint_given(checkpoint, checkpoint_opt)
     check_export(checkpoint, out, merge, lora_out)
     if lora_out is not None:
-        lora = export_adapters(checkpoint, lora_out)
+        lora, base = export_adapters(checkpoint, lora_out)
         console.print(f"wrote {lora_out}/adapter_config.json and adapter_model.safetensors (rank {lora.rank}, "
-                      f"{', '.join(lora.targets)})", soft_wrap=True)
+                      f"{', '.join(lora.targets)}) over " + (f"{base}" if base else "no Hugging Face folder: "
+                      "export the base with shard export-hf BASE --out DIR and load the adapters over it"),
+                      soft_wrap=True)
     if out is not None:
         files, tokenizer = export_hf_folder(checkpoint, out)
         console.print(f"wrote {out}/config.json and {len(files)} safetensors file(s)"

@@ -50,7 +50,8 @@ def _print_params(doc: dict, model: str) -> None:
         table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(a or "-" for a in r["logical_axes"]), spec,
                       human_bytes(r["bytes_per_device"]))
     table_console().print(table)
-    console.print(f"{param_count(doc['param_count'])} parameters · per device: params "
+    padding = f" + {doc['vocab_padding']:,} vocab padding" if doc["vocab_padding"] else ""
+    console.print(f"{param_count(doc['param_count'])} parameters{padding} · per device: params "
                   f"{human_bytes(doc['params_bytes_per_device'])}, optimizer state "
                   f"{human_bytes(doc['opt_state_bytes_per_device'])}", soft_wrap=True)
 

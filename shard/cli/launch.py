@@ -21,6 +21,8 @@ def launch(
         "--host-discovery", help="a script that prints the HOST or HOST:SLOTS lines there are now")] = None,
     discovery_interval: Annotated[float, typer.Option(
         "--discovery-interval", help="seconds between two questions to --host-discovery")] = 2.0,
+    elastic_timeout: Annotated[float, typer.Option(
+        "--elastic-timeout", help="with --host-discovery: seconds to wait for enough slots after a loss")] = 600.0,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="restarts after lost processes before giving up")] = 3,
     engine: Annotated[str, typer.Option("--engine", help="local (processes here) | srun (steps of a SLURM allocation) | mpiexec")] = "local",
 ):
@@ -35,7 +37,8 @@ def launch(
     settings = flag_settings(**{k: v for k, v in params.items() if k in FLAG_KEYS})
     options = LaunchOptions(processes=processes, min_processes=min_processes, max_processes=max_processes,
                             devices_per_process=devices_per_process, hosts_file=hosts, discovery=host_discovery,
-                            max_restarts=max_restarts, engine=engine, discover_every_s=discovery_interval)
+                            max_restarts=max_restarts, engine=engine, discover_every_s=discovery_interval,
+                            elastic_timeout_s=elastic_timeout)
     code = launch_job(list(ctx.args), settings, config_file=params.get("config"), sets=params.get("set_") or [],
                       options=options, say=lambda line: console.print(line, soft_wrap=True))
     raise typer.Exit(code)

@@ -10,7 +10,7 @@ from rich.table import Table
 from shard.cli.options import PlanSetOpt
 from shard import config as config_mod
 from shard.errors import ShardError
-from shard.observe.console import console, param_count, short_bytes, table_console
+from shard.observe.console import console, params_phrase, short_bytes, table_console
 
 _MOE_NOT_PLANNED = ("a mixture of experts is planned over data, fsdp and expert axes only: tensor and context "
                     "parallel have no formula for its layers")
@@ -57,7 +57,7 @@ def plan(
         if best is None:
             raise typer.Exit(1)
         return
-    console.print(f"{cfg.model.name} ({param_count(cfg.model.num_params())} params) on {devices} x {hw.name} in "
+    console.print(f"{cfg.model.name} ({params_phrase(cfg.model)}) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
     _print_table(ranked[:top])
     console.print(f"{sum(c.fits for c in ranked)} of {len(ranked)} layouts fit · * = the axis crosses nodes")

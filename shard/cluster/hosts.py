@@ -50,8 +50,9 @@ class HostSlots:
         self.last = list(self.fixed) if self.fixed is not None else self._discover()
 
     def current(self) -> list[str]:
-        """The slots there are now. A discovery script that fails keeps the last list it gave (a flaky
-        script must not shrink a healthy job); `problem` then says why."""
+        """The slots there are now. A discovery script that fails, or lists no host, keeps the last list
+        it gave (a flaky script must not shrink a healthy job; hosts truly gone lose their workers, which
+        is seen as such); `problem` then says why."""
         self.problem = ""
         if self.fixed is not None:
             return list(self.fixed)
@@ -72,7 +73,10 @@ class HostSlots:
             last = (done.stderr.strip().splitlines() or [""])[-1]
             raise ShardError(f"--host-discovery {self.discovery} exited with {done.returncode}" +
                              (f": {last}" if last else ""))
-        return parse_slots(done.stdout, f"--host-discovery {self.discovery}'s output")
+        slots = parse_slots(done.stdout, f"--host-discovery {self.discovery}'s output")
+        if not slots:  # a script caught mid-rewrite of its file, or a hiccup: never read as every host gone
+            raise ShardError(f"--host-discovery {self.discovery} listed no host")
+        return slots
 
 
 def allocation_slots(env) -> list[str]:

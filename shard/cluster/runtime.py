@@ -94,12 +94,12 @@ def start(cluster: ClusterSpec | None, cross_host: str = XLA, failure_timeout: f
         _ctx = Context(failure_timeout=failure_timeout)
         return _ctx
     if cluster.launcher == "mpi":  # both modes join through MPI first: mixed, they would wait on each other
-        modes = mpi_world().allgather(cross_host)
+        modes = mpi_world(bind).allgather(cross_host)  # MPI starts: its own sockets where cluster.bind says
         if len(set(modes)) > 1:
             raise ShardError("the processes were started with different --cross-host (" + ", ".join(
                 f"process {r}: {m}" for r, m in enumerate(modes)) + "); start every process with the same command")
     if cross_host == MPI:
-        comm = mpi_world()
+        comm = mpi_world(bind)
         if cluster.launcher == "explicit" or comm.Get_size() != cluster.num_processes:
             raise ShardError(f"--cross-host mpi needs an MPI launcher (mpiexec, or srun with an MPI plugin); "
                              f"MPI sees {comm.Get_size()} process(es) but the job has {cluster.num_processes}")

@@ -7,7 +7,7 @@ What each worker ended with is an exit code per process (`local`), or the launch
 processes the others named lost (every engine: a worker that finds processes lost writes them into the
 job's status folder, shard.cluster.runtime.note_lost)."""
 
-import contextlib
+import functools
 import json
 import os
 import signal
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shard.paths import read_json_or_empty
+from shard.processes import die_with_parent
 
 STATUS_ENV = "SHARD_LAUNCH_STATUS"  # the folder where the workers of one start say who they are and who was lost
 ENGINES = ("local", "srun", "mpiexec")
@@ -45,11 +46,11 @@ class Job:
             stale.unlink()
         env = {**env, STATUS_ENV: str(status)}
         self.exit_order: list[int] = []  # processes (local) in the order they were seen to exit
+        orphaned = functools.partial(die_with_parent, os.getpid())  # a killed supervisor leaves no workers
         if engine == "local":
-            self.procs = [subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent) for argv in argvs]
+            self.procs = [subprocess.Popen(argv, env=env, preexec_fn=orphaned) for argv in argvs]
         else:
-            self.procs = [subprocess.Popen(_launcher_argv(engine, argvs[0], hosts), env=env,
-                                           preexec_fn=_die_with_parent)]
+            self.procs = [subprocess.Popen(_launcher_argv(engine, argvs[0], hosts), env=env, preexec_fn=orphaned)]
 
     def poll(self) -> list[int | None]:
         codes = [p.poll() for p in self.procs]
@@ -110,16 +111,6 @@ def _launcher_argv(engine: str, argv: list[str], hosts: list[str]) -> list[str]:
         return ["srun", f"--ntasks={n}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
                 "--kill-on-bad-exit=1", "--overcommit", *argv]
     return ["mpiexec", "-n", str(n), *(["-hosts", ",".join(nodes)] if nodes != ["localhost"] else []), *argv]
-
-
-def _die_with_parent() -> None:
-    """In the child, before it runs: SIGTERM it when the supervisor dies (Linux's PR_SET_PDEATHSIG), so a
-    killed supervisor leaves no workers training on."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def worker_command() -> list[str]:

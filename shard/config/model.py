@@ -137,6 +137,35 @@ class ModelConfig:
     # scores to choose experts (not to gate them), moved by this much toward the mean load after each
     # step, outside the gradient; 0: off (no bias in the train state)
     router_bias_update: float = 0.0
+    # Group-limited routing (DeepSeek-V3's n_group, topk_group): the experts in router_groups equal groups,
+    # each group scored by the sum of its two best scores (+ bias); a token chooses its k experts among
+    # the experts of its router_topk_groups best groups only. 1, 1: no limit.
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    # The first dense_layers layers have a dense gated MLP of dense_mlp_dim (0: mlp_dim) where the others
+    # have experts (DeepSeek-V3's first_k_dense_replace: 3 layers of 18432); stored as a stack of their
+    # own (`dense_layers/...`) run before the experts' (`dense_part`). 0: every layer has experts.
+    dense_layers: int = 0
+    dense_mlp_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3, shard.models.mtp): mtp_depth extra sequential modules, module k
+    # predicting the token k + 1 further than the next one from the previous module's hidden state and the
+    # embedding of the token k positions on, through one more layer of the main kind; they share the
+    # embedding and the output head. Their mean losses, times mtp_loss_weight / mtp_depth, join the
+    # objective (DeepSeek-V3: depth 1, weight 0.3 then 0.1) and are logged as `mtp_loss`. Training only:
+    # generation ignores them. 0: off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
+    # Multi-head latent attention (DeepSeek-V2/V3, shard.models.mla), on where kv_lora_rank > 0: keys and
+    # values are up-projected from one compressed latent of kv_lora_rank per token (RMS-normalised), queries
+    # from one of q_lora_rank (0: straight from the residual, no compression); each head's query and key
+    # are qk_nope_head_dim without RoPE and qk_rope_head_dim with it, the RoPE key one per token shared by
+    # every head; values are v_head_dim wide. head_dim must be qk_nope_head_dim + qk_rope_head_dim (the
+    # scores' width) and n_kv_heads n_heads.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def validate(self) -> list[str]:
         """Problems with these hyperparameters, as one-line messages (empty when fine)."""
@@ -168,8 +197,10 @@ class ModelConfig:
         if not -1 <= self.attention_chunk < 2**31:
             problems.append(f"model.attention_chunk must be -1 (auto), 0 (off) or queries per chunk, got "
                             f"{self.attention_chunk}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.mla:
             problems.append(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        problems += self._mla_problems() + self._group_problems() + self._dense_problems()
+        problems += self._mtp_problems()
         for f, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
                            ("compute_dtype", COMPUTE_DTYPES)):
             if getattr(self, f) not in allowed:
@@ -215,6 +246,98 @@ class ModelConfig:
         if self.param_dtype not in ("float32", "bfloat16"):
             problems.append(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
         return problems
+
+    def _mla_problems(self) -> list[str]:
+        """Problems with the multi-head latent attention fields."""
+        fields = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        bad = [f for f in fields if not 0 <= getattr(self, f) < 2**31]
+        if bad:
+            return [f"model.{bad[0]} must be 0 or more and below 2**31, got {getattr(self, bad[0])}"]
+        if not self.mla:
+            if on := [f for f in fields if getattr(self, f)]:
+                return [f"model.{on[0]}={getattr(self, on[0])} needs multi-head latent attention (model.kv_lora_rank > 0)"]
+            return []
+        if not self.qk_rope_head_dim or self.qk_rope_head_dim % 2:
+            return [f"model.qk_rope_head_dim must be even and positive for RoPE, got {self.qk_rope_head_dim}"]
+        if not self.v_head_dim:
+            return ["model.v_head_dim must be positive with multi-head latent attention (model.kv_lora_rank > 0)"]
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            return [f"model.head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                    f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim}) with multi-head latent attention"]
+        if self.n_kv_heads != self.n_heads:
+            return [f"model.n_kv_heads ({self.n_kv_heads}) must be model.n_heads ({self.n_heads}) with multi-head "
+                    "latent attention: every head has its own key and value"]
+        if on := [f for f in ("qkv_bias", "qk_norm", "attn_softcap", "rope_local_theta") if getattr(self, f)]:
+            return [f"model.{on[0]} can't be combined with multi-head latent attention (model.kv_lora_rank > 0)"]
+        return []
+
+    def _group_problems(self) -> list[str]:
+        """Problems with group-limited routing."""
+        G, top = self.router_groups, self.router_topk_groups
+        if not 0 < G < 2**31 or not 0 < top < 2**31:
+            return [f"model.router_groups and model.router_topk_groups must be positive, got {G} and {top}"]
+        if top > G:
+            return [f"model.router_topk_groups ({top}) must be at most model.router_groups ({G})"]
+        if G == 1:
+            return []
+        if not self.n_experts or self.n_experts % G or self.n_experts // G < 2:
+            return [f"model.router_groups={G} must divide model.n_experts ({self.n_experts}) into groups of at "
+                    "least 2 experts (a group scores by its two best)"]
+        if self.experts_per_token > top * (self.n_experts // G):
+            return [f"model.experts_per_token ({self.experts_per_token}) must be at most the experts of "
+                    f"router_topk_groups ({top}) groups of {self.n_experts // G}"]
+        return []
+
+    def _mtp_problems(self) -> list[str]:
+        if not 0 <= self.mtp_depth < 2**31:
+            return [f"model.mtp_depth must be 0 (off) or a number of modules, got {self.mtp_depth}"]
+        if not 0 <= self.mtp_loss_weight < math.inf:
+            return [f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}"]
+        if self.mtp_depth and self.global_every:
+            return ["model.mtp_depth can't be combined with model.global_every (local and global layers)"]
+        return []
+
+    def _dense_problems(self) -> list[str]:
+        """Problems with dense first layers."""
+        if not 0 <= self.dense_mlp_dim < 2**31:
+            return [f"model.dense_mlp_dim must be 0 (mlp_dim) or a width below 2**31, got {self.dense_mlp_dim}"]
+        if not self.dense_layers:
+            return []
+        if not 0 < self.dense_layers < self.n_layers or not self.n_experts:
+            return [f"model.dense_layers={self.dense_layers} must be fewer than model.n_layers ({self.n_layers}) "
+                    "in a mixture of experts (model.n_experts > 0): the first layers dense, the others with experts"]
+        if self.global_every:
+            return ["model.dense_layers can't be combined with model.global_every (local and global layers)"]
+        return []
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers with experts (their router bias and expert load are per layer): n_layers less the
+        dense first ones; 0 for a dense model."""
+        return self.n_layers - self.dense_layers if self.n_experts else 0
+
+    @property
+    def dense_part(self) -> "ModelConfig":
+        """The config of the dense first layers' stack (dense_layers): this model's, with that many layers,
+        no experts and an MLP of dense_mlp_dim."""
+        return dataclasses.replace(self, n_layers=self.dense_layers, n_experts=0, n_shared_experts=0,
+                                   router_bias_update=0.0, router_groups=1, router_topk_groups=1, dense_layers=0,
+                                   mlp_dim=self.dense_mlp_dim or self.mlp_dim, dense_mlp_dim=0)
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (shard.models.mla)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: head_dim, or with MLA the RoPE part qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Each head's value (and attention output) width: head_dim, or with MLA v_head_dim."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def padded_vocab(self) -> int:
@@ -267,13 +390,13 @@ class ModelConfig:
         return yarn_mscale(self.rope_scaling)
 
     def rope_frequencies(self, local: bool = False):
-        """RoPE's inverse frequencies (numpy float32, head_dim / 2 of them), scaled as rope_scaling and
+        """RoPE's inverse frequencies (numpy float32, rope_dim / 2 of them), scaled as rope_scaling and
         rope_scaling_type say; `local`: those of the windowed layers (rope_local_theta, unscaled, where set)."""
         import numpy as np
 
         theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
         # in float64, rounded to float32 once at the end
-        inv = 1.0 / theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        inv = 1.0 / theta ** (np.arange(0, self.rope_dim, 2, dtype=np.float64) / self.rope_dim)
         if not self._rope_scaled(local):
             return inv.astype(np.float32)
         if self.rope_scaling_type == "linear":
@@ -295,7 +418,7 @@ class ModelConfig:
         beta_fast times kept (extrapolated), a linear ramp between."""
         import numpy as np
 
-        dim, context = self.head_dim, self.rope_original_context
+        dim, context = self.rope_dim, self.rope_original_context
 
         def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the context
             return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -343,8 +466,34 @@ class ModelConfig:
         return [(path, p.shape, p.axes) for path, p in model_params(self).items()]
 
     def num_params(self) -> int:
-        """Parameter count from the hyperparameters alone."""
-        return sum(math.prod(shape) for _, shape, _ in self.param_shapes())
+        """The model's own parameter count, from the hyperparameters alone (what transformers counts):
+        the stored tables' padded vocab rows are not in it (vocab_padding_params)."""
+        return sum(math.prod(shape) for _, shape, _ in self.param_shapes()) - self.vocab_padding_params()
+
+    def vocab_padding_params(self) -> int:
+        """Parameters in the stored tables' rows past vocab_size (padded_vocab): stored, never used."""
+        return sum(math.prod(shape) // self.padded_vocab * (self.padded_vocab - self.vocab_size)
+                   for _, shape, axes in self.param_shapes() if "vocab" in axes)
+
+
+def cache_bytes_per_token(cfg: ModelConfig, platform: str) -> tuple[int, int]:
+    """(bytes generation's cache holds per token over all layers, in the compute dtype on `platform`;
+    those keys and values of every head would take): with multi-head latent attention the latent and
+    the shared RoPE key (kv_lora_rank + qk_rope_head_dim per layer) against N (head_dim + v_head_dim);
+    with grouped-query attention 2 K head_dim against 2 N head_dim."""
+    size = 2 if cfg.compute_dtype_on(platform) == "bfloat16" else 4
+    if cfg.mla:
+        held, full = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
+    else:
+        held, full = 2 * cfg.n_kv_heads * cfg.head_dim, 2 * cfg.n_heads * cfg.head_dim
+    return cfg.n_layers * held * size, cfg.n_layers * full * size
+
+
+def cache_line(cfg: ModelConfig, platform: str) -> str:
+    """What `shard generate` says of its cache: bytes per token, and beside them the full heads'."""
+    held, full = cache_bytes_per_token(cfg, platform)
+    kind = "latent (MLA)" if cfg.mla else f"{cfg.n_kv_heads} kv heads"
+    return f"KV cache: {held:,} bytes per token, {kind}; keys and values of all {cfg.n_heads} heads: {full:,}"
 
 
 def field_names() -> tuple[str, ...]:
@@ -357,14 +506,18 @@ def field_names() -> tuple[str, ...]:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (norms, biases and a lookup-only table do not); of a
     mixture of experts, the router and the k experts a token is routed to."""
+    # num_params leaves out the padded vocab rows: the head's are masked, not useful work
     n = cfg.num_params() - cfg.d_model * (2 * cfg.n_layers + 1)
     features = [p for p in dense_layer_params(cfg).values() if p.feature]  # biases and norm scales
     n -= cfg.n_layers * sum(math.prod(p.shape) for p in features)
     if not cfg.tie_embeddings:
-        n -= cfg.padded_vocab * cfg.d_model  # the input table is a lookup; unembed is the matmul
-    n -= (cfg.padded_vocab - cfg.vocab_size) * cfg.d_model  # the head's padded rows are masked, not useful work
+        n -= cfg.vocab_size * cfg.d_model  # the input table is a lookup; unembed is the matmul
     if cfg.n_experts:
-        n -= cfg.n_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+        n -= cfg.moe_layers * 3 * cfg.d_model * cfg.mlp_dim * (cfg.n_experts - cfg.experts_per_token)
+    if cfg.mtp_depth:  # each module's five norms and its layer's features, its idle experts; the shared head
+        n -= cfg.mtp_depth * (5 * cfg.d_model + sum(math.prod(p.shape) for p in features))
+        n += cfg.mtp_depth * cfg.vocab_size * cfg.d_model  # runs once more per module
+        n -= cfg.mtp_depth * 3 * cfg.d_model * cfg.mlp_dim * max(cfg.n_experts - cfg.experts_per_token, 0)
     return n
 
 
@@ -376,7 +529,7 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     T / 2 (attended_keys). Recomputation by remat, and a mixture of experts' capacity slack and
     dispatch, are not counted: MFU measures useful work."""
     keys = sum(attended_keys(seq_len, w) for w in cfg.layer_windows())
-    return 6 * matmul_params(cfg) + 12 * keys * cfg.n_heads * cfg.head_dim
+    return 6 * matmul_params(cfg) + 6 * keys * cfg.n_heads * (cfg.head_dim + cfg.v_dim)
 
 
 def attended_keys(seq_len: int, window: int) -> float:

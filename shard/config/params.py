@@ -15,7 +15,7 @@ leading `layers` dim (`stacked`).
 import dataclasses
 from dataclasses import dataclass
 
-from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, VOCAB
+from shard.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LATENT, LAYERS, MLP, VOCAB
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,25 @@ def _norm_init(cfg) -> float | None:
 def dense_layer_params(cfg) -> dict[str, ParamSpec]:
     """A dense layer's parameters, the family features' among them where cfg has them, in the order the
     model creates them (its random draws follow this order)."""
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+    D, F = cfg.d_model, cfg.mlp_dim
     out_std, one = _residual_std(cfg), _norm_init(cfg)
-    table = {
-        "attn_norm": ParamSpec((D,), (EMBED,), one),
+    attention = mla_params(cfg) if cfg.mla else _gqa_params(cfg)
+    table = {"attn_norm": ParamSpec((D,), (EMBED,), one)} | attention | {
+        "post_attn_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
+        "mlp_norm": ParamSpec((D,), (EMBED,), one),
+        "post_mlp_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
+        "w_gate": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
+        "w_up": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
+        "w_down": ParamSpec((F, D), (MLP, EMBED), F**-0.5 * out_std),
+    }
+    return {name: p for name, p in table.items() if not p.feature or getattr(cfg, p.feature)}
+
+
+def _gqa_params(cfg) -> dict[str, ParamSpec]:
+    """Grouped-query attention's parameters, with the family features' (biases, q/k norms)."""
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    out_std, one = _residual_std(cfg), _norm_init(cfg)
+    return {
         "wq": ParamSpec((D, N, H), (EMBED, HEADS, HEAD_DIM), D**-0.5),
         "wk": ParamSpec((D, K, H), (EMBED, KV_HEADS, HEAD_DIM), D**-0.5),
         "wv": ParamSpec((D, K, H), (EMBED, KV_HEADS, HEAD_DIM), D**-0.5),
@@ -60,14 +75,33 @@ def dense_layer_params(cfg) -> dict[str, ParamSpec]:
         "q_norm": ParamSpec((H,), (HEAD_DIM,), one, "qk_norm"),
         "k_norm": ParamSpec((H,), (HEAD_DIM,), one, "qk_norm"),
         "wo": ParamSpec((N, H, D), (HEADS, HEAD_DIM, EMBED), (N * H) ** -0.5 * out_std),
-        "post_attn_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
-        "mlp_norm": ParamSpec((D,), (EMBED,), one),
-        "post_mlp_norm": ParamSpec((D,), (EMBED,), one, "sandwich_norms"),
-        "w_gate": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
-        "w_up": ParamSpec((D, F), (EMBED, MLP), D**-0.5),
-        "w_down": ParamSpec((F, D), (MLP, EMBED), F**-0.5 * out_std),
     }
-    return {name: p for name, p in table.items() if not p.feature or getattr(cfg, p.feature)}
+
+
+def mla_params(cfg) -> dict[str, ParamSpec]:
+    """Multi-head latent attention's parameters in the attention's place (shard.models.mla), shaped as
+    transformers' DeepseekV3 holds them: the query's down-projection to q_lora_rank, its norm and
+    up-projection to the heads (or with q_lora_rank 0 one projection, `wq`); one down-projection to the
+    key-value latent and the shared RoPE key side by side (`wkv_a`), the latent's norm, one
+    up-projection of the latent to each head's key (without RoPE) and value side by side (`wkv_b`); the
+    output. The down-projections' latent column is unnamed, like the router's expert column: FSDP
+    splits them on embed, and `latent` has its own rule (fsdp for parameters), which would name fsdp
+    twice. The latent norms are `feature` "mla": not in a matmul (matmul_params)."""
+    D, N, C, Cq = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+    Hn, Hr, Hv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out_std = _residual_std(cfg)
+    if Cq:
+        query = {"wq_a": ParamSpec((D, Cq), (EMBED, None), D**-0.5),
+                 "q_a_norm": ParamSpec((Cq,), (LATENT,), None, "mla"),
+                 "wq_b": ParamSpec((Cq, N, Hn + Hr), (LATENT, HEADS, HEAD_DIM), Cq**-0.5)}
+    else:
+        query = {"wq": ParamSpec((D, N, Hn + Hr), (EMBED, HEADS, HEAD_DIM), D**-0.5)}
+    return query | {
+        "wkv_a": ParamSpec((D, C + Hr), (EMBED, None), D**-0.5),
+        "kv_a_norm": ParamSpec((C,), (LATENT,), None, "mla"),
+        "wkv_b": ParamSpec((C, N, Hn + Hv), (LATENT, HEADS, HEAD_DIM), C**-0.5),
+        "wo": ParamSpec((N, Hv, D), (HEADS, HEAD_DIM, EMBED), (N * Hv) ** -0.5 * out_std),
+    }
 
 
 def expert_params(cfg) -> dict[str, ParamSpec]:
@@ -120,7 +154,8 @@ def stacked(p: ParamSpec, n_layers: int) -> ParamSpec:
 
 
 def model_params(cfg) -> dict[str, ParamSpec]:
-    """Every parameter of the model by its path ("embed", "layers/wq", ...), the layers' stacked.
+    """Every parameter of the model by its path ("embed", "layers/wq", ...), the layers' stacked (the
+    dense first layers of a mixture of experts, cfg.dense_layers, in "dense_layers/..." before them).
 
     Listed in the order the planner sums them in, which is not the order of creation: the embedding; of
     a layer, the parameters every dense layer has (with experts, theirs in the MLP's place), then the
@@ -132,5 +167,26 @@ def model_params(cfg) -> dict[str, ParamSpec]:
     if cfg.n_experts:
         layer |= expert_params(cfg)  # the experts' MLP weights keep the dense ones' places
     outer = outer_params(cfg)
-    return ({"embed": outer["embed"]} | {f"layers/{name}": stacked(p, cfg.n_layers) for name, p in layer.items()}
-            | {name: p for name, p in outer.items() if name != "embed"})
+    first = {}
+    if cfg.dense_layers:  # DeepSeek-V3's dense first layers, a stack of their own
+        first = {f"dense_layers/{name}": stacked(p, cfg.dense_layers)
+                 for name, p in dense_layer_params(cfg.dense_part).items()}
+    L = cfg.n_layers - cfg.dense_layers
+    return ({"embed": outer["embed"]} | first | {f"layers/{name}": stacked(p, L) for name, p in layer.items()}
+            | {name: p for name, p in outer.items() if name != "embed"}
+            | {f"mtp/{name}": p for name, p in mtp_params(cfg).items()})
+
+
+def mtp_params(cfg) -> dict[str, ParamSpec]:
+    """Multi-token prediction's modules (cfg.mtp_depth, shard.models.mtp), stacked with the module first:
+    each one's norms of the previous hidden state and of the embedding, the projection of the two
+    side by side back to the residual width, one layer of the main stack's kind ("layers/..."), and its
+    own final norm before the shared head. Empty without them."""
+    if not cfg.mtp_depth:
+        return {}
+    D, one = cfg.d_model, _norm_init(cfg)
+    module = {"enorm": ParamSpec((D,), (EMBED,), one), "hnorm": ParamSpec((D,), (EMBED,), one),
+              "eh_proj": ParamSpec((2 * D, D), (None, EMBED), (2 * D) ** -0.5)}
+    module |= {f"layers/{name}": p for name, p in layer_params(cfg).items()}
+    module["norm"] = ParamSpec((D,), (EMBED,), one)
+    return {name: stacked(p, cfg.mtp_depth) for name, p in module.items()}

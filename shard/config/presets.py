@@ -32,6 +32,32 @@ PRESETS: dict[str, ModelConfig] = {
                                      head_dim=8, mlp_dim=16, tie_embeddings=False, n_experts=64,
                                      experts_per_token=6, n_shared_experts=2, moe_routing="dropless",
                                      router_normalize=False, aux_loss_weight=0.001),
+    # DeepSeek-V3 (671B, 37B active) and Kimi K2 (1T, 32B active): multi-head latent attention (a 512-wide
+    # key-value latent and 64 RoPE dims per head shared across its 128 or 64 heads, queries through a
+    # 1536-wide latent), 256 or 384 routed experts of width 2048, top 8 by sigmoid scores renormalised and
+    # scaled, one shared expert, auxiliary-loss-free balancing; DeepSeek-V3 limits each token to 4 of 8
+    # expert groups; their first 3 (1) layers are dense, of width 18432. Not yet here: their context
+    # extension is YaRN (factor 40 / 32) and they train a multi-token prediction module. The tiny twin keeps
+    # every feature with tiny's width (every dim divides 8): one dense layer, then two with experts.
+    "deepseek-v3": ModelConfig(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
+                               n_kv_heads=128, head_dim=192, mlp_dim=2048, tie_embeddings=False, norm_eps=1e-6,
+                               n_experts=256, experts_per_token=8, n_shared_experts=1, moe_routing="dropless",
+                               router_scores="sigmoid", routed_scale=2.5, router_groups=8, router_topk_groups=4,
+                               router_bias_update=0.001, aux_loss_weight=0.0001, q_lora_rank=1536,
+                               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                               dense_layers=3, dense_mlp_dim=18432),
+    "kimi-k2": ModelConfig(name="kimi-k2", vocab_size=163840, d_model=7168, n_layers=61, n_heads=64, n_kv_heads=64,
+                           head_dim=192, mlp_dim=2048, tie_embeddings=False, norm_eps=1e-6, rope_theta=50000.0,
+                           n_experts=384, experts_per_token=8, n_shared_experts=1, moe_routing="dropless",
+                           router_scores="sigmoid", routed_scale=2.827, router_bias_update=0.001,
+                           aux_loss_weight=0.0001, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                           qk_rope_head_dim=64, v_head_dim=128, dense_layers=1, dense_mlp_dim=18432),
+    "deepseek-v3-tiny": ModelConfig(name="deepseek-v3-tiny", d_model=64, n_layers=3, n_heads=8, n_kv_heads=8,
+                                    head_dim=16, mlp_dim=32, tie_embeddings=False, norm_eps=1e-6, n_experts=16,
+                                    experts_per_token=4, n_shared_experts=1, moe_routing="dropless",
+                                    router_scores="sigmoid", routed_scale=2.5, router_groups=4,
+                                    router_topk_groups=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+                                    qk_rope_head_dim=8, v_head_dim=8, dense_layers=1, dense_mlp_dim=64),
     # Llama 3.2 1B shape.
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
                             n_kv_heads=8, head_dim=64, mlp_dim=8192, rope_theta=500000.0),

@@ -207,26 +207,48 @@ class LoraConfig:
         if not 0 < self.alpha < math.inf:
             out.append(f"lora.alpha must be a positive number, got {self.alpha}")
         if not self.rank:
+            if tuple(self.targets) != LoraConfig.targets:  # said, rather than trained without LoRA
+                out.append(f"lora.targets is {','.join(self.targets) or 'empty'} but lora.rank is 0, which turns "
+                           "LoRA off; set lora.rank (8, say), or leave lora.targets out")
             return out
         if not self.targets:
             out.append(f"lora.targets names no weight; name some of {', '.join(LORA_TARGETS)}")
+        sides = _lora_sides(model)
         for t in self.targets:
             if t not in LORA_TARGETS:
                 out.append(f"lora.targets: {t!r} names no weight LoRA adapts (one of {', '.join(LORA_TARGETS)})")
+            elif model.mla and t in ("wq", "wk", "wv"):
+                out.append(f"lora.targets: {t!r} is not a weight of {model.name}'s multi-head latent attention; "
+                           "LoRA adapts its output projection (wo) and a dense MLP there")
             elif model.n_experts and t in ("w_gate", "w_up", "w_down"):
                 out.append(f"lora.targets: {t!r} is an expert weight of {model.name} (mixture of experts); "
                            "LoRA adapts the attention weights there (wq, wk, wv, wo)")
+            elif self.rank > min(sides[t]):
+                out.append(f"lora.rank {self.rank} is above what {t} ({sides[t][0]} -> {sides[t][1]} in {model.name}) "
+                           f"can use: at most {min(sides[t])}, where its adapters already make a full-rank update")
+        if model.dense_layers:
+            out.append(f"lora with model.dense_layers={model.dense_layers} is not supported yet: its adapters sit "
+                       "beside the expert layers' stack only")
         if len(set(self.targets)) != len(self.targets):
             out.append(f"lora.targets names a weight twice: {', '.join(self.targets)}")
         return out
 
 
+def _lora_sides(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each weight LoRA adapts, heads flattened (shard.config.params's shapes)."""
+    q, kv, d, f = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim, model.d_model, model.mlp_dim
+    o = model.n_heads * model.v_dim  # the attention's output: v_head_dim wide per head with MLA
+    return {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (o, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+
+
 @dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (task = "dpo"): `beta` scales the log-probability ratios against
-    the reference model (the weights the run starts from)."""
+    the reference model (the weights the run starts from). A pair longer than --seq keeps the last
+    `max_prompt_tokens` of its prompt (0: half of --seq), and is left out if still too long."""
 
     beta: float = 0.1
+    max_prompt_tokens: int = 0
 
 
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
@@ -334,6 +356,9 @@ def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
         what = "lora.rank (the query weights are frozen)" if cfg.lora.rank else (
             "task dpo (its loss records no logits)" if cfg.task == "dpo" else "cluster.cross_host=mpi")
         return [f"optimizer.qk_clip does not run with {what}; leave it at 0"]
+    if opt.qk_clip and (cfg.model.mla or cfg.model.dense_layers or cfg.model.mtp_depth):
+        return [f"optimizer.qk_clip is not yet for {cfg.model.name}'s multi-head latent attention, dense first "
+                "layers or multi-token prediction (it clips the main stack's q/k heads); leave it at 0"]
     if opt.qk_clip and cfg.model.attn_softcap:
         return [f"optimizer.qk_clip with model.attn_softcap ({cfg.model.name}): the scores are soft-capped "
                 "already; leave optimizer.qk_clip at 0"]
@@ -390,7 +415,8 @@ _RANGES = {
     "guard.spike_factor": _NON_NEGATIVE, "guard.max_grad_norm": (lambda v: v > 0, "positive (inf: off)"),
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
-    "dpo.beta": _POSITIVE, "optimizer.muon_beta": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "dpo.beta": _POSITIVE, "dpo.max_prompt_tokens": (lambda v: 0 <= v < 2**31, "0 (half of --seq) or positive"),
+    "optimizer.muon_beta": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.muon_ns_steps": (lambda v: 0 < v <= 100, "between 1 and 100"),
     "optimizer.muon_rms": _NON_NEGATIVE, "optimizer.qk_clip": (lambda v: 0 <= v < math.inf, "0 (off) or a positive logit"),
 }

@@ -3,8 +3,8 @@ their tokens are trained on.
 
 A conversation is a JSON Lines row `{"messages": [{"role": ..., "content": ...}, ...]}`. It is rendered
 with the `chat_template` of the tokenizer's `tokenizer_config.json` (or `chat_template.jinja` beside it)
-through transformers' own Jinja machinery, or with `DEFAULT_CHAT_TEMPLATE` (ChatML) when the tokenizer
-has none. The text of an assistant turn is what rendering the conversation up to that turn adds to the
+through transformers' own Jinja machinery, within a time and an output-size bound (shard.data.templates),
+or with `DEFAULT_CHAT_TEMPLATE` (ChatML) when the tokenizer has none. The text of an assistant turn is what rendering the conversation up to that turn adds to the
 rendering of the turns before it with `add_generation_prompt` (the prompt a model sees when it answers).
 The rendering is cut at those points and each piece tokenized on its own, so an assistant turn's
 tokens are exactly the ones a model generates after its prompt; only they are trained on.
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.data.tokenizers import Tokenizer, read_json_object
+from shard.data.files import BadRow, json_row
+from shard.data.templates import TemplateBound, render
+from shard.data.tokenizers import Tokenizer, lone_surrogate, read_json_object
 from shard.errors import ShardError
 
 # ChatML, for a tokenizer without a chat template of its own (the byte tokenizer, a bare tokenizer.json).
@@ -31,20 +33,30 @@ ASSISTANT = "assistant"
 
 def chat_template(tokenizer: Tokenizer) -> str:
     """The tokenizer's chat template: tokenizer_config.json's `chat_template` (a string, or the one named
-    "default" of a list), else a chat_template.jinja beside it, else DEFAULT_CHAT_TEMPLATE."""
+    "default" of a list), else a chat_template.jinja beside it, else DEFAULT_CHAT_TEMPLATE. A
+    `chat_template` of another kind is an error, not a silent ChatML."""
     config_path = getattr(tokenizer, "config_path", None)
     if config_path is not None:
         if config_path.is_file():
             found = read_json_object(config_path).get("chat_template")
             if isinstance(found, list):  # [{"name": "default", "template": ...}, ...]
                 found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"),
-                             None)
+                             found)
             if isinstance(found, str) and found:
                 return found
+            if found not in (None, ""):
+                raise ShardError(f"{config_path}: chat_template must be a template (a string), or a list of "
+                                 f"{{name, template}} with one named \"default\", got {_kind(found)}")
         jinja = config_path.with_name(TEMPLATE_FILE)
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8")
     return DEFAULT_CHAT_TEMPLATE
+
+
+def _kind(value) -> str:
+    if isinstance(value, list):
+        return "a list without a string template named \"default\""
+    return f"{type(value).__name__} {json.dumps(value)[:40]}"
 
 
 def _template_tokens(tokenizer: Tokenizer) -> dict:
@@ -74,18 +86,16 @@ class ChatRenderer:
         return cls(tokenizer, chat_template(tokenizer), where)
 
     def _render(self, messages: list[dict], line: int, generation_prompt: bool) -> str:
-        # here: transformers is the hf extra's, and takes over half a second to import
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        try:
-            rendered, _ = render_jinja_template([messages], chat_template=self.template,
-                                                add_generation_prompt=generation_prompt,
-                                                **_template_tokens(self.tokenizer))
+        try:  # transformers' sandbox, within a time and an output-size bound (shard.data.templates)
+            return render(self.template, messages=messages, tools=None, documents=None,
+                          add_generation_prompt=generation_prompt, **_template_tokens(self.tokenizer))
+        except TemplateBound as e:
+            raise ShardError(f"{self.where} line {line}: the chat template {e} rendering this conversation "
+                             "(docs/finetuning.md)") from None
         except Exception as e:  # noqa: BLE001 - Jinja raises many kinds; each is the template's failure
             detail = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise ShardError(f"{self.where} line {line}: the chat template failed to render this conversation "
                              f"({type(e).__name__}: {detail})") from None
-        return rendered[0]
 
     def prompt(self, messages: list[dict]) -> str:
         """The text a model answers the conversation from (rendered with add_generation_prompt)."""
@@ -125,13 +135,13 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
     if p.suffix != ".jsonl" or not p.is_file():
         raise ShardError(f"fine-tuning data {path} must be a JSON Lines file (.jsonl), one row per line")
     rows = []
-    for n, text in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, text in enumerate(p.read_bytes().splitlines(), 1):  # bytes: U+2028 in a string ends no line
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ShardError(f"{path} line {n} is not JSON ({e.msg})") from None
+            row = json_row(text)
+        except BadRow as e:
+            raise ShardError(f"{path} line {n} {e}") from None
         if not isinstance(row, dict):
             raise ShardError(f"{path} line {n} is not a JSON object")
         rows.append((n, row))
@@ -143,13 +153,16 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
 def messages_of(value, where: str, line: int, field: str, default_role: str) -> list[dict]:
     """A list of {role, content} messages; a plain string is one message of `default_role`."""
     if isinstance(value, str):
-        return [{"role": default_role, "content": value}]
+        value = [{"role": default_role, "content": value}]
     if not isinstance(value, list) or not value:
         raise ShardError(f"{where} line {line}: {field!r} must be a string or a non-empty list of messages")
     for m in value:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ShardError(f"{where} line {line}: every message of {field!r} needs a string 'role' and 'content', "
                              f"got {json.dumps(m)[:80]}")
+        for key in ("role", "content"):
+            if problem := lone_surrogate(m[key]):
+                raise ShardError(f"{where} line {line}: a message's {key!r} in {field!r} holds {problem}")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -15,7 +15,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from shard.data.files import EMBEDDED, Listing, list_source, read_text_bytes
+from shard.data.files import EMBEDDED, BadRow, Listing, json_row, list_source, read_text_bytes
+from shard.data.tokenizers import lone_surrogate
 from shard.errors import ShardError
 
 TEXT, JSONL, PARQUET, DATASET = "text", "jsonl", "parquet", "dataset"
@@ -52,7 +53,7 @@ def need(module: str, path):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ShardError(f"reading {path} needs {module.split('.')[0]} (pip install 'shard[data]')") from None
+        raise ShardError(f"reading {path} needs {module.split('.')[0]} (./install.sh data)") from None
 
 
 def source_parts(spec: str) -> list[tuple[str, Path]]:
@@ -131,13 +132,20 @@ def _parquet_chunks(path: Path, text_field: str) -> list[Chunk]:
     if text_field not in schema.names:
         raise ShardError(f"Parquet file {path} has no column {text_field!r} (its columns: "
                          f"{', '.join(schema.names)}); give --text-field")
-    kind = str(schema.field(text_field).type)
-    if kind not in _STRING_TYPES:
+    kind = schema.field(text_field).type
+    if not _is_text(kind):
         raise ShardError(f"column {text_field!r} of Parquet file {path} is {kind}, not text")
     column = schema.names.index(text_field)
     groups = meta.metadata
     return [Chunk(PARQUET, (str(path),), g, g + 1, groups.row_group(g).column(column).total_uncompressed_size)
             for g in range(groups.num_row_groups) if groups.row_group(g).num_rows]
+
+
+def _is_text(kind) -> bool:
+    """A column of strings, plain or dictionary-encoded (pandas' categoricals, Parquet's dictionary pages
+    read back as such): both read as Python strings."""
+    kind = getattr(kind, "value_type", kind)  # a dictionary's values
+    return str(kind) in _STRING_TYPES
 
 
 def open_dataset(path: Path):
@@ -164,8 +172,8 @@ def _dataset_chunks(path: Path, text_field: str, chunk_bytes: int) -> list[Chunk
     if text_field not in ds.column_names:
         raise ShardError(f"dataset {path} has no column {text_field!r} (its columns: {', '.join(ds.column_names)}); "
                          "give --text-field")
-    kind = str(ds.data.schema.field(text_field).type)
-    if kind not in _STRING_TYPES:
+    kind = ds.data.schema.field(text_field).type
+    if not _is_text(kind):
         raise ShardError(f"column {text_field!r} of dataset {path} is {kind}, not text")
     rows = len(ds)
     nbytes = ds.data.column(text_field).nbytes
@@ -176,8 +184,18 @@ def _dataset_chunks(path: Path, text_field: str, chunk_bytes: int) -> list[Chunk
 
 def read_chunk(chunk: Chunk, text_field: str = "text") -> list[str]:
     """The chunk's documents, empty ones included (the store skips them)."""
+    return read_chunk_counted(chunk, text_field)[0]
+
+
+def read_chunk_counted(chunk: Chunk, text_field: str = "text") -> tuple[list[str], dict[str, int]]:
+    """read_chunk, and the text files in which invalid UTF-8 became U+FFFD, with how many sequences."""
     if chunk.kind == TEXT:
-        return [_read_text(Path(f)) for f in chunk.files]
+        decoded = {f: decode_text(read_text_bytes(Path(f))) for f in chunk.files}
+        return [t for t, _ in decoded.values()], {f: n for f, (_, n) in decoded.items() if n}
+    return _read_rows(chunk, text_field), {}
+
+
+def _read_rows(chunk: Chunk, text_field: str) -> list[str]:
     path = Path(chunk.files[0])
     if chunk.kind == JSONL:
         return _read_jsonl(path, chunk.start, chunk.stop, text_field)
@@ -189,8 +207,11 @@ def read_chunk(chunk: Chunk, text_field: str = "text") -> list[str]:
     return [t or "" for t in ds[chunk.start:chunk.stop][text_field]]
 
 
-def _read_text(path: Path) -> str:
-    return read_text_bytes(path).decode("utf-8", errors="replace")
+def decode_text(raw: bytes) -> tuple[str, int]:
+    """UTF-8 text, each invalid sequence replaced by U+FFFD, and how many were (U+FFFD written in the
+    file itself is no replacement)."""
+    text = raw.decode("utf-8", errors="replace")
+    return text, text.count("\ufffd") - raw.count("\ufffd".encode())
 
 
 def _read_jsonl(path: Path, start: int, stop: int, text_field: str) -> list[str]:
@@ -198,18 +219,19 @@ def _read_jsonl(path: Path, start: int, stop: int, text_field: str) -> list[str]
         f.seek(start)
         data = f.read(stop - start)
     texts = []
-    loads = json.loads
     for n, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
         try:
-            row = loads(line)
+            row = json_row(line)
             texts.append(row[text_field])
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise ShardError(_jsonl_error(path, start, n, line, text_field, e)) from None
+        except (BadRow, KeyError, TypeError, IndexError) as e:
+            raise ShardError(_jsonl_error(path, start, n, text_field, e)) from None
         if not isinstance(texts[-1], str):
             raise ShardError(f"{path} line {_line_number(path, start, n)}: field {text_field!r} is "
                              f"{type(texts[-1]).__name__}, not text")
+        if problem := lone_surrogate(texts[-1]):
+            raise ShardError(f"{path} line {_line_number(path, start, n)}: field {text_field!r} holds {problem}")
     return texts
 
 
@@ -218,10 +240,10 @@ def _line_number(path: Path, start: int, n: int) -> int:
         return f.read(start).count(b"\n") + n + 1
 
 
-def _jsonl_error(path: Path, start: int, n: int, line: bytes, field: str, e: Exception) -> str:
+def _jsonl_error(path: Path, start: int, n: int, field: str, e: Exception) -> str:
     where = f"{path} line {_line_number(path, start, n)}"
-    if isinstance(e, ValueError):
-        return f"{where} is not JSON ({str(e)[:120]})"
+    if isinstance(e, BadRow):
+        return f"{where} {e}"
     return f"{where} has no field {field!r} (give --text-field)"
 
 

@@ -24,6 +24,21 @@ STORE_FILE = "store.json"  # a token store's folder holds it (shard.data.store)
 _DATASET_MARKS = ("dataset_dict.json", "state.json")  # what save_to_disk writes in a folder
 
 
+class BadRow(ValueError):
+    """Why a JSON Lines row can't be read: the rest of a line that starts `FILE line N`."""
+
+
+def json_row(line: bytes):
+    """One JSON Lines row, parsed; a BadRow when it is not JSON (or not UTF-8), or is nested deeper than
+    Python's recursion limit allows (about 1,000 levels)."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise BadRow("is nested too deeply to read (arrays or objects about 1,000 levels deep)") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise BadRow(f"is not JSON ({str(e)[:120]})") from None
+
+
 def embedded_corpus_files() -> list[Path]:
     """The standard library's top-level modules: ~4.7 MB of real text on Python 3.11."""
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))

@@ -4,7 +4,8 @@
   row of trained flags beside the tokens; the batch's `loss_mask` is 1 where the target is an
   assistant token.
 - dpo: one sequence per row, padded, the chosen and the rejected sequence of a pair in consecutive rows
-  (sample 2k and 2k + 1); pairs are shuffled, never split.
+  (sample 2k and 2k + 1); pairs are shuffled, never split. A pair longer than a row has its prompt cut
+  from the left (dpo.max_prompt_tokens), or is left out (fit_pairs).
 """
 
 import numpy as np
@@ -33,9 +34,9 @@ class PairSource:
     """Preference pairs as padded rows of seq_len + 1 tokens: row 2k the chosen, 2k + 1 the rejected
     sequence of pair k; `read` gives tokens (-1: padding) and trained flags."""
 
-    def __init__(self, pairs, seq_len: int):
+    def __init__(self, pairs, seq_len: int, note: str = ""):
         width = seq_len + 1
-        self.seq_len, self.pairs = seq_len, len(pairs)
+        self.seq_len, self.pairs, self.note = seq_len, len(pairs), note  # note: what fitting them did
         self.rows = {k: np.full((2 * len(pairs), width), -1, np.int32) for k in ("tokens", "trained")}
         for k, (ci, cf, ri, rf) in enumerate(pairs):
             for j, (ids, flags) in enumerate(((ci, cf), (ri, rf))):
@@ -67,7 +68,8 @@ class PairSamples(Samples):
         return 2 * pairs + samples % 2
 
     def describe(self) -> str:
-        return f"{self.source.pairs:,} preference pairs ({self.tokens:,} tokens)"
+        note = f"; {self.source.note}" if self.source.note else ""
+        return f"{self.source.pairs:,} preference pairs ({self.tokens:,} tokens{note})"
 
 
 def sft_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSource | None = None) -> Samples:
@@ -76,13 +78,43 @@ def sft_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSourc
     return ChatSamples.shuffled(ChatSource(tokens, trained, plan), seed, seq_len, origin=origin)
 
 
-def dpo_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSource | None = None) -> Samples:
+def dpo_samples(path: str, tokenizer, seq_len: int, seed: int, origin: DataSource | None = None,
+                max_prompt_tokens: int = 0) -> Samples:
+    """The pairs of `path` that fit rows of seq_len + 1 tokens (fit_pairs; `max_prompt_tokens` 0: half
+    of seq_len); none fitting is an error."""
     pairs = read_pairs(path, tokenizer)
-    for n, (_, cf, _, rf) in enumerate(pairs, 1):
-        if not (cf[1:seq_len + 1].any() and rf[1:seq_len + 1].any()):
-            raise ShardError(f"{path} pair {n}: its prompt fills the whole sequence of {seq_len + 1} tokens, so no "
-                             "completion token is left to compare; raise --seq or shorten the prompt")
-    return PairSamples(PairSource(pairs, seq_len), shuffled_order(len(pairs), seed), seq_len, origin=origin)
+    keep = max_prompt_tokens or max(1, seq_len // 2)
+    fitted, cut = fit_pairs(pairs, seq_len + 1, keep)
+    if not fitted:
+        raise ShardError(f"{path}: none of its {len(pairs):,} preference pairs fits --seq {seq_len}, even with its "
+                         f"prompt cut to its last {keep} tokens (dpo.max_prompt_tokens); raise --seq")
+    dropped = len(pairs) - len(fitted)
+    note = ", ".join(([f"{cut:,} prompt(s) cut to their last {keep} tokens"] if cut else []) +
+                     ([f"{dropped:,} pair(s) left out, longer than --seq {seq_len} even so"] if dropped else []))
+    return PairSamples(PairSource(fitted, seq_len, note), shuffled_order(len(fitted), seed), seq_len, origin=origin)
+
+
+def fit_pairs(pairs, width: int, max_prompt_tokens: int) -> tuple[list, int]:
+    """(the pairs whose two sequences fit `width` tokens, how many of them had their prompt cut). A pair
+    too long keeps only the last `max_prompt_tokens` tokens of its prompt (the tokens before its first
+    trained one), as TRL's max_prompt_length; one still too long is left out, as is one with no
+    completion token to compare (an empty answer). A pair that fits is kept whole."""
+    def fits(ci, cf, ri, rf) -> bool:  # and a completion token to compare in each (a target: past index 0)
+        return len(ci) <= width and len(ri) <= width and bool(cf[1:].any() and rf[1:].any())
+
+    fitted, cut = [], 0
+    for pair in pairs:
+        if fits(*pair):
+            fitted.append(pair)
+            continue
+        both = []
+        for ids, flags in (pair[:2], pair[2:]):
+            start = max(0, int(np.argmax(flags > 0)) - max_prompt_tokens)  # the prompt's first token kept
+            both += [ids[start:], flags[start:]]
+        if fits(*both):
+            fitted.append(tuple(both))
+            cut += 1
+    return fitted, cut
 
 
 def task_samples(cfg, source: DataSource | None = None) -> Samples:
@@ -92,5 +124,7 @@ def task_samples(cfg, source: DataSource | None = None) -> Samples:
     spec = source.tokenizer
     tokenizer = load_tokenizer(spec)
     check_tokenizer_fits(tokenizer, spec, cfg.model.vocab_size)
-    read = sft_samples if cfg.task == "sft" else dpo_samples
-    return read(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source)
+    if cfg.task == "dpo":
+        return dpo_samples(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source,
+                           max_prompt_tokens=cfg.dpo.max_prompt_tokens)
+    return sft_samples(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source)

@@ -73,8 +73,19 @@ def read_mixture(path: str) -> list[MixtureEntry]:
             raise ShardError(f"{where}: {p} does not exist")
         if is_mixture(p):
             raise ShardError(f"{where}: {p} is a mixture itself; name its sources here instead")
+        same = [k for k, e in enumerate(entries, 1) if _same_source(e.path, p)]
+        if same:  # its documents would be drawn twice as often as its weight says, from two orders
+            raise ShardError(f"{where}: {p} is source {same[0]} already; give it one entry, with the weight of both")
         entries.append(MixtureEntry(p, float(weight), float(epochs)))
     return entries
+
+
+def _same_source(a: str, b: str) -> bool:
+    """Whether two of a mixture's paths name the same thing (a link, `./x` and `x` alike)."""
+    if a == b:
+        return True
+    exists = a not in ("", "synthetic") and b not in ("", "synthetic") and Path(a).exists() and Path(b).exists()
+    return exists and Path(a).resolve() == Path(b).resolve()
 
 
 def _number(x) -> bool:
@@ -84,6 +95,7 @@ def _number(x) -> bool:
 def block_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
     """Slots per block for each weight (0 for none): proportional, by largest remainder, summing to `block`."""
     w = np.asarray(weights, np.float64)
+    w = w / w.max()  # weights are relative: two of 1e308 are two halves, not an overflow to inf
     exact = w / w.sum() * block
     counts = np.floor(exact).astype(np.int64)
     short = block - counts.sum()

@@ -17,14 +17,13 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk
+from shard.data.documents import CHUNK_BYTES, Chunk, plan_chunks, read_chunk_counted
 from shard.data.files import STORE_FILE, is_store
 from shard.data.files import STORE_FORMAT as FORMAT
 from shard.data.sources import DataSource, describe_data, source_signature
@@ -32,7 +31,8 @@ from shard.data.token_store import (SHARD_FIELDS, VERSION, TokenStore, check_ent
                                      documents_name, tokens_name)
 from shard.data.tokenizers import Tokenizer, load_tokenizer, read_json_object
 from shard.errors import ShardError
-from shard.paths import TOKENIZER_DIR, current_umask, write_text_atomic
+from shard.paths import TOKENIZER_DIR, write_atomic, write_text_atomic, writing, written_whole
+from shard.processes import die_with_parent
 
 PLAN_FILE = "plan.json"
 
@@ -99,30 +99,33 @@ def encode_documents(tok: Tokenizer, texts: list[str], dtype) -> tuple[np.ndarra
 _WORKER: dict = {}
 
 
-def _start_worker(tokenizer_dir: str, dtype: str, text_field: str) -> None:
+def _start_worker(tokenizer_dir: str, dtype: str, text_field: str, parent: int | None = None) -> None:
+    if parent is not None:  # a pool's worker: a killed prepare leaves none writing into its partial
+        die_with_parent(parent)
     _WORKER.update(tok=load_tokenizer(tokenizer_dir), dtype=np.dtype(dtype), text_field=text_field)
 
 
 def _make_shard(job: tuple[int, dict, str]) -> dict:
     index, chunk, folder = job
     tok, dtype = _WORKER["tok"], _WORKER["dtype"]
-    tokens, ends = encode_documents(tok, read_chunk(Chunk.from_json(chunk), _WORKER["text_field"]), dtype)
+    texts, replaced = read_chunk_counted(Chunk.from_json(chunk), _WORKER["text_field"])
+    try:
+        tokens, ends = encode_documents(tok, texts, dtype)
+    except ShardError as e:  # a text too long to cut
+        raise ShardError(f"{', '.join(chunk['files'])}: {e}") from None
     folder = Path(folder)
     documents = io.BytesIO()
     np.save(documents, ends)
     documents = documents.getbuffer()
     for name, data in ((tokens_name(index), tokens), (documents_name(index), documents)):
-        tmp = folder / f".{name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, folder / name)
+        write_atomic(folder / name, data, sync=False)  # a full disk: the error names the file
     record = {"tokens": tokens_name(index), "documents": documents_name(index), "n_tokens": int(tokens.size),
               "n_documents": int(ends.size), "max_token": int(tokens.max()) if tokens.size else -1,
               "tokens_bytes": tokens.nbytes, "documents_bytes": documents.nbytes,
               "tokens_crc32": crc_hex(zlib.crc32(tokens)), "documents_crc32": crc_hex(zlib.crc32(documents))}
     # the record last: its presence says the shard is finished, and what its files must hold
     write_text_atomic(folder / record_name(index), json.dumps(record) + "\n")
-    return {"index": index, **record, "nbytes": chunk["nbytes"]}
+    return {"index": index, **record, "nbytes": chunk["nbytes"], "replaced": replaced}
 
 
 def _shard_done(folder: Path, index: int, dtype: np.dtype, vocab_size: int) -> tuple[dict | None, str]:
@@ -177,15 +180,35 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
         # bad sources fail here, before any file is made
         chunks = plan_chunks(specs, text_field, chunk_bytes, parts=[s.documents for s in sources])
         _start_partial(partial, tok, {"key": key, "sources": specs, "text_field": text_field,
-                                      "chunks": [c.to_json() for c in chunks]})
-    else:
-        plan = read_json_object(partial / PLAN_FILE) if (partial / PLAN_FILE).is_file() else {}
-        if plan.get("key") != key:
-            raise ShardError(f"{partial} is an unfinished store made from other sources, tokenizer or text field; "
-                             "remove it to start over, or choose another --out")
-        chunks = [Chunk.from_json(c) for c in plan["chunks"]]
-        say(f"continuing {partial}")
-    dtype = store_dtype(tok.vocab_size)
+                                      "chunks": [c.to_json() for c in chunks]}, say)
+    # held until the store is renamed into place, by this process and its workers: a second prepare of the
+    # same --out is refused while either lives
+    with writing(partial, f"{partial} is being written by another shard data prepare (or its workers); wait for "
+                          "it to end, or choose another --out"):
+        if not created:
+            plan = read_json_object(partial / PLAN_FILE) if (partial / PLAN_FILE).is_file() else {}
+            if plan.get("key") != key:
+                raise ShardError(f"{partial} is an unfinished store made from other sources, tokenizer or text "
+                                 "field; remove it to start over, or choose another --out")
+            chunks = [Chunk.from_json(c) for c in plan["chunks"]]
+            say(f"continuing {partial}")
+        dtype = store_dtype(tok.vocab_size)
+        shards = _made_shards(partial, chunks, specs, tok, dtype, text_field, workers, say, created)
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer_info(tok),
+                "text_field": text_field, "sources": specs, "key": key,
+                "shards": [{k: s[k] for k in SHARD_FIELDS} for s in shards],
+                "n_tokens": sum(s["n_tokens"] for s in shards), "n_documents": sum(s["n_documents"] for s in shards)}
+        write_text_atomic(partial / STORE_FILE, json.dumps(meta, indent=1) + "\n")
+        os.rename(partial, out)  # whole, or not there
+    for i in range(len(chunks)):  # store.json holds what the records said
+        (out / record_name(i)).unlink(missing_ok=True)
+    return TokenStore.open(out)
+
+
+def _made_shards(partial: Path, chunks: list[Chunk], specs: list[str], tok: Tokenizer, dtype, text_field: str,
+                 workers: int | None, say: "_Say", created: bool) -> list[dict]:
+    """Every shard of the partial, made or (continuing it) checked and redone where it does not match its
+    record, then read back against its record."""
     done, redo = {}, []
     for tmp in [] if created else partial.glob(".*.tmp-*"):  # what workers killed mid-write left
         tmp.unlink(missing_ok=True)
@@ -210,6 +233,8 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
             if created:
                 shutil.rmtree(partial, ignore_errors=True)
             raise ShardError(f"data path {spec or 'the embedded corpus'} holds no text (field {text_field!r})")
+    if note := replaced_note([s.get("replaced", {}) for s in shards]):
+        say(note)
     # every shard read back against its record before the store is called whole
     for s in shards:
         found, problem = _shard_done(partial, s["index"], dtype, tok.vocab_size)
@@ -217,30 +242,24 @@ def prepare_store(sources, tokenizer, out, *, text_field: str = "text", workers:
             raise ShardError(f"token store {partial}: shard {tokens_name(s['index'])} does not match what was "
                              f"written ({problem or 'it is gone'}); the store is not finished: run the same command "
                              "again to redo it")
-    n_tokens, n_documents = sum(s["n_tokens"] for s in shards), sum(s["n_documents"] for s in shards)
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "tokenizer": tokenizer_info(tok),
-            "text_field": text_field, "sources": specs, "key": key,
-            "shards": [{k: s[k] for k in SHARD_FIELDS} for s in shards],
-            "n_tokens": n_tokens, "n_documents": n_documents}
-    write_text_atomic(partial / STORE_FILE, json.dumps(meta, indent=1) + "\n")
-    os.rename(partial, out)  # whole, or not there
-    for i in range(len(chunks)):  # store.json holds what the records said
-        (out / record_name(i)).unlink(missing_ok=True)
-    return TokenStore.open(out)
+    return shards
 
 
-def _start_partial(partial: Path, tok: Tokenizer, plan: dict) -> None:
+def replaced_note(replaced: list[dict[str, int]]) -> str:
+    """The line that says how much invalid UTF-8 the text files held (read as U+FFFD), or ""."""
+    files = {f: n for part in replaced for f, n in part.items()}
+    if not files:
+        return ""
+    first = min(files)
+    return (f"warning: {sum(files.values()):,} invalid UTF-8 sequence(s) in {len(files):,} text file(s) read as "
+            f"U+FFFD (the replacement character), {files[first]:,} of them in {first}")
+
+
+def _start_partial(partial: Path, tok: Tokenizer, plan: dict, say: "_Say") -> None:
     """The partial's tokenizer and plan, made beside it and renamed into place: a partial always has both."""
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{partial.name}-", dir=partial.parent))
-    try:
+    with written_whole(partial, say) as tmp:
         tok.save(tmp / TOKENIZER_DIR)
-        (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-        tmp.chmod(0o777 & ~current_umask())
-        tmp.rename(partial)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_text_atomic(tmp / PLAN_FILE, json.dumps(plan, indent=1) + "\n")
 
 
 def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_field: str, workers: int | None,
@@ -260,7 +279,7 @@ def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_fie
             # fork starts fast and needs no `if __name__ == "__main__"` in the caller's script; spawn where
             # the parent holds JAX's threads, which a fork copies mid-flight
             ctx = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
-            with _one_thread_each(), ctx.Pool(workers, _start_worker, init) as pool:
+            with _one_thread_each(), ctx.Pool(workers, _start_worker, (*init, os.getpid())) as pool:
                 for s in pool.imap_unordered(_make_shard, todo):
                     results[s["index"]] = s
                     advance(s)
@@ -270,9 +289,11 @@ def _run_workers(partial: Path, chunks: list[Chunk], done: dict, dtype, text_fie
 @contextlib.contextmanager
 def _one_thread_each():
     """Workers inherit these: one tokenizer thread each, as many processes as cores (a process a core
-    beats a pool of threads in each: no oversubscription, no locks between them)."""
-    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    beats a pool of threads in each: no oversubscription, no locks between them); and PYTHONSAFEPATH, so
+    a spawned worker's `python -c` never imports from the working folder (`multiprocessing/` there would
+    run before the worker takes its parent's import path)."""
+    saved = {k: os.environ.get(k) for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONSAFEPATH")}
+    os.environ.update(RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONSAFEPATH="1")
     try:
         yield
     finally:

@@ -8,7 +8,9 @@ A document's ids are `document_ids`: the tokenizer's BOS first where it uses one
 has one, so document boundaries are known downstream (packing, evaluation)."""
 
 import hashlib
+import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -27,6 +29,19 @@ BYTE_FILE = "shard_tokenizer.json"  # the byte tokenizer's marker in a saved fol
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 _BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+# A lone UTF-16 surrogate: JSON can escape one ("\\ud800") and Python keeps a byte that is not UTF-8 in a
+# command-line argument as one (U+DC80..U+DCFF), but it is no Unicode character: no tokenizer encodes it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Vocabularies above this are refused before the `tokenizers` library sizes its tables by them (it aborts the
+# process past about 2**31; 2**24 already takes 0.5 GB and seconds): 4x the largest released (Gemma's 262,144).
+MAX_BPE_VOCAB = 1 << 20
+# A long text is encoded a piece at a time, cut where the ids stay those of the whole (`encode_in_pieces`):
+# encoding holds ~100 bytes a character, so one 50 MB line took 6 GB whole.
+PIECE_CHARS = 1 << 20
+MAX_PIECE_CHARS = 8 * PIECE_CHARS  # a text with no place to cut it in this many characters is refused
+_CUT_WINDOW = 1024  # characters each side of a cut that must encode to the same ids cut and whole
+_CUT_TRIES = 32  # places tried for one cut before the text is refused
+_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")  # a space or line end between two words: where every tokenizer splits
 
 
 @runtime_checkable
@@ -57,6 +72,72 @@ class Tokenizer(Protocol):
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """One text's ids, without BOS or EOS (a prompt, a continuation)."""
     return tokenizer.encode_batch([text])[0]
+
+
+def lone_surrogate(text: str, argv: bool = False) -> str:
+    """What makes `text` no Unicode text ("" when nothing does): its first lone surrogate, named with where
+    it is; `argv`: the text came from the command line, where such a character stands for a byte that is
+    not UTF-8."""
+    found = None if text.isascii() else _SURROGATE.search(text)  # isascii: a flag, no scan
+    if found is None:
+        return ""
+    code = ord(found.group())
+    if argv and 0xDC80 <= code <= 0xDCFF:
+        return f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8 (at character {found.start()})"
+    return f"a lone UTF-16 surrogate \\u{code:04x}, which is no Unicode character (at character {found.start()})"
+
+
+def encode_in_pieces(encode, texts: list[str]) -> list[np.ndarray]:
+    """Each text's ids by `encode` (a tokenizer's own batch encoding, list of texts to list of id arrays),
+    with memory bounded whatever the texts' lengths: a text longer than PIECE_CHARS is cut into pieces of
+    about that many characters, each cut at a space or line end between two words where the `_CUT_WINDOW`
+    characters each side encode to the same ids cut as whole (so the pieces' ids are the text's), and the
+    pieces are encoded a batch of at most PIECE_CHARS characters at a time. A text that has no such place in
+    MAX_PIECE_CHARS characters is refused (a ShardError)."""
+    out: list[list[np.ndarray]] = [[] for _ in texts]
+    batch, owners, size = [], [], 0
+    for i, text in enumerate(texts):
+        cuts = _cuts(encode, text)
+        for a, b in zip(cuts, cuts[1:]):
+            if batch and size + b - a > PIECE_CHARS:
+                for owner, ids in zip(owners, encode(batch)):
+                    out[owner].append(ids)
+                batch, owners, size = [], [], 0
+            batch.append(text[a:b])
+            owners.append(i)
+            size += b - a
+    for owner, ids in zip(owners, encode(batch) if batch else []):
+        out[owner].append(ids)
+    return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in out]  # a text: 1 piece or more
+
+
+def _cuts(encode, text: str) -> list[int]:
+    """Where `text` is cut into pieces (`encode_in_pieces`): 0, the cuts, len(text)."""
+    cuts = [0]
+    while len(text) - cuts[-1] > PIECE_CHARS:
+        cut = _cut(encode, text, cuts[-1])
+        if cut is None:
+            if len(text) - cuts[-1] > MAX_PIECE_CHARS:
+                raise ShardError(f"a text of {len(text):,} characters has no place to cut it between characters "
+                                 f"{cuts[-1] + PIECE_CHARS:,} and {cuts[-1] + MAX_PIECE_CHARS:,} (a space or line end "
+                                 "between words where its tokens stay the same): texts are tokenized in pieces, so "
+                                 "that one long line can't take gigabytes; split it")
+            break
+        cuts.append(cut)
+    return cuts + [len(text)]
+
+
+def _cut(encode, text: str, at: int) -> int | None:
+    """The first of `_CUT_TRIES` places (a space or line end between words) from at + PIECE_CHARS on whose
+    `_CUT_WINDOW` characters each side encode to the same ids cut and whole; None if none is."""
+    found = _CUT.finditer(text, at + PIECE_CHARS, min(len(text), at + MAX_PIECE_CHARS))
+    for place in itertools.islice(found, _CUT_TRIES):
+        c = place.start()
+        left, right = text[max(at, c - _CUT_WINDOW):c], text[c:c + _CUT_WINDOW]
+        whole, a, b = encode([left + right, left, right])
+        if np.array_equal(whole, np.concatenate([a, b])):
+            return c
+    return None
 
 
 def document_ids(tokenizer: Tokenizer, ids: np.ndarray) -> np.ndarray:
@@ -95,7 +176,11 @@ class ByteTokenizer:
     fingerprint = BYTE
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ShardError(f"a text holds {lone_surrogate(text)}") from None
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
@@ -174,9 +259,18 @@ class HuggingFaceTokenizer:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return encode_in_pieces(self._encode, texts)
+
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast skips the offsets (tokenizers >= 0.20), which shard never reads
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [np.asarray(e.ids, np.int32) for e in encode(texts, add_special_tokens=False)]
+        try:
+            return [np.asarray(e.ids, np.int32) for e in encode(texts, add_special_tokens=False)]
+        except TypeError:  # the library takes no text with a lone surrogate: say which
+            problem = next((p for p in map(lone_surrogate, texts) if p), None)
+            if problem is None:
+                raise
+            raise ShardError(f"a text holds {problem}") from None
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -202,7 +296,7 @@ class SentencePieceTokenizer:
             import sentencepiece
         except ImportError:
             raise ShardError(f"{path} is a SentencePiece model; reading it needs sentencepiece "
-                             "(pip install 'shard[data]')") from None
+                             "(./install.sh data)") from None
         self.path = path
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
@@ -221,7 +315,7 @@ class SentencePieceTokenizer:
                 if self._sp.IsControl(i) or self._sp.IsUnknown(i)}
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, np.int32) for ids in self._sp.Encode(list(texts))]
+        return encode_in_pieces(lambda batch: [np.asarray(ids, np.int32) for ids in self._sp.Encode(batch)], texts)
 
     def decode(self, ids) -> str:
         return self._sp.Decode([int(i) for i in ids])
@@ -294,13 +388,16 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
     if vocab_size < BYTE_VOCAB + 1:
         raise ShardError(f"--vocab-size {vocab_size} is too small: a byte-level BPE holds the 256 bytes and "
                          "an end-of-text token at least")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise ShardError(f"--vocab-size {vocab_size:,} is too large: at most {MAX_BPE_VOCAB:,} ids (four times the "
+                         "largest released vocabulary)")
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer, length=length)
+    tok.train_from_iterator(_training_pieces(texts), trainer, length=length)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / HF_FILE))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": None,
@@ -308,3 +405,17 @@ def train_bpe(texts, vocab_size: int, out: Path, *, length: int | None = None,
               "clean_up_tokenization_spaces": False}
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return HuggingFaceTokenizer(out / HF_FILE)
+
+
+def _training_pieces(texts):
+    """The texts, each longer than PIECE_CHARS cut into pieces of about that many characters at a space or
+    line end between words (past MAX_PIECE_CHARS without one, anywhere): the trainer counts a text's words
+    all at once (one 50 MB line took 4.4 GB), and such a cut leaves the words it counts as they were."""
+    for text in texts:
+        at = 0
+        while len(text) - at > PIECE_CHARS:
+            place = _CUT.search(text, at + PIECE_CHARS, at + MAX_PIECE_CHARS)
+            cut = place.start() if place else at + PIECE_CHARS
+            yield text[at:cut]
+            at = cut
+        yield text[at:] if at else text

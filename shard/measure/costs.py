@@ -330,7 +330,7 @@ def _expert_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload,
         n = shape.sizes[experts[0]]
         rows = work.global_batch / shape.degree(BATCH)
         buffer = cfg.n_experts * rows * cfg.expert_capacity(work.seq_len) * cfg.d_model * work.act_bytes
-        yield experts[0], cfg.n_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n)
+        yield experts[0], cfg.moe_layers * 2 * (forward_passes + 1) * wire_bytes("all-to-all", buffer, n)
 
 
 def _ring_attention_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, forward_passes: int):
@@ -361,7 +361,7 @@ def dropless_static_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: in
     shape is fixed at compile time and that drop nothing: any of a device's `tokens` tokens may choose
     an expert on any other device, so each destination gets a slot for every token, (n-1) N rows leave
     a device each way. `dropless_ragged_bytes` gives what a ragged all-to-all sends."""
-    return cfg.n_layers * (n - 1) * tokens * dropless_row_bytes(cfg, act_bytes, forward_passes)
+    return cfg.moe_layers * (n - 1) * tokens * dropless_row_bytes(cfg, act_bytes, forward_passes)
 
 
 def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: int, forward_passes: int = 1,
@@ -371,7 +371,7 @@ def dropless_ragged_bytes(cfg: ModelConfig, n: int, tokens: float, act_bytes: in
     balanced routing `dropless_remote_devices` of them a token in every layer; or `rows`, the rows one
     device sent over all layers as counted (the `expert_rows_sent` metric over the token devices)."""
     if rows is None:
-        rows = cfg.n_layers * tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
+        rows = cfg.moe_layers * tokens * dropless_remote_devices(cfg.n_experts, cfg.experts_per_token, n)
     return rows * dropless_row_bytes(cfg, act_bytes, forward_passes)
 
 
@@ -401,7 +401,7 @@ def _moe_overhead_flops(cfg: ModelConfig, seq_len: int) -> float:
     d, f = cfg.d_model, cfg.mlp_dim
     experts = 3 * 3 * d * f * 2 * (slots - cfg.experts_per_token)
     dispatch_and_combine = (2 + 3) * 2 * slots * seq_len * d
-    return cfg.n_layers * (experts + dispatch_and_combine)
+    return cfg.moe_layers * (experts + dispatch_and_combine)
 
 
 def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,

@@ -53,6 +53,7 @@ def _spec_text(spec, ndim: int) -> list:
 def summary(spec: StateSpec, layout: Layout) -> dict:
     """The whole document `shard inspect --json` prints."""
     rows = param_table(spec, layout)
+    padding = spec.model.vocab_padding_params() if spec.model is not None else 0
     opt_bytes = sum(
         bytes_per_device(a, s)
         for (_, a), (_, s) in zip(_leaves_with_paths(spec.abstract["opt_state"]),
@@ -61,7 +62,9 @@ def summary(spec: StateSpec, layout: Layout) -> dict:
     return {
         "mesh": dict(layout.mesh.shape),
         "devices": int(layout.mesh.size),
-        "param_count": sum(math.prod(r["shape"]) for r in rows),
+        # the model's own count, the stored vocab padding apart (param_count + vocab_padding: what is stored)
+        "param_count": sum(math.prod(r["shape"]) for r in rows) - padding,
+        "vocab_padding": padding,
         "params": rows,
         "params_bytes_per_device": sum(r["bytes_per_device"] for r in rows),
         "opt_state_bytes_per_device": opt_bytes,

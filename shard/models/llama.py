@@ -29,13 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LAYERS, LENGTH, RES_LENGTH, VOCAB
+from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LATENT, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
+from shard.models.mla import mla_block
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
-from shard.config.params import ParamSpec, dense_layer_params, layer_params, outer_params, stacked
+from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
@@ -75,10 +76,18 @@ class Llama(nnx.Module):
             return _param(rngs, p.shape, p.axes, p.init, dt)
 
         self.embed = make(outer["embed"])  # table_vd
+        if cfg.dense_layers:  # DeepSeek-V3's dense first layers: a stack of their own, run first
+            self.dense_layers = nnx.Dict({name: make(stacked(p, cfg.dense_layers))
+                                          for name, p in dense_layer_params(cfg.dense_part).items()})
+        L -= cfg.dense_layers
         layers = {name: make(stacked(p, L)) for name, p in layer_params(cfg).items()}
         self.final_norm = make(outer["final_norm"])
         if "unembed" in outer:
             self.unembed = make(outer["unembed"])  # w_dv
+        if cfg.mtp_depth:  # multi-token prediction's modules (shard.models.mtp), after every decoder weight
+            mtp = {name: make(p) for name, p in mtp_params(cfg).items()}
+            layer = {n.split("/", 1)[1]: mtp.pop(n) for n in list(mtp) if n.startswith("layers/")}
+            self.mtp = nnx.Dict(mtp | {"layers": nnx.Dict(layer)})
         if lora is not None and lora.rank:
             layers |= adapters.adapter_params(rngs, lora, dense_layer_params(cfg), L, _param, dt)
         self.layers = nnx.Dict(layers)
@@ -96,7 +105,7 @@ class Llama(nnx.Module):
             return forward(self.cfg, params, tokens_bt, router_bias=router_bias)[0]
         table = tied_table(self.cfg, params, tokens_bt)
         x_btd = embed_tokens(self.cfg, params, tokens_bt, table)
-        x_btd, _, cache = run_layers(self.cfg, params["layers"], x_btd, cache, start, router_bias=router_bias)
+        x_btd, _, cache = run_stacks(self.cfg, params, x_btd, cache, start, router_bias=router_bias)
         return head_logits(self.cfg, params, x_btd, table), cache
 
 
@@ -121,9 +130,24 @@ def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag:
     itself, in chunks (shard.models.xent). `max_logits`: as in `run_layers`."""
     table = tied_table(cfg, params, tokens_bt)
     x_btd = embed_tokens(cfg, params, tokens_bt, table)
-    x_btd, moe_stats = run_layers(cfg, params["layers"], x_btd, zigzag=zigzag, segment_ids=segment_ids,
+    x_btd, moe_stats = run_stacks(cfg, params, x_btd, zigzag=zigzag, segment_ids=segment_ids,
                                   positions=positions, router_bias=router_bias, max_logits=max_logits)
     return x_btd, table, moe_stats
+
+
+def run_stacks(cfg: ModelConfig, params: dict, x_btd: jax.Array, cache: dict | None = None, start=0, **kw):
+    """`run_layers` over the model's layer stacks: the dense first layers' (cfg.dense_layers, DeepSeek-V3)
+    and then the main one; a cache's layers are split between them and joined again."""
+    if not cfg.dense_layers:
+        return run_layers(cfg, params["layers"], x_btd, cache, start, **kw)
+    k = cfg.dense_layers
+    parts = (None, None) if cache is None else (jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache))
+    first = run_layers(cfg.dense_part, params["dense_layers"], x_btd, parts[0], start, **(kw | {"router_bias": None}))
+    rest = run_layers(cfg, params["layers"], first[0], parts[1], start, **kw, first_layer=k)
+    stats = rest[1] | {"aux": first[1]["aux"] + rest[1]["aux"]}
+    if cache is None:
+        return rest[0], stats
+    return rest[0], stats, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first[2], rest[2])
 
 
 def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:
@@ -213,8 +237,12 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
              for k, v in p.items()}
         if key is not None:
             p["dropout_key"] = key
-        record = {} if max_logits else None
-        attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window, record)
+        record = {} if max_logits and not cfg.mla else None  # (optimizer.qk_clip refuses MLA)
+        if cfg.mla:
+            attn_btd, kv = mla_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
+        else:
+            attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window,
+                                           record)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
@@ -327,6 +355,15 @@ _logits_einsum.defvjp(_logits_einsum_fwd, _logits_einsum_bwd)
 
 
 CACHE_AXES = (LAYERS, BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+# multi-head latent attention's cache (shard.models.mla): the latent and the shared RoPE key per token
+LATENT_CACHE_AXES = {"ckv": (LAYERS, BATCH, LENGTH, LATENT), "k_rope": (LAYERS, BATCH, LENGTH, HEAD_DIM)}
+
+
+def cache_axes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The logical axes of each array of `init_cache`'s cache."""
+    if cfg.mla:
+        return dict(LATENT_CACHE_AXES)
+    return dict.fromkeys(("k", "v", "k_local", "v_local"), CACHE_AXES)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
@@ -334,8 +371,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     every layer has the same window shorter than that (Mistral), the window: a rolling cache
     (`rolling_cache`) that keeps the last `sliding_window` positions only. Where local and global layers
     alternate (Gemma) and the window is shorter than max_len, the global layers' k and v (max_len) and
-    the local layers' "k_local" and "v_local" (the window) are two stacks."""
+    the local layers' "k_local" and "v_local" (the window) are two stacks. With multi-head latent
+    attention: "ckv" (L, B, S, kv_lora_rank) and "k_rope" (L, B, S, qk_rope_head_dim), the latent cache."""
     window, dtype = cfg.sliding_window, compute_dtype(cfg)
+    if cfg.mla:  # the latent cache: every position, a window masked (shard.models.mla.absorbed_attention)
+        return {"ckv": jnp.zeros((cfg.n_layers, batch, max_len, cfg.kv_lora_rank), dtype),
+                "k_rope": jnp.zeros((cfg.n_layers, batch, max_len, cfg.qk_rope_head_dim), dtype)}
     rolling = 0 < window < max_len
 
     def stack(layers, length):

@@ -104,15 +104,36 @@ def top_k_gates(scores_bte: jax.Array, cfg: ModelConfig, bias_e: jax.Array | Non
                 ) -> tuple[jax.Array, jax.Array]:
     """(gates_btk, experts_btk): each token's k highest-scoring experts, best first, and their gates.
     With a balancing bias (auxiliary-loss-free balancing, DeepSeek-V3) the experts are those of the k
-    highest scores + bias, and their gates the scores alone."""
-    if bias_e is None:
+    highest scores + bias, and their gates the scores alone; with group-limited routing
+    (cfg.router_groups), among the experts of the token's best groups only (`choice_scores`)."""
+    choose_bte = choice_scores(scores_bte, cfg, bias_e)
+    if choose_bte is None:
         gates_btk, experts_btk = per_device_top_k(scores_bte, cfg.experts_per_token)
     else:
-        _, experts_btk = per_device_top_k(scores_bte + bias_e, cfg.experts_per_token)
+        _, experts_btk = per_device_top_k(choose_bte, cfg.experts_per_token)
         gates_btk = jnp.take_along_axis(scores_bte, experts_btk, axis=-1)
     if cfg.router_normalize:
         gates_btk = gates_btk / jnp.maximum(jnp.sum(gates_btk, axis=-1, keepdims=True), 1e-9)
     return gates_btk * cfg.routed_scale, experts_btk
+
+
+def choice_scores(scores_bte: jax.Array, cfg: ModelConfig, bias_e: jax.Array | None = None) -> jax.Array | None:
+    """What experts are chosen by where it is not the scores themselves (None there): the scores plus
+    the balancing bias, and with group-limited routing (DeepSeek-V3's n_group, topk_group) those of
+    experts outside the token's router_topk_groups best groups at -inf. A group scores the sum of its
+    two best (biased) scores."""
+    if bias_e is None and cfg.router_groups == 1:
+        return None
+    choose_bte = scores_bte if bias_e is None else scores_bte + bias_e
+    if cfg.router_groups == 1:
+        return choose_bte
+    B, T, E = choose_bte.shape
+    G = cfg.router_groups
+    choose_btgx = choose_bte.reshape(B, T, G, E // G)
+    best2_btg2, _ = per_device_top_k(choose_btgx, 2)
+    _, groups_btk = per_device_top_k(jnp.sum(best2_btg2, axis=-1), cfg.router_topk_groups)
+    kept_btg = jnp.any(groups_btk[..., None] == jnp.arange(G, dtype=groups_btk.dtype), axis=-2)
+    return jnp.where(kept_btg[..., None], choose_btgx, -jnp.inf).reshape(B, T, E)
 
 
 def expert_load(experts_btk: jax.Array, n_experts: int) -> jax.Array:
@@ -212,7 +233,7 @@ def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool
         counts = {"load": expert_load(experts_btk, cfg.n_experts), "dropped": jnp.zeros((), jnp.float32),
                   "sent": sent}
     else:
-        choose_bte = None if bias_e is None else scores_bte + bias_e
+        choose_bte = choice_scores(scores_bte, cfg, bias_e)
         out_btd, aux, counts = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype,
                                                 dropless, choose_bte)
     if cfg.n_shared_experts:

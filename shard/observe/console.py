@@ -40,6 +40,13 @@ def param_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def params_phrase(model, word: str = "params") -> str:
+    """A model's own parameter count (as transformers counts it) and, apart, the padded vocab rows its
+    stored tables add: "0.33M params + 8,192 vocab padding"."""
+    padding = model.vocab_padding_params()
+    return f"{param_count(model.num_params())} {word}" + (f" + {padding:,} vocab padding" if padding else "")
+
+
 def short_bytes(n: float) -> str:
     """Bytes in at most five characters: 512B, 3.2K, 41G (binary units)."""
     for unit in ("B", "K", "M", "G", "T"):

@@ -183,7 +183,7 @@ NUMBER_FIELDS = ("step", "time_s", "tokens_per_s", "step_time_s", "tokens_seen",
                  "mem_peak_bytes")
 NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "eval_loss", "aux_loss", "router_z_loss", "pipeline_bubble",
                          "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped",
-                         "expert_rows_sent", "max_logit")
+                         "expert_rows_sent", "mtp_loss", "max_logit")
 
 
 def _well_typed(record: dict) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from shard.observe.console import console, err_console, human_bytes, param_count
+from shard.observe.console import console, err_console, human_bytes, param_count, params_phrase, short_bytes
 from shard.errors import ShardError
 from shard.training.observer import Observer
 
@@ -33,21 +33,60 @@ def sequence_parallel(layout) -> str:
     return f" · sequence parallel: norms and residual adds split along length on {axes}" if axes else ""
 
 
+def clock(seconds: float) -> str:
+    """A duration as a clock reads it: 0:05:12, 26:40:00."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def moe_fields(r: dict) -> list[str]:
+    """A MoE step's balance, compactly: the aux loss per layer (1: balanced), the least and most loaded
+    expert as a share of the mean (1: balanced), and with capacity routing the pairs dropped."""
+    out = [f"aux {r['aux_loss']:.3f}"] if r.get("aux_loss") is not None else []
+    if r.get("expert_load_min") is not None and r.get("expert_load_max") is not None:
+        out.append(f"load {r['expert_load_min']:.2f}-{r['expert_load_max']:.2f}")
+    if r.get("tokens_dropped"):
+        out.append(f"dropped {r['tokens_dropped']:,.0f}")
+    return out
+
+
+def health_fields(r: dict) -> list[str]:
+    """MFU (where a peak is known) and the busiest device's peak memory (`~`: XLA's compiled estimate)."""
+    out = [f"MFU {r['mfu']:.1%}"] if r.get("mfu") is not None else []
+    if r.get("mem_peak_bytes"):
+        out.append(f"mem {'~' if r.get('mem_source') == 'compiled' else ''}{short_bytes(r['mem_peak_bytes'])}")
+    return out
+
+
+def step_line(r: dict, steps: int, evaluated: str = "") -> str:
+    """A logged step as one line of a log file, in torchtitan's and MaxText's manner: loss, speed, MFU,
+    memory, a MoE's balance, then the time this start has run and the time left at the latest speed."""
+    left = (steps - r["step"]) * r["step_time_s"] if r.get("step_time_s") is not None else None
+    timing = ([f"{clock(r['time_s'])} elapsed"] if r.get("time_s") is not None else []) \
+        + ([f"ETA {clock(left)}"] if left is not None else [])
+    return " · ".join([f"step {r['step']}/{steps}", f"loss {r['loss']:.4f}{evaluated}",
+                       f"{r['tokens_per_s']:,.0f} tokens/s", *health_fields(r), *moe_fields(r)]
+                      + ([", ".join(timing)] if timing else []))
+
+
 class ConsoleProgress(Observer):
-    """Startup summary, a progress bar with loss and tokens/s, and a closing line. Where the output is not
-    a terminal, a bar is drawn only once it ends; each logged step gets a line there instead."""
+    """Startup summary, a progress bar with loss, tokens/s, MFU, memory, a MoE's balance, the time elapsed
+    and left, and a closing line. Where the output is not a terminal, a bar is drawn only once it ends;
+    each logged step gets a line there instead (step_line)."""
 
     def __init__(self, cfg, run_dir: Path):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self.cfg, self.run_dir, self.run = cfg, run_dir, None
         self.progress = Progress(
             TextColumn("step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeRemainingColumn(), console=console,
+            TextColumn("{task.fields[more]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=console,
         ) if console.is_terminal else None
         if self.progress:
-            self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-")
+            self.task = self.progress.add_task("train", total=cfg.steps, loss="-", tps="-", more="")
 
     def on_start(self, run) -> None:
         self.run, self.run_start = run, run.at_step
@@ -68,7 +107,7 @@ class ConsoleProgress(Observer):
         compiled = "on the first step" if run.compile_s is None else f"in {run.compile_s:.1f}s"
         console.print(
             f"mesh {mesh} on {where}" + sequence_parallel(run.layout)
-            + f" · model {cfg.model.name} ({param_count(cfg.model.num_params())} params)"
+            + f" · model {cfg.model.name} ({params_phrase(cfg.model)})"
             + (f" · LoRA rank {cfg.lora.rank} on {', '.join(cfg.lora.targets)} ({param_count(_trained(run))} "
                "params trained)" if run.spec.lora is not None else "")
             + f" · global batch {cfg.data.batch}x{cfg.data.seq_len} = {cfg.data.batch * cfg.data.seq_len:,} tokens"
@@ -108,12 +147,12 @@ class ConsoleProgress(Observer):
             evaluated += (f" · reward margin {r['reward_margin']:.4f} (chosen {r['reward_chosen']:.4f}, rejected "
                           f"{r['reward_rejected']:.4f}) · accuracy {r['accuracy']:.2f}")
         if self.progress:
-            self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}")
+            self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}",
+                                 more=" · ".join(health_fields(r) + moe_fields(r)))
             if evaluated:  # above the bar
                 self.progress.console.print(f"step {r['step']}{evaluated}", soft_wrap=True)
         else:
-            console.print(f"step {r['step']}/{self.cfg.steps} · loss {r['loss']:.4f}{evaluated} · "
-                          f"{r['tokens_per_s']:,.0f} tokens/s", soft_wrap=True)
+            console.print(step_line(r, self.cfg.steps, evaluated), soft_wrap=True)
 
     def on_abort(self) -> None:  # the error that follows gets a clean line
         if self.progress:

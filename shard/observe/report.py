@@ -34,7 +34,10 @@ def load_run(run_dir: str) -> dict:
     # a mesh file is saved absolute: its name says enough
     mesh = rename_mesh_file(str(cfg.get("mesh", {}).get("spec", "?")), lambda path: path.name)
     trained, latest_start = as_trained(complete)
-    return {"dir": str(path), "name": f"{model} {mesh} ({path.name})", "model": model, "layout": mesh,
+    ran_on = list(dict.fromkeys(r["mesh"] for r in trained if isinstance(r.get("mesh"), str)))
+    # the legend names every layout the kept steps ran on (the config holds the last one only)
+    legend = " → ".join(ran_on) if len(ran_on) > 1 else mesh
+    return {"dir": str(path), "name": f"{model} {legend} ({path.name})", "model": model, "layout": mesh,
             "records": trained, "latest_start": latest_start, "resumes": resumes(complete, trained),
             "launch": launch_summary([x for x in lines if is_event(x) or set(x) >= RECORD_FIELDS]),
             "skipped_lines": skipped,
@@ -70,19 +73,21 @@ def _new_start(last: dict | None, r: dict) -> bool:
 
 
 def resumes(records: list[dict], trained: list[dict]) -> list[dict]:
-    """Where a run resumed, among the starts that count (as_trained): the first step each such start
-    logged, its mesh (records carry it since shard wrote `mesh`; None before) and whether that mesh
-    differs from the start before."""
+    """Where a run resumed, among the starts that count (as_trained): the step each such start resumed
+    from (its records' start_step; in files written before that field, the first step it logged), its
+    mesh (records carry it since shard wrote `mesh`; None before) and whether that mesh differs from the
+    start before."""
     out, last, mesh = [], None, None
     for r in records:
         if _new_start(last, r):
-            out.append({"step": r["step"], "mesh": r.get("mesh"),
+            out.append({"first": r["step"], "step": r.get("start_step", r["step"]), "mesh": r.get("mesh"),
                         "layout_changed": r.get("mesh") is not None and mesh is not None and r.get("mesh") != mesh})
         mesh, last = r.get("mesh", mesh), r
     steps = {r["step"] for r in trained}
-    counted = [x for x in out if x["step"] in steps]
+    counted = [x for x in out if x["first"] in steps]
     # a start that a later one replaced (the later one resumed from before it) left nothing to mark
-    return [x for i, x in enumerate(counted) if all(y["step"] > x["step"] for y in counted[i + 1:])]
+    return [{k: v for k, v in x.items() if k != "first"} for i, x in enumerate(counted)
+            if all(y["first"] > x["first"] for y in counted[i + 1:])]
 
 
 def launch_summary(lines: list[dict]) -> dict | None:
@@ -147,14 +152,15 @@ def summary_row(run: dict) -> dict:
         "mfu": statistics.median(mfu) if mfu else None, "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_source": recs[-1].get("mem_source"), "skipped_lines": run["skipped_lines"],
         "config_problem": run.get("config_problem"), "resumes": run.get("resumes", []),
+        "legend": run.get("name"),  # what the plots call it: every layout its steps ran on
         # from shard launch's events; None for a run without them
         **{k: (launch or {}).get(k) for k in ("resizes", "steps_redone", "goodput", "time_held_s", "time_training_s")},
     }
 
 
 def plot(runs: list[dict], out: Path) -> list[Path]:
-    """loss vs step, loss vs time, tokens/s vs step, and the expert load's cv vs step of the runs that
-    log it (MoE): one PNG each, one line per run."""
+    """loss vs step (and the eval loss, where logged), loss vs time, tokens/s vs step, and the expert
+    load's cv vs step of the runs that log it (MoE): one PNG each, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,6 +177,10 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         for run in runs:
             recs = run["records"]
             (line,) = ax.plot([r[x] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
+            evaluated = [r for r in recs if r.get("eval_loss") is not None]
+            if y == "loss" and evaluated:  # the held-out loss beside it, dashed in the run's colour
+                ax.plot([r[x] for r in evaluated], [r["eval_loss"] for r in evaluated], marker="x", linestyle="--",
+                        color=line.get_color(), label=f"{run['name']} eval")
             _mark_resumes(ax, run, x, line.get_color())
             _mark_resizes(ax, run, x, line.get_color())
         notes = ["dotted: resumed; dashed: resumed on another layout"] if any(run.get("resumes") for run in runs) else []
@@ -203,11 +213,13 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
 
 
 def _mark_resumes(ax, run: dict, x: str, color) -> None:
-    """A vertical line where the run resumed: dotted, dashed where it resumed on another layout (its mesh
-    written beside)."""
-    at = {r["step"]: r[x] for r in run["records"]}
+    """A vertical line at the step the run resumed from: dotted, dashed where it resumed on another layout
+    (its mesh written beside); on the time chart where the kept steps reached that step."""
+    import numpy as np
+
+    steps, xs = [r["step"] for r in run["records"]], [r[x] for r in run["records"]]
     for resume in run.get("resumes", []):
-        where = at[resume["step"]]
+        where = float(np.interp(resume["step"], steps, xs))
         changed = resume["layout_changed"]
         ax.axvline(where, color=color, alpha=0.6, linestyle="--" if changed else ":")
         if changed:

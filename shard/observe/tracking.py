@@ -1,5 +1,5 @@
 """Weights & Biases tracking (`--wandb PROJECT`, `[tracking]`): the resolved config, the start-up summary,
-every logged metric and `shard report`'s plots. wandb is an optional extra (`pip install 'shard[wandb]'`)."""
+every logged metric and `shard report`'s plots. wandb is an optional extra (`./install.sh wandb`)."""
 
 import math
 import secrets
@@ -19,7 +19,7 @@ def require_wandb():
     try:
         import wandb
     except ImportError:
-        raise ShardError("--wandb needs wandb: pip install 'shard[wandb]'") from None
+        raise ShardError("--wandb needs wandb: ./install.sh wandb") from None
     return wandb
 
 

@@ -60,6 +60,9 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
                          f"count that divides model.n_layers")
     if cfg.n_experts:
         raise ShardError("pipeline: mixture-of-experts models are not pipelined yet; drop the stage axis")
+    if cfg.mtp_depth:
+        raise ShardError("pipeline: multi-token prediction (model.mtp_depth) is not pipelined yet; drop the stage "
+                         "axis or set model.mtp_depth=0")
     if context_ways > 1:
         # Ring attention is a shard_map of its own; Shardy refuses it nested in the stages' (jax 0.10).
         raise ShardError("pipeline: context parallelism (ring attention over `length`) does not run inside "

@@ -185,15 +185,11 @@ class Checkpoints:
     def _lora_base(self, step: int, meta: dict, spec: StateSpec) -> dict:
         """The base weights of a LoRA checkpoint in the spec's shardings, checked against its checksums."""
         from shard import tomlfiles
-        from shard.run.weights import placed_base
+        from shard.run.weights import check_lora_base, placed_base
 
         saved = tomlfiles.parse(meta["config"], f"the config saved with checkpoint {self.path(step)}")
         base = placed_base(saved, spec, str(self.path(step)))
-        if isinstance(meta.get(LORA_BASE_FINGERPRINT), dict) and (
-                bad := first_mismatch(meta[LORA_BASE_FINGERPRINT], state_fingerprint(base))):
-            where = saved.get("init_from") or f"the init of seed {saved.get('seed', 0)}"
-            raise ShardError(f"the base weights of LoRA checkpoint {self.path(step)} ({where}) are not those its "
-                             f"adapters were trained on ({bad} differs)")
+        check_lora_base(meta.get(LORA_BASE_FINGERPRINT), state_fingerprint(base), self.path(step), saved)
         return base
 
     def restore_latest(self, spec: StateSpec) -> Restored:

@@ -44,6 +44,7 @@ class LaunchOptions:
     engine: str = "local"
     poll_s: float = 0.2
     discover_every_s: float = 2.0  # how often the discovery script is asked
+    elastic_timeout_s: float = 600.0  # with discovery: how long to wait for enough slots after a loss
 
 
 @dataclass
@@ -137,13 +138,29 @@ class _Supervisor:
                     self.say(f"{self._lost_words(detail)}: the restart budget of {self.options.max_restarts} is "
                              "spent; stopping (the same shard launch resumes the run)")
                     return self._end("restart budget", EXIT_BUDGET)
-            try:
-                new = self.policy.largest(len(self.usable()))
-            except ShardError as e:
-                self.say(f"can't continue: {e}")
+            new = self._next_size()
+            if new is None:
                 return self._end("no size fits", EXIT_USER_ERROR)
             change = self._resize(outcome, detail if outcome == "lost" else [], new)
             n = new
+
+    def _next_size(self) -> int | None:
+        """The size of the next start; None (said) where none fits. With discovery, slots may come back:
+        wait for them up to --elastic-timeout (Horovod's), asking the script every --discovery-interval."""
+        deadline = time.monotonic() + self.options.elastic_timeout_s
+        waiting = False
+        while True:
+            try:
+                return self.policy.largest(len(self.usable()))
+            except ShardError as e:
+                if self.slots.discovery is None or time.monotonic() >= deadline:
+                    self.say(f"can't continue: {e}")
+                    return None
+                if not waiting:
+                    self.say(f"{e}: waiting up to {self.options.elastic_timeout_s:g} s for --host-discovery to list "
+                             "more")
+                    waiting = True
+                time.sleep(self.options.discover_every_s)
 
     def usable(self) -> list[str]:
         """The slots the job may use now: what there are, less those whose process was lost (a host that

@@ -66,10 +66,10 @@ class TaskScores:
 
 def task_scores(checkpoint: str, tasks: list[str], *, num_fewshot: int | None = None, limit: int | None = None,
                 batch: int | None = None, mesh: str = "1x1", simulate_devices: int | None = None,
-                sets: list[str] | None = None, note: Notice = console_note) -> TaskScores:
+                sets: list[str] | None = None, note: Notice = console_note, out: Path | None = None) -> TaskScores:
     """The weights at `checkpoint` scored on lm-eval `tasks` (names and task YAML files), `batch` rows at
-    a time (default: its run's batch, else 8); the results JSON written to its run dir's (or Hugging Face
-    folder's) eval/ folder."""
+    a time (default: its run's batch, else 8); the results JSON written into the folder `out` (default:
+    see results_file)."""
     if batch is not None and batch < 1:
         raise ShardError(f"--batch must be positive, got {batch}")
     from shard.training.harness import check_counts, run_tasks, task_specs, write_results
@@ -87,19 +87,20 @@ def task_scores(checkpoint: str, tasks: list[str], *, num_fewshot: int | None = 
     tcfg, mesh_spec, devices = start_jax(mesh, simulate_devices, sets)
     lm = harness_lm(checkpoint, tcfg, mesh_spec, devices, batch or (saved.data.batch if saved else 8), notice=note)
     results = run_tasks(lm, resolved, num_fewshot, limit)
-    out = _results_file(checkpoint, time.strftime("%Y%m%d-%H%M%S"))
+    file = results_file(checkpoint, time.strftime("%Y%m%d-%H%M%S"), out)
     main = runtime.context().is_main
     if main:
-        write_results(results, out)
-    return TaskScores(results, out, main)
+        write_results(results, file)
+    return TaskScores(results, file, main)
 
 
-def _results_file(checkpoint: str, stamp: str) -> Path:
-    """Where a checkpoint's task scores go: its run dir's eval/ folder, or a Hugging Face folder's."""
+def results_file(checkpoint: str, stamp: str, out: Path | None = None) -> Path:
+    """Where a checkpoint's task scores go: `out`, else its run dir's eval/ folder; a Hugging Face folder's
+    into the working directory's eval/ (never into the folder: an export is not written to)."""
     from shard.run.checkpoint import find_checkpoint
     from shard.run.hf import is_hf_dir
 
     if is_hf_dir(checkpoint):
-        return Path(checkpoint) / "eval" / f"harness-{stamp}.json"
+        return (out or Path("eval")) / f"harness-{Path(checkpoint).absolute().name}-{stamp}.json"
     directory, step = find_checkpoint(checkpoint)
-    return directory.parent / "eval" / f"harness-step{step}-{stamp}.json"
+    return (out or directory.parent / "eval") / f"harness-step{step}-{stamp}.json"

@@ -3,7 +3,9 @@
 The families and their config.json keys are shard/run/hf_config.py's; this module maps the tensors.
 Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
 heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
-layout, so no permutation of q/k is needed.
+layout, so no permutation of q/k is needed, except for DeepSeek-V3, whose RoPE dims come in interleaved
+pairs (rope_interleave): its query's and shared key's RoPE columns are reordered into halves on import
+and back on export (`_deinterleave`), which leaves every score as it is.
 """
 
 import json
@@ -39,10 +41,12 @@ def _layer_map(cfg: ModelConfig):
     if cfg.qk_norm:
         family |= {f"{x}_norm": (f"model.layers.{{}}.self_attn.{x}_norm.weight", lambda w: w, lambda w: w)
                    for x in "qk"}
-    if cfg.n_experts and cfg.qk_norm:  # Qwen3-MoE, per expert as save_pretrained writes it
+    if cfg.n_experts and (cfg.qk_norm or cfg.mla):  # Qwen3-MoE, DeepSeek-V3: per expert as save_pretrained writes it
         ffn = {"router": ("model.layers.{}.mlp.gate.weight", lambda w: w.T, lambda w: w.T)}
         ffn |= {k: (f"model.layers.{{}}.mlp.experts.{{e}}.{k[2:]}_proj.weight", lambda w: w.T, lambda w: w.T)
                 for k in ("w_gate", "w_up", "w_down")}
+        ffn |= {k: (f"model.layers.{{}}.mlp.shared_experts.{k[7:]}_proj.weight", lambda w: w.T, lambda w: w.T)
+                for k in ("shared_gate", "shared_up", "shared_down") if cfg.n_shared_experts}
     elif cfg.n_experts:  # Mixtral, as its checkpoints store it (transformers 5 fuses w1 and w3 on loading)
         ffn = {"router": ("model.layers.{}.block_sparse_moe.gate.weight", lambda w: w.T, lambda w: w.T)}
         ffn |= {k: (f"model.layers.{{}}.block_sparse_moe.experts.{{e}}.{w}.weight", lambda w: w.T, lambda w: w.T)
@@ -55,8 +59,7 @@ def _layer_map(cfg: ModelConfig):
         norms = {k: (f"model.layers.{{}}.{n}.weight", lambda w: w, lambda w: w) for k, n in (
             ("post_attn_norm", "post_attention_layernorm"), ("mlp_norm", "pre_feedforward_layernorm"),
             ("post_mlp_norm", "post_feedforward_layernorm"))}
-    return family | ffn | norms | {
-        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
+    attention = _mla_map(cfg) if cfg.mla else {
         "wq": ("model.layers.{}.self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H),
                lambda w: w.reshape(D, N * H).T),
         "wk": ("model.layers.{}.self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H),
@@ -65,6 +68,39 @@ def _layer_map(cfg: ModelConfig):
                lambda w: w.reshape(D, K * H).T),
         "wo": ("model.layers.{}.self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D),
                lambda w: w.reshape(N * H, D).T),
+    }
+    return family | ffn | norms | attention | {
+        "attn_norm": ("model.layers.{}.input_layernorm.weight", lambda w: w, lambda w: w),
+    }
+
+
+def _deinterleave(w, start: int, back: bool = False):
+    """w with its last axis's columns from `start` on (RoPE's) reordered from interleaved pairs (x0, x1),
+    (x2, x3), ... into halves (x0, x2, ..., x1, x3, ...), the layout shard's RoPE rotates; `back`: the
+    inverse. transformers' DeepSeek-V3 (rope_interleave) makes the same reordering of q and k at run time."""
+    R = w.shape[-1] - start
+    order = np.concatenate([np.arange(start), start + np.arange(0, R, 2), start + np.arange(1, R, 2)])
+    return w[..., np.argsort(order) if back else order]
+
+
+def _mla_map(cfg: ModelConfig):
+    """Multi-head latent attention's tensors (DeepSeek-V3): shard param -> (HF name, to_shard, to_hf)."""
+    D, N, H, C, Cq = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    P, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    attn = "model.layers.{}.self_attn."
+    query = {"wq": (attn + "q_proj.weight", lambda w: _deinterleave(w.T.reshape(D, N, H), P),
+                    lambda w: _deinterleave(w, P, back=True).reshape(D, N * H).T)}
+    if Cq:
+        query = {"wq_a": (attn + "q_a_proj.weight", lambda w: w.T, lambda w: w.T),
+                 "q_a_norm": (attn + "q_a_layernorm.weight", lambda w: w, lambda w: w),
+                 "wq_b": (attn + "q_b_proj.weight", lambda w: _deinterleave(w.T.reshape(Cq, N, H), P),
+                          lambda w: _deinterleave(w, P, back=True).reshape(Cq, N * H).T)}
+    return query | {
+        "wkv_a": (attn + "kv_a_proj_with_mqa.weight", lambda w: _deinterleave(w.T, C),
+                  lambda w: _deinterleave(w, C, back=True).T),
+        "kv_a_norm": (attn + "kv_a_layernorm.weight", lambda w: w, lambda w: w),
+        "wkv_b": (attn + "kv_b_proj.weight", lambda w: w.T.reshape(C, N, P + V), lambda w: w.reshape(C, N * (P + V)).T),
+        "wo": (attn + "o_proj.weight", lambda w: w.T.reshape(N, V, D), lambda w: w.reshape(N * V, D).T),
     }
 
 
@@ -75,20 +111,43 @@ def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
     return [tmpl.format(layer)]
 
 
+def _stacks(cfg: ModelConfig) -> list[tuple[str, ModelConfig, range]]:
+    """(params key, the stack's config, its HF layer numbers) of each layer stack: "layers", and before it
+    the dense first layers' "dense_layers" (cfg.dense_layers, DeepSeek-V3's first_k_dense_replace)."""
+    k = cfg.dense_layers
+    if not k:
+        return [("layers", cfg, range(cfg.n_layers))]
+    return [("dense_layers", cfg.dense_part, range(k)), ("layers", cfg, range(k, cfg.n_layers))]
+
+
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor a model of `cfg` is made of: name -> shape."""
-    D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D), "wk": (kv, D), "wv": (kv, D),
-                 "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F), "bq": (q,), "bk": (kv,),
-                 "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,), "router": (cfg.n_experts, D)}
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
     if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for key, (tmpl, _, _) in _layer_map(cfg).items():
-        for i in range(cfg.n_layers):
-            shapes |= dict.fromkeys(_names(tmpl, i, cfg), per_layer[key])
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    for _, c, numbers in _stacks(cfg):
+        per_layer = _layer_shapes(c)
+        for key, (tmpl, _, _) in _layer_map(c).items():
+            for i in numbers:
+                shapes |= dict.fromkeys(_names(tmpl, i, c), per_layer[key])
     return shapes
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor shape of each shard layer param of `cfg` (per layer, per expert)."""
+    D, F = cfg.d_model, cfg.mlp_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {"attn_norm": (D,), "mlp_norm": (D,), "post_attn_norm": (D,), "post_mlp_norm": (D,), "wq": (q, D),
+                 "wk": (kv, D), "wv": (kv, D), "wo": (D, q), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
+                 "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
+                 "router": (cfg.n_experts, D)}
+    if cfg.mla:
+        S, C, R = cfg.n_shared_experts * F, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        per_layer |= {"wq_a": (cfg.q_lora_rank, D), "q_a_norm": (cfg.q_lora_rank,), "wq_b": (q, cfg.q_lora_rank),
+                      "wkv_a": (C + R, D), "kv_a_norm": (C,), "wo": (D, cfg.n_heads * cfg.v_head_dim),
+                      "wkv_b": (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), C),
+                      "shared_gate": (S, D), "shared_up": (S, D), "shared_down": (D, S)}
+    return per_layer
 
 
 def params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
@@ -145,7 +204,8 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
                              "(quantized checkpoints are not supported)")
     # A tied model may still carry lm_head, and older exports carry RoPE's inverse frequencies (recomputed).
     extra = sorted(n for n in set(tensors) - set(expected)
-                   if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq"))
+                   if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq") and not n.endswith(_EXPERT_BIAS))
+    _refuse_expert_bias(tensors, cfg)
     if extra:
         raise ShardError(f"the checkpoint holds tensor {extra[0]}, which the config does not describe "
                          f"({len(extra)} such); check num_hidden_layers and the model type")
@@ -156,14 +216,14 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
             raise ShardError(f"tensor {name} holds NaN or infinite values")
         return t
 
-    def stacked(tmpl, to_shard, shape):
+    def stacked(tmpl, to_shard, shape, numbers):
         def read(index):
             layer_index, rest = index[0], index[1:]
             if "{e}" in tmpl:  # one tensor per expert: read only the experts this block holds
                 return np.stack([np.stack([to_shard(get(n))[rest[1:]] for n in _names(tmpl, i, cfg)[rest[0]]])
-                                 for i in range(cfg.n_layers)[layer_index]])
-            return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in range(cfg.n_layers)[layer_index]])
-        return LazyParam((cfg.n_layers, *shape), dtype, read, tensor_dims=2 if "{e}" in tmpl else 1)
+                                 for i in numbers[layer_index]])
+            return np.stack([to_shard(get(tmpl.format(i)))[rest] for i in numbers[layer_index]])
+        return LazyParam((len(numbers), *shape), dtype, read, tensor_dims=2 if "{e}" in tmpl else 1)
 
     def table(name, transpose: bool):  # (V, D) stored, padded to cfg.padded_vocab rows (columns transposed)
         V, Vp, D = cfg.vocab_size, cfg.padded_vocab, cfg.d_model
@@ -178,13 +238,29 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
             return block.T if transpose else block
         return LazyParam((D, Vp) if transpose else (Vp, D), dtype, read)
 
-    layer_shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith("layers/")}
-    layers = {key: stacked(tmpl, to_shard, layer_shapes[key]) for key, (tmpl, to_shard, _) in _layer_map(cfg).items()}
     final = LazyParam((cfg.d_model,), dtype, lambda index: get("model.norm.weight")[index])
-    params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final, "layers": layers}
+    params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final}
+    for stack, c, numbers in _stacks(cfg):
+        shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith(stack + "/")}
+        params[stack] = {key: stacked(tmpl, to_shard, shapes[key], numbers)
+                         for key, (tmpl, to_shard, _) in _layer_map(c).items()}
     if not cfg.tie_embeddings:
         params["unembed"] = table("lm_head.weight", True)
     return params
+
+
+# DeepSeek-V3's per-expert bias experts are chosen by (auxiliary-loss-free balancing): shard keeps it in the
+# train state (model.router_bias_update), not among the parameters
+_EXPERT_BIAS = ".mlp.gate.e_score_correction_bias"
+
+
+def _refuse_expert_bias(tensors, cfg: ModelConfig) -> None:
+    """A ShardError where a checkpoint's expert-choice bias is not zero: import-hf does not carry it into
+    the train state yet, and the model would choose other experts without it."""
+    for name in sorted(n for n in tensors if n.endswith(_EXPERT_BIAS)):
+        if _shape(tensors, name) != (cfg.n_experts,) or np.any(np.asarray(tensors[name]) != 0):
+            raise ShardError(f"tensor {name} holds a nonzero expert-choice bias (DeepSeek's auxiliary-loss-free "
+                             "balancing), which import-hf does not carry into the train state yet")
 
 
 def _shape(tensors, name: str) -> tuple[int, ...]:
@@ -213,20 +289,26 @@ def pad_vocab(params: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """HF tensors of shard's parameters, the tables cut back to the true vocabulary (cfg.vocab_size)."""
+def params_to_hf(params: dict, cfg: ModelConfig, router_bias=None) -> dict[str, np.ndarray]:
+    """HF tensors of shard's parameters, the tables cut back to the true vocabulary (cfg.vocab_size); a
+    DeepSeek-V3 mixture of experts with its expert-choice bias, `router_bias` (L, E) (zeros where None)."""
     V = cfg.vocab_size
     out = {"model.embed_tokens.weight": np.ascontiguousarray(np.asarray(params["embed"])[:V]),
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["unembed"])[:, :V].T)
-    for key, (tmpl, _, to_hf) in _layer_map(cfg).items():
-        stacked = np.asarray(params["layers"][key])
-        for i in range(cfg.n_layers):
-            if "{e}" in tmpl:
-                out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, cfg), stacked[i])}
-            else:
-                out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[i]))
+    for stack, c, numbers in _stacks(cfg):
+        for key, (tmpl, _, to_hf) in _layer_map(c).items():
+            stacked = np.asarray(params[stack][key])
+            for j, i in enumerate(numbers):
+                if "{e}" in tmpl:
+                    out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, c), stacked[j])}
+                else:
+                    out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[j]))
+    if cfg.mla and cfg.n_experts:
+        bias = np.zeros((cfg.moe_layers, cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
+        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.ascontiguousarray(bias[j], np.float32)
+                for j, i in enumerate(range(cfg.dense_layers, cfg.n_layers))}
     return out
 
 
@@ -376,6 +458,33 @@ def context_note(source: str | Path, seq_len: int) -> str | None:
             "context usually comes with a larger model.rope_theta or model.rope_scaling")
 
 
+# An imported run dir's note of the Hugging Face folder its weights are (SIDE_DIR/IMPORTED_FROM, an absolute
+# path): a PEFT adapter trained over the import names that folder as its base, which peft can load.
+IMPORTED_FROM = "imported_from"
+
+
+def note_import(hf_dir: Path, run_dir: Path) -> None:
+    """Record in run_dir that its weights are those of the Hugging Face folder hf_dir."""
+    (run_dir / SIDE_DIR).mkdir(exist_ok=True)
+    (run_dir / SIDE_DIR / IMPORTED_FROM).write_text(str(Path(hf_dir).absolute()))
+
+
+def hf_origin(source: str | Path) -> Path | None:
+    """The Hugging Face folder whose weights are those at `source`: the folder itself, or the one a
+    shard import (step 0, never trained since) was read from, while it still exists; None otherwise."""
+    from shard.run.checkpoint_files import find_checkpoint
+
+    if is_hf_dir(source):
+        return Path(source).absolute()
+    try:
+        directory, step = find_checkpoint(source)
+        noted = directory.parent / SIDE_DIR / IMPORTED_FROM
+        origin = Path(noted.read_text().strip()) if step == 0 and noted.is_file() else None
+    except (ShardError, OSError, UnicodeDecodeError):
+        return None
+    return origin if origin is not None and is_hf_dir(origin) else None
+
+
 def keep_side_files(source: str | Path, run_dir: Path) -> None:
     """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
     side = side_files_of(source)
@@ -391,10 +500,11 @@ def _copy_side_files(side: Path, dest: Path, names: tuple[str, ...]) -> None:
             shutil.copyfile(side / name, dest / name)
 
 
-def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None) -> list[Path]:
+def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None,
+                 router_bias=None) -> list[Path]:
     """config.json + safetensors files (with an index when more than one) that transformers loads; with
     `side` (a folder of SIDE_FILES), the original config's keys that shard's doesn't set and its context
-    length, and the tokenizer and generation files."""
+    length, and the tokenizer and generation files. `router_bias`: as in params_to_hf."""
     hf_config = config_to_hf(cfg)  # refuses what HF's Llama can't hold before anything is written
     if side is not None and (side / "config.json").is_file():
         original = read_json(side / "config.json")
@@ -407,7 +517,7 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = 
     if side is not None:  # config.json is the one just written
         _copy_side_files(side, root, tuple(n for n in SIDE_FILES if n != "config.json"))
     # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
-    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()}
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg, router_bias).items()}
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         if current and size + t.nbytes > _FILE_LIMIT:

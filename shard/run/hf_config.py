@@ -49,6 +49,16 @@ FAMILIES = {
                                  "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
                                  "global_every": 6},
                     "bias_keys": ("attention_bias",), "window": True, "gemma": True},
+    # DeepSeek-V3 and its descendants (Kimi K2): multi-head latent attention, and experts in every layer from
+    # first_k_dense_replace on (model.dense_layers; >= num_hidden_layers: none), sigmoid scores,
+    # group-limited, renormalised and scaled, shared experts; transformers drops no token
+    "deepseek_v3": {"architecture": "DeepseekV3ForCausalLM", "features": {},
+                    "defaults": {"rms_norm_eps": 1e-6, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                                 "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                                 "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                                 "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                                 "norm_topk_prob": True, "first_k_dense_replace": 3},
+                    "bias_keys": ("attention_bias",)},
 }
 SUPPORTED_TYPES = tuple(FAMILIES)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -63,18 +73,24 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
     gemma = _gemma_fields(kind, hf, rope) if family.get("gemma") else {}
     theta, scaling = _rope_fields(kind, hf, rope)
+    if kind == "deepseek_v3" and scaling.get("rope_scaling_type") == "yarn":
+        raise ShardError("rope scaling yarn is not supported for deepseek_v3 yet: its multi-head latent attention "
+                         "also scales the softmax by mscale(factor, mscale_all_dim)^2, which shard does not apply")
     _refuse_biases(kind, hf)
     window = _sliding_window(kind, hf)
     if gemma and (not gemma["global_every"] or window is None):  # no layer is windowed
         window, gemma["global_every"] = None, 0
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
-    moe = _mixtral_fields(hf) if kind == "mixtral" else _qwen3_moe_fields(hf) if kind == "qwen3_moe" else {}
+    moe = (_mixtral_fields(hf) if kind == "mixtral" else _qwen3_moe_fields(hf) if kind == "qwen3_moe"
+           else _deepseek_fields(hf) if kind == "deepseek_v3" else {})
     if hf.get("attention_dropout"):
         raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if not gemma and hf.get("hidden_act", "silu") != "silu":
         raise ShardError(f"hidden_act {hf['hidden_act']!r} is not supported; only silu (SwiGLU) is")
     sizes = _sizes(kind, hf, moe.pop("mlp_dim", None))
+    if "head_dim" in moe:  # MLA: the scores' head dim (config.json's head_dim is the RoPE part's)
+        sizes["head_dim"] = moe.pop("head_dim")
     numbers = {"rope_theta": theta, "rms_norm_eps": hf.get("rms_norm_eps") or family["defaults"].get("rms_norm_eps", 1e-6)}
     for key, value in numbers.items():
         if not is_positive_number(value):
@@ -235,7 +251,7 @@ def _sizes(kind: str, hf: dict, expert_mlp_dim: int | None) -> dict:
              "num_hidden_layers": hf["num_hidden_layers"], "num_attention_heads": hf["num_attention_heads"],
              "num_key_value_heads": hf.get("num_key_value_heads") or defaults.get("num_key_value_heads")
              or hf["num_attention_heads"],
-             "intermediate_size": hf["intermediate_size"] if kind != "qwen3_moe" else expert_mlp_dim,
+             "intermediate_size": hf["intermediate_size"] if expert_mlp_dim is None else expert_mlp_dim,
              "head_dim": hf.get("head_dim") or defaults.get("head_dim")}
     for key, value in sizes.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -264,6 +280,44 @@ def _qwen3_moe_fields(hf: dict) -> dict:
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
         raise ShardError(f"config.json: router_aux_loss_coef must be a number >= 0, got {coef!r}")
     return out | {"aux_loss_weight": float(coef), "router_normalize": bool(hf.get("norm_topk_prob", False))}
+
+
+def _whole_number(hf: dict, key: str, default, zero: bool = False) -> int:
+    """A config.json key that must be a positive integer (or 0 with `zero`), or a ShardError."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        raise ShardError(f"config.json: {key} must be a {'whole number' if zero else 'positive integer'}, got {value!r}")
+    return value
+
+
+def _deepseek_fields(hf: dict) -> dict:
+    """The multi-head latent attention and mixture-of-experts fields of a DeepSeek-V3 config.json: experts
+    in every layer from first_k_dense_replace on (the first ones dense, of intermediate_size), or none."""
+    defaults = FAMILIES["deepseek_v3"]["defaults"]
+    if hf.get("rope_interleave", True) is not True:
+        raise ShardError("rope_interleave=false is not supported: import-hf reads DeepSeek's RoPE dims in the "
+                         "interleaved pairs its checkpoints hold (rope_interleave true)")
+    q_lora = hf.get("q_lora_rank", defaults["q_lora_rank"])
+    out = {"q_lora_rank": 0 if q_lora is None else _whole_number(hf, "q_lora_rank", q_lora)}
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        out[key] = _whole_number(hf, key, defaults[key])
+    out["qk_nope_head_dim"] = _whole_number(hf, "qk_nope_head_dim", defaults["qk_nope_head_dim"], zero=True)
+    out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    layers = hf.get("num_hidden_layers")
+    dense = _whole_number(hf, "first_k_dense_replace", defaults["first_k_dense_replace"], zero=True)
+    if isinstance(layers, int) and dense >= layers:
+        return out  # every layer dense, of intermediate_size
+    if dense:  # the first layers dense, of intermediate_size
+        out |= {"dense_layers": dense, "dense_mlp_dim": _whole_number(hf, "intermediate_size", None)}
+    fields = {"n_routed_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
+              "moe_intermediate_size": "mlp_dim", "n_group": "router_groups", "topk_group": "router_topk_groups"}
+    out |= {field: _whole_number(hf, key, defaults[key]) for key, field in fields.items()}
+    out["n_shared_experts"] = _whole_number(hf, "n_shared_experts", defaults["n_shared_experts"], zero=True)
+    scale = hf.get("routed_scaling_factor", defaults["routed_scaling_factor"])
+    if not is_positive_number(scale):
+        raise ShardError(f"config.json: routed_scaling_factor must be a positive number, got {scale!r}")
+    return out | {"routed_scale": float(scale), "router_normalize": bool(hf.get("norm_topk_prob", True)),
+                  "router_scores": "sigmoid", "moe_routing": "dropless", "aux_loss_weight": 0.0001}
 
 
 def _gemma_fields(kind: str, hf: dict, rope: dict) -> dict:
@@ -328,6 +382,14 @@ def family_of(cfg: ModelConfig) -> str:
     gemma_features = {f: getattr(cfg, f) for f in _GEMMA} | {
         "rope_local_theta": cfg.rope_local_theta, "global_every": cfg.global_every, "attn_softcap": cfg.attn_softcap,
         "final_softcap": cfg.final_softcap, "query_scale": cfg.query_scale}
+    if cfg.mla:
+        return _deepseek_family(cfg)
+    if cfg.mtp_depth:
+        raise ShardError(f"model {cfg.name} has multi-token prediction (mtp_depth={cfg.mtp_depth}), whose modules "
+                         "no Hugging Face family export-hf writes runs")
+    if cfg.dense_layers:
+        raise ShardError(f"model {cfg.name} has dense_layers={cfg.dense_layers} without multi-head latent attention, "
+                         "which no Hugging Face family export-hf writes has (DeepSeek-V3 has both)")
     if cfg.sandwich_norms:
         kind = "gemma3_text" if cfg.qk_norm else "gemma2"
         wrong = [f"{f}={getattr(cfg, f)!r}" for f, v in _GEMMA.items() if getattr(cfg, f) != v]
@@ -375,10 +437,55 @@ def family_of(cfg: ModelConfig) -> str:
                      "writes Llama, Qwen2 (qkv_bias) and Qwen3 (qk_norm) folders")
 
 
+def _deepseek_family(cfg: ModelConfig) -> str:
+    """deepseek_v3 for a model with multi-head latent attention, or a ShardError naming what DeepSeek-V3 lacks."""
+    if cfg.mtp_depth:
+        raise ShardError(f"model {cfg.name} has multi-token prediction (mtp_depth={cfg.mtp_depth}), whose modules "
+                         "export-hf does not write yet (transformers' DeepSeek-V3 runs none)")
+    wrong = [f"{f}={getattr(cfg, f)!r}" for f in ("sliding_window", "sandwich_norms", "norm_plus_one",
+                                                  "embed_scale", "final_softcap", "rope_scaling", "query_scale")
+             if getattr(cfg, f)]
+    if cfg.mlp_activation != "silu":
+        wrong.append(f"mlp_activation={cfg.mlp_activation!r}")
+    if cfg.n_experts and cfg.router_scores != "sigmoid":
+        wrong.append(f"router_scores={cfg.router_scores!r}")
+    if wrong:
+        raise ShardError(f"model {cfg.name} has multi-head latent attention with {wrong[0]}, which DeepSeek-V3 "
+                         "(the Hugging Face family export-hf writes for it) has not")
+    return "deepseek_v3"
+
+
+def _deepseek_config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json of a DeepSeek-V3 model: experts in every layer after the first dense_layers, or
+    (no experts) none."""
+    moe = {"first_k_dense_replace": cfg.n_layers, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1,
+           "topk_group": 1, "n_shared_experts": 0, "moe_intermediate_size": cfg.mlp_dim}
+    if cfg.n_experts:
+        moe = {"first_k_dense_replace": cfg.dense_layers, "n_routed_experts": cfg.n_experts, "num_experts_per_tok":
+               cfg.experts_per_token, "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
+               "n_shared_experts": cfg.n_shared_experts, "moe_intermediate_size": cfg.mlp_dim,
+               "routed_scaling_factor": cfg.routed_scale, "norm_topk_prob": cfg.router_normalize}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads, "head_dim": cfg.qk_rope_head_dim,
+        "intermediate_size": cfg.dense_mlp_dim or cfg.mlp_dim,
+        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "qk_head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "torch_dtype": "float32", "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 0, **moe,
+    }
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """The config.json of a model of one of FAMILIES (family_of refuses what none of them holds). A
     mixture of experts becomes Mixtral, which drops no token whatever cfg.moe_routing trained it with."""
     kind = family_of(cfg)
+    if kind == "deepseek_v3":
+        return _deepseek_config_to_hf(cfg)
     if FAMILIES[kind].get("gemma"):
         return _gemma_config_to_hf(cfg, kind)
     # Qwen2 has no bias switches (its q/k/v biases are always on); Qwen3 has attention_bias alone

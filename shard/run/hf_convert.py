@@ -53,6 +53,7 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
                             write_concurrent_gb=max(0.25, 1.01 * largest / 1e9))
         (partial / "config.toml").write_text(config_toml)
         hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
+        hf.note_import(hf_dir, partial)  # for a PEFT adapter's base_model_name_or_path
         try:
             ckpts.save(0, state, position=0, seed=tcfg.seed, config_toml=config_toml)
             ckpts.wait()
@@ -102,14 +103,17 @@ def check_export(checkpoint: str, out: Path | None, merge: bool, lora_out: Path 
                          "--lora-out DIR writes them for peft")
 
 
-def export_adapters(checkpoint: str, lora_out: Path) -> config_mod.LoraConfig:
-    """A LoRA checkpoint's adapters written into the new folder `lora_out` in PEFT's format; their settings."""
+def export_adapters(checkpoint: str, lora_out: Path) -> tuple[config_mod.LoraConfig, Path | None]:
+    """A LoRA checkpoint's adapters written into the new folder `lora_out` in PEFT's format; their settings
+    and the Hugging Face folder named as their base (the run's init_from, or the folder it was imported
+    from; None when the base is no such folder: a shard run's own weights, or a fresh init)."""
     from shard.run import hf, weights
 
-    _, lora, _, adapters, base = weights.load_lora(checkpoint, base=False)
+    _, lora, _, adapters, init_from = weights.load_lora(checkpoint, base=False)
+    base = hf.hf_origin(init_from) if init_from else None
     with written_whole(lora_out) as partial:
-        hf.write_peft_dir(partial, adapters, lora, base)
-    return lora
+        hf.write_peft_dir(partial, adapters, lora, str(base) if base else "")
+    return lora, base
 
 
 def export_hf_folder(checkpoint: str, out: Path) -> tuple[list, bool]:
@@ -121,7 +125,8 @@ def export_hf_folder(checkpoint: str, out: Path) -> tuple[list, bool]:
 
     loaded = load_model(checkpoint, inference=False)  # read on the host, tensor by tensor as it is written
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf.side_files_of(checkpoint))
+        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf.side_files_of(checkpoint),
+                                router_bias=loaded.host_router_bias)
         # the run's own, when the side files hold none; either way with a config naming its eos for transformers
         tokenizer = copy_tokenizer(checkpoint, partial)
     return files, tokenizer

@@ -36,7 +36,7 @@ INEXACT_CHANGES = (
       "model.rope_mscale", "model.rope_mscale_all_dim", "model.rope_attention_factor", "model.rope_truncate",
       "model.norm_eps", "model.compute_dtype", "model.experts_per_token",
       "model.capacity_factor", "model.aux_loss_weight", "model.router_z_loss_weight",
-      "model.router_bias_update"),
+      "model.router_bias_update", "model.router_groups", "model.router_topk_groups", "model.mtp_loss_weight"),
      "the model changes ({what}): the restored weights compute something else from here on"),
     (("optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip"),
      "the optimizer changes ({what}): the restored moments are updated by the new rule from here on"),

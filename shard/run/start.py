@@ -52,6 +52,7 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     overrides = layers(base)
     cfg = config_mod.resolve(overrides)
     _check_saved_model(cfg, base, resumed, weights, run_dir)
+    _check_task(cfg, layers(None), from_file)
     runtime.expect(cluster, cfg.cluster.cross_host, cfg.cluster.failure_timeout, cfg.cluster.join_timeout)
     if cluster is None and cfg.cluster.cross_host == runtime.MPI:
         notice("--cross-host mpi: no launcher started other processes (mpiexec -n N, or srun), so this is one "
@@ -66,6 +67,25 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     if weights and not resumed and main and (note := context_note(cfg.init_from, cfg.data.seq_len)):
         notice(note)
     return StartConfig(cfg, base, resumed, weights, tuple(changes), source)
+
+
+def _check_task(cfg: config_mod.TrainConfig, given: dict, from_file: dict) -> None:
+    """What a fine-tuning task would otherwise ignore, or start from without a word (`given`: the keys the
+    config file, the flags and --set name). A packing the config file alone names is let be: a run's
+    saved config.toml names every key."""
+    packing = (given.get("data") or {}).get("packing")
+    if packing == (from_file.get("data") or {}).get("packing"):
+        packing = None
+    if cfg.task == "sft" and packing == "concat":
+        raise ShardError("task sft packs conversations into rows with attention and positions restarting at each "
+                         "(as --packing packed does); --packing concat, which runs them into each other, does not "
+                         "apply: leave --packing out")
+    if cfg.task == "dpo" and packing is not None:
+        raise ShardError("task dpo gives each sequence a row of its own, padded: --packing does not apply; leave it out")
+    if cfg.task == "dpo" and not cfg.init_from:
+        raise ShardError("task dpo needs --init-from: its reference model is the weights the run starts from (as TRL's "
+                         "DPOTrainer copies the model it is given), and a random initialisation is no model to "
+                         "prefer answers against; --init-from an SFT run, a checkpoint or a Hugging Face folder")
 
 
 def _vocab_of_tokenizer(cfg: config_mod.TrainConfig, overrides: dict, notice: Notice):

@@ -94,7 +94,7 @@ def lora_base(path, saved: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
     """The base weights a LoRA checkpoint's adapters were trained on, on the host: its run's init_from,
     or the fresh init of its seed where it had none; checked against the fingerprint saved with it."""
     from shard.run.checkpoint_files import LORA_BASE_FINGERPRINT, find_checkpoint, saved_meta
-    from shard.run.checksums import first_mismatch, host_fingerprint
+    from shard.run.checksums import host_fingerprint
     from shard.sharding.rules import path_str
 
     init_from, seed = str(saved.get("init_from", "")), int(saved.get("seed", 0))
@@ -113,12 +113,21 @@ def lora_base(path, saved: dict, cfg: ModelConfig, lora: LoraConfig) -> dict:
     dtype = jnp.dtype(cfg.param_dtype)  # as the run held them, and fingerprinted them
     base = jax.tree.map(lambda x: np.asarray(x, dtype), base)
     directory, step = find_checkpoint(path)
-    saved_fp = saved_meta(directory / str(step)).get(LORA_BASE_FINGERPRINT)
     read = {path_str(p): [host_fingerprint(x), str(x.dtype)] for p, x in jax.tree_util.tree_flatten_with_path(base)[0]}
-    if isinstance(saved_fp, dict) and (bad := first_mismatch(saved_fp, read)):
-        raise ShardError(f"the base weights of LoRA checkpoint {path} ({init_from or f'the init of seed {seed}'}) "
-                         f"are not those its adapters were trained on ({bad} differs)")
+    check_lora_base(saved_meta(directory / str(step)).get(LORA_BASE_FINGERPRINT), read, path, saved)
     return base
+
+
+def check_lora_base(saved_fp, read: dict, checkpoint, saved: dict) -> None:
+    """The base weights read for a LoRA checkpoint (their fingerprint `read`, shard.run.checksums) are
+    those its adapters were trained on (`saved_fp`, saved with it; checkpoints without one pass): a
+    one-line error naming the base (`saved`: its run's config) and the first weight that differs."""
+    from shard.run.checksums import first_mismatch
+
+    if isinstance(saved_fp, dict) and (bad := first_mismatch(saved_fp, read)):
+        where = saved.get("init_from") or f"the init of seed {saved.get('seed', 0)}"
+        raise ShardError(f"the base weights of LoRA checkpoint {checkpoint} ({where}) are not those its adapters "
+                         f"were trained on ({bad} differs)")
 
 
 def saved_run_config(path: str | Path) -> TrainConfig | None:

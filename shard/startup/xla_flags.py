@@ -116,8 +116,9 @@ def unknown_to_xla(flags: list[str]) -> list[str]:
         return known[key]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     try:
-        r = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60,
-                           check=False)
+        # -P: a `jax/` in the working folder is never imported in place of the installed one
+        r = subprocess.run([sys.executable, "-P", "-c", _PROBE], env=env, capture_output=True, text=True,
+                           timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return []
     found = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", r.stderr)

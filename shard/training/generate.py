@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
-from shard.models.llama import CACHE_AXES, init_cache
+from shard.models.llama import cache_axes, init_cache
 from shard.sharding.rules import Layout, activation_layout
 
 
@@ -75,7 +75,9 @@ class Generator:
         self.layout = Layout(layout.mesh, dict(layout.rules) | {"batch": (), "length": (), "res_length": ()},
                              layout.param_rules, layout.regex_rules)
         self.params = params
-        self.cache_sharding = self.layout.sharding(CACHE_AXES, what="KV cache")
+        axes = cache_axes(model_cfg)
+        self.cache_sharding = {k: self.layout.sharding(axes[k], what="KV cache")
+                               for k in jax.eval_shape(lambda: init_cache(model_cfg, 1, max_len))}
         replicated = NamedSharding(layout.mesh, PartitionSpec())
 
         def forward(params, tokens, cache, start, router_bias):
@@ -83,8 +85,7 @@ class Generator:
                 logits, cache = nnx.merge(graphdef, params)(tokens, cache, start, router_bias)
             return logits[:, -1], cache
 
-        cache_shardings = dict.fromkeys(jax.eval_shape(lambda: init_cache(model_cfg, 1, max_len)), self.cache_sharding)
-        self._forward = jax.jit(forward, out_shardings=(replicated, cache_shardings), donate_argnums=2)
+        self._forward = jax.jit(forward, out_shardings=(replicated, self.cache_sharding), donate_argnums=2)
         self._sample = jax.jit(sample, static_argnums=2)
 
     def stream(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:

@@ -3,13 +3,16 @@
 and generates with shard.training.generate.Generator, both laid out as training lays the model out;
 `run_tasks` runs lm-eval tasks, named or given as task YAML files, on it.
 
-Importing this module needs lm-eval (`pip install 'shard[eval]'`): without it the import is a
+Importing this module needs lm-eval (`./install.sh eval`): without it the import is a
 ShardError, so a command that asks for tasks says so in one line. With it, the backend is registered
 with lm-eval as "shard".
 """
 
+import contextlib
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
 
 from shard.errors import ShardError
@@ -18,7 +21,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError:
-    raise ShardError("benchmark tasks need lm-eval: pip install 'shard[eval]'") from None
+    raise ShardError("benchmark tasks need lm-eval: ./install.sh eval") from None
 
 from shard.data.tokenizers import Tokenizer, encode
 from shard.training.scoring import Scorer
@@ -198,12 +201,35 @@ def run_tasks(lm: ShardLM, tasks, num_fewshot: int | None = None, limit: int | N
     check_counts(num_fewshot, limit)
     manager, specs = task_specs(tasks) if isinstance(tasks, list) else tasks
     seeds = {} if seed_globals else {"random_seed": None, "numpy_random_seed": None, "torch_random_seed": None}
-    results = lm_eval.simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters,
-                                      **seeds)
+    with quiet_git():
+        results = lm_eval.simple_evaluate(model=lm, tasks=specs, num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters,
+                                          **seeds)
     if results is None:  # simple_evaluate's answer on processes other than its rank 0: shard's is 0 on all
         raise ShardError("lm-eval returned no results")
     return results
+
+
+@contextlib.contextmanager
+def quiet_git():
+    """lm-eval records the working directory's git commit by running `git describe`, whose `fatal: not a
+    git repository` (outside one) reached the console through the inherited stderr: the same question
+    asked with git's stderr dropped, lm-eval's own fallback (reading .git) after it."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def commit() -> str | None:
+        try:
+            return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return get_commit_from_path(os.getcwd())
+
+    asked, evaluator.get_git_commit_hash = evaluator.get_git_commit_hash, commit
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = asked
 
 
 def scores(results: dict) -> dict[str, float]:

@@ -24,7 +24,7 @@ from shard.training.prepare import Run, prepare
 MAX_STEPS_AHEAD = 2
 # A MoE model's step metrics copied into its records (shard.training.step: expert_load_metrics).
 MOE_METRICS = ("aux_loss", "router_z_loss", "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped",
-               "expert_rows_sent")
+               "expert_rows_sent", "mtp_loss")  # and multi-token prediction's (model.mtp_depth)
 
 
 

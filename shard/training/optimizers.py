@@ -91,12 +91,15 @@ def _whole(muon_tx: optax.GradientTransformation) -> optax.GradientTransformatio
     def update(updates, state, params=None):
         layout = active_layout()
         mesh = layout.mesh if layout is not None else None
-        layers = _layer_axes(mesh, jax.tree.leaves(updates)[0].shape[0]) if mesh is not None else ()
-        # each device holds 1 / ways of the matrices whole: at most 4 / devices of them, the memory of four
-        # fully sharded copies; fewer ways (61 layers on 256 devices) are left to the partitioner
-        if not layers or math.prod(mesh.shape[a] for a in layers) * _MAX_COPIES < mesh.size:
+        if mesh is None or mesh.size == 1:
             return muon_tx.update(updates, state, params)
-        split = jax.tree.map(lambda u: PartitionSpec(layers), updates)
+        # per stack (the layers, DeepSeek's dense first layers, the MTP modules): its layer count's axes
+        axes_of = {n: _layer_axes(mesh, n) for n in {u.shape[0] for u in jax.tree.leaves(updates)}}
+        # each device holds 1 / ways of a stack's matrices whole: at most 4 / devices of them, the memory
+        # of four fully sharded copies; fewer ways (61 layers on 256 devices) are left to the partitioner
+        if any(not a or math.prod(mesh.shape[x] for x in a) * _MAX_COPIES < mesh.size for a in axes_of.values()):
+            return muon_tx.update(updates, state, params)
+        split = jax.tree.map(lambda u: PartitionSpec(axes_of[u.shape[0]]), updates)
         specs = (split, state._replace(count=PartitionSpec(), mu=split, ns_coeffs=PartitionSpec()))
         local = jax.shard_map(lambda u, s: muon_tx.update(u, s), mesh=layout.mesh, in_specs=specs,
                               out_specs=specs, check_vma=False)

@@ -13,7 +13,7 @@ from shard.sharding.decisions import balanced_ring
 from shard.axes import BATCH, EMBED, EXPERT, LENGTH, RES_LENGTH, STAGE
 from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
 from shard.errors import ShardError
-from shard.models import llama
+from shard.models import llama, mtp
 from shard.models.lora import adapting
 from shard.models.xent import head_nll, token_nll  # noqa: F401 (token_nll: the loss on whole logits)
 from shard.parallel import pipeline
@@ -96,6 +96,14 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
                                                  router_bias=router_bias, max_logits=bool(spec.qk_clip))
         nll, count = head_nll(cfg, params, x_btd, mb["targets"], target_mask(mb), table)
         router_loss = aux_w * moe["aux"] + (z_w * moe["z"] if z_w else 0.0)
+        if cfg.mtp_depth:  # multi-token prediction: its mean loss weighted, logged as mtp_loss
+            if zigzag:
+                raise ShardError("model.mtp_depth can't run with context parallelism yet (its modules read the "
+                                 "tokens ahead, which the ring's zig-zag order moves); split the batch instead")
+            mtp_mean, mtp_aux = mtp.mtp_loss(cfg, params, x_btd, mb["inputs"], mb["targets"], target_mask(mb),
+                                             table, **packing_of(mb))
+            router_loss = router_loss + aux_w * mtp_aux + cfg.mtp_loss_weight * mtp_mean
+            moe = moe | {"mtp": mtp_mean}
         return nll + router_loss * count, (nll, count, moe)
 
     if pipeline_stages(layout) == 1:
@@ -170,15 +178,15 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), spec.trainable(params))
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.trainable(spec.shardings["params"]))
                 scalar = jnp.zeros((), jnp.float32)
-                moe_zeros = {"aux": scalar}
+                moe_zeros = {"aux": scalar} | ({"mtp": scalar} if spec.model is not None and spec.model.mtp_depth else {})
                 if spec.model is not None and spec.model.n_experts:
-                    L, E = spec.model.n_layers, spec.model.n_experts
+                    L, E = spec.model.moe_layers, spec.model.n_experts
                     moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
                                   "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
                 if spec.qk_clip:
                     moe_zeros["max_logit"] = jnp.full((spec.model.n_layers, spec.model.n_heads), -jnp.inf)
                 (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
-                moe = moe | {k: moe[k] / microbatches for k in ("aux", "z") if k in moe}
+                moe = moe | {k: moe[k] / microbatches for k in ("aux", "z", "mtp") if k in moe}
         return grads, nll, count, moe
 
     def apply(state, grads, nll, count, moe, args):
@@ -196,10 +204,12 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             new_params = qk_clip(new_params, moe["max_logit"], spec.qk_clip, spec.model)
             metrics["max_logit"] = jnp.max(moe["max_logit"])
         new_state = {"step": state["step"] + 1}
+        if "mtp" in moe:
+            metrics["mtp_loss"] = moe["mtp"]
         if spec.model is not None and spec.model.n_experts:
-            metrics["aux_loss"] = moe["aux"] / spec.model.n_layers  # per layer; 1 when experts are balanced
+            metrics["aux_loss"] = moe["aux"] / spec.model.moe_layers  # per layer; 1 when experts are balanced
             if "z" in moe:  # not through the pipeline
-                metrics["router_z_loss"] = moe["z"] / spec.model.n_layers  # per layer
+                metrics["router_z_loss"] = moe["z"] / spec.model.moe_layers  # per layer
             if "load" in moe:  # not through the pipeline (MoE is not pipelined)
                 metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
                                                moe["sent"])

@@ -37,11 +37,28 @@ def env() -> dict:
     return out
 
 
+_SUPERVISORS: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_supervisor_outlives_its_test():
+    """A test that fails while its job runs must not leave it training beside the rest of the suite: the
+    supervisor is killed (its workers die with it)."""
+    yield
+    while _SUPERVISORS:
+        supervisor = _SUPERVISORS.pop()
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+
+
 def launch(tmp_path: Path, *options: str, args=ARGS, run_dir: str = "r", environ: dict | None = None):
     """`shard launch OPTIONS -- ARGS --run-dir RUN_DIR` in the background, its output in files."""
     with open(tmp_path / "launch.out", "w") as out, open(tmp_path / "launch.err", "w") as err:  # the child keeps them
-        return subprocess.Popen([sys.executable, "-m", "shard", "launch", *options, "--", *args, "--run-dir", run_dir],
-                                cwd=tmp_path, env=environ or env(), stdout=out, stderr=err)
+        _SUPERVISORS.append(subprocess.Popen([sys.executable, "-m", "shard", "launch", *options, "--", *args,
+                                              "--run-dir", run_dir], cwd=tmp_path, env=environ or env(), stdout=out,
+                                             stderr=err))
+    return _SUPERVISORS[-1]
 
 
 def steps(run_dir: Path) -> list[dict]:

@@ -1,5 +1,5 @@
 """`shard launch`: the supervisor that starts, watches and restarts a training job. Local processes with
-simulated devices (4 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9 and then
+simulated devices (3 processes x 2 devices, `data=-1,model=2`): a worker killed with kill -9 and then
 process 0, a host that leaves the discovery's list and comes back, a loss past the restart budget, a
 worker's own error, a rank of an mpiexec job; the curve stays the uninterrupted one. And the pure parts:
 which sizes fit, host slots, process sets after a restart."""
@@ -118,67 +118,67 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_killed_workers_cost_restarts_on_the_processes_left_and_the_curve_stays(tmp_path, uninterrupted):
-    """kill -9 of process 2 of 4: the job goes on on 3 processes (data=3,model=2) from its newest
-    checkpoint; then the new process 0 (where the coordinator runs) killed: on 2, within --max-restarts 2.
-    It finishes with exit 0, its losses are the uninterrupted run's (rtol 1e-5) and, while it ran on 3,
-    bitwise those of a manual --resume on 3 processes from the same checkpoint."""
-    supervisor = launch(tmp_path, "--processes", "4", "--min-processes", "2", "--max-restarts", "2",
+    """kill -9 of process 2 of 3: the job goes on on 2 processes (data=2,model=2) from its newest
+    checkpoint; then the new process 0 (where the coordinator runs) killed: on 1, within --max-restarts 2.
+    It finishes with exit 0, its losses are the uninterrupted run's (rtol 1e-5) and, while it ran on 2,
+    bitwise those of a manual --resume on 2 processes from the same checkpoint."""
+    supervisor = launch(tmp_path, "--processes", "3", "--min-processes", "1", "--max-restarts", "2",
                         args=[*ARGS, "--steps", "14"])
     run = tmp_path / "r"
     wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 2), signal.SIGKILL)
-    wait_until(lambda: "continuing on 3 processes, data=3,model=2" in output(tmp_path), what="the first restart",
+    wait_until(lambda: "continuing on 2 processes, data=2,model=2" in output(tmp_path), what="the first restart",
                supervisor=supervisor, tmp_path=tmp_path)
-    at = int(re.search(r"continuing on 3 processes, data=3,model=2, from step (\d+)", output(tmp_path))[1])
-    wait_until(lambda: max(step_dirs(run / "checkpoints")) >= at + 2, what="a checkpoint on 3 processes",
+    at = int(re.search(r"continuing on 2 processes, data=2,model=2, from step (\d+)", output(tmp_path))[1])
+    wait_until(lambda: max(step_dirs(run / "checkpoints")) >= at + 2, what="a checkpoint on 2 processes",
                supervisor=supervisor, tmp_path=tmp_path)
     os.kill(pid_of(run, 0), signal.SIGKILL)
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
-    assert "lost process 2 (host localhost): continuing on 3 processes, data=3,model=2, from step " in said, said
-    assert "lost process 0 (host localhost): continuing on 2 processes, data=2,model=2, from step " in said, said
+    assert "lost process 2 (host localhost): continuing on 2 processes, data=2,model=2, from step " in said, said
+    assert "lost process 0 (host localhost): continuing on 1 process, data=1,model=2, from step " in said, said
     first, second = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "resize"]
-    assert (first["processes"], first["lost_processes"], first["source"]) == (3, [2], "checkpoint"), first
-    assert (second["processes"], second["lost_processes"]) == (2, [0]) and second["step"] > at, second
+    assert (first["processes"], first["lost_processes"], first["source"]) == (2, [2], "checkpoint"), first
+    assert (second["processes"], second["lost_processes"]) == (1, [0]) and second["step"] > at, second
     losses = [r["loss"] for r in steps(run)]
     np.testing.assert_allclose(losses, uninterrupted(14), rtol=1e-5)
-    # a manual --resume from the same checkpoint on 3 processes: bitwise, up to where the job lost process 0
+    # a manual --resume from the same checkpoint on 2 processes: bitwise, up to where the job lost process 0
     manual = tmp_path / "manual"
     (manual / "checkpoints").mkdir(parents=True)
     shutil.copy(run / "config.toml", manual / "config.toml")
     shutil.copytree(run / "checkpoints" / str(at), manual / "checkpoints" / str(at))
     port = free_ports()[0]
     procs = [subprocess.Popen([sys.executable, "-m", "shard", "train", *ARGS, "--steps", "14", "--run-dir", str(manual),
-                               "--resume", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "3",
+                               "--resume", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                                "--process-id", str(i)],
                               cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(3)]
-    assert [rc for rc, _, _ in finish(procs)] == [0, 0, 0]
+             for i in range(2)]
+    assert [rc for rc, _, _ in finish(procs)] == [0, 0]
     assert [r["loss"] for r in steps(manual)][:second["step"] - at] == losses[at:second["step"]]
 
 
 def test_a_host_that_leaves_and_comes_back_shrinks_and_grows_the_job(tmp_path, uninterrupted):
-    """The discovery script's list loses h3 (its worker is stopped: the job goes on on 3 processes from its
+    """The discovery script's list loses h2 (its worker is stopped: the job goes on on 2 processes from its
     local snapshot, at most 2 steps back), then lists it again (the job saves at its next step and grows
-    back to 4); the curve is the uninterrupted one, and each change of size is a line and a record."""
+    back to 3); the curve is the uninterrupted one, and each change of size is a line and a record."""
     hosts = tmp_path / "hosts.txt"
-    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
+    write_hosts(hosts, "h0\nh1\nh2\n")
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
     supervisor = launch(tmp_path, "--host-discovery", str(script), "--discovery-interval", "0.5", "--min-processes", "2",
-                        "--max-processes", "4",
+                        "--max-processes", "3",
                         args=[*ARGS, "--steps", "30", "--checkpoint-every", "10", "--set", "checkpoint.local_every=2"])
     run = tmp_path / "r"
     wait_until(lambda: len(steps(run)) >= 3, what="step 3", supervisor=supervisor, tmp_path=tmp_path)
-    write_hosts(hosts, "h0\nh1\nh2\n")
-    wait_until(lambda: "continuing on 3 processes" in output(tmp_path), what="the job to shrink",
+    write_hosts(hosts, "h0\nh1\n")
+    wait_until(lambda: "continuing on 2 processes" in output(tmp_path), what="the job to shrink",
                supervisor=supervisor, tmp_path=tmp_path)
-    write_hosts(hosts, "h0\nh1\nh2\nh3\n")
+    write_hosts(hosts, "h0\nh1\nh2\n")
     assert supervisor.wait(timeout=400) == 0, output(tmp_path)[-3000:]
     said = output(tmp_path)
-    assert "lost process 3 (host h3): continuing on 3 processes, data=3,model=2" in said, said
-    assert "4 process slots: growing to 4 processes, data=4,model=2" in said, said
+    assert "lost process 2 (host h2): continuing on 2 processes, data=2,model=2" in said, said
+    assert "3 process slots: growing to 3 processes, data=3,model=2" in said, said
     events = read_events(run / "metrics.jsonl")
     assert [e["event"] for e in events] == ["launch_start", "resize", "resize", "launch_end"], events
     assert [e["reason"] for e in events[1:3]] == ["lost", "grow"] and events[-1]["ended"] == "finished"

@@ -530,11 +530,16 @@ def test_a_killed_prepare_leaves_no_worker_writing_and_the_next_one_continues(tm
     import time
 
     src, out = write_jsonl(tmp_path / "a.jsonl", TEXTS), tmp_path / "store"
-    stuck = (f"import os, time\nfrom shard.data import store\ndef stuck(job):\n    print(os.getpid(), flush=True)\n"
+    stuck = (f"import os, time\nfrom shard.data import store\ndef stuck(job):\n    os.write(1, b'%d\\n' % os.getpid())\n"
              f"    time.sleep(300)\nstore._make_shard = stuck\nstore.prepare_store({str(src)!r}, {str(tok.path)!r}, "
              f"{str(out)!r}, workers=2, progress=False, chunk_bytes={CHUNK})\n")
     parent = subprocess.Popen([sys.executable, "-c", stuck], stdout=subprocess.PIPE, text=True)
-    workers = [int(parent.stdout.readline()) for _ in range(2)]
+    workers = []  # each worker's pid in one write (print's text and newline could interleave with the other's)
+    while len(workers) < 2:
+        line = parent.stdout.readline()
+        assert line, "the preparation ended before its workers started"
+        if line.strip().isdigit():  # among whatever else the preparation prints
+            workers.append(int(line))
 
     def alive(pid: int) -> bool:  # a zombie (dead, not yet reaped by init) counts as gone
         try:

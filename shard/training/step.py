@@ -178,14 +178,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), spec.trainable(params))
                 zeros = jax.lax.with_sharding_constraint(zeros, spec.trainable(spec.shardings["params"]))
                 scalar = jnp.zeros((), jnp.float32)
-                moe_zeros = {"aux": scalar} | ({"mtp": scalar} if spec.model is not None and spec.model.mtp_depth else {})
-                if spec.model is not None and spec.model.n_experts:
-                    L, E = spec.model.moe_layers, spec.model.n_experts
-                    moe_zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
-                                  "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
-                if spec.qk_clip:
-                    moe_zeros["max_logit"] = jnp.full((spec.model.n_layers, spec.model.n_heads), -jnp.inf)
-                (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, moe_zeros), mbs)
+                (grads, nll, count, moe), _ = jax.lax.scan(accumulate, (zeros, scalar, scalar, _stats_start(spec)), mbs)
                 moe = moe | {k: moe[k] / microbatches for k in ("aux", "z", "mtp") if k in moe}
         return grads, nll, count, moe
 
@@ -227,6 +220,20 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         return new_state | {"params": new_params, "opt_state": opt_state}, metrics
 
     return grad_sums, apply
+
+
+def _stats_start(spec: StateSpec) -> dict:
+    """Where the microbatches' layer statistics start adding up: zeros (MoE's aux, z, load, drops and
+    rows sent, MTP's loss) and, for the largest attention logit, -inf."""
+    scalar = jnp.zeros((), jnp.float32)
+    zeros = {"aux": scalar} | ({"mtp": scalar} if spec.model is not None and spec.model.mtp_depth else {})
+    if spec.model is not None and spec.model.n_experts:
+        L, E = spec.model.moe_layers, spec.model.n_experts
+        zeros |= {"load": jnp.zeros((L, E), jnp.float32), "dropped": jnp.zeros((L,), jnp.float32),
+                  "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
+    if spec.qk_clip:
+        zeros["max_logit"] = jnp.full((spec.model.n_layers, spec.model.n_heads), -jnp.inf)
+    return zeros
 
 
 def expert_load_metrics(load_le: jax.Array, dropped_l: jax.Array, capacity: bool,

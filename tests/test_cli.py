@@ -51,6 +51,8 @@ def invoke(*args):
     (["--steps", "1.5"], "Invalid value for '--steps'"),  # the CLI library's usage errors, one line too
     (["--bogus"], "No such option: --bogus (see "),
     (["--steps"], "Option '--steps' requires an argument"),
+    (["--set", 'precision."layers/wqq"=fp8_rowwise'], "precision rule 'layers/wqq' decides no matmul weight of tiny"),
+    (["--set", "precision.default=fp9"], "precision.default: unknown recipe 'fp9'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke("train", *TINY, *args)

@@ -18,8 +18,9 @@ from shard.config.presets import PRESETS
 from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.config.rules import parse_rules
+from shard.config.precision import parse_precision
 
-_DICT_SECTIONS = {"rules", "param_rules", "param_regex"}
+_DICT_SECTIONS = {"rules", "param_rules", "param_regex", "precision"}
 
 
 def parse_value(text: str):
@@ -196,6 +197,8 @@ def _build(cls, overrides: dict, prefix: str, base=None):
             changes[key] = _build(tp, value, dotted + ".", getattr(base, key))
         elif key in ("rules", "param_rules"):
             changes[key] = parse_rules(value, dotted)
+        elif key == "precision":
+            changes[key] = parse_precision(value, dotted)
         elif key == "param_regex":
             if not isinstance(value, dict):
                 raise ShardError(f"config key {dotted} must be a table of regex = [logical axes]")

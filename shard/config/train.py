@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from shard.config.model import ModelConfig
+from shard.config.precision import weight_recipes
 from shard.config.presets import PRESETS
 from shard.config.values import is_positive_number
 from shard.errors import ShardError
@@ -277,6 +278,8 @@ class TrainConfig:
     param_rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Parameter path regex -> logical axes, for parameters the model does not annotate.
     param_regex: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Matmul precision: parameter path regex -> recipe, and "default" (shard.config.precision).
+    precision: dict[str, str] = field(default_factory=dict)
     steps: int = 100
     seed: int = 0
     log_every: int = 10
@@ -321,6 +324,7 @@ class TrainConfig:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
         problems.extend(_task_problems(self))
+        problems.extend(_precision_problems(self))
         problems.extend(_optimizer_problems(self))
         if problems:
             raise ShardError(problems[0])
@@ -338,6 +342,15 @@ def _task_problems(cfg: "TrainConfig") -> list[str]:
         return [f"task dpo reads preference pairs, two sequences each: data.batch ({cfg.data.batch}) must be even"]
     if cfg.task == "dpo" and cfg.data.microbatches != 1:
         return ["task dpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    return []
+
+
+def _precision_problems(cfg: "TrainConfig") -> list[str]:
+    """A precision rule that decides no matmul weight, or a recipe not built yet."""
+    try:
+        weight_recipes(cfg.precision, cfg.model)
+    except ShardError as e:
+        return [str(e)]
     return []
 
 

@@ -30,6 +30,8 @@ class Layout:
     rules: Rules  # activations (and parameters)
     param_rules: Rules = field(default_factory=dict)  # parameters only, on top of `rules`
     regex_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (path regex, logical axes)
+    # weight path -> FP8 recipe of its matmuls (shard.config.precision); a weight not here: compute dtype
+    precision: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         """A rule's mesh axes as a tuple (a bare name is one axis, not its letters), each a mesh axis

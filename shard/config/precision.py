@@ -1,0 +1,76 @@
+"""Matmul precision as rules (docs/performance.md): the `[precision]` table of a config maps parameter
+path regexes (as `param_regex` matches them: a full match of `layers/wq`, `dense_layers/w_up`, ...) to
+a recipe, and `precision.default` gives one to every matmul weight that peers run in FP8 by default
+(attention projections and the dense MLP). Embeddings, norms, the router, the experts and the head stay
+in the compute dtype. Pure data: which weight runs which recipe, decided before JAX starts.
+"""
+
+import re
+
+from shard.config.params import model_params
+from shard.errors import ShardError
+
+BF16 = "bf16"  # the model's compute dtype (bfloat16 on accelerators): no FP8
+RECIPES = (BF16, "fp8_tensorwise", "fp8_rowwise", "fp8_delayed")
+BUILT = (BF16, "fp8_tensorwise", "fp8_rowwise")  # fp8_delayed waits for its amax histories as train state
+# The weights of a dense layer's matmuls: the attention projections and the gated MLP
+MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def fp8_weights(model) -> list[str]:
+    """The paths of the weights whose matmuls can run in FP8 in this model: the attention projections
+    (not multi-head latent attention's) and the dense MLPs, in every stack (`layers`, `dense_layers`,
+    `mtp/layers`); a mixture of experts' MLP weights are its experts, which stay in the compute dtype."""
+    out = []
+    for path in model_params(model):
+        stack, _, name = path.rpartition("/")
+        if stack not in ("layers", "dense_layers", "mtp/layers") or name not in MATMUL_WEIGHTS:
+            continue
+        moe_stack = model.n_experts and stack != "dense_layers"
+        if (name.startswith("w_") and moe_stack) or (model.mla and name in ("wq", "wk", "wv", "wo")):
+            continue
+        out.append(path)
+    return out
+
+
+def parse_precision(table, where: str = "precision") -> dict[str, str]:
+    """Validate a `[precision]` table from TOML or `--set`: `default` and regex keys, recipe values."""
+    if not isinstance(table, dict):
+        raise ShardError(f"{where}: expected a table of parameter path regex = recipe (and default = recipe)")
+    out = {}
+    for key, recipe in table.items():
+        if not isinstance(recipe, str) or recipe not in RECIPES:
+            raise ShardError(f"{where}.{key}: unknown recipe {recipe!r} (one of {', '.join(RECIPES)})")
+        if key != "default":
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise ShardError(f"{where}: {key!r} is not a regular expression ({e})") from None
+        out[key] = recipe
+    return out
+
+
+def weight_recipes(precision: dict[str, str], model) -> dict[str, str]:
+    """The recipe of every weight not in the compute dtype, by path: the first rule that fully matches
+    it, else `precision.default`. A rule that decides no FP8-capable weight (a typo, a norm, the
+    embedding, a shadowed pattern) or a recipe not built yet is a ShardError."""
+    rules = [(rx, r) for rx, r in precision.items() if rx != "default"]
+    default = precision.get("default", BF16)
+    paths = fp8_weights(model)
+    out, decided = {}, set()
+    for path in paths:
+        i = next((i for i, (rx, _) in enumerate(rules) if re.fullmatch(rx, path)), None)
+        if i is not None:
+            decided.add(i)
+        recipe = default if i is None else rules[i][1]
+        if recipe != BF16:
+            out[path] = recipe
+    for i, (rx, _) in enumerate(rules):
+        if i not in decided:
+            raise ShardError(f"precision rule {rx!r} decides no matmul weight of {model.name} "
+                             f"(a full match of one of: {', '.join(paths) or 'none'}; an earlier rule wins where "
+                             "two match; embeddings, norms, router, experts and head stay in the compute dtype)")
+    for recipe in set(out.values()) - set(BUILT):
+        raise ShardError(f"precision recipe {recipe} is not built yet (its amax histories as train state); "
+                         f"use one of {', '.join(BUILT)}")
+    return out

@@ -32,6 +32,7 @@ from flax import nnx
 from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LATENT, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
+from shard.models.fp8 import stack_recipes
 from shard.models.mla import mla_block
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
@@ -142,7 +143,8 @@ def run_stacks(cfg: ModelConfig, params: dict, x_btd: jax.Array, cache: dict | N
         return run_layers(cfg, params["layers"], x_btd, cache, start, **kw)
     k = cfg.dense_layers
     parts = (None, None) if cache is None else (jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache))
-    first = run_layers(cfg.dense_part, params["dense_layers"], x_btd, parts[0], start, **(kw | {"router_bias": None}))
+    first = run_layers(cfg.dense_part, params["dense_layers"], x_btd, parts[0], start,
+                       **(kw | {"router_bias": None, "stack": "dense_layers"}))
     rest = run_layers(cfg, params["layers"], first[0], parts[1], start, **kw, first_layer=k)
     stats = rest[1] | {"aux": first[1]["aux"] + rest[1]["aux"]}
     if cache is None:
@@ -195,7 +197,7 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
                zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               router_bias: jax.Array | None = None, first_layer=0, max_logits: bool = False):
+               router_bias: jax.Array | None = None, first_layer=0, max_logits: bool = False, stack: str = "layers"):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the MoE statistics ({"aux": the summed auxiliary loss; for a MoE
     model also "load" (L, E), the (token, choice) pairs each layer routed to each expert, and "dropped"
@@ -204,8 +206,10 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     already in the zig-zag order, as the batch is). `first_layer`: the index of the stack's first layer
     in the model (a pipeline stage's, traced there), which layers alternating local and global
     attention (cfg.global_every) need. `max_logits` (optimizer.qk_clip): the statistics hold each layer's
-    and head's largest attention logit too, "max_logit" (L, N)."""
+    and head's largest attention logit too, "max_logit" (L, N). `stack`: the stack's parameter path
+    (`layers`, `dense_layers`, `mtp/layers`), by which the precision rules pick its FP8 matmuls."""
     dtype = compute_dtype(cfg)
+    recipes = stack_recipes(stack)
     T = x_btd.shape[1]
     if positions is not None:  # per row: (B, T, H) tables
         rope_at = constrain(positions, (BATCH, LENGTH))
@@ -242,7 +246,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             attn_btd, kv = mla_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
         else:
             attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window,
-                                           record)
+                                           record, recipes)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
@@ -252,7 +256,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
                                                  dropless=cache is not None, bias_e=bias_e)
             stats = {"aux": aux, **counts}
         else:
-            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype), {"aux": jnp.zeros((), jnp.float32)}
+            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes), {"aux": jnp.zeros((), jnp.float32)}
         if record:
             stats["max_logit"] = record["max_logit"]
         if cfg.sandwich_norms:

@@ -38,7 +38,7 @@ def mtp_hidden(cfg: ModelConfig, params: dict, h_btd: jax.Array, tokens_bt: jax.
         h_btd = jnp.einsum("btx,xd->btd", both_btx, compute_weight(p["eh_proj"], (None, EMBED), dtype))
         h_btd = constrain(h_btd, (BATCH, RES_LENGTH, EMBED))
         layer = jax.tree.map(lambda a, k=k: a[k:k + 1], params["mtp"]["layers"])  # a stack of one
-        h_btd, stats = run_layers(cfg, layer, h_btd, segment_ids=segment_ids, positions=positions)
+        h_btd, stats = run_layers(cfg, layer, h_btd, segment_ids=segment_ids, positions=positions, stack="mtp/layers")
         out.append((h_btd, stats))
     return out
 

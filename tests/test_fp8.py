@@ -1,0 +1,146 @@
+"""FP8 training as rules (shard.config.precision, shard.models.fp8): which weights the rules pick, the
+quantize/dequantize math against a NumPy reference, and the float8 dots a lowered train step holds."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shard import config as c
+from shard.config.precision import fp8_weights, weight_recipes
+from shard.errors import ShardError
+from shard.models import fp8
+
+# (mantissa bits, smallest normal exponent, largest value) of float8_e4m3fn and float8_e5m2
+FORMATS = {fp8.E4M3: (3, -6, 448.0), fp8.E5M2: (2, -14, 57344.0)}
+
+
+def np_round(v, fmt):
+    """NumPy reference: v (already within range) rounded to nearest even on the format's grid,
+    subnormals included."""
+    mant, min_exp, _ = FORMATS[fmt]
+    v = np.asarray(v, np.float64)
+    a = np.abs(v)
+    e = np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), min_exp)
+    quantum = 2.0 ** (e - mant)
+    return np.sign(v) * np.round(a / quantum) * quantum
+
+
+def np_quantize(x, fmt, axes=None, scale=None):
+    """NumPy reference: (x / scale saturated and rounded, the float32 scale amax / fmax, 1 where amax is 0)."""
+    fmax = np.float32(FORMATS[fmt][2])
+    if scale is None:
+        amax = np.max(np.abs(x), axis=axes, keepdims=axes is not None).astype(np.float32)
+        scale = np.where(amax > 0, amax / fmax, np.float32(1)).astype(np.float32)
+    return np_round(np.clip(x / scale, -fmax, fmax), fmt), scale
+
+
+def wide_range(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-4, 3, shape)).astype(np.float32)
+
+
+def resolve(*sets, model="tiny"):
+    return c.resolve(c.parse_sets([f"model.name={model}", *sets]))
+
+
+def test_rules_pick_the_matmul_weights_and_defaults_leave_the_rest(tmp_path):
+    cfg = resolve("precision.default=fp8_tensorwise", 'precision."layers/w(q|k|v|o)"=fp8_rowwise')
+    got = weight_recipes(cfg.precision, cfg.model)
+    assert got == {"layers/wq": "fp8_rowwise", "layers/wk": "fp8_rowwise", "layers/wv": "fp8_rowwise",
+                   "layers/wo": "fp8_rowwise", "layers/w_gate": "fp8_tensorwise",
+                   "layers/w_up": "fp8_tensorwise", "layers/w_down": "fp8_tensorwise"}
+    assert weight_recipes({}, cfg.model) == {}  # bf16 unless asked
+    # experts, router, embeddings, norms and head are never FP8 candidates; a dense first stack's MLP is
+    moe = resolve(model="moe-tiny").model
+    assert fp8_weights(moe) == ["layers/wq", "layers/wk", "layers/wv", "layers/wo"]
+    toml = tmp_path / "fp8.toml"  # the config file form
+    toml.write_text('[model]\nname = "tiny"\n[precision]\n"layers/w(q|k|v|o)" = "fp8_rowwise"\n'
+                    '"layers/w_(gate|up|down)" = "fp8_tensorwise"\n')
+    from_file = c.resolve(c.load_file(str(toml)))
+    assert weight_recipes(from_file.precision, from_file.model) == got
+
+
+@pytest.mark.parametrize("item, message", [
+    ('precision."layers/wqq"=fp8_rowwise', "precision rule 'layers/wqq' decides no matmul weight of tiny"),
+    ("precision.embed=fp8_rowwise", "precision rule 'embed' decides no matmul weight"),
+    ("precision.default=fp9", "precision.default: unknown recipe 'fp9'"),
+    ('precision."layers/wq"=int4', "unknown recipe 'int4' (one of bf16, fp8_tensorwise, fp8_rowwise, fp8_delayed)"),
+    ("precision.default=fp8_delayed", "precision recipe fp8_delayed is not built yet"),
+])
+def test_bad_precision_rules_are_one_line(item, message):
+    with pytest.raises(ShardError, match=re.escape(message)):
+        resolve(item)
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
+@pytest.mark.parametrize("axes", [None, (1,)])
+def test_quantize_matches_numpy(fmt, axes):
+    x = wide_range((6, 40))
+    x[2] = 0.0  # a row of zeros: scale 1, zeros out
+    q, scale = fp8.quantize(jnp.asarray(x), fmt, axes)
+    # XLA divides by the constant fmax as a multiply by its reciprocal: within an ulp of amax / fmax
+    np.testing.assert_allclose(np.asarray(scale), np_quantize(x, fmt, axes)[1], rtol=2e-7)
+    want_q, want_scale = np_quantize(x, fmt, scale=np.asarray(scale))  # rounding, exactly
+    np.testing.assert_array_equal(np.asarray(q, np.float64), want_q)
+    assert np.max(np.abs(np.asarray(q, np.float32))) == FORMATS[fmt][2]  # amax maps to the largest value
+    back = np.asarray(fp8.dequantize(q, scale))
+    np.testing.assert_allclose(back, want_q * want_scale, rtol=1e-6)
+    # saturation: a scale below amax / fmax clips to the format's largest value, sign kept
+    small = np.float32(np.max(np.abs(x)) / FORMATS[fmt][2] / 4)
+    q_sat, _ = fp8.quantize(jnp.asarray(x), fmt, scale=jnp.asarray(small))
+    np.testing.assert_array_equal(np.asarray(q_sat, np.float64), np_quantize(x, fmt, scale=small)[0])
+    assert np.sum(np.abs(np.asarray(q_sat, np.float32)) == FORMATS[fmt][2]) > 1
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_fp8_einsum_and_its_gradients_match_numpy(rowwise):
+    x, w, g = wide_range((2, 5, 16), 1), wide_range((16, 3, 4), 2), wide_range((2, 5, 3, 4), 3)
+
+    def qdq(a, fmt, contract):  # the reference: each operand quantized and dequantized, float64 einsum
+        q, s = np_quantize(a, fmt, contract if rowwise else None)
+        return q * s
+
+    y, pullback = jax.vjp(lambda a, b: fp8.fp8_einsum("btd,dnh->btnh", a, b, rowwise), jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(y, np.einsum("btd,dnh->btnh", qdq(x, fp8.E4M3, (2,)), qdq(w, fp8.E4M3, (0,))),
+                               rtol=1e-5, atol=1e-5 * np.abs(y).max())
+    dx, dw = pullback(jnp.asarray(g))
+    want_dx = np.einsum("btnh,dnh->btd", qdq(g, fp8.E5M2, (2, 3)), qdq(w, fp8.E4M3, (1, 2)))
+    want_dw = np.einsum("btd,btnh->dnh", qdq(x, fp8.E4M3, (0, 1)), qdq(g, fp8.E5M2, (0, 1)))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5 * np.abs(want_dx).max())
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+
+
+def _f8_dots(text: str) -> list[tuple[str, list[str], str]]:
+    """(result name, operand types, result type) of each StableHLO dot_general on float8 operands."""
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"(%\S+) = stablehlo.dot_general .*: \((.*)\) -> (tensor<[^>]*>)", line)
+        if m and "f8" in m.group(2):
+            out.append((m.group(1), re.findall(r"tensor<[^>]*>", m.group(2)), m.group(3)))
+    return out
+
+
+def test_a_lowered_train_step_has_float8_dots_for_the_rule_matched_weights_only():
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+    from shard.training.compiled import lower_step
+
+    # wk, wv in bf16: q, k and v run as three einsums; gate and up share a recipe: one (64, 2, 128) weight
+    cfg = tiny_config("1x1", model__n_kv_heads=4, precision__default="fp8_rowwise",
+                      **{"precision__layers/w(k|v)": "bf16", "precision__layers/w_down": "fp8_tensorwise"})
+    text = lower_step(cfg, make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))).as_text()
+    dots = _f8_dots(text)
+    fp8_shapes = {"wq": "64x8x8", "wo": "8x8x64", "w_gate/w_up": "64x2x128", "w_down": "128x64"}
+    for name, shape in fp8_shapes.items():
+        forward = [d for d in dots if f"tensor<{shape}xf8E4M3FN>" in d[1] and "f8E5M2" not in "".join(d[1])]
+        dx = [d for d in dots if f"tensor<{shape}xf8E4M3FN>" in d[1] and "f8E5M2" in "".join(d[1])]
+        dw = [d for d in dots if d[2] == f"tensor<{shape}xf32>"]
+        assert (len(forward), len(dx), len(dw)) == (1, 1, 1), (name, forward, dx, dw)
+    assert len(dots) == 3 * len(fp8_shapes)  # nothing else: wk, wv (64x4x8), embedding, head stay bf16
+    assert not any("64x4x8" in t or "256" in t for d in dots for t in d[1])
+    for result, _, _ in dots:  # the scales are applied to the float32 product, after the dot
+        assert re.search(rf"stablehlo.multiply {re.escape(result)}, ", text), result

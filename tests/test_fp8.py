@@ -68,11 +68,12 @@ def test_rules_pick_the_matmul_weights_and_defaults_leave_the_rest(tmp_path):
     ("precision.embed=fp8_rowwise", "precision rule 'embed' decides no matmul weight"),
     ("precision.default=fp9", "precision.default: unknown recipe 'fp9'"),
     ('precision."layers/wq"=int4', "unknown recipe 'int4' (one of bf16, fp8_tensorwise, fp8_rowwise, fp8_delayed)"),
-    ("precision.default=fp8_delayed", "precision recipe fp8_delayed is not built yet"),
+    ("precision.default=fp8_delayed cluster.cross_host=mpi",
+     "precision recipe fp8_delayed does not run with cluster.cross_host=mpi yet"),
 ])
 def test_bad_precision_rules_are_one_line(item, message):
     with pytest.raises(ShardError, match=re.escape(message)):
-        resolve(item)
+        resolve(*item.split())
 
 
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2])
@@ -144,3 +145,48 @@ def test_a_lowered_train_step_has_float8_dots_for_the_rule_matched_weights_only(
     assert not any("64x4x8" in t or "256" in t for d in dots for t in d[1])
     for result, _, _ in dots:  # the scales are applied to the float32 product, after the dot
         assert re.search(rf"stablehlo.multiply {re.escape(result)}, ", text), result
+
+
+def test_delayed_scaling_scales_by_the_history_and_its_gradient_is_the_update():
+    x, w, g = wide_range((4, 16), 4), wide_range((16, 8), 5), wide_range((4, 8), 6)
+    history = {k: jnp.zeros(4, jnp.float32).at[1].set(v) for k, v in (("x", 3000.0), ("w", 50.0), ("g", 1e6))}
+    y, pullback = jax.vjp(lambda a, b, h: fp8.delayed_einsum("td,df->tf", a, b, h), jnp.asarray(x), jnp.asarray(w),
+                          history)
+    sx, sw, sg = 3000.0 / 448, 50.0 / 448, 1e6 / 57344  # the history's amax, not this step's
+    want = np.einsum("td,df->tf", np_quantize(x, fp8.E4M3, scale=np.float32(sx))[0] * np.float32(sx),
+                     np_quantize(w, fp8.E4M3, scale=np.float32(sw))[0] * np.float32(sw))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    dx, _, new = pullback(jnp.asarray(g))
+    want_dx = np.einsum("tf,df->td", np_quantize(g, fp8.E5M2, scale=np.float32(sg))[0] * np.float32(sg),
+                        np_quantize(w, fp8.E4M3, scale=np.float32(sw))[0] * np.float32(sw))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5 * np.abs(want_dx).max())
+    for k, a in (("x", x), ("w", w), ("g", g)):  # this step's amax first, the oldest dropped
+        np.testing.assert_array_equal(new[k], [np.abs(a).max(), 0, float(history[k][1]), 0])
+
+
+def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh(tmp_path):
+    from shard.run.checkpoint import Checkpoints, SaveCheckpoints
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+    from shard.training.loop import train
+    from shard.training.prepare import prepare
+    from shard.training.state import state_spec
+
+    cfg = tiny_config("2x4", steps=2, precision__default="fp8_delayed", **{"precision__layers/wo": "fp8_rowwise"})
+    ckpts = Checkpoints(tmp_path / "checkpoints", cfg.checkpoint)
+    try:
+        run = prepare(cfg, devices_for("2x4"))
+        train(cfg, run=run, observers=[SaveCheckpoints(ckpts, seed=cfg.seed, config_toml=c.to_toml(cfg))])
+        saved = jax.device_get(run.state["fp8"])
+        assert sorted(saved["layers"]) == ["w_down", "w_gate", "w_up", "wk", "wq", "wv"]  # wo: rowwise, none
+        for history in jax.tree.leaves(saved):  # (layers, 16): two steps' amaxes, newest first
+            assert history.shape == (2, 16) and np.all(history[:, :2] > 0) and not np.any(history[:, 2:])
+        layout = make_layout(cfg, parse_mesh("fsdp"), devices_for("fsdp"))
+        restored = ckpts.restore(2, state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)).state["fp8"]
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
+        plain = tiny_config("fsdp", steps=2)  # a resume in bf16 leaves them out
+        layout = make_layout(plain, parse_mesh("fsdp"), devices_for("fsdp"))
+        assert "fp8" not in ckpts.restore(2, state_spec(plain.model, plain.optimizer, 2, layout)).state
+    finally:
+        ckpts.close()

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from shard.config.model import ModelConfig
-from shard.config.precision import weight_recipes
+from shard.config.precision import delayed_problems
 from shard.config.presets import PRESETS
 from shard.config.values import is_positive_number
 from shard.errors import ShardError
@@ -346,12 +346,11 @@ def _task_problems(cfg: "TrainConfig") -> list[str]:
 
 
 def _precision_problems(cfg: "TrainConfig") -> list[str]:
-    """A precision rule that decides no matmul weight, or a recipe not built yet."""
+    """A precision rule that decides no matmul weight, or fp8_delayed where it does not run."""
     try:
-        weight_recipes(cfg.precision, cfg.model)
+        return delayed_problems(cfg)
     except ShardError as e:
         return [str(e)]
-    return []
 
 
 def _optimizer_problems(cfg: "TrainConfig") -> list[str]:

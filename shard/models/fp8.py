@@ -23,7 +23,8 @@ from shard.sharding.rules import active_layout
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16 = "bf16"
-ROWWISE = {"fp8_tensorwise": False, "fp8_rowwise": True}
+DELAYED = "fp8_delayed"
+ROWWISE = {"fp8_tensorwise": False, "fp8_rowwise": True, DELAYED: False}  # delayed without a history: current
 
 
 def scale_of(x: jax.Array, fp8_dtype, axes: tuple[int, ...] | None = None) -> jax.Array:
@@ -65,6 +66,13 @@ def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool) -> jax
     return y * scale
 
 
+def _scaled_dot(subscripts: str, a, b, a_dtype, b_dtype, scale_a, scale_b) -> jax.Array:
+    """`scaled_einsum` with given per-tensor scales (delayed scaling's)."""
+    qa, scale_a = quantize(a, a_dtype, scale=scale_a)
+    qb, scale_b = quantize(b, b_dtype, scale=scale_b)
+    return jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32) * (scale_a * scale_b)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, rowwise: bool = False) -> jax.Array:
     """`einsum(subscripts, x, w)` (an activation and a weight, each letter once per operand) in FP8:
@@ -89,12 +97,65 @@ def _fp8_einsum_bwd(subscripts, rowwise, saved, g):
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 
 
-def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16) -> jax.Array:
+# --- delayed scaling: amax histories (newest first) of the activation, the weight and the gradient ---
+
+
+def delayed_scale(history: jax.Array, x: jax.Array, fp8_dtype) -> jax.Array:
+    """A per-tensor scale from the largest amax in `history` (earlier steps'); this step's amax while
+    the history is still empty (the first step), so the first step does not saturate or flush to zero."""
+    past = jnp.max(history)
+    amax = jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32))))
+    return jnp.where(amax > 0, amax / jnp.finfo(fp8_dtype).max.astype(jnp.float32), 1.0)
+
+
+def pushed(history: jax.Array, x: jax.Array) -> jax.Array:
+    """The history with this step's amax of x first and its oldest entry dropped."""
+    return jnp.roll(history, 1).at[0].set(jnp.max(jnp.abs(x.astype(jnp.float32))))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict) -> jax.Array:
+    """`fp8_einsum` (tensorwise) with scales from amax histories ({"x", "w", "g"}: (H,) float32 each).
+    The histories' "gradient" is their update (this step's amaxes pushed in), which the train step
+    takes as the new histories (flax's fp8_ops "overwrite with gradient", without its max-dtype: the
+    step takes the maximum over microbatches itself)."""
+    return _delayed_fwd(subscripts, x, w, history)[0]
+
+
+def _delayed_fwd(subscripts, x, w, history):
+    sx, sw = delayed_scale(history["x"], x, E4M3), delayed_scale(history["w"], w, E4M3)
+    return _scaled_dot(subscripts, x, w, E4M3, E4M3, sx, sw).astype(x.dtype), (x, w, sx, sw, history)
+
+
+def _delayed_bwd(subscripts, saved, g):
+    x, w, sx, sw, history = saved
+    ins, out = subscripts.split("->")
+    x_letters, w_letters = ins.split(",")
+    sg = delayed_scale(history["g"], g, E5M2)
+    dx = _scaled_dot(f"{out},{w_letters}->{x_letters}", g, w, E5M2, E4M3, sg, sw)
+    dw = _scaled_dot(f"{x_letters},{out}->{w_letters}", x, g, E4M3, E5M2, sx, sg)
+    new = {"x": pushed(history["x"], x), "w": pushed(history["w"], w), "g": pushed(history["g"], g)}
+    return dx.astype(x.dtype), dw.astype(w.dtype), new
+
+
+delayed_einsum.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None):
     """`einsum(subscripts, x, w)` by a weight's recipe: plain in the operands' dtype for bf16 (the
-    compute dtype), else `fp8_einsum`."""
+    compute dtype), `delayed_einsum` for fp8_delayed with its histories (without them, as in evaluation
+    and generation: current tensorwise scaling), else `fp8_einsum`."""
     if recipe == BF16:
         return jnp.einsum(subscripts, x, w)
+    if recipe == DELAYED and history is not None:
+        return delayed_einsum(subscripts, x, w, history)
     return fp8_einsum(subscripts, x, w, ROWWISE[recipe])
+
+
+def fusable(*recipes: str) -> bool:
+    """Can weights of these recipes run as one matmul (q, k, v; gate and up)? The same recipe, and
+    not fp8_delayed, whose histories are each weight's own."""
+    return len(set(recipes)) == 1 and recipes[0] != DELAYED
 
 
 def stack_recipes(stack: str) -> dict[str, str]:

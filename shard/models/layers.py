@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, MLP
 from shard.config.model import ModelConfig
 from shard.models import lora as adapters
-from shard.models.fp8 import BF16, matmul
+from shard.models.fp8 import BF16, fusable, matmul
 from shard.models.attention import (cached_attention, causal_attention, max_logits, rolling_attention,
                                     rolling_cache)
 from shard.sharding.queries import heads_split_alike
@@ -73,20 +73,22 @@ def apply_rope(x_btnh, cos_th, sin_th):
 
 
 def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
-                    segment_ids=None, window=None, record: dict | None = None, recipes: dict | None = None):
+                    segment_ids=None, window=None, record: dict | None = None, recipes: dict | None = None,
+                    histories: dict | None = None):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position.
     `zigzag`, `segment_ids`: as in `forward`. `window`: this layer's (0: none; traced where layers
     differ, cfg.global_every); None: cfg.sliding_window. `record` (training with optimizer.qk_clip): a
     dict the block puts each head's largest attention logit in, "max_logit" (N,) (`max_logits`).
-    `recipes`: the FP8 recipe of each weight that has one (shard.models.fp8.stack_recipes)."""
-    recipes = recipes or {}
+    `recipes`: the FP8 recipe of each weight that has one (shard.models.fp8.stack_recipes); `histories`:
+    the amax histories of this layer's fp8_delayed weights, by weight."""
+    recipes, histories = recipes or {}, histories or {}
     window = cfg.sliding_window if window is None else window
     scale = (cfg.query_scale or cfg.head_dim) ** -0.5
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
-    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype, recipes)
+    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype, recipes, histories)
     if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
         q_btnh, k_btkh = norm(cfg, q_btnh, p["q_norm"]), norm(cfg, k_btkh, p["k_norm"])
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
@@ -105,11 +107,11 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
         o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=window, scale=scale,
                                   softcap=cfg.attn_softcap)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    out_btd = matmul("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype), recipes.get("wo", BF16))
+    out_btd = matmul("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype), recipes.get("wo", BF16), histories.get("wo"))
     return adapters.with_delta(out_btd, o_btnh, p, "wo", p.get("dropout_key")), kv
 
 
-def _qkv(h_btd, p, dtype, recipes):
+def _qkv(h_btd, p, dtype, recipes, histories):
     """q, k and v of the normalised residual.
 
     Where heads and kv heads are split alike, they come out of one einsum over a weight grouped by kv
@@ -120,22 +122,22 @@ def _qkv(h_btd, p, dtype, recipes):
     the 1F1B pipeline's per-stage branches), so three einsums run instead. The biases of qkv_bias
     (`bq`, `bk`, `bv`) are grouped as their weights are. LoRA adapters add their terms to q, k and v.
     In FP8 the grouped weight is quantized as one (one tensorwise scale for the three) where the three
-    share a recipe; three einsums run where their recipes differ.
+    share a recipe; three einsums run where their recipes differ or are fp8_delayed (a history each).
     """
-    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype, recipes)
+    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype, recipes, histories)
     key = p.get("dropout_key")
     return tuple(adapters.with_delta(y, h_btd, p, name, key)
                  for y, name in ((q_btnh, "wq"), (k_btkh, "wk"), (v_btkh, "wv")))
 
 
-def _qkv_base(h_btd, p, dtype, recipes):
+def _qkv_base(h_btd, p, dtype, recipes, histories):
     D, N, H = p["wq"].shape
     K = p["wk"].shape[1]
     rq, rk, rv = (recipes.get(name, BF16) for name in ("wq", "wk", "wv"))
-    if not heads_split_alike() or not rq == rk == rv:
-        q_btnh = matmul("btd,dnh->btnh", h_btd, p["wq"].astype(dtype), rq)
-        k_btkh = matmul("btd,dkh->btkh", h_btd, p["wk"].astype(dtype), rk)
-        v_btkh = matmul("btd,dkh->btkh", h_btd, p["wv"].astype(dtype), rv)
+    if not heads_split_alike() or not fusable(rq, rk, rv):
+        q_btnh = matmul("btd,dnh->btnh", h_btd, p["wq"].astype(dtype), rq, histories.get("wq"))
+        k_btkh = matmul("btd,dkh->btkh", h_btd, p["wk"].astype(dtype), rk, histories.get("wk"))
+        v_btkh = matmul("btd,dkh->btkh", h_btd, p["wv"].astype(dtype), rv, histories.get("wv"))
         if "bq" in p:
             q_btnh, k_btkh, v_btkh = (q_btnh + p["bq"].astype(dtype), k_btkh + p["bk"].astype(dtype),
                                       v_btkh + p["bv"].astype(dtype))
@@ -158,22 +160,23 @@ def _gated(gate, up, activation: str = "silu"):
     return act * up
 
 
-def mlp_block(x_btd, p, cfg: ModelConfig, dtype, recipes: dict | None = None):
-    """Pre-norm gated MLP; `recipes` as in `attention_block`."""
-    recipes = recipes or {}
+def mlp_block(x_btd, p, cfg: ModelConfig, dtype, recipes: dict | None = None, histories: dict | None = None):
+    """Pre-norm gated MLP; `recipes`, `histories` as in `attention_block`."""
+    recipes, histories = recipes or {}, histories or {}
     h_btd = constrain(norm(cfg, x_btd, p["mlp_norm"]), (BATCH, LENGTH, EMBED))  # as in attention
     # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce (two
     # where their FP8 recipes differ).
     r_gate, r_up = recipes.get("w_gate", BF16), recipes.get("w_up", BF16)
-    if r_gate == r_up:
+    if fusable(r_gate, r_up):
         w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
         gate_up_btsf = matmul("btd,dsf->btsf", h_btd, w_dsf.astype(dtype), r_gate)
     else:
-        gate_up_btsf = jnp.stack([matmul("btd,df->btf", h_btd, p[name].astype(dtype), r)
+        gate_up_btsf = jnp.stack([matmul("btd,df->btf", h_btd, p[name].astype(dtype), r, histories.get(name))
                                   for name, r in (("w_gate", r_gate), ("w_up", r_up))], axis=2)
     key = p.get("dropout_key")  # LoRA
     gate_btf = adapters.with_delta(gate_up_btsf[:, :, 0], h_btd, p, "w_gate", key)
     up_btf = adapters.with_delta(gate_up_btsf[:, :, 1], h_btd, p, "w_up", key)
     hidden_btf = constrain(_gated(gate_btf, up_btf, cfg.mlp_activation), (BATCH, LENGTH, MLP))
-    down_btd = matmul("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype), recipes.get("w_down", BF16))
+    down_btd = matmul("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype), recipes.get("w_down", BF16),
+                      histories.get("w_down"))
     return adapters.with_delta(down_btd, hidden_btf, p, "w_down", key)

@@ -139,13 +139,15 @@ def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag:
 def run_stacks(cfg: ModelConfig, params: dict, x_btd: jax.Array, cache: dict | None = None, start=0, **kw):
     """`run_layers` over the model's layer stacks: the dense first layers' (cfg.dense_layers, DeepSeek-V3)
     and then the main one; a cache's layers are split between them and joined again."""
+    history = params.get("fp8", {})  # training with fp8_delayed weights: their amax histories
     if not cfg.dense_layers:
-        return run_layers(cfg, params["layers"], x_btd, cache, start, **kw)
+        return run_layers(cfg, params["layers"], x_btd, cache, start, **kw, fp8_history=history.get("layers"))
     k = cfg.dense_layers
     parts = (None, None) if cache is None else (jax.tree.map(lambda a: a[:k], cache), jax.tree.map(lambda a: a[k:], cache))
     first = run_layers(cfg.dense_part, params["dense_layers"], x_btd, parts[0], start,
-                       **(kw | {"router_bias": None, "stack": "dense_layers"}))
-    rest = run_layers(cfg, params["layers"], first[0], parts[1], start, **kw, first_layer=k)
+                       **(kw | {"router_bias": None, "stack": "dense_layers"}), fp8_history=history.get("dense_layers"))
+    rest = run_layers(cfg, params["layers"], first[0], parts[1], start, **kw, first_layer=k,
+                      fp8_history=history.get("layers"))
     stats = rest[1] | {"aux": first[1]["aux"] + rest[1]["aux"]}
     if cache is None:
         return rest[0], stats
@@ -197,7 +199,8 @@ def embed_tokens(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, table: ja
 
 def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | None = None, start=0,
                zigzag: bool = False, segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               router_bias: jax.Array | None = None, first_layer=0, max_logits: bool = False, stack: str = "layers"):
+               router_bias: jax.Array | None = None, first_layer=0, max_logits: bool = False, stack: str = "layers",
+               fp8_history: dict | None = None):
     """Scan the layer block over a stack of layers (all of them, or one pipeline stage's slice);
     returns the residual stream and the MoE statistics ({"aux": the summed auxiliary loss; for a MoE
     model also "load" (L, E), the (token, choice) pairs each layer routed to each expert, and "dropped"
@@ -207,7 +210,9 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     in the model (a pipeline stage's, traced there), which layers alternating local and global
     attention (cfg.global_every) need. `max_logits` (optimizer.qk_clip): the statistics hold each layer's
     and head's largest attention logit too, "max_logit" (L, N). `stack`: the stack's parameter path
-    (`layers`, `dense_layers`, `mtp/layers`), by which the precision rules pick its FP8 matmuls."""
+    (`layers`, `dense_layers`, `mtp/layers`), by which the precision rules pick its FP8 matmuls;
+    `fp8_history`: the amax histories of its fp8_delayed weights ({weight: {"x", "w", "g"}: (L, H)}, the
+    train state's "fp8"), whose gradients are their updates (shard.models.fp8.delayed_einsum)."""
     dtype = compute_dtype(cfg)
     recipes = stack_recipes(stack)
     T = x_btd.shape[1]
@@ -230,7 +235,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     axes = _layer_axes(cfg, layers)
 
     def block(x_btd, xs):
-        p, kv, bias_e, window, key = xs
+        p, kv, bias_e, window, key, history = xs
         cos, sin = cos_th, sin_th
         if local_rope is not None:
             cos, sin = (jnp.where(window > 0, a, b) for a, b in zip(local_rope, (cos_th, sin_th)))
@@ -246,7 +251,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             attn_btd, kv = mla_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
         else:
             attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window,
-                                           record, recipes)
+                                           record, recipes, history)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
@@ -256,7 +261,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
                                                  dropless=cache is not None, bias_e=bias_e)
             stats = {"aux": aux, **counts}
         else:
-            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes), {"aux": jnp.zeros((), jnp.float32)}
+            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes, history), {"aux": jnp.zeros((), jnp.float32)}
         if record:
             stats["max_logit"] = record["max_logit"]
         if cfg.sandwich_norms:
@@ -272,7 +277,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     if cache is not None and "k_local" in cache:  # local layers in a rolling cache of their own
         return _unrolled_with_split_cache(cfg, block, layers, x_btd, cache, router_bias)
     keys = adapters.dropout_keys(jax.tree.leaves(layers)[0].shape[0])  # LoRA dropout while training
-    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l, keys))
+    x_btd, (stats_l, new_cache) = jax.lax.scan(block, x_btd, (layers, cache, router_bias, window_l, keys, fp8_history))
     stats = {**stats_l, "aux": jnp.sum(stats_l["aux"])}
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
@@ -302,7 +307,7 @@ def _unrolled_with_split_cache(cfg: ModelConfig, block, layers: dict, x_btd, cac
         kv = {"k": cache["k" + part][j], "v": cache["v" + part][j]}
         p = jax.tree.map(lambda a, i=i: a[i], layers)
         bias = None if router_bias is None else router_bias[i]
-        x_btd, (stats, kv) = block(x_btd, (p, kv, bias, window, None))
+        x_btd, (stats, kv) = block(x_btd, (p, kv, bias, window, None, None))
         aux = aux + stats["aux"]
         new[part].append(kv)
     out = {}

@@ -33,7 +33,7 @@ from shard.run.checksums import first_mismatch, state_fingerprint
 from shard.run.read_failures import BAD, MACHINE, read_outcomes
 from shard.run.step_meta import meta_problem
 from shard.training.lora import has_adapters, merge, split
-from shard.training.state import StateSpec, placed_router_bias
+from shard.training.state import StateSpec, placed_fp8_histories, placed_router_bias
 from shard.training.observer import Observer
 
 
@@ -155,12 +155,17 @@ class Checkpoints:
         elif "router_bias" in stored and "router_bias" not in target:
             bias = stored["router_bias"]
             target["router_bias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype, sharding=spec.shardings["step"])
+        fresh_fp8 = _fp8_target(stored, target, spec)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
         out = self._manager.restore(step, args=args)
         if fresh_bias:
             out[STATE]["router_bias"] = placed_router_bias(spec)["router_bias"]
         elif "router_bias" not in spec.abstract:
             out[STATE].pop("router_bias", None)
+        if "fp8" not in spec.abstract:
+            out[STATE].pop("fp8", None)
+        elif fresh_fp8:
+            out[STATE]["fp8"] = placed_fp8_histories(spec)
         return out
 
     def _checked(self, step: int, out: dict, spec: StateSpec) -> Restored:
@@ -250,6 +255,22 @@ class Checkpoints:
     @staticmethod
     def _sync(name: str) -> None:
         exchange.barrier(f"checkpoint_{name}", device_collective=True)
+
+
+def _fp8_target(stored: dict, target: dict, spec: StateSpec) -> bool:
+    """fp8_delayed's amax histories in the restore target as saved (read, then dropped where this run
+    keeps none or other ones); True where this run's start empty instead: the checkpoint was saved with
+    another precision (none, or other fp8_delayed weights)."""
+    saved = stored.get("fp8")
+    same = saved is not None and "fp8" in target and jax.tree.structure(saved) == jax.tree.structure(target["fp8"]) \
+        and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(target["fp8"])))
+    fresh = "fp8" in target and not same
+    if saved is not None and not same:
+        target["fp8"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec.shardings["step"]),
+                                     saved)
+    elif saved is None:
+        target.pop("fp8", None)
+    return fresh
 
 
 class SaveCheckpoints(Observer):

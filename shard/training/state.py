@@ -16,6 +16,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard import models
+from shard.config.params import model_params
+from shard.config.precision import AMAX_HISTORY, DELAYED
 from shard.config.train import LoraConfig, OptimizerConfig
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
@@ -43,6 +45,8 @@ class StateSpec:
     # MuonClip's QK-clip threshold (optimizer.qk_clip): the step records each head's largest attention
     # logit and scales down the query (and key) weights of heads past it; 0: off
     qk_clip: float = 0.0
+    # the weights in fp8_delayed (shard.config.precision), whose amax histories the state holds as "fp8"
+    fp8_delayed: tuple[str, ...] = ()
 
     def trainable(self, params):
         """The part of a params tree (arrays, shardings, shapes) the optimizer updates: the adapters
@@ -161,7 +165,7 @@ def optimizer_with(opt: OptimizerConfig, args: dict, model: ModelConfig | None =
     return optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw), schedule
 
 
-def _init_fn(model_cfg: ModelConfig, tx, seed: int, lora: LoraConfig | None = None):
+def _init_fn(model_cfg: ModelConfig, tx, seed: int, lora: LoraConfig | None = None, fp8_delayed: tuple = ()):
     def init():
         params = nnx.to_pure_dict(nnx.state(models.build(model_cfg, seed=seed, lora=lora)))
         trained = params
@@ -172,9 +176,32 @@ def _init_fn(model_cfg: ModelConfig, tx, seed: int, lora: LoraConfig | None = No
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(trained)}
         if model_cfg.router_bias:
             state["router_bias"] = router_bias_init(model_cfg)
+        if fp8_delayed:
+            state["fp8"] = fp8_histories_init(model_cfg, fp8_delayed)
         return state
 
     return init
+
+
+def fp8_histories_init(model_cfg: ModelConfig, paths) -> dict:
+    """The amax histories of the fp8_delayed weights at the start: for weight `layers/wq`,
+    ["layers"]["wq"] = {"x", "w", "g"} (activation, weight, gradient), each (L, AMAX_HISTORY) float32
+    zeros (an empty history: the first step scales by its own amaxes). Beside the params in the state,
+    like the router bias: no gradient of their own, no optimizer state; replicated (a few numbers a layer)."""
+    shapes = model_params(model_cfg)
+    out: dict = {}
+    for path in sorted(paths):
+        stack, name = path.rsplit("/", 1)
+        node = out
+        for key in stack.split("/"):
+            node = node.setdefault(key, {})
+        node[name] = {k: jnp.zeros((shapes[path].shape[0], AMAX_HISTORY), jnp.float32) for k in ("x", "w", "g")}
+    return out
+
+
+def placed_fp8_histories(spec: StateSpec) -> dict:
+    """Empty amax histories in their shardings, for a state restored from a checkpoint saved without them."""
+    return jax.device_put(fp8_histories_init(spec.model, spec.fp8_delayed), spec.shardings["fp8"])
 
 
 def router_bias_init(model_cfg: ModelConfig) -> jax.Array:
@@ -226,7 +253,8 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     elif schedule is None:
         raise ShardError("state_spec: an optimizer of one's own (tx) needs the schedule its learning rate "
                          "follows (optax.constant_schedule(lr) for a constant one)")
-    abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0, lora))
+    fp8_delayed = tuple(sorted(p for p, r in layout.precision.items() if r == DELAYED))
+    abstract = jax.eval_shape(_init_fn(model_cfg, tx, 0, lora, fp8_delayed))
     p_shardings = param_shardings(abstract["params"], logical, layout)
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     shardings = {
@@ -236,8 +264,10 @@ def state_spec(model_cfg: ModelConfig, opt: OptimizerConfig, total_steps: int, l
     }
     if "router_bias" in abstract:
         shardings["router_bias"] = replicated
+    if "fp8" in abstract:
+        shardings["fp8"] = jax.tree.map(lambda _: replicated, abstract["fp8"])
     return StateSpec(graphdef, abstract, shardings, logical, tx, schedule, model_cfg, args, optimizer_from, lora,
-                     opt.qk_clip)
+                     opt.qk_clip, fp8_delayed)
 
 
 # The init runs once, so on CPU it is compiled without LLVM's optimisations: the same numbers, in a
@@ -249,7 +279,8 @@ def compile_init(spec: StateSpec, model_cfg: ModelConfig, seed: int):
     """The compiled init: call it to create parameters and optimizer state in their shardings."""
     if spec.model is not None and model_cfg != spec.model:  # params of other shapes than the spec's
         raise ShardError("init: the model config differs from the one the state spec was built with")
-    lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed, spec.lora), out_shardings=spec.shardings).lower()
+    lowered = jax.jit(_init_fn(model_cfg, spec.tx, seed, spec.lora, spec.fp8_delayed),
+                      out_shardings=spec.shardings).lower()
     on_cpu = next(iter(jax.tree.leaves(spec.shardings))).mesh.devices.flat[0].platform == "cpu"
     return lowered.compile(compiler_options=_CPU_INIT_COMPILER_OPTIONS if on_cpu else None)
 

@@ -160,19 +160,20 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
         grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
     else:  # gradients of the adapters alone: the base weights are frozen
         grad_fn = lora.grad_of_adapters(make_loss_fn(spec, layout, pipe))
+    grads_of = _with_histories(grad_fn)
 
-    def grad_sums(params, batch, router_bias=None):
+    def grad_sums(params, batch, router_bias=None, fp8=None):
         with activation_layout(layout):
             if microbatches == 1:
-                (_, (nll, count, moe)), grads = grad_fn(params, batch, router_bias)
+                (_, (nll, count, moe)), grads = grads_of(params, batch, router_bias, fp8)
             else:
                 mbs = {k: _microbatches(batch[k], microbatches, layout) for k in batch_keys(batch)}
 
                 def accumulate(carry, mb):
                     g_acc, nll_acc, n_acc, moe_acc = carry
-                    (_, (nll, n, moe)), g = grad_fn(params, mb, router_bias)
+                    (_, (nll, n, moe)), g = grads_of(params, mb, router_bias, fp8)
                     return (jax.tree.map(jnp.add, g_acc, g), nll_acc + nll, n_acc + n,
-                            {k: (jnp.maximum if k == "max_logit" else jnp.add)(moe_acc[k], moe[k])
+                            {k: jax.tree.map(jnp.maximum if k in ("max_logit", "fp8") else jnp.add, moe_acc[k], moe[k])
                              for k in moe_acc}), None
 
                 zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), spec.trainable(params))
@@ -197,29 +198,51 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             new_params = qk_clip(new_params, moe["max_logit"], spec.qk_clip, spec.model)
             metrics["max_logit"] = jnp.max(moe["max_logit"])
         new_state = {"step": state["step"] + 1}
-        if "mtp" in moe:
-            metrics["mtp_loss"] = moe["mtp"]
-        if spec.model is not None and spec.model.n_experts:
-            metrics["aux_loss"] = moe["aux"] / spec.model.moe_layers  # per layer; 1 when experts are balanced
-            if "z" in moe:  # not through the pipeline
-                metrics["router_z_loss"] = moe["z"] / spec.model.moe_layers  # per layer
-            if "load" in moe:  # not through the pipeline (MoE is not pipelined)
-                metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
-                                               moe["sent"])
+        metrics |= _layer_metrics(spec, moe)
         if "router_bias" in state:
             new_state["router_bias"] = update_router_bias(state["router_bias"], moe["load"],
                                                           spec.model.router_bias_update)
+        if "fp8" in state:  # fp8_delayed: this step's amaxes pushed into the histories
+            new_state["fp8"] = moe["fp8"]
         if skip_bad:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
-            if "router_bias" in new_state:
-                new_state["router_bias"] = keep(new_state["router_bias"], state["router_bias"])
+            for key in ("router_bias", "fp8"):
+                if key in new_state:
+                    new_state[key] = jax.tree.map(keep, new_state[key], state[key])
             metrics["skipped"] = 1.0 - ok.astype(jnp.float32)
         return new_state | {"params": new_params, "opt_state": opt_state}, metrics
 
     return grad_sums, apply
+
+
+def _with_histories(grad_fn):
+    """grad_fn taking the fp8_delayed weights' amax histories (the state's "fp8", or None) as a fourth
+    argument: they join the params as "fp8", and their gradients, which are their updates
+    (shard.models.fp8.delayed_einsum), leave the gradients for the statistics' "fp8"."""
+    def grads_of(params, mb, router_bias, fp8):
+        if fp8 is None:
+            return grad_fn(params, mb, router_bias)
+        (obj, (nll, n, moe)), grads = grad_fn(params | {"fp8": fp8}, mb, router_bias)
+        grads = dict(grads)
+        return (obj, (nll, n, moe | {"fp8": grads.pop("fp8")})), grads
+
+    return grads_of
+
+
+def _layer_metrics(spec: StateSpec, moe: dict) -> dict:
+    """The step's metrics of the layer statistics: MTP's loss, the MoE losses and expert loads."""
+    metrics = {"mtp_loss": moe["mtp"]} if "mtp" in moe else {}
+    if spec.model is not None and spec.model.n_experts:
+        metrics["aux_loss"] = moe["aux"] / spec.model.moe_layers  # per layer; 1 when experts are balanced
+        if "z" in moe:  # not through the pipeline
+            metrics["router_z_loss"] = moe["z"] / spec.model.moe_layers  # per layer
+        if "load" in moe:  # not through the pipeline (MoE is not pipelined)
+            metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
+                                           moe["sent"])
+    return metrics
 
 
 def _stats_start(spec: StateSpec) -> dict:
@@ -233,6 +256,8 @@ def _stats_start(spec: StateSpec) -> dict:
                   "sent": jnp.zeros((L,), jnp.float32), "z": scalar}
     if spec.qk_clip:
         zeros["max_logit"] = jnp.full((spec.model.n_layers, spec.model.n_heads), -jnp.inf)
+    if "fp8" in spec.abstract:  # amax histories: the largest over microbatches (amaxes are >= 0)
+        zeros["fp8"] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec.abstract["fp8"])
     return zeros
 
 
@@ -287,7 +312,7 @@ def jit_train_step(spec: StateSpec, layout: Layout, microbatches: int = 1, guard
 
     def step(state, batch, args):
         with adapting(spec.lora, lora.dropout_key(state["step"])):
-            return apply(state, *grad_sums(state["params"], batch, state.get("router_bias")), args)
+            return apply(state, *grad_sums(state["params"], batch, state.get("router_bias"), state.get("fp8")), args)
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     data = batch_sharding(layout)  # every key of the batch, with or without PACKING_KEYS
@@ -372,6 +397,9 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     if cfg.optimizer.qk_clip and (stages > 1 or layout.degree(LENGTH) > 1):
         raise ShardError("optimizer.qk_clip needs each layer's attention logits in the step: it does not run "
                          "through the pipeline or with context parallelism (`length` split) yet; leave it at 0")
+    if stages > 1 and "fp8_delayed" in layout.precision.values():
+        raise ShardError("precision recipe fp8_delayed does not run through the pipeline yet (its amax histories "
+                         "are updated by the plain step's gradient pass); use fp8_tensorwise or fp8_rowwise")
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
                        layout.degree(LENGTH))

@@ -221,13 +221,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     else:
         rope_at = jnp.asarray(zigzag_positions(T, active_layout().degree(LENGTH)) if zigzag else start + jnp.arange(T))
     cos_th, sin_th = rope_tables(rope_at, cfg)
-    n_layers = jax.tree.leaves(layers)[0].shape[0]
-    if cfg.windows_vary:  # each layer's window (0: global) and, with rope_local_theta, its RoPE tables
-        local_l = (first_layer + jnp.arange(n_layers) + 1) % cfg.global_every != 0
-        window_l = jnp.where(local_l, cfg.sliding_window, 0)
-        local_rope = rope_tables(rope_at, cfg, local=True) if cfg.rope_local_theta else None
-    else:
-        window_l, local_rope = None, None
+    window_l, local_rope = _layer_windows(cfg, rope_at, first_layer, jax.tree.leaves(layers)[0].shape[0])
     if segment_ids is not None:
         if cache is not None:
             raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
@@ -282,6 +276,16 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
+
+
+def _layer_windows(cfg: ModelConfig, rope_at: jax.Array, first_layer, n_layers: int):
+    """Where layers alternate local and global attention (cfg.global_every): each layer's window (0:
+    global) and, with rope_local_theta, the local layers' RoPE tables; (None, None) otherwise."""
+    if not cfg.windows_vary:
+        return None, None
+    local_l = (first_layer + jnp.arange(n_layers) + 1) % cfg.global_every != 0
+    window_l = jnp.where(local_l, cfg.sliding_window, 0)
+    return window_l, rope_tables(rope_at, cfg, local=True) if cfg.rope_local_theta else None
 
 
 def _layer_axes(cfg: ModelConfig, layers: dict) -> dict[str, tuple]:

@@ -11,9 +11,9 @@ from shard import tomlfiles
 from shard.config.values import is_positive_number
 from shard.errors import ShardError
 
-_HW_KEYS = {"description", "aliases", "bf16_tflops", "matmul_tflops", "hbm_gib", "hbm_gbps", "intra_node_gbps",
-            "inter_node_gbps", "devices_per_node"}
-_OPTIONAL_KEYS = {"description", "aliases", "matmul_tflops"}
+_HW_KEYS = {"description", "aliases", "bf16_tflops", "matmul_tflops", "fp8_tflops", "hbm_gib", "hbm_gbps",
+            "intra_node_gbps", "inter_node_gbps", "devices_per_node"}
+_OPTIONAL_KEYS = {"description", "aliases", "matmul_tflops", "fp8_tflops"}
 # The share of the bf16 peak a large matmul reaches where an entry gives no matmul_tflops: the H200's
 # measured 790 of 989 TFLOP/s
 MATMUL_SHARE = 0.8
@@ -37,6 +37,7 @@ class Hardware:
     devices_per_node: int
     aliases: tuple[str, ...] = ()
     matmul_tflops: float | None = None  # what a large bf16 matmul reaches
+    fp8_tflops: float | None = None  # dense FP8 peak (datasheet); None: no FP8 tensor cores (A100) or not known
 
     @property
     def achieved_tflops(self) -> float:

@@ -207,3 +207,11 @@ def test_layouts_agree_with_fp8_on():
     for mesh in ("fsdp", "2x4"):
         np.testing.assert_allclose(curves[mesh][0], curves["1x1"][0], rtol=1e-4, err_msg=f"loss {mesh}")
         np.testing.assert_allclose(curves[mesh][1], curves["1x1"][1], rtol=1e-3, err_msg=f"grad_norm {mesh}")
+
+
+def test_the_hardware_table_has_datasheet_fp8_peaks_where_there_are_fp8_tensor_cores():
+    from shard.hardware import load_hardware
+
+    table = load_hardware()
+    assert table["h100"].fp8_tflops == table["h200"].fp8_tflops == 1979.0  # SXM: 3,958 with sparsity
+    assert table["a100-80g"].fp8_tflops is None and table["cpu"].fp8_tflops is None

@@ -188,6 +188,11 @@ def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh(
         plain = tiny_config("fsdp", steps=2)  # a resume in bf16 leaves them out
         layout = make_layout(plain, parse_mesh("fsdp"), devices_for("fsdp"))
         assert "fp8" not in ckpts.restore(2, state_spec(plain.model, plain.optimizer, 2, layout)).state
+        # other fp8_delayed weights: their histories start empty, the checkpoint read and checked as saved
+        other = tiny_config("fsdp", steps=2, precision__default="fp8_delayed", **{"precision__layers/w_down": "bf16"})
+        layout = make_layout(other, parse_mesh("fsdp"), devices_for("fsdp"))
+        fresh = ckpts.restore(2, state_spec(other.model, other.optimizer, 2, layout)).state["fp8"]
+        assert "w_down" not in fresh["layers"] and not any(np.any(h) for h in jax.tree.leaves(jax.device_get(fresh)))
     finally:
         ckpts.close()
 

@@ -155,17 +155,13 @@ class Checkpoints:
         elif "router_bias" in stored and "router_bias" not in target:
             bias = stored["router_bias"]
             target["router_bias"] = jax.ShapeDtypeStruct(bias.shape, bias.dtype, sharding=spec.shardings["step"])
-        fresh_fp8 = _fp8_target(stored, target, spec)
+        _fp8_as_saved(stored, target, spec)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
         out = self._manager.restore(step, args=args)
         if fresh_bias:
             out[STATE]["router_bias"] = placed_router_bias(spec)["router_bias"]
         elif "router_bias" not in spec.abstract:
             out[STATE].pop("router_bias", None)
-        if "fp8" not in spec.abstract:
-            out[STATE].pop("fp8", None)
-        elif fresh_fp8:
-            out[STATE]["fp8"] = placed_fp8_histories(spec)
         return out
 
     def _checked(self, step: int, out: dict, spec: StateSpec) -> Restored:
@@ -179,6 +175,7 @@ class Checkpoints:
         saved = meta.get("fingerprint")  # checkpoints written before fingerprints have none
         if isinstance(saved, dict) and (bad := first_mismatch(saved, state_fingerprint(out[STATE]))):
             raise ValueError(f"{bad} reads back other than it was saved (checksum mismatch)")
+        _fit_fp8(out[STATE], spec)
         if spec.lora is not None:
             out[STATE]["params"] = merge(out[STATE]["params"], self._lora_base(step, meta, spec))
         tokens, since = meta.get("tokens_seen"), meta.get("held_out_since")
@@ -257,20 +254,27 @@ class Checkpoints:
         exchange.barrier(f"checkpoint_{name}", device_collective=True)
 
 
-def _fp8_target(stored: dict, target: dict, spec: StateSpec) -> bool:
-    """fp8_delayed's amax histories in the restore target as saved (read, then dropped where this run
-    keeps none or other ones); True where this run's start empty instead: the checkpoint was saved with
-    another precision (none, or other fp8_delayed weights)."""
-    saved = stored.get("fp8")
-    same = saved is not None and "fp8" in target and jax.tree.structure(saved) == jax.tree.structure(target["fp8"]) \
-        and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(target["fp8"])))
-    fresh = "fp8" in target and not same
-    if saved is not None and not same:
+def _fp8_as_saved(stored: dict, target: dict, spec: StateSpec) -> None:
+    """fp8_delayed's amax histories in the restore target as the checkpoint holds them (or none), so they
+    are read and checked against their checksums whatever this run keeps (`_fit_fp8` then fits them)."""
+    if "fp8" in stored:
         target["fp8"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec.shardings["step"]),
-                                     saved)
-    elif saved is None:
+                                     stored["fp8"])
+    else:
         target.pop("fp8", None)
-    return fresh
+
+
+def _fit_fp8(state: dict, spec: StateSpec) -> None:
+    """The restored amax histories fitted to this run: left out where it keeps none, empty where the
+    checkpoint holds none or another precision's (other fp8_delayed weights)."""
+    if "fp8" not in spec.abstract:
+        state.pop("fp8", None)
+        return
+    read, want = state.get("fp8"), spec.abstract["fp8"]
+    same = read is not None and jax.tree.structure(read) == jax.tree.structure(want) and all(
+        a.shape == b.shape for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(want)))
+    if not same:
+        state["fp8"] = placed_fp8_histories(spec)
 
 
 class SaveCheckpoints(Observer):

@@ -330,6 +330,16 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def attention_scale(self) -> float:
+        """The scores' factor before the softmax: query_scale ** -0.5 (0: head_dim ** -0.5); with multi-head
+        latent attention and YaRN, times yarn_mscale(rope_scaling, rope_mscale_all_dim) squared, as
+        DeepSeek-V3 scales every dim's scores, not only the rotated ones (transformers' yarn_apply_mscale)."""
+        scale = (self.query_scale or self.head_dim) ** -0.5
+        if self.mla and self.rope_scaling and self.rope_scaling_type == "yarn" and self.rope_mscale_all_dim:
+            scale *= yarn_mscale(self.rope_scaling, self.rope_mscale_all_dim) ** 2
+        return scale
+
+    @property
     def rope_dim(self) -> int:
         """The dims RoPE rotates per head: head_dim, or with MLA the RoPE part qk_rope_head_dim."""
         return self.qk_rope_head_dim if self.mla else self.head_dim

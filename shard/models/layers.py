@@ -79,7 +79,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     differ, cfg.global_every); None: cfg.sliding_window. `record` (training with optimizer.qk_clip): a
     dict the block puts each head's largest attention logit in, "max_logit" (N,) (`max_logits`)."""
     window = cfg.sliding_window if window is None else window
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+    scale = cfg.attention_scale
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))

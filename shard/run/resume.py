@@ -126,7 +126,7 @@ def _fresh_source(init_from: str, seed: int) -> Callable | None:
     from shard.run.inference import load_model
 
     loaded = load_model(init_from, inference=False)  # on the host: placed into the run's own layout
-    return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from)
+    return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from, loaded.host_router_bias)
 
 
 class NewestState:
@@ -188,7 +188,8 @@ def init_from_base(source: str) -> dict:
     if not path.exists():
         raise ShardError(f"--init-from: {source} does not exist")
     if hf.is_hf_dir(path):
-        cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
+        config_json, tensors = hf.read_hf_dir(str(path))  # the headers: which modules the tensors hold
+        cfg = hf.config_from_hf(config_json, name=path.name or "hf", tensor_names=set(tensors))
         return {"model": dataclasses.asdict(cfg)}
     directory, step = find_checkpoint(path)
     text = saved_config(directory / str(step))  # the step's own, as shard.run.weights reads it

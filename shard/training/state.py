@@ -184,12 +184,16 @@ def router_bias_init(model_cfg: ModelConfig) -> jax.Array:
     return jnp.zeros((model_cfg.moe_layers, model_cfg.n_experts), jnp.float32)
 
 
-def placed_router_bias(spec: StateSpec) -> dict:
-    """{"router_bias": zeros in its sharding} where the spec's state holds one, else {}: for a state made
-    from params alone (--init-from) or read from a checkpoint saved without it."""
+def placed_router_bias(spec: StateSpec, bias=None) -> dict:
+    """{"router_bias": `bias` (on the host; None: zeros) in its sharding} where the spec's state holds
+    one, else {}: for a state made from params alone (--init-from, import-hf) or read from a checkpoint
+    saved without it."""
     if "router_bias" not in spec.abstract:
         return {}
-    return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
+    if bias is None:
+        return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
+    place_router_bias(bias, spec)  # its shape checked
+    return {"router_bias": jax.device_put(np.asarray(bias, np.float32), spec.shardings["router_bias"])}
 
 
 def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:

@@ -107,7 +107,7 @@ def test_reference_plan_table_names_the_best_command():
     (["--seq", "0"], "--seq must be positive, got 0"),
     (["--devices", "-8"], "--devices must be positive, got -8"),
     (["--top", "-1"], "--top must be 0 or more, got -1"),
-    (["--set", "data.batch=7"], "plan takes model.* keys in --set"),
+    (["--set", "data.batch=7"], "plan takes model.* and optimizer.* keys in --set"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
@@ -115,6 +115,18 @@ def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     r = invoke("plan", *[x for kv in base.items() for x in kv])
     assert r.exit_code == 2, r.output
     assert message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_plan_counts_muons_optimizer_state_and_the_latent_cache():
+    """DeepSeek-V3 on 256 H100s: AdamW's two moments leave no layout within memory, Muon's one momentum on
+    the matrices (AdamW's on the rest) fits one, and the best command trains with Muon; the KV cache line
+    gives MLA's latent per token (61 layers of 512 + 64 in bfloat16) beside full keys and values."""
+    args = ["plan", "--model", "deepseek-v3", "--devices", "256", "--nodes", "32", "--top", "1"]
+    adamw, muon = invoke(*args), invoke(*args, "--set", "optimizer.name=muon")
+    assert adamw.exit_code == 1 and muon.exit_code == 0, muon.output
+    assert "optimizer state per device on fsdp=32,expert=8: muon 12G (adamw: 23G)" in muon.output
+    assert "--set optimizer.name=muon --set model.remat=full" in muon.output
+    assert "KV cache: 70,272 bytes per token, latent (MLA); keys and values of all 128 heads: 4,997,120" in muon.output
 
 
 def test_the_best_command_trains_the_model_that_was_planned():

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from shard.cli.options import PlanSetOpt
 from shard import config as config_mod
+from shard.config.model import cache_bytes_per_token, cache_line
 from shard.errors import ShardError
 from shard.observe.console import console, params_phrase, short_bytes, table_console
 
@@ -34,9 +35,9 @@ def plan(
     from shard.measure.plan import plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])
-    if set(sets) - {"model"}:
-        raise ShardError(f"plan takes model.* keys in --set (the rest from its flags: --batch, --seq, ...), got "
-                         f"{sorted(set(sets) - {'model'})[0]}.*")
+    if set(sets) - {"model"} - {"optimizer"}:
+        raise ShardError(f"plan takes model.* and optimizer.* keys in --set (the rest from its flags: --batch, "
+                         f"--seq, ...), got {sorted(set(sets) - {'model', 'optimizer'})[0]}.*")
     cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
     hw = find_hardware(hardware, load_hardware(hardware_file))
     if top < 0:
@@ -46,12 +47,14 @@ def plan(
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
                       if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
-    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats)
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats, cfg.optimizer.name)
     best = next((c for c in ranked if c.fits), None)
     best_command = best.command(cfg.model.name, global_batch, seq, passed_on) if best else None
+    cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
     if as_json:
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
-                          "batch": global_batch, "seq_len": seq,
+                          "batch": global_batch, "seq_len": seq, "optimizer": cfg.optimizer.name,
+                          "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},
                           "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
                           "best": best_command, "layouts": [c.to_dict() for c in ranked]}, indent=1))
         if best is None:
@@ -63,6 +66,7 @@ def plan(
     console.print(f"{sum(c.fits for c in ranked)} of {len(ranked)} layouts fit · * = the axis crosses nodes")
     if cfg.model.n_experts:  # with the table, before the best: that best is not weighed against expert parallel
         console.print(f"warning: {_MOE_NOT_PLANNED}", soft_wrap=True)
+    _print_state(cfg, best, hw)
     if best_command:
         console.print(f"best: {best_command}", soft_wrap=True)  # one line to copy
         return
@@ -74,6 +78,20 @@ def plan(
     else:
         console.print("no layout fits: add devices, shorten --seq, or lower --batch")
     raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts
+
+
+def _print_state(cfg, best, hw) -> None:
+    """The best layout's optimizer state per device (beside AdamW's, for another optimizer), and the KV
+    cache generation holds per token (MLA's latent beside full keys and values)."""
+    from shard.measure.plan import optimizer_state
+
+    if best is not None:
+        state = optimizer_state(cfg.model, best, cfg.optimizer.name)
+        other = f" (adamw: {short_bytes(state['adamw'])})" if cfg.optimizer.name != "adamw" else ""
+        console.print(f"optimizer state per device on {best.mesh_spec()}: {cfg.optimizer.name} "
+                      f"{short_bytes(state[cfg.optimizer.name])}{other}", soft_wrap=True)
+    console.print(cache_line(cfg.model, "cpu" if hw.name == "cpu" else "gpu") + " (generation)", soft_wrap=True,
+                  highlight=False)
 
 
 def _print_table(candidates: list) -> None:

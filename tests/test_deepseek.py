@@ -246,7 +246,9 @@ def test_logits_match_transformers(deepseek, mesh):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
 
 
-def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek):
+@pytest.mark.parametrize("mesh", ["1x1", "ep"])
+def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek, mesh):
+    """On one device and with the experts split over expert=4 (data=2): transformers' greedy tokens."""
     from shard.training.generate import Generator, Sampling
 
     model, _, cfg, params, _ = deepseek
@@ -254,8 +256,8 @@ def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek):
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    tc = tiny_config("1x1")
-    layout = make_layout(tc, parse_mesh("1x1"), devices_for("1x1"))
+    tc = tiny_config(mesh)
+    layout = make_layout(tc, parse_mesh(mesh), devices_for(mesh))
     spec = state_spec(cfg, tc.optimizer, 3, layout)
     gen = Generator(cfg, spec.graphdef, jax.device_put(params, spec.shardings["params"]), layout, max_len=32)
     tokens = gen.generate(prompt, 24, Sampling(temperature=0))
@@ -382,3 +384,47 @@ def test_import_then_export_gives_back_every_tensor(deepseek_checkpoint, tmp_pat
     config_json = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config_json["num_nextn_predict_layers"] == 1
     assert {k: config_json["rope_parameters"][k] for k in YARN} == YARN
+
+
+# --- the tiny twin with its multi-token prediction module, trained by Muon, on the test meshes ----------
+
+def _twin_curves(mesh: str) -> dict:
+    """Two steps of the tiny twin with one MTP module and auxiliary-loss-free balancing, trained by
+    Muon, from one init and on one batch per step: each step's loss, grad_norm and MTP loss. The train
+    step alone (placed params, the optimizer's init): the loop's sharded init and run dir would cost
+    this test three times its time."""
+    from flax import nnx
+
+    from shard import models
+    from shard.run.weights import state_from
+    from shard.testing import random_batch
+    from shard.training.step import batch_sharding, make_train_step
+
+    cfg = tiny_config(mesh, model__name="deepseek-v3-tiny", model__mtp_depth=1, model__router_bias_update=0.01,
+                      optimizer__name="muon", optimizer__warmup_steps=0)
+    layout = make_layout(cfg, parse_mesh(mesh), devices_for(mesh))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=0))))
+    state, step = state_from(params, spec, 0, "init").state, make_train_step(spec, layout)
+    curves = {"loss": [], "grad_norm": [], "mtp_loss": []}
+    for seed in range(2):
+        batch = jax.device_put(random_batch(8, 32, 256, seed), batch_sharding(layout))
+        state, metrics = step(state, batch)
+        for k in curves:
+            curves[k].append(float(metrics[k]))
+    return curves
+
+
+@pytest.fixture(scope="module")
+def twin_reference():
+    return _twin_curves("1x1")
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "2x4", "ep"])
+def test_the_twin_with_mtp_and_muon_agrees_on_every_mesh(twin_reference, mesh):
+    """fsdp=8 (weights and MLA's latents split), data=2 x model=4 (heads split) and data=2 x expert=4
+    (experts split, tokens exchanged): the losses, gradient norms and MTP losses of one device at rtol
+    1e-5, over two Muon steps (the second loss follows the Newton-Schulz update and the moved router bias)."""
+    from shard.testing import assert_same_curves
+
+    assert_same_curves(_twin_curves(mesh), twin_reference, 1e-5, mesh)

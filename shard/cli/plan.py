@@ -31,11 +31,10 @@ def plan(
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
     from shard import find_hardware, load_hardware
-    from shard.measure.plan import REMAT_CHOICES
-    from shard.measure.plan import plan as make_plan
+    from shard.measure.plan import REMAT_CHOICES, plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])
-    if set(sets) - {"model"} - {"optimizer"}:
+    if set(sets) - {"model", "optimizer"}:
         raise ShardError(f"plan takes model.* and optimizer.* keys in --set (the rest from its flags: --batch, "
                          f"--seq, ...), got {sorted(set(sets) - {'model', 'optimizer'})[0]}.*")
     cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
@@ -43,15 +42,15 @@ def plan(
     if top < 0:
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
-    # A remat policy given with --set is planned alone; the other model keys go into the best command.
+    # A remat policy given with --set is planned alone; the other keys go into the best command.
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
                       if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
     ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats, cfg.optimizer.name)
     best = next((c for c in ranked if c.fits), None)
     best_command = best.command(cfg.model.name, global_batch, seq, passed_on) if best else None
-    cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
     if as_json:
+        cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
         print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
                           "batch": global_batch, "seq_len": seq, "optimizer": cfg.optimizer.name,
                           "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},

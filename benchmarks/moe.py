@@ -91,7 +91,7 @@ def main() -> None:
             cfg = resolve(a.model, mesh, sets, a.batch, a.seq)
             run = prepare(cfg)
             t = median_step_seconds(run, a.steps)
-            active = f"{matmul_params(cfg.model) / 1e6:.2f}M"  # parameters in matmuls per token (MFU's N)
+            active = f"{matmul_params(cfg.model) / 1e6:.3f}M"  # parameters in matmuls per token (MFU's N)
             row = f"{mesh:<6} {label:<18} {active:>7} {t * 1e3:>8.1f} {a.batch * a.seq / t:>9,.0f}"
             m = cfg.model
             if mesh == "ep" and m.n_experts:

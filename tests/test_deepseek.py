@@ -358,6 +358,15 @@ def test_a_real_checkpoints_yarn_bias_and_mtp_module_import_with_parity(deepseek
     ours = _logits(cfg, params, "1x1", jnp.asarray(bias))
     print(f"deepseek_v3 yarn + bias: max |logit difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
+    # train --init-from the folder builds the same model (MTP module included) and starts from its bias
+    from shard.config.model import ModelConfig
+    from shard.run.resume import init_from_base, restore_source
+
+    assert ModelConfig(**init_from_base(str(path))["model"]) == dataclasses.replace(cfg, compute_dtype="auto")
+    tc = tiny_config("1x1")
+    spec = state_spec(cfg, tc.optimizer, 3, make_layout(tc, parse_mesh("1x1"), devices_for("1x1")))
+    started = restore_source(None, False, False, str(path), 0, print)(spec).state
+    np.testing.assert_array_equal(np.asarray(started["router_bias"]), bias)
     # without the softmax's mscale^2, or without the bias, the logits are another model's
     unscaled = dataclasses.replace(cfg, rope_mscale_all_dim=0.0, rope_mscale=0.0, rope_attention_factor=1.0)
     assert np.abs(_logits(unscaled, params, "1x1", jnp.asarray(bias)) - theirs).max() > 1e-2

@@ -397,23 +397,23 @@ def test_import_then_export_gives_back_every_tensor(deepseek_checkpoint, tmp_pat
 
 # --- the tiny twin with its multi-token prediction module, trained by Muon, on the test meshes ----------
 
-def _twin_curves(mesh: str) -> dict:
-    """Two steps of the tiny twin with one MTP module and auxiliary-loss-free balancing, trained by
-    Muon, from one init and on one batch per step: each step's loss, grad_norm and MTP loss. The train
-    step alone (placed params, the optimizer's init): the loop's sharded init and run dir would cost
-    this test three times its time."""
-    from flax import nnx
+def _twin_config(mesh: str):
+    return tiny_config(mesh, model__name="deepseek-v3-tiny", model__mtp_depth=1, model__router_bias_update=0.01,
+                       optimizer__name="muon", optimizer__warmup_steps=0)
 
-    from shard import models
+
+def _twin_curves(mesh: str, params: dict) -> dict:
+    """Two steps of the tiny twin with one MTP module and auxiliary-loss-free balancing, trained by Muon
+    from `params`, on one random batch per step: each step's loss, grad_norm and MTP loss. The train
+    step alone (the optimizer's init beside it): the loop's sharded init and run dir would cost this test
+    three times its time."""
     from shard.run.weights import state_from
     from shard.testing import random_batch
     from shard.training.step import batch_sharding, make_train_step
 
-    cfg = tiny_config(mesh, model__name="deepseek-v3-tiny", model__mtp_depth=1, model__router_bias_update=0.01,
-                      optimizer__name="muon", optimizer__warmup_steps=0)
+    cfg = _twin_config(mesh)
     layout = make_layout(cfg, parse_mesh(mesh), devices_for(mesh))
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=0))))
     state, step = state_from(params, spec, 0, "init").state, make_train_step(spec, layout)
     curves = {"loss": [], "grad_norm": [], "mtp_loss": []}
     for seed in range(2):
@@ -425,15 +425,21 @@ def _twin_curves(mesh: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def twin_reference():
-    return _twin_curves("1x1")
+def twin():
+    """The twin's initial params (built once: an eager init takes seconds) and its curves on one device."""
+    from flax import nnx
+
+    from shard import models
+
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(_twin_config("1x1").model, seed=0))))
+    return params, _twin_curves("1x1", params)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", "2x4", "ep"])
-def test_the_twin_with_mtp_and_muon_agrees_on_every_mesh(twin_reference, mesh):
+def test_the_twin_with_mtp_and_muon_agrees_on_every_mesh(twin, mesh):
     """fsdp=8 (weights and MLA's latents split), data=2 x model=4 (heads split) and data=2 x expert=4
     (experts split, tokens exchanged): the losses, gradient norms and MTP losses of one device at rtol
     1e-5, over two Muon steps (the second loss follows the Newton-Schulz update and the moved router bias)."""
     from shard.testing import assert_same_curves
 
-    assert_same_curves(_twin_curves(mesh), twin_reference, 1e-5, mesh)
+    assert_same_curves(_twin_curves(mesh, twin[0]), twin[1], 1e-5, mesh)

@@ -52,13 +52,17 @@ def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_c
 
 
 def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
-    out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", cwd=tmp_path, devices=8)
+    out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", "--forms",
+              "dropless,capacity,dense,deepseek-style", cwd=tmp_path, devices=8)  # mixtral-style: another dropless
     lines = out.splitlines()
-    assert lines[1].split() == ["layout", "form", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
+    assert lines[1].split() == ["layout", "form", "active", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
                                 "ragged", "min", "ragged", "routed"], out
     rows = {re.sub(r"\s+", " ", line[7:25].strip()): line[25:].split() for line in lines[2:]}
-    assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)"] and all(line.startswith("ep ") for line in lines[2:]), out
-    bytes_ = {form: [int(v.replace(",", "")) for v in cells[2:]] for form, cells in rows.items()}
+    assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)", "deepseek-style"] and all(
+        line.startswith("ep ") for line in lines[2:]), out
+    bytes_ = {form: [int(v.replace(",", "")) for v in cells[3:]] for form, cells in rows.items()}
+    # DeepSeek's attention and group-limited routing: 2 of 4 groups bound the rows a token sends
+    assert 0 < bytes_["deepseek-style"][3] < bytes_["dropless"][3], out
     moved, static, ragged, routed = bytes_["dropless"]
     assert static <= moved <= 1.05 * static and ragged < static, out  # dropless: at the static-shape minimum
     assert 0 < routed < static, out  # a ragged all-to-all on this step's routing

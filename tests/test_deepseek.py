@@ -331,7 +331,6 @@ def deepseek_checkpoint(deepseek, tmp_path_factory):
     tensors = load_file(path / "model.safetensors")
     mtp = {k.replace("layers.2.", "layers.3."): v + rng.normal(0, 0.05, v.shape).astype(np.float32)
            for k, v in tensors.items() if k.startswith("model.layers.2.")}
-    mtp["model.layers.3.mlp.gate.e_score_correction_bias"] *= 0  # shard chooses the module's experts unbiased
     D = hf_cfg["hidden_size"]
     mtp |= {f"model.layers.3.{n}.weight": (1 + rng.normal(0, 0.3, D)).astype(np.float32)
             for n in ("enorm", "hnorm", "shared_head.norm")}
@@ -350,7 +349,7 @@ def test_a_real_checkpoints_yarn_bias_and_mtp_module_import_with_parity(deepseek
     assert (cfg.rope_scaling_type, cfg.rope_scaling, cfg.mtp_depth) == ("yarn", 40.0, 1)
     assert cfg.attention_scale == pytest.approx(16 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
     np.testing.assert_array_equal(bias, np.stack([tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
-                                                  for i in (1, 2)]))
+                                                  for i in (1, 2, 3)]))  # the MTP module's layer last
     params = jax.tree.map(np.asarray, params)
     np.testing.assert_array_equal(params["mtp"]["eh_proj"][0], tensors["model.layers.3.eh_proj.weight"].T)
     np.testing.assert_array_equal(params["mtp"]["enorm"][0], tensors["model.layers.3.enorm.weight"])
@@ -367,6 +366,15 @@ def test_a_real_checkpoints_yarn_bias_and_mtp_module_import_with_parity(deepseek
     spec = state_spec(cfg, tc.optimizer, 3, make_layout(tc, parse_mesh("1x1"), devices_for("1x1")))
     started = restore_source(None, False, False, str(path), 0, print)(spec).state
     np.testing.assert_array_equal(np.asarray(started["router_bias"]), bias)
+    # the MTP module's layer chooses its experts by its own row of the bias (the last)
+    from shard.models import mtp
+
+    def module_out(b):
+        h = llama.forward_hidden(cfg, params, jnp.asarray(TOKENS[:2]), router_bias=b)[0]
+        return mtp.mtp_hidden(cfg, params, h, jnp.asarray(TOKENS[:2]), router_bias=b)[0][0]
+
+    run = jax.jit(module_out)
+    assert np.abs(run(jnp.asarray(bias)) - run(jnp.asarray(bias * np.array([[1], [1], [0]], np.float32)))).max() > 1e-3
     # without the softmax's mscale^2, or without the bias, the logits are another model's
     unscaled = dataclasses.replace(cfg, rope_mscale_all_dim=0.0, rope_mscale=0.0, rope_attention_factor=1.0)
     assert np.abs(_logits(unscaled, params, "1x1", jnp.asarray(bias)) - theirs).max() > 1e-2

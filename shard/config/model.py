@@ -317,6 +317,12 @@ class ModelConfig:
         return self.n_layers - self.dense_layers if self.n_experts else 0
 
     @property
+    def router_bias_layers(self) -> int:
+        """The rows of the router bias (auxiliary-loss-free balancing): the layers with experts, then the
+        multi-token prediction modules' (their layers have experts too)."""
+        return self.moe_layers + (self.mtp_depth if self.n_experts else 0)
+
+    @property
     def dense_part(self) -> "ModelConfig":
         """The config of the dense first layers' stack (dense_layers): this model's, with that many layers,
         no experts and an MLP of dense_mlp_dim."""

@@ -305,24 +305,28 @@ def _at(tree: dict, key: str):
 _EXPERT_BIAS = ".mlp.gate.e_score_correction_bias"
 
 
+def _bias_names(cfg: ModelConfig) -> list[str]:
+    """The expert-choice bias tensor of each router bias row: the layers with experts', then the MTP
+    modules' layers' (model.layers.<n_layers + k>)."""
+    if not cfg.n_experts:
+        return []
+    return [f"model.layers.{i}{_EXPERT_BIAS}" for i in range(cfg.dense_layers, cfg.n_layers + cfg.mtp_depth)]
+
+
 def router_bias_from_hf(tensors, cfg: ModelConfig) -> np.ndarray | None:
     """The expert-choice bias (DeepSeek's auxiliary-loss-free balancing, e_score_correction_bias) of the
-    layers with experts, (moe_layers, E) float32, as shard's train state holds it; None where the
-    checkpoint holds none. A bias of the wrong shape, one where shard has no such layer, or a nonzero one
-    of a multi-token prediction module's layer (whose experts shard chooses by their scores alone) is a
-    ShardError."""
+    layers with experts and then of the MTP modules' layers, (router_bias_layers, E) float32, as shard's
+    train state holds it; None where the checkpoint holds none. A bias of the wrong shape, or one where
+    shard has no such layer, is a ShardError."""
     names = {n for n in tensors if n.endswith(_EXPERT_BIAS)}
     if not names:
         return None
-    moe = [f"model.layers.{i}{_EXPERT_BIAS}" for i in range(cfg.dense_layers, cfg.n_layers)] if cfg.n_experts else []
+    moe = _bias_names(cfg)
     for name in sorted(names):
-        if name not in moe and not (cfg.mtp_depth and cfg.n_experts and _mtp_layer(name, cfg)):
+        if name not in moe:
             raise ShardError(f"the checkpoint holds tensor {name}, which the config does not describe")
         if _shape(tensors, name) != (cfg.n_experts,):
             raise ShardError(f"tensor {name} has shape {_shape(tensors, name)}, the config implies ({cfg.n_experts},)")
-        if name not in moe and np.any(np.asarray(tensors[name]) != 0):
-            raise ShardError(f"tensor {name} holds a nonzero expert-choice bias of a multi-token prediction "
-                             "module's layer, whose experts shard chooses by their scores alone")
     bias = np.stack([np.asarray(tensors[n], np.float32) if n in names else np.zeros(cfg.n_experts, np.float32)
                      for n in moe])
     if not np.all(np.isfinite(bias)):
@@ -330,8 +334,6 @@ def router_bias_from_hf(tensors, cfg: ModelConfig) -> np.ndarray | None:
     return bias
 
 
-def _mtp_layer(name: str, cfg: ModelConfig) -> bool:
-    return any(name.startswith(f"model.layers.{cfg.n_layers + k}.") for k in range(cfg.mtp_depth))
 
 
 def _shape(tensors, name: str) -> tuple[int, ...]:
@@ -362,7 +364,8 @@ def pad_vocab(params: dict, cfg: ModelConfig) -> dict:
 
 def params_to_hf(params: dict, cfg: ModelConfig, router_bias=None) -> dict[str, np.ndarray]:
     """HF tensors of shard's parameters, the tables cut back to the true vocabulary (cfg.vocab_size); a
-    DeepSeek-V3 mixture of experts with its expert-choice bias, `router_bias` (L, E) (zeros where None)."""
+    DeepSeek-V3 mixture of experts with its expert-choice bias, `router_bias` (the layers with experts,
+    then the MTP modules', E) (zeros where None)."""
     V = cfg.vocab_size
     out = {"model.embed_tokens.weight": np.ascontiguousarray(np.asarray(params["embed"])[:V]),
            "model.norm.weight": np.asarray(params["final_norm"])}
@@ -377,11 +380,9 @@ def params_to_hf(params: dict, cfg: ModelConfig, router_bias=None) -> dict[str, 
                 else:
                     out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[j]))
     if cfg.mla and cfg.n_experts:
-        bias = np.zeros((cfg.moe_layers, cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
-        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.ascontiguousarray(bias[j], np.float32)
-                for j, i in enumerate(range(cfg.dense_layers, cfg.n_layers))}
-        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.zeros(cfg.n_experts, np.float32)
-                for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)}
+        names = _bias_names(cfg)
+        bias = np.zeros((len(names), cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
+        out |= {name: np.ascontiguousarray(bias[j], np.float32) for j, name in enumerate(names)}
     for tmpl, main in _MTP_SHARED.items():  # DeepSeek's MTP layers hold copies of the shared embedding and head
         out |= {tmpl.format(i): out.get(main, out["model.embed_tokens.weight"])
                 for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)}

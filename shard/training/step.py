@@ -101,7 +101,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
                 raise ShardError("model.mtp_depth can't run with context parallelism yet (its modules read the "
                                  "tokens ahead, which the ring's zig-zag order moves); split the batch instead")
             mtp_mean, mtp_aux = mtp.mtp_loss(cfg, params, x_btd, mb["inputs"], mb["targets"], target_mask(mb),
-                                             table, **packing_of(mb))
+                                             table, **packing_of(mb), router_bias=router_bias)
             router_loss = router_loss + aux_w * mtp_aux + cfg.mtp_loss_weight * mtp_mean
             moe = moe | {"mtp": mtp_mean}
         return nll + router_loss * count, (nll, count, moe)
@@ -206,9 +206,10 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             if "load" in moe:  # not through the pipeline (MoE is not pipelined)
                 metrics |= expert_load_metrics(moe["load"], moe["dropped"], spec.model.moe_routing == "capacity",
                                                moe["sent"])
-        if "router_bias" in state:
-            new_state["router_bias"] = update_router_bias(state["router_bias"], moe["load"],
-                                                          spec.model.router_bias_update)
+        if "router_bias" in state:  # the MTP modules' rows (after the layers') are kept as they are
+            bias, L = state["router_bias"], spec.model.moe_layers
+            new_state["router_bias"] = jnp.concatenate(
+                [update_router_bias(bias[:L], moe["load"], spec.model.router_bias_update), bias[L:]])
         if skip_bad:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (grad_norm <= guard.max_grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731

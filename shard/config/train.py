@@ -251,6 +251,31 @@ class DpoConfig:
     max_prompt_tokens: int = 0
 
 
+# grpo.loss_norm: what a step's summed surrogate is divided by (docs/formulas.md#grpo)
+LOSS_NORMS = ("token", "sequence", "constant")
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    """Group relative policy optimisation and its variants (DAPO, Dr. GRPO): each prompt's
+    `samples_per_prompt` completions are scored and compared within their group; the loss is PPO's
+    clipped surrogate (docs/formulas.md#grpo, shard.training.grpo)."""
+
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    updates_per_batch: int = 1  # optimizer steps on each batch of rollouts
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO: 0.2, 0.28)
+    clip_high: float = 0.2
+    loss_norm: str = "token"  # token (DAPO) | sequence (GRPO) | constant (Dr. GRPO): LOSS_NORMS
+    kl_beta: float = 0.0  # the k3 KL penalty to the starting weights; 0 skips the reference forward pass
+    normalise_advantages: bool = True  # divide by the group's std (false: Dr. GRPO)
+    filter_zero_advantage: bool = True  # leave out groups whose rewards are all equal (no signal)
+    filter_truncated: bool = False  # leave out completions cut at max_new_tokens (DAPO's overlong filter)
+    tis_cap: float = 2.0  # truncated importance sampling: the sampler/trainer weight capped here; 0: off
+
+
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
 # dpo: preference pairs against the starting weights (docs/finetuning.md)
 TASKS = ("pretrain", "sft", "dpo")
@@ -271,6 +296,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -320,6 +346,8 @@ class TrainConfig:
         if self.tracking.mode not in TRACKING_MODES:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
+        if self.grpo.loss_norm not in LOSS_NORMS:
+            problems.append(f"grpo.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.grpo.loss_norm!r}")
         problems.extend(_task_problems(self))
         problems.extend(_optimizer_problems(self))
         if problems:
@@ -416,6 +444,11 @@ _RANGES = {
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
     "dpo.beta": _POSITIVE, "dpo.max_prompt_tokens": (lambda v: 0 <= v < 2**31, "0 (half of --seq) or positive"),
+    "grpo.samples_per_prompt": (lambda v: 2 <= v < 2**31, "at least 2 (a group to compare within)"),
+    "grpo.max_new_tokens": _SIZE, "grpo.temperature": _POSITIVE, "grpo.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "grpo.updates_per_batch": _COUNT, "grpo.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grpo.clip_high": _NON_NEGATIVE, "grpo.kl_beta": _NON_NEGATIVE,
+    "grpo.tis_cap": (lambda v: v == 0 or v >= 1, "0 (off) or at least 1"),
     "optimizer.muon_beta": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.muon_ns_steps": (lambda v: 0 < v <= 100, "between 1 and 100"),
     "optimizer.muon_rms": _NON_NEGATIVE, "optimizer.qk_clip": (lambda v: 0 <= v < math.inf, "0 (off) or a positive logit"),

@@ -101,3 +101,67 @@ def test_the_gradient_of_a_token_outside_the_clip_is_zero():
     logp = np.array([[0.1], [0.5]], np.float32)  # ratios 1.105 (inside) and 1.65 (clipped)
     grads = jax.grad(lambda lp: grpo.grpo_loss(lp, rollout, cfg)[0])(logp)
     np.testing.assert_allclose(np.asarray(grads), [[-np.exp(0.1)], [0.0]], rtol=1e-6)
+
+
+def test_the_built_in_rewards_extract_the_final_answer():
+    from shard.training import rewards as rw
+
+    gsm = {"answer": "Half of 48 is 24.\n#### 1,024"}  # GSM8K's answer field: the solution, then ####
+    assert rw.BUILTIN["answer"](gsm, "#### 12 at first\nso we get\n#### 1024.") == 1.0
+    assert rw.BUILTIN["answer"](gsm, "#### 1023") == 0.0 and rw.BUILTIN["answer"](gsm, "1024") == 0.0
+    assert rw.BUILTIN["boxed"]({"answer": "\\frac{1}{2}"}, "x \\boxed{1} then \\boxed{\\frac{1}{2}}.") == 1.0
+    assert rw.BUILTIN["boxed"]({"answer": 3}, "\\boxed{3") == 0.0  # never closed
+    assert rw.BUILTIN["last_number"]({"answer": 7}, "3 + 4 = 7.0 apples") == 1.0
+    fmt = rw.load_rewards(("format=0.5",), r"^<think>.*</think>")[0]
+    assert (fmt.weight, fmt.fn({}, "<think>hm</think> 7"), fmt.fn({}, "7")) == (0.5, 1.0, 0.0)
+
+
+def test_user_rewards_are_summed_with_weights_and_their_faults_are_one_line(tmp_path):
+    from shard.errors import ShardError
+    from shard.training import rewards as rw
+
+    (tmp_path / "mine.py").write_text("def length(row, text):\n    return len(text)\n"
+                                      "def picky(row, text):\n    return 1 / int(row['n'])\n"
+                                      "def words(row, text):\n    return text.split()\n")
+    mine = str(tmp_path / "mine.py")
+    loaded = rw.load_rewards((f"{mine}:length=0.1", "last_number"))
+    scores = rw.score(loaded, [(1, {"answer": 2}), (2, {"answer": 5})], ["1 2", "five"], "p.jsonl")
+    np.testing.assert_allclose(scores, [[3, 1], [4, 0]])
+    np.testing.assert_allclose(rw.total(loaded, scores), [1.3, 0.4], rtol=1e-6)
+    faults = {
+        (f"{mine}:picky",): ("p.jsonl line 7: reward", "raised ZeroDivisionError: division by zero"),
+        (f"{mine}:words",): ("p.jsonl line 7: reward", "returned ['a'], not a finite number"),
+        ("answer",): ("p.jsonl line 7: reward answer: the row has no 'answer' field", ""),
+        ("no_such_module_x:f",): ("reward no_such_module_x:f: no module 'no_such_module_x'", ""),
+        (f"{mine}:absent",): (f"reward {mine}:absent: {mine} has no function 'absent'", ""),
+        ("format",): ("reward format needs grpo.format_pattern", ""), ("exact",): ("reward 'exact' is none of", ""),
+        (): ("task grpo needs a reward", ""), ("answer=x",): ("a reward is NAME or NAME=WEIGHT", ""),
+    }
+    for specs, (start, end) in faults.items():
+        with pytest.raises(ShardError) as e:
+            rw.score(rw.load_rewards(specs), [(7, {"n": 0})], ["a"], "p.jsonl")
+        message = str(e.value)
+        assert message.startswith(start) and message.endswith(end) and "\n" not in message, message
+
+
+def test_prompts_are_rendered_as_sft_renders_a_prompt_and_bad_files_are_one_line(tmp_path):
+    import json
+
+    from shard.data.chat import DEFAULT_CHAT_TEMPLATE, read_prompts
+    from shard.data.tokenizers import load_tokenizer
+    from shard.errors import ShardError
+
+    byte = load_tokenizer("byte")
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "2+2?", "answer": 4}, {"messages": [{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "3+3?"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = read_prompts(str(path), byte, 100)
+    assert [p.line for p in prompts] == [1, 2] and prompts[0].row == rows[0]
+    assert byte.decode(prompts[0].ids) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert "<|im_start|>system\nbe brief" in byte.decode(prompts[1].ids) and "im_start" in DEFAULT_CHAT_TEMPLATE
+    for text, says in [('{"question": "x"}', "line 1 has no 'prompt'"), ('{"prompt": 3}', "'prompt' must be a string or"),
+                       ("[1]", "line 1 is not a JSON object"), ('{"prompt": "' + "x" * 80 + '"}', "raise --seq")]:
+        path.write_text(text + "\n")
+        with pytest.raises(ShardError, match=says):
+            read_prompts(str(path), byte, 100)

@@ -274,6 +274,31 @@ class GrpoConfig:
     filter_zero_advantage: bool = True  # leave out groups whose rewards are all equal (no signal)
     filter_truncated: bool = False  # leave out completions cut at max_new_tokens (DAPO's overlong filter)
     tis_cap: float = 2.0  # truncated importance sampling: the sampler/trainer weight capped here; 0: off
+    # "NAME" or "NAME=WEIGHT": answer | boxed | last_number | format | module:function (shard.training.rewards)
+    rewards: tuple[str, ...] = ()
+    format_pattern: str = ""  # the regular expression the `format` reward searches a completion for
+
+    def problems(self) -> list[str]:
+        out = [] if self.loss_norm in LOSS_NORMS else [
+            f"grpo.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}"]
+        for spec in self.rewards:
+            try:
+                reward_spec(spec)
+            except ShardError as e:
+                out.append(str(e))
+        return out
+
+
+def reward_spec(spec: str) -> tuple[str, float]:
+    """(name, weight) of one `grpo.rewards` entry, "NAME" (weight 1) or "NAME=WEIGHT"."""
+    name, sep, weight = spec.partition("=")
+    try:
+        value = float(weight) if sep else 1.0
+    except ValueError:
+        value = math.nan
+    if not name.strip() or not math.isfinite(value):
+        raise ShardError(f"a reward is NAME or NAME=WEIGHT (a finite number), got {spec!r}")
+    return name.strip(), value
 
 
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
@@ -346,8 +371,7 @@ class TrainConfig:
         if self.tracking.mode not in TRACKING_MODES:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
-        if self.grpo.loss_norm not in LOSS_NORMS:
-            problems.append(f"grpo.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.grpo.loss_norm!r}")
+        problems.extend(self.grpo.problems())
         problems.extend(_task_problems(self))
         problems.extend(_optimizer_problems(self))
         if problems:

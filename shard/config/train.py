@@ -302,8 +302,9 @@ def reward_spec(spec: str) -> tuple[str, float]:
 
 
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
-# dpo: preference pairs against the starting weights (docs/finetuning.md)
-TASKS = ("pretrain", "sft", "dpo")
+# dpo: preference pairs against the starting weights (docs/finetuning.md) | grpo: rewarded completions
+# sampled each step (docs/formulas.md#grpo-the-policy-loss)
+TASKS = ("pretrain", "sft", "dpo", "grpo")
 
 
 @dataclass(frozen=True)
@@ -390,6 +391,23 @@ def _task_problems(cfg: "TrainConfig") -> list[str]:
         return [f"task dpo reads preference pairs, two sequences each: data.batch ({cfg.data.batch}) must be even"]
     if cfg.task == "dpo" and cfg.data.microbatches != 1:
         return ["task dpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    if cfg.task == "grpo":
+        return _grpo_problems(cfg)
+    return []
+
+
+def _grpo_problems(cfg: "TrainConfig") -> list[str]:
+    g = cfg.grpo
+    if cfg.data.batch % g.samples_per_prompt:
+        return [f"task grpo samples grpo.samples_per_prompt ({g.samples_per_prompt}) completions a prompt: "
+                f"data.batch ({cfg.data.batch}, completions a step) must be a multiple of it"]
+    if g.max_new_tokens >= cfg.data.seq_len:
+        return [f"grpo.max_new_tokens ({g.max_new_tokens}) leaves no room for a prompt in --seq {cfg.data.seq_len}"]
+    if cfg.data.microbatches != 1 or cfg.lora.rank:
+        return ["task grpo does not accumulate microbatches nor train LoRA adapters yet: leave data.microbatches "
+                "at 1 and lora.rank at 0"]
+    if not g.rewards:
+        return ["task grpo needs a reward: --reward answer | boxed | last_number | format | module:function"]
     return []
 
 
@@ -404,9 +422,9 @@ def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
     if opt.qk_clip and cfg.model.qk_norm:
         return [f"optimizer.qk_clip with model.qk_norm ({cfg.model.name}): the q/k norms undo a rescaled query "
                 "weight and bound the logits themselves; leave optimizer.qk_clip at 0"]
-    if opt.qk_clip and (cfg.lora.rank or cfg.task == "dpo" or cfg.cluster.cross_host == "mpi"):
+    if opt.qk_clip and (cfg.lora.rank or cfg.task in ("dpo", "grpo") or cfg.cluster.cross_host == "mpi"):
         what = "lora.rank (the query weights are frozen)" if cfg.lora.rank else (
-            "task dpo (its loss records no logits)" if cfg.task == "dpo" else "cluster.cross_host=mpi")
+            f"task {cfg.task} (its loss records no logits)" if cfg.task != "pretrain" else "cluster.cross_host=mpi")
         return [f"optimizer.qk_clip does not run with {what}; leave it at 0"]
     if opt.qk_clip and (cfg.model.mla or cfg.model.dense_layers or cfg.model.mtp_depth):
         return [f"optimizer.qk_clip is not yet for {cfg.model.name}'s multi-head latent attention, dense first "

@@ -9,9 +9,9 @@ rendering of the turns before it with `add_generation_prompt` (the prompt a mode
 The rendering is cut at those points and each piece tokenized on its own, so an assistant turn's
 tokens are exactly the ones a model generates after its prompt; only they are trained on.
 
-A GRPO prompt is a row `{"prompt": ...}` or `{"messages": [...]}` (a string is one user turn), plus any
-fields its rewards read (`answer` ...); it is rendered with `add_generation_prompt`, as SFT renders the
-prompt of an assistant turn.
+A GRPO prompt is a row `{"prompt": ...}` or `{"messages": [...]}`, plus any fields its rewards read
+(`answer` ...): a `prompt` string is the text a model continues, as is (TRL's "standard" form, for a base
+model); messages are rendered with `add_generation_prompt`, as SFT renders the prompt of an assistant turn.
 
 A preference pair (DPO) is a row `{"prompt", "chosen", "rejected"}`: each a string (a user turn, an
 assistant turn), or a list of messages; the completion's assistant turns are the trained tokens.
@@ -219,7 +219,7 @@ class Prompt:
 
 
 def read_prompts(path: str, tokenizer: Tokenizer, max_tokens: int) -> list[Prompt]:
-    """Every prompt of a JSON Lines file, rendered (a `prompt` or `messages` field, a string or messages);
+    """Every prompt of a JSON Lines file: a `prompt` string as is, messages (`prompt` or `messages`) rendered;
     a prompt longer than `max_tokens` (the room --seq leaves for a completion) is an error naming its line."""
     render = ChatRenderer.of(tokenizer, path)
     prompts = []
@@ -228,7 +228,8 @@ def read_prompts(path: str, tokenizer: Tokenizer, max_tokens: int) -> list[Promp
         if field is None:
             raise ShardError(f"{path} line {n} has no 'prompt' (a string or a list of {{role, content}}) "
                              "nor 'messages'")
-        text = render.prompt(messages_of(row[field], path, n, field, "user"), n)
+        text = row[field] if isinstance(row[field], str) and field == "prompt" else render.prompt(
+            messages_of(row[field], path, n, field, "user"), n)
         ids = np.asarray(tokenizer.encode_batch([text])[0], np.int32)
         if not len(ids):
             raise ShardError(f"{path} line {n}: its prompt renders to no tokens")

@@ -10,11 +10,21 @@ ones); per-sequence arrays are (B,).
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.config.train import GrpoConfig
+from shard.axes import BATCH
+from shard.config.train import GrpoConfig, GuardConfig
+from shard.errors import ShardError
+from shard.models import llama
+from shard.models.lora import adapting
+from shard.sharding.rules import Layout, activation_layout
+from shard.training import lora
+from shard.training.state import StateSpec
+from shard.training.step import batch_sharding, context_order, make_step_parts, pipeline_stages
 
 # The step metrics GRPO adds to the loss (shard.training.loop copies them into records).
-GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped")
+GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "reward", "reward_std", "completion_length",
+                "filtered", "rollout_s", "rollout_tokens_per_s")
 
 
 def group_advantages(rewards_b: jax.Array, group: int, normalise: bool = True, eps: float = 1e-4) -> jax.Array:
@@ -105,3 +115,92 @@ def grpo_loss(logp_bt: jax.Array, rollout: dict, cfg: GrpoConfig) -> tuple[jax.A
         metrics["kl"] = jnp.zeros(())
     total, count = normalised_sum(loss_bt, mask_bt, cfg.loss_norm, cfg.max_new_tokens)
     return total, count, metrics
+
+
+# What a rollout batch holds beside the token batch: per-token (B, T) and per-sequence (B,) arrays.
+ROLLOUT_SEQUENCE_KEYS = ("advantages", "keep")
+
+
+def token_logps(cfg, layout: Layout, params: dict, batch: dict, temperature: float, router_bias=None
+                ) -> tuple[jax.Array, dict]:
+    """(B, T) the log-probability of each target under softmax(logits / temperature), as the sampler
+    drew it, and the forward's MoE statistics."""
+    batch, zigzag = context_order(batch, layout, cfg)
+    if zigzag:  # per-token values must stay in the rows' order
+        raise ShardError("task grpo does not run with context parallelism (a context axis) yet; use another mesh")
+    logits_btv, moe = llama.forward(cfg, params, batch["inputs"], False, router_bias=router_bias)
+    logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp_btv, batch["targets"][..., None], axis=-1)[..., 0], moe
+
+
+def rollout_shardings(layout: Layout, keys) -> dict:
+    """The shardings of a rollout dict's arrays: rows over the batch axes, positions as the batch's."""
+    per_sequence = layout.sharding((BATCH,), what="rollout")
+    return {k: per_sequence if k in ROLLOUT_SEQUENCE_KEYS else batch_sharding(layout) for k in keys}
+
+
+def rollout_keys(cfg: GrpoConfig) -> tuple[str, ...]:
+    """The rollout arrays a step reads (the reference's log-probabilities only with a KL penalty)."""
+    return ("mask", "sampler", "advantages", "keep") + (("reference",) if cfg.kl_beta else ())
+
+
+def update_schedule(args: dict, updates: int) -> dict:
+    """The schedule inputs (shard.training.step.schedule_inputs) of a run that takes `updates` optimizer
+    updates a step: its warm-up and decay counted in updates, so the schedule spans the run's steps."""
+    return {k: v * updates if k in ("warmup", "decay") else v for k, v in args.items()}
+
+
+def rollout_shapes(layout: Layout, cfg) -> dict:
+    """The rollout arrays of a TrainConfig's step as abstract shapes (for the compile ahead of time)."""
+    shardings = rollout_shardings(layout, rollout_keys(cfg.grpo))
+    shape = lambda k: (cfg.data.batch,) if k in ROLLOUT_SEQUENCE_KEYS else (cfg.data.batch, cfg.data.seq_len)  # noqa: E731
+    return {k: jax.ShapeDtypeStruct(shape(k), jnp.float32, sharding=s) for k, s in shardings.items()}
+
+
+def jit_logps(spec: StateSpec, layout: Layout, temperature: float):
+    """The jitted `(params, batch, router_bias) -> (B, T)` log-probabilities, without gradients: the
+    reference's."""
+    cfg = spec.model
+
+    def logps(params, batch, router_bias):
+        with activation_layout(layout), adapting(spec.lora, None):
+            return token_logps(cfg, layout, params, batch, temperature, router_bias)[0]
+
+    return jax.jit(logps, out_shardings=batch_sharding(layout))
+
+
+def jit_grpo_step(spec: StateSpec, layout: Layout, cfg: GrpoConfig, guard: GuardConfig | None = None):
+    """The jitted `(state, batch, rollout, args) -> (state, metrics)`: grpo.updates_per_batch optimizer
+    updates on the clipped surrogate (`grpo_loss`) of a batch of rollouts, the ratio's denominator the
+    policy before the first; one train step (state["step"] + 1, the metrics the last update's). The
+    schedule in `args` counts updates (`update_schedule`). `state` is donated."""
+    if pipeline_stages(layout) > 1:
+        raise ShardError("task grpo does not run through a pipeline (a mesh with a stage axis) yet; use another mesh")
+    _, apply = make_step_parts(spec, layout, 1, guard)
+    adapters = spec.lora is not None and bool(spec.lora.rank)
+
+    def loss_fn(params, batch, rollout, router_bias):
+        logp_bt, moe = token_logps(spec.model, layout, params, batch, cfg.temperature, router_bias)
+        if "old" not in rollout:  # one update per batch: the ratio is 1, its gradient the policy gradient's
+            rollout = rollout | {"old": jax.lax.stop_gradient(logp_bt)}
+        total, count, metrics = grpo_loss(logp_bt, rollout, cfg)
+        return total, (count, metrics, moe)
+
+    grad_fn = lora.grad_of_adapters(loss_fn) if adapters else jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state, batch, rollout, args):
+        first = state["step"]
+        with activation_layout(layout), adapting(spec.lora, lora.dropout_key(first)):
+            if cfg.updates_per_batch > 1:  # the policy the rollouts came from, held for every update
+                rollout = rollout | {"old": jax.lax.stop_gradient(token_logps(
+                    spec.model, layout, state["params"], batch, cfg.temperature, state.get("router_bias"))[0])}
+            for _ in range(cfg.updates_per_batch):
+                (total, (count, metrics, moe)), grads = grad_fn(state["params"], batch, rollout,
+                                                                state.get("router_bias"))
+                state, out = apply(state, grads, total, count, moe, args)
+        return state | {"step": first + 1}, out | metrics
+
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return jax.jit(step, in_shardings=(spec.shardings, batch_sharding(layout),
+                                       rollout_shardings(layout, rollout_keys(cfg)), replicated),
+                   out_shardings=(spec.shardings, replicated), donate_argnums=0)

@@ -125,6 +125,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     step_fn = with_schedule(compiled, spec, layout)
+    if cfg.task == "grpo":
+        from shard.training.rollouts import grpo_run_parts
+
+        stream, step_fn = grpo_run_parts(cfg, spec, layout, compiled, dataset, state, start_step, position, reference)
     if cfg.task == "dpo":
         from shard.training.dpo import frozen_reference, with_reference
 
@@ -161,8 +165,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
-    if cfg.task == "dpo":
-        raise ShardError("task dpo is not supported with --cross-host mpi yet; use --cross-host xla")
+    if cfg.task in ("dpo", "grpo"):
+        raise ShardError(f"task {cfg.task} is not supported with --cross-host mpi yet; use --cross-host xla")
     if cfg.lora.rank:
         raise ShardError("LoRA (lora.rank) is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)

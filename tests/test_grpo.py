@@ -183,7 +183,7 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     (tmp_path / "toy.py").write_text("def lower(row, text):\n    return sum('a' <= c <= 'z' for c in text) / len(text)\n")
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"word {i}:"}) + "\n" for i in range(8)))
     args = ["train", "--task", "grpo", "--data", str(tmp_path / "prompts.jsonl"), "--reward", f"{tmp_path}/toy.py:lower",
-            "--model", "tiny", "--batch", "16", "--seq", "32", "--log-every", "1", "--set", "optimizer.lr=1e-2",
+            "--model", "tiny", "--batch", "16", "--seq", "32", "--log-every", "1", "--set", "optimizer.lr=2e-2",
             "--set", "optimizer.warmup_steps=0", "--set", "grpo.max_new_tokens=8", "--set", "grpo.updates_per_batch=2"]
 
     def run(mesh: str, steps: int, name: str, *more: str) -> list[dict]:
@@ -203,3 +203,16 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     one = run("fsdp", 1, "b")[0]
     assert one["reward"] == records[0]["reward"]  # the same completions, sampled on another layout
     assert (one["loss"], one["grad_norm"]) == pytest.approx((records[0]["loss"], records[0]["grad_norm"]), rel=1e-5)
+
+
+def test_a_missing_reward_function_stops_grpo_before_it_compiles(tmp_path):
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    done = CliRunner().invoke(app, ["train", "--task", "grpo", "--data", str(tmp_path / "prompts.jsonl"), "--model",
+                                    "tiny", "--mesh", "8x1", "--batch", "8", "--seq", "32", "--reward", "math:nothing",
+                                    "--set", "grpo.max_new_tokens=4", "--run-dir", str(tmp_path / "run")])
+    assert done.exit_code == 2 and "reward math:nothing: math has no function 'nothing'" in done.output, done.output
+    assert "compiling" not in done.output

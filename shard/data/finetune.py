@@ -145,6 +145,7 @@ class PromptSet:
     tokenizer: object
     path: str
     origin: DataSource | None = None
+    rewards: tuple = ()  # shard.training.rewards.Reward, loaded by the trainer before it compiles
     windows = None  # no fixed rows: shard.data.batches.repetition_note has nothing to say
 
     def describe(self) -> str:

@@ -99,6 +99,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     dataset, eval_data = _training_data(cfg, source)
+    if cfg.task == "grpo":  # a missing reward function is said before anything compiles
+        from shard.training.rewards import load_rewards
+
+        dataset = dataclasses.replace(dataset, rewards=load_rewards(cfg.grpo.rewards, cfg.grpo.format_pattern))
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,

@@ -57,12 +57,12 @@ def per_target(rows_values: np.ndarray, prompts: list[Prompt], group: int, seq_l
 class GrpoStep:
     """The loop's step function for task grpo over a compiled update step (grpo.jit_grpo_step)."""
 
-    def __init__(self, cfg: TrainConfig, spec: StateSpec, layout: Layout, update, tokenizer, where: str,
-                 frozen: dict):
+    def __init__(self, cfg: TrainConfig, spec: StateSpec, layout: Layout, update, prompts, frozen: dict):
         g = cfg.grpo
-        self.cfg, self.spec, self.layout, self.update, self.tokenizer, self.where = cfg, spec, layout, update, tokenizer, where
+        self.cfg, self.spec, self.layout, self.update = cfg, spec, layout, update
+        self.tokenizer, self.where = prompts.tokenizer, prompts.path
         self.frozen = frozen  # the reference weights (kl_beta > 0)
-        self.rewards = rewards.load_rewards(g.rewards, g.format_pattern)
+        self.rewards = list(prompts.rewards) or rewards.load_rewards(g.rewards, g.format_pattern)
         self.sampling = Sampling(g.temperature, 0, g.top_p)
         self.generator = Generator(spec.model, spec.graphdef, None, layout, max_len=cfg.data.seq_len + 1)
         self.args = grpo.update_schedule(schedule_inputs(spec, layout), g.updates_per_batch)
@@ -138,4 +138,4 @@ def grpo_run_parts(cfg: TrainConfig, spec: StateSpec, layout: Layout, update, pr
 
     frozen = frozen_reference(spec, state, start_step, cfg.seed, reference) if cfg.grpo.kl_beta else {}
     stream = PromptStream(prompts, cfg.data.batch, cfg.grpo.samples_per_prompt, cfg.data.seq_len, cfg.seed, position)
-    return stream, GrpoStep(cfg, spec, layout, update, prompts.tokenizer, prompts.path, frozen)
+    return stream, GrpoStep(cfg, spec, layout, update, prompts, frozen)

@@ -216,3 +216,33 @@ def test_a_missing_reward_function_stops_grpo_before_it_compiles(tmp_path):
                                     "--set", "grpo.max_new_tokens=4", "--run-dir", str(tmp_path / "run")])
     assert done.exit_code == 2 and "reward math:nothing: math has no function 'nothing'" in done.output, done.output
     assert "compiling" not in done.output
+
+
+def test_a_lora_run_samples_with_its_adapters():
+    """GRPO's sampler reads the state's params as they are: with LoRA it adds the adapters' term (the same
+    completions as the weights with the adapters folded in), and without them it would sample the base."""
+    import jax
+
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+    from shard.training import lora
+    from shard.training.generate import Generator, Sampling
+    from shard.training.state import compile_init, state_spec
+
+    cfg = tiny_config("1x1", lora__rank=4)
+    layout = make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))
+    spec = state_spec(cfg.model, cfg.optimizer, 1, layout, lora=cfg.lora)
+    params = compile_init(spec, cfg.model, 0)()["params"]
+    adapters, base = lora.split(params)
+    adapters = jax.tree.map(lambda x: x + 0.3, adapters)  # B starts at 0: no term to see
+    plain = state_spec(cfg.model, cfg.optimizer, 1, layout).graphdef
+    folded = lora.fold(jax.device_get(lora.merge(adapters, base)), cfg.lora)
+    key, s = jax.random.key(3), Sampling(1.0)
+    with_adapters = Generator(cfg.model, spec.graphdef, lora.merge(adapters, base), layout, 16, lora=cfg.lora)
+    got = jax.device_get(with_adapters.group([5, 6, 7], 2, 4, s, key))
+    want = jax.device_get(Generator(cfg.model, plain, folded, layout, 16).group([5, 6, 7], 2, 4, s, key))
+    without = jax.device_get(Generator(cfg.model, plain, base, layout, 16).group([5, 6, 7], 2, 4, s, key))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert np.abs(got[1] - without[1]).max() > 1e-2

@@ -403,9 +403,8 @@ def _grpo_problems(cfg: "TrainConfig") -> list[str]:
                 f"data.batch ({cfg.data.batch}, completions a step) must be a multiple of it"]
     if g.max_new_tokens >= cfg.data.seq_len:
         return [f"grpo.max_new_tokens ({g.max_new_tokens}) leaves no room for a prompt in --seq {cfg.data.seq_len}"]
-    if cfg.data.microbatches != 1 or cfg.lora.rank:
-        return ["task grpo does not accumulate microbatches nor train LoRA adapters yet: leave data.microbatches "
-                "at 1 and lora.rank at 0"]
+    if cfg.data.microbatches != 1:
+        return ["task grpo does not accumulate microbatches yet: leave data.microbatches at 1"]
     if not g.rewards:
         return ["task grpo needs a reward: --reward answer | boxed | last_number | format | module:function"]
     return []

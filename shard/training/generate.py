@@ -16,7 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
+from shard.config.train import LoraConfig
 from shard.models.llama import cache_axes, init_cache
+from shard.models.lora import adapting
 from shard.sharding.rules import Layout, activation_layout
 
 
@@ -72,10 +74,11 @@ def _token_ids(prompt) -> list[int]:
 class Generator:
     """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come.
     `router_bias` (L, E), placed (shard.training.state.place_router_bias): the balancing bias a MoE
-    checkpoint chose its experts by in training (model.router_bias_update); None: by the scores alone."""
+    checkpoint chose its experts by in training (model.router_bias_update); None: by the scores alone.
+    `lora`: the run's adapters config, where `params` hold adapters (GRPO samples with a LoRA run's own)."""
 
     def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int,
-                 router_bias: jax.Array | None = None):
+                 router_bias: jax.Array | None = None, lora: LoraConfig | None = None):
         self.cfg, self.max_len, self.router_bias = model_cfg, max_len, router_bias
         # One prompt at a time, one token per decode step: the batch and the sequence are replicated (a
         # context-parallel split of a cache of any length would have to divide it); the other rules
@@ -89,7 +92,7 @@ class Generator:
         replicated = NamedSharding(layout.mesh, PartitionSpec())
 
         def forward(params, tokens, cache, start, router_bias):
-            with activation_layout(self.layout):
+            with activation_layout(self.layout), adapting(lora, None):  # LoRA params: their term added
                 logits, cache = nnx.merge(graphdef, params)(tokens, cache, start, router_bias)
             return logits[:, -1], cache
 

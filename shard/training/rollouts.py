@@ -14,6 +14,7 @@ from shard.config.train import TrainConfig
 from shard.data.chat import Prompt
 from shard.sharding.rules import Layout
 from shard.training import grpo, rewards
+from shard.training.dpo import reference_params
 from shard.training.generate import Generator, Sampling
 from shard.training.state import StateSpec
 from shard.training.step import batch_sharding, schedule_inputs
@@ -64,7 +65,8 @@ class GrpoStep:
         self.frozen = frozen  # the reference weights (kl_beta > 0)
         self.rewards = list(prompts.rewards) or rewards.load_rewards(g.rewards, g.format_pattern)
         self.sampling = Sampling(g.temperature, 0, g.top_p)
-        self.generator = Generator(spec.model, spec.graphdef, None, layout, max_len=cfg.data.seq_len + 1)
+        self.generator = Generator(spec.model, spec.graphdef, None, layout, max_len=cfg.data.seq_len + 1,
+                                   lora=spec.lora)
         self.args = grpo.update_schedule(schedule_inputs(spec, layout), g.updates_per_batch)
         self.logps = grpo.jit_logps(spec, layout, g.temperature) if g.kl_beta else None
         self.key = jax.random.key(cfg.seed)
@@ -99,7 +101,8 @@ class GrpoStep:
         mask = np.arange(g.max_new_tokens)[None, :] < ends[:, None]
         batch_arrays, rollout = self._arrays(prompts, completions, ends, sampler, advantages, keep, mask)
         if g.kl_beta:
-            rollout["reference"] = self.logps(self.frozen, batch_arrays, state.get("router_bias"))
+            reference = reference_params(state, self.frozen)  # with LoRA: the base, its adapters left out
+            rollout["reference"] = self.logps(reference, batch_arrays, state.get("router_bias"))
         state, metrics = self.update(state, batch_arrays, rollout, self.args)
         metrics = dict(metrics) | {
             "reward": float(total.mean()), "reward_std": float(total.std()),

@@ -196,6 +196,9 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     rewards = [r["reward"] for r in records]
     assert rewards[0] < 0.2 and rewards[-1] > 0.4, rewards  # bytes at random: 26/256 lower-case
     assert records[-1]["kl"] == 0 and records[-1]["completion_length"] == 8 and "reward/" + f"{tmp_path}/toy.py:lower" in records[0]
+    written = read_jsonl(tmp_path / "a" / "completions.jsonl")  # a few completions a logged step, beside the metrics
+    assert [len(w["completions"]) for w in written] == [4] * 6 and "completions" not in records[0]
+    assert {"line", "completion", "reward"} == set(written[-1]["completions"][0])
     shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")
     again = run("2x4", 6, "a", "--checkpoint-every", "3", "--resume")[-3:]
     keys = ("step", "loss", "grad_norm", "reward", "reward_std", "clip_low", "clip_high")

@@ -231,6 +231,8 @@ class _StepLoop:
             if key in values:
                 record[key] = float(values[key])
         record |= {k: float(v) for k, v in values.items() if k.startswith("reward/")}  # GRPO's, each reward's
+        if "completions" in values:  # and a few of its completions (completions.jsonl)
+            record["completions"] = values["completions"]
         return record
 
     def _publish(self, record: dict) -> None:

@@ -20,6 +20,9 @@ from shard.training.state import StateSpec
 from shard.training.step import batch_sharding, schedule_inputs
 
 
+SAMPLES_KEPT = 4  # completions a logged step writes to completions.jsonl
+
+
 def place_rows(prompts: list[Prompt], completions: np.ndarray, ends: np.ndarray, seq_len: int
                ) -> tuple[np.ndarray, np.ndarray]:
     """(rows, trained): (B, seq_len + 1) prompt + completion token ids, -1 past the end, and 1 on the
@@ -81,11 +84,11 @@ class GrpoStep:
         tokens, logps = jax.device_get(([t for t, _ in out], [lp for _, lp in out]))
         return np.concatenate(tokens), np.concatenate(logps)
 
-    def score(self, prompts: list[Prompt], completions: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """(B, rewards) each reward of each completion's text (cut at its end of text)."""
+    def score(self, prompts: list[Prompt], completions: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, list]:
+        """((B, rewards) each reward of each completion's text, cut at its end of text; the texts)."""
         texts = [self.tokenizer.decode(c[:e]) for c, e in zip(completions, ends)]
         rows_of = [(p.line, p.row) for p in prompts for _ in range(self.cfg.grpo.samples_per_prompt)]
-        return rewards.score(self.rewards, rows_of, texts, self.where)
+        return rewards.score(self.rewards, rows_of, texts, self.where), texts
 
     def __call__(self, state: dict, batch: tuple[int, list[Prompt]]) -> tuple[dict, dict]:
         g = self.cfg.grpo
@@ -94,7 +97,7 @@ class GrpoStep:
         completions, sampler = self.rollout(state, index, prompts)
         rollout_s = time.perf_counter() - t0
         ends, truncated = completion_ends(completions, self.tokenizer.eos_id)
-        scores = self.score(prompts, completions, ends)
+        scores, texts = self.score(prompts, completions, ends)
         total = rewards.total(self.rewards, scores)
         advantages = np.asarray(grpo.group_advantages(total, g.samples_per_prompt, g.normalise_advantages))
         keep = np.asarray(grpo.kept_sequences(total, truncated, g.samples_per_prompt, g))
@@ -110,6 +113,9 @@ class GrpoStep:
             "rollout_s": rollout_s, "rollout_tokens_per_s": completions.size / max(rollout_s, 1e-9)}
         for r, column in zip(self.rewards, scores.T):
             metrics[f"reward/{r.name}"] = float(column.mean())
+        group = g.samples_per_prompt  # the first prompt's first completions, for completions.jsonl
+        metrics["completions"] = [{"line": prompts[i // group].line, "completion": texts[i], "reward": float(total[i])}
+                                  for i in range(min(SAMPLES_KEPT, len(texts)))]
         return state, metrics
 
     def _arrays(self, prompts, completions, ends, sampler, advantages, keep, mask) -> tuple[dict, dict]:

@@ -277,6 +277,8 @@ class GrpoConfig:
     # "NAME" or "NAME=WEIGHT": answer | boxed | last_number | format | module:function (shard.training.rewards)
     rewards: tuple[str, ...] = ()
     format_pattern: str = ""  # the regular expression the `format` reward searches a completion for
+    # the mesh the sampler lays the params out on (same devices; "": the training mesh), resharded each step
+    rollout_mesh: str = ""
 
     def problems(self) -> list[str]:
         out = [] if self.loss_norm in LOSS_NORMS else [

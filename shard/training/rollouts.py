@@ -9,9 +9,11 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.config.train import TrainConfig
 from shard.data.chat import Prompt
+from shard.errors import ShardError
 from shard.sharding.rules import Layout
 from shard.training import grpo, rewards
 from shard.training.dpo import reference_params
@@ -58,6 +60,26 @@ def per_target(rows_values: np.ndarray, prompts: list[Prompt], group: int, seq_l
     return out
 
 
+def rollout_layout(cfg: TrainConfig, spec: StateSpec, layout: Layout):
+    """(the sampler's layout, its params' shardings): grpo.rollout_mesh over the training mesh's devices,
+    or the training layout itself (None: no resharding)."""
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.training.state import state_spec
+
+    if not cfg.grpo.rollout_mesh:
+        return layout, None
+    devices = list(layout.mesh.devices.flat)
+    try:
+        sampler = make_layout(cfg, parse_mesh(cfg.grpo.rollout_mesh), devices)
+    except ShardError as e:
+        raise ShardError(f"grpo.rollout_mesh: {e}") from None
+    if sampler.mesh.size != len(devices):
+        raise ShardError(f"grpo.rollout_mesh {cfg.grpo.rollout_mesh} lays out {sampler.mesh.size} devices, the "
+                         f"training mesh {len(devices)}: give a mesh of the same devices")
+    return sampler, state_spec(cfg.model, cfg.optimizer, cfg.steps, sampler, lora=cfg.lora).shardings["params"]
+
+
 class GrpoStep:
     """The loop's step function for task grpo over a compiled update step (grpo.jit_grpo_step)."""
 
@@ -68,8 +90,9 @@ class GrpoStep:
         self.frozen = frozen  # the reference weights (kl_beta > 0)
         self.rewards = list(prompts.rewards) or rewards.load_rewards(g.rewards, g.format_pattern)
         self.sampling = Sampling(g.temperature, 0, g.top_p)
-        self.generator = Generator(spec.model, spec.graphdef, None, layout, max_len=cfg.data.seq_len + 1,
-                                   lora=spec.lora)
+        self.rollout_layout, self.rollout_shardings = rollout_layout(cfg, spec, layout)
+        self.generator = Generator(spec.model, spec.graphdef, None, self.rollout_layout,
+                                   max_len=cfg.data.seq_len + 1, lora=spec.lora)
         self.args = grpo.update_schedule(schedule_inputs(spec, layout), g.updates_per_batch)
         self.logps = grpo.jit_logps(spec, layout, g.temperature) if g.kl_beta else None
         self.key = jax.random.key(cfg.seed)
@@ -77,7 +100,11 @@ class GrpoStep:
     def rollout(self, state: dict, index: int, prompts: list[Prompt]) -> tuple[np.ndarray, np.ndarray]:
         """(B, max_new_tokens) completions and their sampler log-probabilities, prompt after prompt."""
         g = self.cfg.grpo
-        self.generator.params, self.generator.router_bias = state["params"], state.get("router_bias")
+        params, bias = state["params"], state.get("router_bias")
+        if self.rollout_shardings is not None:  # resharded in memory onto the sampler's layout
+            replicated = NamedSharding(self.rollout_layout.mesh, PartitionSpec())
+            params, bias = jax.device_put(params, self.rollout_shardings), bias and jax.device_put(bias, replicated)
+        self.generator.params, self.generator.router_bias = params, bias
         key = jax.random.fold_in(self.key, index)
         out = [self.generator.group(p.ids, g.samples_per_prompt, g.max_new_tokens, self.sampling,
                                     jax.random.fold_in(key, k)) for k, p in enumerate(prompts)]

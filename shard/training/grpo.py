@@ -24,7 +24,7 @@ from shard.training.step import batch_sharding, context_order, make_step_parts, 
 
 # The step metrics GRPO adds to the loss (shard.training.loop copies them into records).
 GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "reward", "reward_std", "completion_length",
-                "filtered", "rollout_s", "rollout_tokens_per_s")
+                "filtered", "rollout_s", "reference_s", "rollout_tokens_per_s")
 
 
 def group_advantages(rewards_b: jax.Array, group: int, normalise: bool = True, eps: float = 1e-4) -> jax.Array:

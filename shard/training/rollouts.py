@@ -130,14 +130,18 @@ class GrpoStep:
         keep = np.asarray(grpo.kept_sequences(total, truncated, g.samples_per_prompt, g))
         mask = np.arange(g.max_new_tokens)[None, :] < ends[:, None]
         batch_arrays, rollout = self._arrays(prompts, completions, ends, sampler, advantages, keep, mask)
+        reference_s = 0.0
         if g.kl_beta:
+            t0 = time.perf_counter()
             reference = reference_params(state, self.frozen)  # with LoRA: the base, its adapters left out
-            rollout["reference"] = self.logps(reference, batch_arrays, state.get("router_bias"))
+            rollout["reference"] = jax.block_until_ready(self.logps(reference, batch_arrays, state.get("router_bias")))
+            reference_s = time.perf_counter() - t0  # timed apart (a wait the step would otherwise overlap)
         state, metrics = self.update(state, batch_arrays, rollout, self.args)
         metrics = dict(metrics) | {
             "reward": float(total.mean()), "reward_std": float(total.std()),
             "completion_length": float(ends.mean()), "filtered": float(1 - keep.mean()),
-            "rollout_s": rollout_s, "rollout_tokens_per_s": completions.size / max(rollout_s, 1e-9)}
+            "rollout_s": rollout_s, "reference_s": reference_s,
+            "rollout_tokens_per_s": completions.size / max(rollout_s, 1e-9)}
         for r, column in zip(self.rewards, scores.T):
             metrics[f"reward/{r.name}"] = float(column.mean())
         group = g.samples_per_prompt  # the first prompt's first completions, for completions.jsonl

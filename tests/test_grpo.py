@@ -196,6 +196,8 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     records = run("2x4", 6, "a", "--checkpoint-every", "3")
     rewards = [r["reward"] for r in records]
     assert rewards[0] < 0.2 and rewards[-1] > 0.4, rewards  # bytes at random: 26/256 lower-case
+    # the sampler's log-probabilities are the trainer's, token for token (a shift by one would be ~1 apart)
+    assert max(r["logp_gap"] for r in records) < 1e-4 and records[0]["tis_clipped"] == 0
     assert records[-1]["kl"] == 0 and records[-1]["completion_length"] == 8 and "reward/" + f"{tmp_path}/toy.py:lower" in records[0]
     written = read_jsonl(tmp_path / "a" / "completions.jsonl")  # a few completions a logged step, beside the metrics
     assert [len(w["completions"]) for w in written] == [4] * 6 and "completions" not in records[0]

@@ -23,7 +23,7 @@ from shard.training.state import StateSpec
 from shard.training.step import batch_sharding, context_order, make_step_parts, pipeline_stages
 
 # The step metrics GRPO adds to the loss (shard.training.loop copies them into records).
-GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "reward", "reward_std", "completion_length",
+GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "logp_gap", "reward", "reward_std", "completion_length",
                 "filtered", "rollout_s", "reference_s", "rollout_tokens_per_s")
 
 
@@ -106,6 +106,7 @@ def grpo_loss(logp_bt: jax.Array, rollout: dict, cfg: GrpoConfig) -> tuple[jax.A
     tokens = jnp.maximum(jnp.sum(mask_bt), 1.0)
     mean = lambda x_bt: jnp.sum(x_bt * mask_bt) / tokens  # noqa: E731
     metrics = {"clip_low": mean(low_bt), "clip_high": mean(high_bt),
+               "logp_gap": mean(jnp.abs(rollout["old"] - rollout["sampler"])),  # the sampler/trainer mismatch
                "tis_clipped": mean(weight_bt >= cfg.tis_cap) if cfg.tis_cap else jnp.zeros(())}
     if cfg.kl_beta:
         kl_bt = k3_kl(logp_bt, rollout["reference"])

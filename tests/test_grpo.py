@@ -252,3 +252,19 @@ def test_a_lora_run_samples_with_its_adapters():
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
     assert np.abs(got[1] - without[1]).max() > 1e-2
+
+
+def test_completions_end_at_their_end_of_text_and_sit_after_their_prompt():
+    from shard.data.chat import Prompt
+    from shard.training.rollouts import completion_ends, per_target, place_rows
+
+    completions = np.array([[5, 9, 7], [5, 6, 7]], np.int32)  # 9: the end of text
+    ends, truncated = completion_ends(completions, eos_id=9)
+    np.testing.assert_array_equal(ends, [2, 3])
+    np.testing.assert_array_equal(truncated, [False, True])
+    prompts = [Prompt(1, {}, np.array([1, 2], np.int32))]
+    rows, trained = place_rows(prompts, completions, ends, seq_len=5)
+    np.testing.assert_array_equal(rows, [[1, 2, 5, 9, -1, -1], [1, 2, 5, 6, 7, -1]])
+    np.testing.assert_array_equal(trained, [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]])
+    # a completion's token j is the target at position len(prompt) + j - 1
+    np.testing.assert_allclose(per_target(np.array([[0.1, 0.2, 0.3]] * 2), prompts, 2, 5)[0], [0, 0.1, 0.2, 0.3, 0])

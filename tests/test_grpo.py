@@ -171,7 +171,7 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     """`shard train --task grpo` end to end on a toy verifiable task (the share of lower-case letters in
     8 sampled bytes) from a random tiny model: the mean reward climbs within 6 steps on 2x4; resumed from
     its step 3 checkpoint, steps 4-6 are the same records (the same prompts and sampling keys); and
-    step 1 trained on fsdp and sampled on 8x1 (grpo.rollout_mesh) draws the same completions and takes the
+    step 1 trained on fsdp and sampled on 2x4 (grpo.rollout_mesh) draws the same completions and takes the
     same update."""
     import json
     import shutil
@@ -206,7 +206,7 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     again = run("2x4", 6, "a", "--checkpoint-every", "3", "--resume")[-3:]
     keys = ("step", "loss", "grad_norm", "reward", "reward_std", "clip_low", "clip_high")
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in records[3:]]
-    one = run("fsdp", 1, "b", "--set", "grpo.rollout_mesh=8x1")[0]  # sampled on yet another layout
+    one = run("fsdp", 1, "b", "--set", "grpo.rollout_mesh=2x4")[0]  # sampled on another layout than it trains on
     assert one["reward"] == records[0]["reward"]  # the same completions, sampled on another layout
     assert (one["loss"], one["grad_norm"]) == pytest.approx((records[0]["loss"], records[0]["grad_norm"]), rel=1e-5)
 

@@ -103,7 +103,8 @@ class GrpoStep:
         params, bias = state["params"], state.get("router_bias")
         if self.rollout_shardings is not None:  # resharded in memory onto the sampler's layout
             replicated = NamedSharding(self.rollout_layout.mesh, PartitionSpec())
-            params, bias = jax.device_put(params, self.rollout_shardings), bias and jax.device_put(bias, replicated)
+            params = jax.device_put(params, self.rollout_shardings)
+            bias = None if bias is None else jax.device_put(bias, replicated)
         self.generator.params, self.generator.router_bias = params, bias
         key = jax.random.fold_in(self.key, index)
         out = [self.generator.group(p.ids, g.samples_per_prompt, g.max_new_tokens, self.sampling,

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from shard import config, prepare
-from shard.parallel import pipeline
+from shard.parallel import schedule
 from shard.testing import median_step_seconds
 
 # (label, mesh, extra --set keys, model override)
@@ -82,8 +82,8 @@ def bubble(model: str, steps: int, rows_per_micro: int, seq: int, micro=(2, 4, 8
             temps.append(run.compiled_memory["temporaries"])
         c = np.polyfit(np.array(micro, float), np.array(times), 1)[0]
         for m, t, temp in zip(micro, times, temps):
-            print(f"{kind:<8} {m:>3} {pipeline.bubble_fraction(S, m):>8.3f} "
-                  f"{pipeline.schedule(kind, S, m).idle_fraction():>15.3f} {1 - c * m / t:>7.3f} {t * 1e3:>9.1f} "
+            print(f"{kind:<8} {m:>3} {schedule.bubble_formula(kind, S, m):>8.3f} "
+                  f"{schedule.build(kind, S, m).idle_fraction():>15.3f} {1 - c * m / t:>7.3f} {t * 1e3:>9.1f} "
                   f"{temp / 2**20:>12.2f}", flush=True)
 
 

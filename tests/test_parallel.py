@@ -16,7 +16,7 @@ from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe
 from shard.config.presets import PRESETS
-from shard.parallel import pipeline
+from shard.parallel import pipeline, schedule
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config
 
@@ -95,18 +95,30 @@ def test_pipeline_gradients_are_not_trivially_equal(dense_reference):
         assert np.all(np.abs(g).reshape(g.shape[0], -1).max(axis=1) > 0)
 
 
-@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 4), (4, 16), (8, 32)])
+@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 32)])
 def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro):
-    expected = pipeline.bubble_fraction(stages, micro)
-    for kind in ("gpipe", "1f1b"):
-        sch = pipeline.schedule(kind, stages, micro)
-        assert sch.idle_fraction() == pytest.approx(expected)
-        for s in range(stages):  # every stage runs each microbatch's forward and backward once
-            for op in (pipeline.FWD, pipeline.BWD):
-                assert sorted(sch.mb[sch.op[:, s] == op, s]) == list(range(micro))
-    # 1F1B keeps at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
-    assert pipeline._slots(pipeline.schedule("1f1b", stages, micro)) <= stages
-    assert pipeline._slots(pipeline.schedule("gpipe", stages, micro)) == micro
+    """Bubble by schedule (the table's idle slots) == bubble by formula, for every schedule; each stage
+    runs every (microbatch, chunk)'s phases once; 1F1B and zero-bubble keep at most S inputs."""
+    for kind in schedule.SCHEDULES:
+        V = 2 if kind == "interleaved" else 1
+        sch = schedule.build(kind, stages, micro, V)
+        assert sch.idle_fraction() == pytest.approx(schedule.bubble_formula(kind, stages, micro, V)), kind
+        phases = (schedule.FWD, schedule.BWD) + ((schedule.WGT,) if kind == "zero_bubble" else ())
+        for s in range(stages):
+            rows = sch.table[sch.table[:, 1] == s]
+            for phase in phases:
+                assert sorted(map(tuple, rows[rows[:, 4] == phase][:, 2:4])) == [
+                    (m, c) for m in range(micro) for c in range(V)], (kind, s, phase)
+    # 1F1B and ZB-H1 keep at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
+    assert max(schedule.build("zero_bubble", stages, micro).held()) <= stages
+    assert pipeline._slots(schedule.build("1f1b", stages, micro)) <= stages
+    assert pipeline._slots(schedule.build("gpipe", stages, micro)) == micro
+
+
+def test_the_schedule_chart_draws_the_table():
+    """`shard inspect` draws the table: stages x ticks, F/B/W per op, . where idle (1F1B, S=2, M=3)."""
+    assert schedule.build("1f1b", 2, 3).chart() == "stage 0 FF.BFB.B\nstage 1 .FBFBFB."
+    assert schedule.build("zero_bubble", 2, 2).chart() == "stage 0 FF.BWBW\nstage 1 .FBFBWW"
 
 
 # --- context and sequence parallel ---------------------------------------------------------------------

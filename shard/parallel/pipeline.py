@@ -20,7 +20,8 @@ XLA:GPU's AllReduceReassociate reduces over the replicas once.
   stored input, so a stage holds at most a few microbatches' inputs, independent of M. The loss and
   all gradients come out of one pass, wrapped in a custom_vjp so the train step stays `value_and_grad`.
 
-The bubble (idle share of a stage's time) is (S - 1) / (M + S - 1) for both.
+The tables (what runs where and when) are data: shard/parallel/schedule.py builds them, and the bubble
+(idle share of a stage's time) read from them, (S - 1) / (M + S - 1) for both, is the formula's.
 
 Per-microbatch inputs of the layers beyond the activations (`extras`: packed rows' segment ids and
 positions, (M, rows, T) each) are not passed along the chain: every stage holds all M of them (they are
@@ -28,8 +29,6 @@ small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m)`; `e
 without them.
 """
 
-import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +39,12 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
+from shard.parallel.schedule import BWD, FWD, IDLE, Schedule, build
 from shard.sharding.rules import mesh_axes_of
 
-IDLE, FWD, BWD = 0, 1, 2
-BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of each stage in GPipe and 1F1B with equal-cost microbatches."""
-    return (stages - 1) / (microbatches + stages - 1)
+# The executor's op codes: the schedule's IDLE, FWD, BWD, and the last stage's backward, which also runs
+# the head and the loss.
+BWD_LAST = 3
 
 
 def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
@@ -72,75 +68,7 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
                          f"split into pipeline.microbatches={microbatches}")
 
 
-# --- schedule tables (numpy, static) ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """`op[t, s]` and `mb[t, s]`: what stage s does at tick t. Computed once, becomes constants."""
-
-    op: np.ndarray
-    mb: np.ndarray
-    stages: int
-    microbatches: int
-
-    @property
-    def ticks(self) -> int:
-        return self.op.shape[0]
-
-    def idle_fraction(self) -> float:
-        """Measured bubble: the share of (tick, stage) slots with no work, each op taking one slot."""
-        return float(np.mean(self.op == IDLE))
-
-
-def stage_orders(kind: str, S: int, M: int) -> list[list[tuple[int, int]]]:
-    """Each stage's ordered list of (op, microbatch)."""
-    orders = []
-    for s in range(S):
-        if kind == "gpipe":
-            orders.append([(FWD, m) for m in range(M)] + [(BWD, m) for m in range(M)])
-            continue
-        warm = min(S - 1 - s, M)
-        order = [(FWD, m) for m in range(warm)]
-        for i in range(M - warm):
-            order += [(FWD, warm + i), (BWD, i)]
-        order += [(BWD, m) for m in range(M - warm, M)]
-        orders.append(order)
-    return orders
-
-
-@functools.lru_cache(maxsize=32)
-def schedule(kind: str, S: int, M: int) -> Schedule:
-    """Run each stage's order as early as dependencies allow (one op per stage per tick; a message sent
-    at tick t is usable at t + 1)."""
-    orders = stage_orders(kind, S, M)
-    done_f = np.full((S, M), -1)
-    done_b = np.full((S, M), -1)
-    nxt = [0] * S
-    ops, mbs = [], []
-    t = 0
-    while any(nxt[s] < len(orders[s]) for s in range(S)):
-        row_op, row_mb = [IDLE] * S, [0] * S
-        for s in range(S):
-            if nxt[s] == len(orders[s]):
-                continue
-            op, m = orders[s][nxt[s]]
-            if op == FWD:
-                ready = s == 0 or 0 <= done_f[s - 1, m] < t
-            else:
-                ready = (0 <= done_f[s, m] < t) if s == S - 1 else (0 <= done_b[s + 1, m] < t)
-            if ready:
-                row_op[s], row_mb[s] = op, m
-        for s in range(S):
-            if row_op[s] != IDLE:
-                (done_f if row_op[s] == FWD else done_b)[s, row_mb[s]] = t
-                nxt[s] += 1
-        ops.append(row_op)
-        mbs.append(row_mb)
-        t += 1
-        if t > 4 * (M + S) + 8:
-            raise AssertionError("pipeline schedule did not finish")
-    return Schedule(np.array(ops, np.int32), np.array(mbs, np.int32), S, M)
+# --- schedule tables (numpy, static: shard/parallel/schedule.py) ----------------------------------------
 
 
 def _slots(sch: Schedule) -> int:
@@ -287,7 +215,7 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
 def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray]:
     """(ticks, slots K, table): the table holds, for every tick and stage, the op executed, its
     microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none)."""
-    sch = schedule("1f1b", S, M)
+    sch = build("1f1b", S, M)
     # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
     op = sch.op.copy()
     op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])

@@ -2,6 +2,7 @@
 same loss, same gradients; plus the pieces (schedules, ring attention, routing) and the errors."""
 
 import dataclasses
+import re
 
 import jax
 import jax.extend
@@ -16,7 +17,8 @@ from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe
 from shard.config.presets import PRESETS
-from shard.parallel import pipeline, schedule
+from shard.parallel import pipeline
+from shard.parallel import schedule as sched
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config
 
@@ -48,8 +50,24 @@ def dense_reference():
     ("stage=4,fsdp=2", "1f1b"),
 ])
 def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference):
-    out = loss_and_grads(tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4))
+    cfg = tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4)
+    *out, hlo = loss_and_grads(cfg, with_hlo=True)
     assert_same(out, dense_reference)
+    if schedule == "1f1b":  # it passes on what its table sends, no more (stage=4: five distinct pair sets)
+        S = int(re.search(r"stage=(\d+)", mesh).group(1))
+        table = {p for tick in sched.build("1f1b", S, 4).sends() for p in tick if p}
+        assert stage_pair_sets(hlo, S) == table
+
+
+def stage_pair_sets(hlo: str, S: int) -> set[tuple[tuple[int, int], ...]]:
+    """The stage pairs of each collective-permute over `stage` alone in compiled HLO (stage outermost in
+    the mesh, as shard orders it: device d on stage d // (8 // S))."""
+    inner, out = 8 // S, set()
+    for m in re.finditer(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", hlo):
+        pairs = [tuple(map(int, p.split(","))) for p in re.findall(r"\{(\d+,\d+)\}", m.group(1))]
+        if all(a % inner == b % inner for a, b in pairs):
+            out.add(tuple(sorted({(a // inner, b // inner) for a, b in pairs})))
+    return out
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -99,26 +117,28 @@ def test_pipeline_gradients_are_not_trivially_equal(dense_reference):
 def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro):
     """Bubble by schedule (the table's idle slots) == bubble by formula, for every schedule; each stage
     runs every (microbatch, chunk)'s phases once; 1F1B and zero-bubble keep at most S inputs."""
-    for kind in schedule.SCHEDULES:
+    for kind in sched.SCHEDULES:
         V = 2 if kind == "interleaved" else 1
-        sch = schedule.build(kind, stages, micro, V)
-        assert sch.idle_fraction() == pytest.approx(schedule.bubble_formula(kind, stages, micro, V)), kind
-        phases = (schedule.FWD, schedule.BWD) + ((schedule.WGT,) if kind == "zero_bubble" else ())
+        sch = sched.build(kind, stages, micro, V)
+        assert sch.idle_fraction() == pytest.approx(sched.bubble_formula(kind, stages, micro, V)), kind
+        sends = sch.sends()  # the minimum: each microbatch crosses each boundary once each way
+        assert [sum(len(tick[i]) for tick in sends) for i in (0, 1)] == [micro * (V * stages - 1)] * 2, kind
+        phases = (sched.FWD, sched.BWD) + ((sched.WGT,) if kind == "zero_bubble" else ())
         for s in range(stages):
             rows = sch.table[sch.table[:, 1] == s]
             for phase in phases:
                 assert sorted(map(tuple, rows[rows[:, 4] == phase][:, 2:4])) == [
                     (m, c) for m in range(micro) for c in range(V)], (kind, s, phase)
     # 1F1B and ZB-H1 keep at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
-    assert max(schedule.build("zero_bubble", stages, micro).held()) <= stages
-    assert pipeline._slots(schedule.build("1f1b", stages, micro)) <= stages
-    assert pipeline._slots(schedule.build("gpipe", stages, micro)) == micro
+    assert max(sched.build("zero_bubble", stages, micro).held()) <= stages
+    assert pipeline._slots(sched.build("1f1b", stages, micro)) <= stages
+    assert pipeline._slots(sched.build("gpipe", stages, micro)) == micro
 
 
 def test_the_schedule_chart_draws_the_table():
     """`shard inspect` draws the table: stages x ticks, F/B/W per op, . where idle (1F1B, S=2, M=3)."""
-    assert schedule.build("1f1b", 2, 3).chart() == "stage 0 FF.BFB.B\nstage 1 .FBFBFB."
-    assert schedule.build("zero_bubble", 2, 2).chart() == "stage 0 FF.BWBW\nstage 1 .FBFBWW"
+    assert sched.build("1f1b", 2, 3).chart() == "stage 0 FF.BFB.B\nstage 1 .FBFBFB."
+    assert sched.build("zero_bubble", 2, 2).chart() == "stage 0 FF.BWBW\nstage 1 .FBFBWW"
 
 
 # --- context and sequence parallel ---------------------------------------------------------------------

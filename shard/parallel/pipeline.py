@@ -30,6 +30,8 @@ without them.
 """
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,9 +214,10 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
     return _loss_with_its_gradients(run)
 
 
-def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray]:
-    """(ticks, slots K, table): the table holds, for every tick and stage, the op executed, its
-    microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none)."""
+def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray, list]:
+    """(ticks, slots K, table, sends): the table holds, for every tick and stage, the op executed, its
+    microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none);
+    `sends`, per tick, the stage pairs that pass something forward and backward (Schedule.sends)."""
     sch = build("1f1b", S, M)
     # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
     op = sch.op.copy()
@@ -225,14 +228,20 @@ def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray]:
     recv_b = np.full_like(sch.op, -1)
     recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
     recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
-    return sch.ticks, _slots(sch), np.stack([op, sch.mb, recv_f, recv_b], -1)
+    return sch.ticks, _slots(sch), np.stack([op, sch.mb, recv_f, recv_b], -1), sch.sends()
 
 
 def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...]):
     """What each device of the shard_map runs: its row of the table, tick by tick, then the sums.
-    Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient)."""
+    Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient).
+
+    Sends at the minimum: a tick passes on only what the table sends then (Schedule.sends), so each
+    microbatch crosses each boundary once forward and once backward. Which stage pairs send changes from
+    tick to tick, and a ppermute's pairs are static: each direction's distinct pair sets become the
+    branches of a `lax.switch` whose index is the tick's (the same on every device, so every device
+    enters the same branch and its collective), the empty set a branch that sends nothing."""
     S = mesh.shape[STAGE]
-    ticks, K, table = _one_f_one_b_tables(S, M)
+    ticks, K, table, sends = _one_f_one_b_tables(S, M)
 
     def body(layers, head, x_mbtd, aux, extras):
         s = lax.axis_index(STAGE)
@@ -242,16 +251,15 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
         x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(table)
         act = x_mbtd[0]
-        fwd_perm, bwd_perm = _chain(S, +1), _chain(S, -1)
         ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras)
+
+        send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
 
         def tick(t, c):
             op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
             c = c | {"xin": _put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": _put(c["gin"], rb, c["recv_b"], rb >= 0)}
             c = lax.switch(op_t, ops, c, m)
-            recv_f = lax.ppermute(c["send_f"], STAGE, fwd_perm)
-            recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
-            return c | {"recv_f": recv_f, "recv_b": recv_b}
+            return c | {"recv_f": send_f(t, c["send_f"]), "recv_b": send_b(t, c["send_b"])}
 
         c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere))
         # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
@@ -264,6 +272,16 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
                 _from_one_stage(c["dx"], mesh))
 
     return body
+
+
+def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple[str, ...]):
+    """`send(t, x)`: x passed over tick t's stage pairs (zeros where nothing arrives), one `lax.switch`
+    branch per distinct pair set, chosen by t alone (so alike on every device)."""
+    patterns = sorted(set(pairs_per_tick) - {()})
+    index = jnp.asarray([patterns.index(p) + 1 if p else 0 for p in pairs_per_tick], jnp.int32)
+    nothing = lambda x: _vary(jnp.zeros(x.shape, x.dtype), everywhere)  # noqa: E731
+    branches = [nothing] + [functools.partial(lambda x, p: lax.ppermute(x, STAGE, list(p)), p=p) for p in patterns]
+    return lambda t, x: lax.switch(index[t], branches, x)
 
 
 def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras) -> list:

@@ -75,6 +75,20 @@ class Schedule:
             peaks.append(int(np.cumsum(delta).max()))
         return peaks
 
+    def sends(self) -> list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
+        """Per tick, the (from, to) stage pairs passing an activation forward (an F whose virtual stage is
+        not the last) and a gradient backward (a B whose virtual stage is not the first): each
+        microbatch crosses each boundary once each way, the minimum."""
+        S, last = self.stages, self.virtual * self.stages - 1
+        out = [([], []) for _ in range(self.ticks)]
+        for t, s, _, c, phase in self.table:
+            v = c * S + s
+            if phase == FWD and v < last:
+                out[t][0].append((int(s), int((s + 1) % S)))
+            elif phase == BWD and v > 0:
+                out[t][1].append((int(s), int((s - 1) % S)))
+        return [(tuple(sorted(f)), tuple(sorted(b))) for f, b in out]
+
     def chart(self) -> str:
         """Stages x ticks: F/B/W for an op (the phase), . where idle."""
         chars = np.array(list(PHASE_CHARS))[self.op]
@@ -180,3 +194,4 @@ def _ready(op: tuple[int, int, int], s: int, S: int, V: int, done: dict, t: int)
     else:
         need = (FWD, m, v) if v == V * S - 1 else (BWD, m, v + 1)
     return need is None or done.get(need, t) < t
+

@@ -70,6 +70,16 @@ def stage_pair_sets(hlo: str, S: int) -> set[tuple[tuple[int, int], ...]]:
     return out
 
 
+@pytest.mark.parametrize("mesh, layers", [("stage=2,data=2,model=2", 4), ("stage=4,data=2", 8)])
+def test_the_interleaved_schedule_matches_the_unpipelined_model(mesh, layers, dense_reference):
+    """V = 2 chunks a stage, layer block v = c S + s on stage s: the loss and every gradient as one device's
+    (stage=4 needs 8 layers for its 8 chunks)."""
+    sets = dict(PIPE, model__n_layers=layers)
+    ref = dense_reference if layers == 4 else loss_and_grads(tiny_config("1x1", **sets))
+    assert_same(loss_and_grads(tiny_config(mesh, **sets, pipeline__schedule="interleaved",
+                                           pipeline__virtual_stages=2, pipeline__microbatches=4)), ref)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gemma_layers_keep_their_kind_in_a_pipeline(schedule):
     """Gemma's local and global layers alternate by layer index: each stage numbers its slice from its own
@@ -327,6 +337,13 @@ def _check(mesh: str, **sets):
 @pytest.mark.parametrize("mesh, sets, message", [
     ("stage=4,data=2", {}, r"2 layers do not split into 4 stages"),
     ("stage=2,data=4", {"data__batch": 16, "pipeline__microbatches": 3}, r"does not split into pipeline.microbatches=3"),
+    ("stage=2,data=4", {"model__n_layers": 4, "pipeline__schedule": "interleaved", "pipeline__virtual_stages": 4},
+     r"4 layers do not split into 2 stages x 4 virtual stages"),
+    ("stage=4,data=2", {"model__n_layers": 8, "data__batch": 12, "pipeline__schedule": "interleaved",
+                        "pipeline__virtual_stages": 2, "pipeline__microbatches": 6},
+     r"interleaved schedule runs microbatches in groups of the 4 stages; pipeline.microbatches=6 is not"),
+    ("stage=2,data=4", {"data__batch": 16, "pipeline__virtual_stages": 2},
+     r"pipeline.virtual_stages=2 needs pipeline.schedule=interleaved \(got 1f1b\)"),
     ("cp", {"data__seq_len": 30}, r"sequence length 30 does not divide over 4 devices \(context=4"),
     ("ep", {"model__name": "moe-tiny", "model__n_experts": 6}, r"6 experts do not divide over the expert axis"),
     # it crashed in Shardy's verifier with a traceback (ring attention's shard_map nested in the stages')
@@ -338,7 +355,7 @@ def test_bad_layouts_are_clear_errors(mesh, sets, message):
 
 
 def test_unknown_schedule_is_an_error():
-    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b"):
+    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b, interleaved"):
         tiny_config("pipeline", pipeline__schedule="zigzag")
 
 

@@ -5,6 +5,7 @@ import math
 import numpy as np
 
 from shard.axes import STAGE
+from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import Layout, path_str
 from shard.training.state import StateSpec
 
@@ -94,7 +95,9 @@ def inspect_config(cfg, devices, compiled: bool = False) -> dict:
     doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora), layout)
     doc["model"] = cfg.model.name
     if (stages := layout.axis_sizes.get(STAGE, 1)) > 1:
-        doc["pipeline"] = pipeline_doc(cfg.pipeline.schedule, stages, cfg.pipeline.microbatches)
+        p = cfg.pipeline
+        schedule_check(p.schedule, stages, p.microbatches, p.virtual_stages, cfg.model.n_layers)
+        doc["pipeline"] = pipeline_doc(p.schedule, stages, p.microbatches, p.virtual_stages)
     if compiled:
         from shard.measure.analysis import analyze
         from shard.training.step import check_batch

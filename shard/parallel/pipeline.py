@@ -25,7 +25,7 @@ The tables (what runs where and when) are data: shard/parallel/schedule.py build
 
 Per-microbatch inputs of the layers beyond the activations (`extras`: packed rows' segment ids and
 positions, (M, rows, T) each) are not passed along the chain: every stage holds all M of them (they are
-small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m)`; `extras_m` is None
+small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m, first_layer)`; `extras_m` is None
 without them.
 """
 
@@ -42,6 +42,7 @@ from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
 from shard.parallel.schedule import BWD, FWD, IDLE, Schedule, build
+from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
 # The executor's op codes: the schedule's IDLE, FWD, BWD, and the last stage's backward, which also runs
@@ -50,12 +51,10 @@ BWD_LAST = 3
 
 
 def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
-          context_ways: int = 1) -> None:
+          context_ways: int = 1, kind: str = "1f1b", virtual: int = 1) -> None:
     """Errors a user can cause, before anything is traced. `context_ways`: how many ways the layout
     splits `length` (context parallelism)."""
-    if cfg.n_layers % stages:
-        raise ShardError(f"pipeline: {cfg.n_layers} layers do not split into {stages} stages; use a stage "
-                         f"count that divides model.n_layers")
+    schedule_check(kind, stages, microbatches, virtual, cfg.n_layers)
     if cfg.n_experts:
         raise ShardError("pipeline: mixture-of-experts models are not pipelined yet; drop the stage axis")
     if cfg.mtp_depth:
@@ -74,25 +73,26 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
 
 
 def _slots(sch: Schedule) -> int:
-    """Fewest input-buffer slots (microbatch m in slot m % K) such that no live input is overwritten:
-    stage s holds microbatch m's input from its arrival (tick after F(m) on s-1) to its B(m)."""
-    S, M = sch.stages, sch.microbatches
-    t_f = np.zeros((S, M), int)
-    t_b = np.zeros((S, M), int)
-    for t in range(sch.ticks):
-        for s in range(S):
-            if sch.op[t, s] == FWD:
-                t_f[s, sch.mb[t, s]] = t
-            elif sch.op[t, s] == BWD:
-                t_b[s, sch.mb[t, s]] = t
-    # Live interval of m's input on stage s: [arrival, B(m)]; gradient: [arrival from s+1, B(m)].
-    start = np.where(np.arange(S)[:, None] == 0, t_f, np.roll(t_f, 1, axis=0) + 1)
-    for k in range(1, M + 1):
-        ok = all(not (start[s, m2] <= t_b[s, m1] and start[s, m1] <= t_b[s, m2])
-                 for s in range(S) for m1 in range(M) for m2 in range(m1 + k, M, k))
-        if ok:
+    """Fewest input-buffer slots (unit u = chunk * M + microbatch in slot u % K) such that no live input
+    is overwritten: stage s holds a unit's input from its arrival (the tick after the virtual stage
+    before ran its F; virtual stage 0: its own F) to its B, and the gradient from the virtual stage
+    after from its arrival to its B."""
+    S, M, V = sch.stages, sch.microbatches, sch.virtual
+    t_f = np.zeros((V * S, M), int)  # by virtual stage
+    t_b = np.zeros((V * S, M), int)
+    for t, s, m, c, phase in sch.table:
+        if phase in (FWD, BWD):
+            (t_f if phase == FWD else t_b)[c * S + s, m] = t
+    start = np.concatenate([t_f[:1], t_f[:-1] + 1])  # arrival of the input on each virtual stage
+    start_g = np.concatenate([t_b[1:] + 1, t_f[-1:]])  # arrival of the gradient
+    start = np.minimum(start, start_g)
+    live = [[(start[c * S + s, m], t_b[c * S + s, m]) for c in range(V) for m in range(M)] for s in range(S)]
+    U = V * M
+    for k in range(1, U + 1):
+        if all(not (a[0] <= b[1] and b[0] <= a[1]) for s in range(S) for u1 in range(U)
+               for u2 in range(u1 + k, U, k) for a, b in [(live[s][u1], live[s][u2])]):
             return k
-    return M
+    return U
 
 
 # --- the two schedules ----------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def _microbatch(extras, m):
 def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tuple[str, ...] = (),
                  extras: dict | None = None) -> jax.Array:
     """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `stage_fn(layers,
-    x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual
+    x_btd, extras_m, first_layer) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual
     data-parallel axes (see `replica_axes`); `extras`: per-microbatch inputs of the layers (module
     docstring)."""
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
@@ -172,7 +172,7 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
             incoming, out_mbtd = carry
             x_btd = jnp.where(s == 0, x_mbtd[jnp.clip(t, 0, M - 1)], incoming)
             extras_m = None if extras is None else _microbatch(extras, jnp.clip(t - s, 0, M - 1))  # s runs t - s
-            y_btd = stage_fn(layers, x_btd, extras_m)
+            y_btd = stage_fn(layers, x_btd, extras_m, s * jax.tree.leaves(layers)[0].shape[0])
             m_out = t - (S - 1)
             write = (s == S - 1) & (m_out >= 0)
             idx = jnp.clip(m_out, 0, M - 1)
@@ -188,18 +188,25 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
                          out_specs=rows, axis_names={STAGE, *replicas})(layers, x_mbtd, extras)
 
 
-def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
-    """`f(layers, head, x_mbtd, aux, extras=None) -> (nll, count)` on a 1F1B schedule, differentiable by
-    custom_vjp (in the first three).
+def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (), kind: str = "1f1b", V: int = 1):
+    """`f(layers, head, x_mbtd, aux, extras=None) -> (nll, count)` on the table of schedule `kind` (1f1b,
+    or interleaved with V virtual stages), differentiable by custom_vjp (in the first three).
 
-    `stage_fn(layers, x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers;
-    `extras`: per-microbatch inputs of the layers (module docstring).
+    `stage_fn(layers, x_btd, extras_m, first_layer) -> y_btd` applies a slice of the stacked layers whose
+    first is the model's layer `first_layer`; `extras`: per-microbatch inputs of the layers (module
+    docstring).
     `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
     (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
     `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
     at the end.
+
+    Interleaved: virtual stage v = c * S + s (chunk c of stage s) holds layers [v n, (v + 1) n), n =
+    L / (V S). The stacked layers are split over `stage` in order, so they are reordered (stage s's
+    chunks together) on the way in and their gradients back on the way out: the weights cross the
+    stage axis twice a step, which storing them in chunk order would save.
     """
-    body = _one_f_one_b_body(stage_fn, mesh, M, head_loss, replicas)
+    body = _one_f_one_b_body(stage_fn, mesh, M, head_loss, replicas, kind, V)
+    order = _chunk_order(mesh.shape[STAGE], V)
 
     def run(layers, head, x_mbtd, aux, extras):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
@@ -207,31 +214,52 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
         per_replica = lambda tree: jax.tree.map(lambda _: P(replicas or None), tree)  # noqa: E731
         rows = _rows(replicas)
         per_row = lambda tree: jax.tree.map(lambda _: rows, tree)  # noqa: E731
-        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, per_row(aux), per_row(extras)),
-                             out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
+        if V > 1:
+            layers = jax.tree.map(lambda w: w[order(w.shape[0])], layers)
+        nll, count, g_layers, g_head, dx = jax.shard_map(
+            body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, per_row(aux), per_row(extras)),
+            out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
             layers, head, x_mbtd, aux, extras)
+        if V > 1:
+            g_layers = jax.tree.map(lambda g: g[np.argsort(order(g.shape[0]))], g_layers)
+        return nll, count, g_layers, g_head, dx
 
     return _loss_with_its_gradients(run)
 
 
-def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray, list]:
+def _chunk_order(S: int, V: int):
+    """`order(L)`: the layer indices stage by stage, each stage's chunks in order (virtual stage c S + s
+    holds layers [(c S + s) n, (c S + s + 1) n), n = L / (V S))."""
+    def order(L: int) -> np.ndarray:
+        n = L // (V * S)
+        return np.array([(c * S + s) * n + i for s in range(S) for c in range(V) for i in range(n)])
+
+    return order
+
+
+def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.ndarray, list]:
     """(ticks, slots K, table, sends): the table holds, for every tick and stage, the op executed, its
-    microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none);
-    `sends`, per tick, the stage pairs that pass something forward and backward (Schedule.sends)."""
-    sch = build("1f1b", S, M)
-    # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
-    op = sch.op.copy()
-    op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
-    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
-    # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
-    recv_f = np.full_like(sch.op, -1)
-    recv_b = np.full_like(sch.op, -1)
-    recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
-    recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
-    return sch.ticks, _slots(sch), np.stack([op, sch.mb, recv_f, recv_b], -1), sch.sends()
+    microbatch and chunk, and the units (chunk * M + microbatch) that arrive from the stage before and
+    the stage after (-1: none); `sends`, per tick, the stage pairs that pass something forward and
+    backward (Schedule.sends)."""
+    sch = build(kind, S, M, V)
+    op, mb, ch = sch.op, sch.mb, sch.grid("chunk")
+    last = (ch * S + np.arange(S)) == V * S - 1  # the last virtual stage's ops
+    # Executed ops: the last virtual stage's forward is folded into its backward (it recomputes anyway).
+    ex = np.where(last & (op == FWD), IDLE, np.where(last & (op == BWD), BWD_LAST, op))
+    # What arrives at tick t: the unit a neighbour sent at t - 1 (-1: nothing).
+    recv_f = np.full_like(op, -1)
+    recv_b = np.full_like(op, -1)
+    for t, pairs in enumerate(sch.sends()[:-1]):
+        for i, recv in ((0, recv_f), (1, recv_b)):
+            for src, dst in pairs[i]:
+                v = ch[t, src] * S + src + (1 if i == 0 else -1)  # the virtual stage it feeds
+                recv[t + 1, dst] = (v // S) * M + mb[t, src]
+    return sch.ticks, _slots(sch), np.stack([ex, mb, ch, recv_f, recv_b], -1), sch.sends()
 
 
-def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...]):
+def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...], kind: str = "1f1b",
+                      V: int = 1):
     """What each device of the shard_map runs: its row of the table, tick by tick, then the sums.
     Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient).
 
@@ -241,7 +269,7 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
     branches of a `lax.switch` whose index is the tick's (the same on every device, so every device
     enters the same branch and its collective), the empty set a branch that sends nothing."""
     S = mesh.shape[STAGE]
-    ticks, K, table, sends = _one_f_one_b_tables(S, M)
+    ticks, K, table, sends = _executed_tables(kind, S, M, V)
 
     def body(layers, head, x_mbtd, aux, extras):
         s = lax.axis_index(STAGE)
@@ -251,14 +279,14 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
         x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(table)
         act = x_mbtd[0]
-        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras)
+        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V))
 
         send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
 
         def tick(t, c):
-            op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
+            op_t, m, ch, rf, rb = (tables[t, s, i] for i in range(5))
             c = c | {"xin": _put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": _put(c["gin"], rb, c["recv_b"], rb >= 0)}
-            c = lax.switch(op_t, ops, c, m)
+            c = lax.switch(op_t, ops, c, m, ch)
             return c | {"recv_f": send_f(t, c["send_f"]), "recv_b": send_b(t, c["send_b"])}
 
         c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere))
@@ -284,34 +312,51 @@ def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple
     return lambda t, x: lax.switch(index[t], branches, x)
 
 
-def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras) -> list:
-    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, BWD_LAST: each takes the carry and a
-    microbatch m and returns the carry. A forward keeps its input (slot m % K of `xin`) and sends its
-    output on; a backward recomputes its stage from that input (jax.vjp), adds its layers' gradient and
-    sends its input's gradient back (stage 0 keeps it, in `dx`); the last stage's also runs the head and
-    the loss."""
+def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape) -> list:
+    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, BWD_LAST: each takes the carry, a
+    microbatch m and a chunk ch, and returns the carry. A forward keeps its input (slot u % K of `xin`,
+    u = ch * M + m) and sends its output on; a backward recomputes its chunk from that input (jax.vjp),
+    adds its layers' gradient and sends its input's gradient back (virtual stage 0 keeps it, in `dx`);
+    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V)."""
+    S, M, V = shape
+    n = jax.tree.leaves(layers)[0].shape[0] // V  # layers per chunk
 
-    def idle(c, m):
+    def chunk(tree, ch):  # the chunk's layers (with V = 1 all of them, the program as before chunks)
+        return tree if V == 1 else jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, ch * n, n, 0), tree)
+
+    def add_chunk(acc, g, ch):
+        if V == 1:
+            return jax.tree.map(jnp.add, acc, g)
+        return jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, ch * n, n, 0)
+                                                                          + b, ch * n, 0), acc, g)
+
+    def run(lp, x, m, ch):  # the chunk on virtual stage ch * S + s, its layers numbered from there
+        return stage_fn(lp, x, _microbatch(extras, m), (ch * S + s) * n)
+
+    first = (lambda ch: s == 0) if V == 1 else (lambda ch: (s == 0) & (ch == 0))  # virtual stage 0
+
+    def idle(c, m, ch):
         return c
 
-    def fwd(c, m):
-        x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
-        return c | {"xin": _put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd, _microbatch(extras, m))}
+    def fwd(c, m, ch):
+        u = ch * M + m
+        x_btd = jnp.where(first(ch), x_mbtd[m], c["xin"][u % K])
+        return c | {"xin": _put(c["xin"], u, x_btd, True), "send_f": run(chunk(layers, ch), x_btd, m, ch)}
 
-    def bwd(c, m):
-        extras_m = _microbatch(extras, m)
-        _, vjp = jax.vjp(lambda lp, x: stage_fn(lp, x, extras_m), layers, c["xin"][m % K])
-        g_layers, dx = vjp(c["gin"][m % K])
-        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
-                    "dx": _set(c["dx"], m, dx, s == 0)}
+    def bwd(c, m, ch):
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda lp, x: run(lp, x, m, ch), chunk(layers, ch), c["xin"][u % K])
+        g_layers, dx = vjp(c["gin"][u % K])
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch), "send_b": dx,
+                    "dx": _set(c["dx"], m, dx, first(ch))}
 
-    def bwd_last(c, m):
+    def bwd_last(c, m, ch):
+        u = ch * M + m
         aux_m = jax.tree.map(lambda a: a[m], aux)
-        extras_m = _microbatch(extras, m)
-        f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x, extras_m), aux_m)  # noqa: E731
-        (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
+        f = lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)  # noqa: E731
+        (nll, count), vjp = jax.vjp(f, chunk(layers, ch), head, c["xin"][u % K])
         g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
-        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch),
                     "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
                     "nll": c["nll"] + nll, "count": c["count"] + count}
 

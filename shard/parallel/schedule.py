@@ -104,6 +104,9 @@ def check(kind: str, S: int, M: int, V: int, n_layers: int) -> None:
     if V > 1 and kind != "interleaved":
         raise ShardError(f"pipeline.virtual_stages={V} needs pipeline.schedule=interleaved (got {kind})")
     if n_layers % (V * S):
+        if V == 1:
+            raise ShardError(f"pipeline: {n_layers} layers do not split into {S} stages; use a stage count that "
+                             "divides model.n_layers")
         raise ShardError(f"pipeline: {n_layers} layers do not split into {S} stages x {V} virtual stages; use "
                          f"a stage count times pipeline.virtual_stages that divides model.n_layers")
     if kind == "interleaved" and M % S:

@@ -75,8 +75,9 @@ class Run:
             return {}
         from shard.parallel.schedule import build
 
-        m, kind = self.cfg.pipeline.microbatches, self.cfg.pipeline.schedule
-        return {"stages": stages, "microbatches": m, "schedule": kind, "bubble": build(kind, stages, m).idle_fraction()}
+        m, kind, v = self.cfg.pipeline.microbatches, self.cfg.pipeline.schedule, self.cfg.pipeline.virtual_stages
+        return {"stages": stages, "microbatches": m, "schedule": kind, "virtual_stages": v,
+                "bubble": build(kind, stages, m, v).idle_fraction()}
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,

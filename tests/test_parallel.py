@@ -70,14 +70,20 @@ def stage_pair_sets(hlo: str, S: int) -> set[tuple[tuple[int, int], ...]]:
     return out
 
 
-@pytest.mark.parametrize("mesh, layers", [("stage=2,data=2,model=2", 4), ("stage=4,data=2", 8)])
-def test_the_interleaved_schedule_matches_the_unpipelined_model(mesh, layers, dense_reference):
-    """V = 2 chunks a stage, layer block v = c S + s on stage s: the loss and every gradient as one device's
-    (stage=4 needs 8 layers for its 8 chunks)."""
+@pytest.mark.parametrize("mesh, schedule, layers, virtual", [
+    ("stage=2,data=2,model=2", "interleaved", 4, 2),
+    ("stage=4,data=2", "interleaved", 8, 2),
+    ("stage=2,data=2,model=2", "zero_bubble", 4, 1),
+    ("stage=4,data=2", "zero_bubble", 4, 1),
+])
+def test_interleaved_and_zero_bubble_match_the_unpipelined_model(mesh, schedule, layers, virtual, dense_reference):
+    """Interleaved: V = 2 chunks a stage, layer block v = c S + s on stage s (stage=4 needs 8 layers for
+    its 8 chunks). Zero-bubble: the backward split into B (input gradient) and W (layers' gradient, run
+    in the bubbles). The loss and every gradient as one device's."""
     sets = dict(PIPE, model__n_layers=layers)
     ref = dense_reference if layers == 4 else loss_and_grads(tiny_config("1x1", **sets))
-    assert_same(loss_and_grads(tiny_config(mesh, **sets, pipeline__schedule="interleaved",
-                                           pipeline__virtual_stages=2, pipeline__microbatches=4)), ref)
+    assert_same(loss_and_grads(tiny_config(mesh, **sets, pipeline__schedule=schedule,
+                                           pipeline__virtual_stages=virtual, pipeline__microbatches=4)), ref)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -355,7 +361,7 @@ def test_bad_layouts_are_clear_errors(mesh, sets, message):
 
 
 def test_unknown_schedule_is_an_error():
-    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b, interleaved"):
+    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b, interleaved, zero_bubble"):
         tiny_config("pipeline", pipeline__schedule="zigzag")
 
 

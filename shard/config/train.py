@@ -70,7 +70,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline parallelism, active when the mesh has a `stage` axis: the batch is cut into
-    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b | interleaved); with
+    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b | interleaved | zero_bubble); with
     interleaved, each stage holds `virtual_stages` chunks of layers, chunk c of stage s the model's
     (c * S + s)-th slice."""
 
@@ -79,7 +79,7 @@ class PipelineConfig:
     virtual_stages: int = 1
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 PACKING_MODES = ("concat", "packed")
 CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
 

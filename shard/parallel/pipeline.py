@@ -41,13 +41,13 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
-from shard.parallel.schedule import BWD, FWD, IDLE, Schedule, build
+from shard.parallel.schedule import BWD, FWD, IDLE, WGT, Schedule, build
 from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
-# The executor's op codes: the schedule's IDLE, FWD, BWD, and the last stage's backward, which also runs
-# the head and the loss.
-BWD_LAST = 3
+# The executor's op codes: the schedule's IDLE, FWD, BWD, WGT, and the last virtual stage's backward and
+# weight gradient, which also run the head and the loss.
+BWD_LAST, WGT_LAST = 4, 5
 
 
 def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
@@ -75,17 +75,18 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
 def _slots(sch: Schedule) -> int:
     """Fewest input-buffer slots (unit u = chunk * M + microbatch in slot u % K) such that no live input
     is overwritten: stage s holds a unit's input from its arrival (the tick after the virtual stage
-    before ran its F; virtual stage 0: its own F) to its B, and the gradient from the virtual stage
-    after from its arrival to its B."""
+    before ran its F; virtual stage 0: its own F) to its last use (B, or W where the backward is split),
+    and the gradient from the virtual stage after (arriving later) as long."""
     S, M, V = sch.stages, sch.microbatches, sch.virtual
     t_f = np.zeros((V * S, M), int)  # by virtual stage
-    t_b = np.zeros((V * S, M), int)
+    t_b = np.zeros((V * S, M), int)  # the last use: B, or W where the schedule splits the backward
     for t, s, m, c, phase in sch.table:
-        if phase in (FWD, BWD):
-            (t_f if phase == FWD else t_b)[c * S + s, m] = t
-    start = np.concatenate([t_f[:1], t_f[:-1] + 1])  # arrival of the input on each virtual stage
-    start_g = np.concatenate([t_b[1:] + 1, t_f[-1:]])  # arrival of the gradient
-    start = np.minimum(start, start_g)
+        if phase == FWD:
+            t_f[c * S + s, m] = t
+        elif phase == (WGT if sch.kind == "zero_bubble" else BWD):
+            t_b[c * S + s, m] = t
+    # arrival of the input on each virtual stage (its gradient arrives later, after the next one's F)
+    start = np.concatenate([t_f[:1], t_f[:-1] + 1])
     live = [[(start[c * S + s, m], t_b[c * S + s, m]) for c in range(V) for m in range(M)] for s in range(S)]
     U = V * M
     for k in range(1, U + 1):
@@ -246,7 +247,7 @@ def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.nd
     op, mb, ch = sch.op, sch.mb, sch.grid("chunk")
     last = (ch * S + np.arange(S)) == V * S - 1  # the last virtual stage's ops
     # Executed ops: the last virtual stage's forward is folded into its backward (it recomputes anyway).
-    ex = np.where(last & (op == FWD), IDLE, np.where(last & (op == BWD), BWD_LAST, op))
+    ex = np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)
     # What arrives at tick t: the unit a neighbour sent at t - 1 (-1: nothing).
     recv_f = np.full_like(op, -1)
     recv_b = np.full_like(op, -1)
@@ -279,7 +280,8 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
         x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(table)
         act = x_mbtd[0]
-        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V))
+        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V),
+                        kind == "zero_bubble")
 
         send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
 
@@ -312,12 +314,14 @@ def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple
     return lambda t, x: lax.switch(index[t], branches, x)
 
 
-def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape) -> list:
-    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, BWD_LAST: each takes the carry, a
+def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape, split: bool) -> list:
+    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, WGT, BWD_LAST, WGT_LAST: each takes the carry, a
     microbatch m and a chunk ch, and returns the carry. A forward keeps its input (slot u % K of `xin`,
     u = ch * M + m) and sends its output on; a backward recomputes its chunk from that input (jax.vjp),
     adds its layers' gradient and sends its input's gradient back (virtual stage 0 keeps it, in `dx`);
-    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V)."""
+    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V). `split` (zero-bubble):
+    the backward in two, B the input's gradient (sent back at once) and W the layers' (later, in a
+    bubble), each recomputing the chunk from the stored input."""
     S, M, V = shape
     n = jax.tree.leaves(layers)[0].shape[0] // V  # layers per chunk
 
@@ -360,7 +364,38 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
                     "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
                     "nll": c["nll"] + nll, "count": c["count"] + count}
 
-    return [idle, fwd, bwd, bwd_last]
+    def bwd_input(c, m, ch):  # zero-bubble's B: the input's gradient only
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda x: run(chunk(layers, ch), x, m, ch), c["xin"][u % K])
+        (dx,) = vjp(c["gin"][u % K])
+        return c | {"send_b": dx, "dx": _set(c["dx"], m, dx, first(ch))}
+
+    def wgt(c, m, ch):  # zero-bubble's W: the layers' gradient, from the same stored input and gradient
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda lp: run(lp, c["xin"][u % K], m, ch), chunk(layers, ch))
+        (g_layers,) = vjp(c["gin"][u % K])
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
+
+    def head_of(m, ch):  # the last virtual stage's chunk, head and loss for microbatch m
+        aux_m = jax.tree.map(lambda a: a[m], aux)
+        return lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)
+
+    def bwd_input_last(c, m, ch):  # B on the last virtual stage: the loss, the head's and the input's gradient
+        u = ch * M + m
+        (nll, count), vjp = jax.vjp(lambda hp, x: head_of(m, ch)(chunk(layers, ch), hp, x), head, c["xin"][u % K])
+        g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+        return c | {"g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
+                    "nll": c["nll"] + nll, "count": c["count"] + count}
+
+    def wgt_last(c, m, ch):
+        u = ch * M + m
+        (nll, count), vjp = jax.vjp(lambda lp: head_of(m, ch)(lp, head, c["xin"][u % K]), chunk(layers, ch))
+        (g_layers,) = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
+
+    if split:
+        return [idle, fwd, bwd_input, wgt, bwd_input_last, wgt_last]
+    return [idle, fwd, bwd, idle, bwd_last]  # W never runs: its slot an idle branch
 
 
 def _first_carry(layers, head, act, K: int, M: int, everywhere: tuple[str, ...]) -> dict:

@@ -17,7 +17,6 @@ from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe
 from shard.config.presets import PRESETS
-from shard.parallel import pipeline
 from shard.parallel import schedule as sched
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config
@@ -147,8 +146,8 @@ def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro
                     (m, c) for m in range(micro) for c in range(V)], (kind, s, phase)
     # 1F1B and ZB-H1 keep at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
     assert max(sched.build("zero_bubble", stages, micro).held()) <= stages
-    assert pipeline._slots(sched.build("1f1b", stages, micro)) <= stages
-    assert pipeline._slots(sched.build("gpipe", stages, micro)) == micro
+    assert sched.slots(sched.build("1f1b", stages, micro)) <= stages
+    assert sched.slots(sched.build("gpipe", stages, micro)) == micro
 
 
 def test_the_schedule_chart_draws_the_table():

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
-from shard.parallel.schedule import BWD, FWD, IDLE, WGT, Schedule, build
+from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build, slots
 from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
@@ -70,30 +70,6 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
 
 
 # --- schedule tables (numpy, static: shard/parallel/schedule.py) ----------------------------------------
-
-
-def _slots(sch: Schedule) -> int:
-    """Fewest input-buffer slots (unit u = chunk * M + microbatch in slot u % K) such that no live input
-    is overwritten: stage s holds a unit's input from its arrival (the tick after the virtual stage
-    before ran its F; virtual stage 0: its own F) to its last use (B, or W where the backward is split),
-    and the gradient from the virtual stage after (arriving later) as long."""
-    S, M, V = sch.stages, sch.microbatches, sch.virtual
-    t_f = np.zeros((V * S, M), int)  # by virtual stage
-    t_b = np.zeros((V * S, M), int)  # the last use: B, or W where the schedule splits the backward
-    for t, s, m, c, phase in sch.table:
-        if phase == FWD:
-            t_f[c * S + s, m] = t
-        elif phase == (WGT if sch.kind == "zero_bubble" else BWD):
-            t_b[c * S + s, m] = t
-    # arrival of the input on each virtual stage (its gradient arrives later, after the next one's F)
-    start = np.concatenate([t_f[:1], t_f[:-1] + 1])
-    live = [[(start[c * S + s, m], t_b[c * S + s, m]) for c in range(V) for m in range(M)] for s in range(S)]
-    U = V * M
-    for k in range(1, U + 1):
-        if all(not (a[0] <= b[1] and b[0] <= a[1]) for s in range(S) for u1 in range(U)
-               for u2 in range(u1 + k, U, k) for a, b in [(live[s][u1], live[s][u2])]):
-            return k
-    return U
 
 
 # --- the two schedules ----------------------------------------------------------------------------------
@@ -256,7 +232,7 @@ def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.nd
             for src, dst in pairs[i]:
                 v = ch[t, src] * S + src + (1 if i == 0 else -1)  # the virtual stage it feeds
                 recv[t + 1, dst] = (v // S) * M + mb[t, src]
-    return sch.ticks, _slots(sch), np.stack([ex, mb, ch, recv_f, recv_b], -1), sch.sends()
+    return sch.ticks, slots(sch), np.stack([ex, mb, ch, recv_f, recv_b], -1), sch.sends()
 
 
 def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...], kind: str = "1f1b",

@@ -114,6 +114,30 @@ def check(kind: str, S: int, M: int, V: int, n_layers: int) -> None:
                          f"pipeline.microbatches={M} is not a multiple of {S}")
 
 
+def slots(sch: Schedule) -> int:
+    """Fewest input-buffer slots (unit u = chunk * M + microbatch in slot u % K) such that no live input
+    is overwritten: stage s holds a unit's input from its arrival (the tick after the virtual stage
+    before ran its F; virtual stage 0: its own F) to its last use (B, or W where the backward is split),
+    and the gradient from the virtual stage after (arriving later) as long."""
+    S, M, V = sch.stages, sch.microbatches, sch.virtual
+    t_f = np.zeros((V * S, M), int)  # by virtual stage
+    t_b = np.zeros((V * S, M), int)  # the last use: B, or W where the schedule splits the backward
+    for t, s, m, c, phase in sch.table:
+        if phase == FWD:
+            t_f[c * S + s, m] = t
+        elif phase == (WGT if sch.kind == "zero_bubble" else BWD):
+            t_b[c * S + s, m] = t
+    # arrival of the input on each virtual stage (its gradient arrives later, after the next one's F)
+    start = np.concatenate([t_f[:1], t_f[:-1] + 1])
+    live = [[(start[c * S + s, m], t_b[c * S + s, m]) for c in range(V) for m in range(M)] for s in range(S)]
+    U = V * M
+    for k in range(1, U + 1):
+        if all(not (a[0] <= b[1] and b[0] <= a[1]) for s in range(S) for u1 in range(U)
+               for u2 in range(u1 + k, U, k) for a, b in [(live[s][u1], live[s][u2])]):
+            return k
+    return U
+
+
 @functools.lru_cache(maxsize=64)
 def build(kind: str, S: int, M: int, V: int = 1) -> Schedule:
     """The schedule's table: each stage's order of ops placed as early as dependencies allow."""

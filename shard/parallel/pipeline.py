@@ -1,7 +1,7 @@
 """Pipeline parallelism over the `stage` mesh axis: the stacked layers split into S stages, the batch
-into M microbatches, on a GPipe or 1F1B schedule.
+into M microbatches, on a GPipe, 1F1B, interleaved or zero-bubble schedule.
 
-Both schedules run the model's own pieces, passed in by the train step (the layer block as `stage_fn`,
+Every schedule runs the model's own pieces, passed in by the train step (the layer block as `stage_fn`,
 the head and loss as `head_loss`), inside one `jax.shard_map` that is manual over `stage` and the pure data-parallel axes (`replicas`: mesh axes
 that split the batch and hold whole copies of the parameters). FSDP and tensor parallelism keep working
 on the other mesh axes by their rules.
@@ -9,19 +9,20 @@ on the other mesh axes by their rules.
 Why the replica axes are manual: left to the partitioner, the weight gradient of every backward tick is
 all-reduced over `data` inside the schedule's loop (the sum over the batch is taken where the gradient
 is made), M times per step. Manual, each replica accumulates its own partial gradient and the schedule
-ends with one psum over the replica axes. 1F1B's head gradient leaves the schedule summed over stages
-only, one copy per replica: with tied embeddings it meets the lookup's gradient in one add, which
-XLA:GPU's AllReduceReassociate reduces over the replicas once.
+ends with one psum over the replica axes. The table schedules' head gradient leaves the schedule summed
+over stages only, one copy per replica: with tied embeddings it meets the lookup's gradient in one add,
+which XLA:GPU's AllReduceReassociate reduces over the replicas once.
 
 - GPipe: a forward loop of M + S - 1 ticks (each stage applies its layers, then a ppermute passes the
   activations on); `jax.grad` differentiates it, so activations of all M microbatches are kept.
-- 1F1B: a static table says, for every tick and stage, idle / forward(m) / backward(m); a `fori_loop`
-  reads its row and picks the op with `lax.switch`. The backward recomputes its stage (jax.vjp) from a
-  stored input, so a stage holds at most a few microbatches' inputs, independent of M. The loss and
-  all gradients come out of one pass, wrapped in a custom_vjp so the train step stays `value_and_grad`.
+- 1F1B, interleaved, zero-bubble: a static table says, for every tick and stage, idle / forward /
+  backward (/ weight gradient) of which microbatch and chunk; a `fori_loop` reads its row and picks the
+  op with `lax.switch`. The backward recomputes its chunk (jax.vjp) from a stored input, so a stage
+  holds a bounded number of inputs, independent of M. The loss and all gradients come out of one pass,
+  wrapped in a custom_vjp so the train step stays `value_and_grad`.
 
 The tables (what runs where and when) are data: shard/parallel/schedule.py builds them, and the bubble
-(idle share of a stage's time) read from them, (S - 1) / (M + S - 1) for both, is the formula's.
+(idle share of a stage's time) read from them is the formula's (docs/formulas.md).
 
 Per-microbatch inputs of the layers beyond the activations (`extras`: packed rows' segment ids and
 positions, (M, rows, T) each) are not passed along the chain: every stage holds all M of them (they are
@@ -72,7 +73,7 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
 # --- schedule tables (numpy, static: shard/parallel/schedule.py) ----------------------------------------
 
 
-# --- the two schedules ----------------------------------------------------------------------------------
+# --- the schedules -------------------------------------------------------------------------------------
 
 
 def _chain(S: int, step: int) -> list[tuple[int, int]]:

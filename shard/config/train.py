@@ -70,13 +70,16 @@ class DataConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline parallelism, active when the mesh has a `stage` axis: the batch is cut into
-    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b)."""
+    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b | interleaved | zero_bubble); with
+    interleaved, each stage holds `virtual_stages` chunks of layers, chunk c of stage s the model's
+    (c * S + s)-th slice."""
 
     microbatches: int = 4
     schedule: str = "1f1b"
+    virtual_stages: int = 1
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 PACKING_MODES = ("concat", "packed")
 CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
 
@@ -473,6 +476,7 @@ _SECONDS = (lambda v: 0 < v <= 1e6, "positive and at most 1e6 (seconds: 11.6 day
 _RANGES = {
     "steps": _SIZE, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
     "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
+    "pipeline.virtual_stages": _COUNT,
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
     "checkpoint.local_every": (lambda v: v >= 0, "0 (off) or positive"),
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,

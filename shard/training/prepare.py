@@ -68,15 +68,16 @@ class Run:
 
     @property
     def pipeline(self) -> dict:
-        """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
+        """Stages, microbatches, schedule and its bubble fraction (read from the schedule's table, which a
+        test holds to the formula); empty when not pipelined."""
         stages = pipeline_stages(self.layout)
         if stages == 1:
             return {}
-        from shard.parallel.pipeline import bubble_fraction
+        from shard.parallel.schedule import build
 
-        m = self.cfg.pipeline.microbatches
-        return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
-                "bubble": bubble_fraction(stages, m)}
+        m, kind, v = self.cfg.pipeline.microbatches, self.cfg.pipeline.schedule, self.cfg.pipeline.virtual_stages
+        return {"stages": stages, "microbatches": m, "schedule": kind, "virtual_stages": v,
+                "bubble": build(kind, stages, m, v).idle_fraction()}
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,

@@ -149,18 +149,18 @@ def test_observers_end_last_first_and_an_end_that_fails_aborts_the_rest():
     assert events == ["console.start", "console.abort"]
 
 
-def _fake_run(path, mesh, losses):
+def _fake_run(path, mesh, losses, **more):
     path.mkdir()
     (path / "config.toml").write_text(f'[model]\nname = "tiny"\n[mesh]\nspec = "{mesh}"\n')
     with open(path / "metrics.jsonl", "w") as f:
         for i, loss in enumerate(losses, 1):
             f.write(json.dumps({"step": i, "loss": loss, "tokens_per_s": 1000.0 * i, "time_s": float(i),
-                                "mem_peak_bytes": 2048, "mem_source": "compiled"}) + "\n")
+                                "mem_peak_bytes": 2048, "mem_source": "compiled"} | more) + "\n")
 
 
 def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5, 2.0])
-    _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7])
+    _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7], reward=0.5)  # a GRPO run's: its reward plotted
     out = tmp_path / "report"
     r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
@@ -169,6 +169,7 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     assert doc["runs"][0]["final_loss"] == 2.0 and doc["runs"][1]["median_tokens_per_s"] == 2500.0
     for png in doc["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [Path(p).name for p in doc["plots"]][-1] == "reward_vs_step.png"
     # --json alone is for a script: nothing written beside it (it wrote ./report/*.png)
     here = tmp_path / "here"
     here.mkdir()

@@ -108,6 +108,7 @@ def test_reference_plan_table_names_the_best_command():
     (["--devices", "-8"], "--devices must be positive, got -8"),
     (["--top", "-1"], "--top must be 0 or more, got -1"),
     (["--set", "data.batch=7"], "plan takes model.* and optimizer.* keys in --set"),
+    (["--stages", "4", "--microbatches", "3"], "does not split into 3 microbatches"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
@@ -354,3 +355,22 @@ def test_a_batch_no_layout_can_split_is_named_as_the_reason():
     r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100", "--seq", "2047")
     assert r.exit_code == 1 and ("no layout fits: --batch 100 splits over the data-parallel devices of none of them "
                                  "(the fewest are 8); use a multiple of 8") in r.output
+
+
+def test_plan_ranks_the_pipeline_schedules():
+    """`plan --stages 4`: every schedule the 24 layers allow, smallest bubble first, the bubble read from
+    each schedule's table equal to its formula; zero-bubble keeps 1F1B's activations at a third of its
+    bubble, interleaved V = 2 about half (3/19 against 3/11), GPipe keeps every microbatch's."""
+    r = invoke(*REFERENCE, "--stages", "4", "--microbatches", "8", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {(o["schedule"], o["virtual_stages"]): o for o in json.loads(r.output)["schedules"]}
+    assert set(rows) == {("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3), ("1f1b", 1), ("gpipe", 1)}
+    assert next(iter(rows)) == ("zero_bubble", 1)
+    for o in rows.values():
+        assert o["bubble"] == pytest.approx(o["bubble_formula"])
+    one_f = rows["1f1b", 1]
+    assert one_f["bubble"] == pytest.approx(3 / 11) and rows["interleaved", 2]["bubble"] == pytest.approx(3 / 19)
+    assert rows["zero_bubble", 1]["bubble"] == pytest.approx(3 / 27)
+    assert rows["zero_bubble", 1]["activation_bytes"] == one_f["activation_bytes"]  # 4 inputs + 4 gradients
+    assert rows["gpipe", 1]["activation_bytes"] == 6 * one_f["activation_bytes"]  # 8 microbatches x 6 layers
+    assert one_f["sends"] == 2 * 8 * 3 and rows["interleaved", 2]["sends"] == 2 * 8 * 7

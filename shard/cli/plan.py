@@ -27,6 +27,8 @@ def plan(
     batch: Annotated[int | None, typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
     top: Annotated[int, typer.Option(help="rows to print")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="print every layout as JSON")] = False,
+    stages: Annotated[int, typer.Option(help="rank the pipeline schedules for this many stages instead")] = 0,
+    microbatches: Annotated[int, typer.Option(help="microbatches per step (with --stages)")] = 8,
     set_: PlanSetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
@@ -42,6 +44,9 @@ def plan(
     if top < 0:
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
+    if stages:
+        return _plan_schedules(cfg.model, stages, microbatches, global_batch // max(1, devices // stages), seq,
+                               hw.name, as_json)
     # A remat policy given with --set is planned alone; the other keys go into the best command.
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
@@ -50,15 +55,9 @@ def plan(
     best = next((c for c in ranked if c.fits), None)
     best_command = best.command(cfg.model.name, global_batch, seq, passed_on) if best else None
     if as_json:
-        cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
-        print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
-                          "batch": global_batch, "seq_len": seq, "optimizer": cfg.optimizer.name,
-                          "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},
-                          "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
-                          "best": best_command, "layouts": [c.to_dict() for c in ranked]}, indent=1))
-        if best is None:
-            raise typer.Exit(1)
-        return
+        _print_json(cfg, hw, {"devices": devices, "nodes": nodes, "batch": global_batch, "seq_len": seq}, best_command,
+                    ranked)
+        raise typer.Exit(1 if best is None else 0)
     console.print(f"{cfg.model.name} ({params_phrase(cfg.model)}) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
     _print_table(ranked[:top])
@@ -79,6 +78,15 @@ def plan(
     raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts
 
 
+def _print_json(cfg, hw, sizes: dict, best_command: str | None, ranked: list) -> None:
+    cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
+    print(json.dumps({"model": cfg.model.name, **sizes, "hardware": hw.name, "best": best_command,
+                      "optimizer": cfg.optimizer.name,
+                      "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},
+                      "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
+                      "layouts": [c.to_dict() for c in ranked]}, indent=1))
+
+
 def _print_state(cfg, best, hw) -> None:
     """The best layout's optimizer state per device (beside AdamW's, for another optimizer), and the KV
     cache generation holds per token (MLA's latent beside full keys and values)."""
@@ -91,6 +99,25 @@ def _print_state(cfg, best, hw) -> None:
                       f"{short_bytes(state[cfg.optimizer.name])}{other}", soft_wrap=True)
     console.print(cache_line(cfg.model, "cpu" if hw.name == "cpu" else "gpu") + " (generation)", soft_wrap=True,
                   highlight=False)
+
+
+def _plan_schedules(model, stages: int, microbatches: int, rows: int, seq: int, hardware: str, as_json: bool) -> None:
+    """The schedules for `stages` stages, ranked by bubble (shard.measure.schedules)."""
+    from shard.measure.costs import DTYPE_BYTES
+    from shard.measure.schedules import schedule_options
+
+    act = DTYPE_BYTES[model.compute_dtype_on("cpu" if hardware == "cpu" else "gpu")]
+    options = schedule_options(model, stages, microbatches, rows, seq, act)
+    if as_json:
+        print(json.dumps({"model": model.name, "stages": stages, "microbatches": microbatches, "schedules": options}))
+        return
+    table = Table(title=f"{model.name}: {stages} stages x {microbatches} microbatches of {rows // microbatches} rows")
+    for col in ("schedule", "V", "ticks", "bubble", "formula", "activations/device", "sends/step"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for r in options:
+        table.add_row(r["schedule"], str(r["virtual_stages"]), str(r["ticks"]), f"{r['bubble']:.3f}",
+                      f"{r['bubble_formula']:.3f}", short_bytes(r["activation_bytes"]), str(r["sends"]))
+    table_console(110).print(table)
 
 
 def _print_table(candidates: list) -> None:

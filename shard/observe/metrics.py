@@ -11,6 +11,10 @@ from pathlib import Path
 from shard.training.observer import Observer
 
 
+# A GRPO record's few sampled completions: written to completions.jsonl (CompletionsWriter), not metrics.jsonl.
+COMPLETIONS = "completions"
+
+
 class JsonlWriter(Observer):
     """Appends each logged record as one line; flushed per line so a crash loses nothing logged."""
 
@@ -25,6 +29,9 @@ class JsonlWriter(Observer):
             self._f.write("\n")
 
     def on_log(self, record: dict) -> None:
+        self._write({k: v for k, v in record.items() if k != COMPLETIONS})
+
+    def _write(self, record: dict) -> None:
         # strict JSON: a non-finite value (the NaN loss of a step the guard skipped) is written as null
         strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         try:
@@ -112,6 +119,15 @@ def append_event(path: Path, event: dict) -> None:
     with open(path, "a") as f:
         torn = f.tell() > 0 and _last_byte(Path(path)) != b"\n"
         f.write(("\n" if torn else "") + json.dumps(event, allow_nan=False) + "\n")
+
+
+class CompletionsWriter(JsonlWriter):
+    """completions.jsonl: a few of the completions a GRPO run sampled at each logged step, with their
+    prompt's line and reward, one line a step."""
+
+    def on_log(self, record: dict) -> None:
+        if COMPLETIONS in record:
+            self._write({"step": record["step"], COMPLETIONS: record[COMPLETIONS]})
 
 
 def _last_byte(path: Path) -> bytes:

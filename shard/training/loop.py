@@ -15,6 +15,7 @@ from shard.config.model import mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.errors import DivergenceError
 from shard.training.dpo import DPO_METRICS  # a DPO run's step metrics, copied into its records
+from shard.training.grpo import GRPO_METRICS  # and a GRPO run's
 from shard.training.observer import Observer
 from shard.training.prepare import Run, prepare
 
@@ -226,9 +227,12 @@ class _StepLoop:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
             record["packing"] = per_step / (self.cfg.data.batch * self.cfg.data.seq_len)
-        for key in MOE_METRICS + DPO_METRICS + ("max_logit",):  # a MoE model's, a DPO run's, QK-clip's
+        for key in MOE_METRICS + DPO_METRICS + GRPO_METRICS + ("max_logit",):  # MoE's, DPO's, GRPO's, QK-clip's
             if key in values:
                 record[key] = float(values[key])
+        record |= {k: float(v) for k, v in values.items() if k.startswith("reward/")}  # GRPO's, each reward's
+        if "completions" in values:  # and a few of its completions (completions.jsonl)
+            record["completions"] = values["completions"]
         return record
 
     def _publish(self, record: dict) -> None:

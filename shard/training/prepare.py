@@ -68,15 +68,16 @@ class Run:
 
     @property
     def pipeline(self) -> dict:
-        """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
+        """Stages, microbatches, schedule and its bubble fraction (read from the schedule's table, which a
+        test holds to the formula); empty when not pipelined."""
         stages = pipeline_stages(self.layout)
         if stages == 1:
             return {}
-        from shard.parallel.pipeline import bubble_fraction
+        from shard.parallel.schedule import build
 
-        m = self.cfg.pipeline.microbatches
-        return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
-                "bubble": bubble_fraction(stages, m)}
+        m, kind, v = self.cfg.pipeline.microbatches, self.cfg.pipeline.schedule, self.cfg.pipeline.virtual_stages
+        return {"stages": stages, "microbatches": m, "schedule": kind, "virtual_stages": v,
+                "bubble": build(kind, stages, m, v).idle_fraction()}
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,
@@ -99,6 +100,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     dataset, eval_data = _training_data(cfg, source)
+    if cfg.task == "grpo":  # a missing reward function is said before anything compiles
+        from shard.training.rewards import load_rewards
+
+        dataset = dataclasses.replace(dataset, rewards=load_rewards(cfg.grpo.rewards, cfg.grpo.format_pattern))
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -125,6 +130,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
     hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
     step_fn = with_schedule(compiled, spec, layout)
+    if cfg.task == "grpo":
+        from shard.training.rollouts import grpo_run_parts
+
+        stream, step_fn = grpo_run_parts(cfg, spec, layout, compiled, dataset, state, start_step, position, reference)
     if cfg.task == "dpo":
         from shard.training.dpo import frozen_reference, with_reference
 
@@ -161,8 +170,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
-    if cfg.task == "dpo":
-        raise ShardError("task dpo is not supported with --cross-host mpi yet; use --cross-host xla")
+    if cfg.task in ("dpo", "grpo"):
+        raise ShardError(f"task {cfg.task} is not supported with --cross-host mpi yet; use --cross-host xla")
     if cfg.lora.rank:
         raise ShardError("LoRA (lora.rank) is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)

@@ -113,10 +113,10 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
-    def stage_fn(layers, x_btd, extras_m=None):  # extras_m: the microbatch's packing_of arrays
-        # this stage's first layer, which local and global layers alternating (Gemma) need
-        first = jax.lax.axis_index(STAGE) * jax.tree.leaves(layers)[0].shape[0] if cfg.windows_vary else 0
-        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}), first_layer=first)[0]
+    def stage_fn(layers, x_btd, extras_m, first_layer):  # extras_m: the microbatch's packing_of arrays
+        # the slice's first layer, which local and global layers alternating (Gemma) need
+        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}),
+                                first_layer=first_layer if cfg.windows_vary else 0)[0]
 
     def head_loss(head, y_btd, aux_m):
         return head_nll(cfg, head, y_btd, aux_m["targets"], aux_m["mask"])
@@ -135,7 +135,8 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
             nll, count = head_loss(head, y_btd, {"targets": mb["targets"], "mask": target_mask(mb)})
         else:
             aux = {k: _microbatches(v, M, layout) for k, v in (("targets", mb["targets"]), ("mask", target_mask(mb)))}
-            nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
+            nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas, pipe.schedule,
+                                              pipe.virtual_stages)(
                 params["layers"], head, x_mbtd, aux, extras)
         return nll, (nll, count, {"aux": jnp.zeros((), jnp.float32)})
 
@@ -375,7 +376,7 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
                          "through the pipeline or with context parallelism (`length` split) yet; leave it at 0")
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
-                       layout.degree(LENGTH))
+                       layout.degree(LENGTH), cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
     experts = layout.degree(EXPERT, param=True)
     if cfg.model.n_experts % experts if cfg.model.n_experts else False:
         raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "

@@ -140,6 +140,10 @@ def main() -> None:
     print(f"{platform}: {cpu['model'] or 'unknown CPU'}, {cpu['threads']} thread(s), flags "
           f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(('avx512_bf16', 'amx_bf16'))}; XLA devices "
           f"{jax.device_count()} ({jax.devices()[0].device_kind})", flush=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * cpu["threads"]:
+        print(f"warning: load average {load:.1f} on {cpu['threads']} thread(s): other work shares the cores, so "
+              "this peak reads low and shares against it high; measure again on a quiet machine", flush=True)
     rows = measure(sizes, backends, min_time)
     print(f"{'backend':<13} {'dtype':<9} {'shape':<8} {'b x m x k x n':<22} {'GFLOP/s':>9}")
     for r in rows:
@@ -155,7 +159,7 @@ def main() -> None:
     path = peak_cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "platform": platform,
-           "cpu": cpu, "peak_flops": {d: r["flops_per_s"] for d, r in best.items()}, "rows": rows}
+           "cpu": cpu, "load_average": load, "peak_flops": {d: r["flops_per_s"] for d, r in best.items()}, "rows": rows}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(path)

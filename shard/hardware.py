@@ -177,3 +177,16 @@ def measured_peak(dtype: str, path: Path | None = None) -> float | None:
         return None
     return float(value) if is_positive_number(value) else None
 
+
+def flop_shares(model_flops_s: float, hardware_flops_s: float, peak_flops_s: float) -> tuple[float, float]:
+    """(model FLOP share = MFU, hardware FLOP share) of a peak. Neither can pass 1: a share above it means
+    the peak is no peak (measured on a loaded machine, or the wrong dtype's) or a FLOP count is wrong,
+    and is raised as that bug with both figures rather than reported."""
+    shares = model_flops_s / peak_flops_s, hardware_flops_s / peak_flops_s
+    for name, flops, share in (("model", model_flops_s, shares[0]), ("hardware", hardware_flops_s, shares[1])):
+        if share > 1.0:
+            raise AssertionError(f"{name} FLOP share {share:.1%} is above 100%: {flops / 1e9:,.1f} GFLOP/s done "
+                                 f"against a peak of {peak_flops_s / 1e9:,.1f} GFLOP/s; the peak is not this "
+                                 "machine's (measure it again: python benchmarks/peak.py) or the FLOP count "
+                                 "(shard.config.model) is wrong")
+    return shares

@@ -377,14 +377,32 @@ def test_mfu_flops_match_a_hand_count():
     assert mfu_flops_per_token(PRESETS["tiny"], 32) == 6 * n + 6 * 2 * 32 * 8 * 8 == 614400
 
 
-def test_records_carry_mfu_against_the_users_peak():
-    from shard.config.model import mfu_flops_per_token
+def test_records_carry_mfu_and_hfu_against_the_users_peak(monkeypatch, tmp_path):
+    from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no peak measured on this machine
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]
     expected = r["tokens_per_s"] * mfu_flops_per_token(cfg.model, 32) / (8 * 0.5e12)
     assert r["mfu"] == pytest.approx(expected, rel=1e-9)
+    # every position is a token here (no packing): the shares differ by the FLOPs counted per token
+    assert r["hfu"] == pytest.approx(expected * hardware_flops_per_token(cfg.model, 32, "cpu")
+                                     / mfu_flops_per_token(cfg.model, 32), rel=1e-9)
     assert "mfu" not in train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]  # CPU: omitted by default
+
+
+def test_a_flop_share_above_one_is_raised_naming_both_figures(monkeypatch, tmp_path):
+    """benchmarks/peak.py's cached peak is the CPU's; planted far too small, the share passes 100%."""
+    import json
+
+    from shard.hardware import peak_cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    peak_cache_path().parent.mkdir(parents=True)
+    peak_cache_path().write_text(json.dumps({"peak_flops": {"float32": 1e3, "bfloat16": 1e3}}))
+    with pytest.raises(AssertionError, match=r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done "
+                                             r"against a peak of 0\.0 GFLOP/s"):
+        train(tiny_config("8x1"), devices=devices_for("8x1"))
 
 
 def test_device_kinds_find_their_hardware():

@@ -123,7 +123,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     step_fn = with_schedule(compiled, spec, layout)
     if cfg.task == "dpo":
         from shard.training.dpo import frozen_reference, with_reference
@@ -193,7 +193,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
                          offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, process_sets.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
                tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
@@ -239,13 +239,17 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
     return restored.step
 
 
-def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
-    """(hardware entry, peak FLOP/s per device for MFU): the user's figure, else the table's for GPUs."""
-    from shard.hardware import hardware_for_device
+def device_peak(cfg: TrainConfig, device, local_devices: int = 1) -> tuple[object, float | None]:
+    """(hardware entry, peak FLOP/s per device for the FLOP shares): the user's figure, else the table's
+    for GPUs; on a CPU this machine's matmul peak in the step's compute dtype as benchmarks/peak.py
+    measured and cached it, shared by the `local_devices` simulated devices that run on it."""
+    from shard.hardware import hardware_for_device, measured_peak
 
     hw = hardware_for_device(getattr(device, "device_kind", ""), device.platform)
     if cfg.observe.peak_tflops > 0:
         return hw, cfg.observe.peak_tflops * 1e12
     if hw is not None and device.platform != "cpu":
         return hw, hw.bf16_tflops * 1e12
+    if device.platform == "cpu" and (peak := measured_peak(cfg.model.compute_dtype_on("cpu"))):
+        return hw, peak / local_devices
     return hw, None

@@ -377,10 +377,9 @@ def test_mfu_flops_match_a_hand_count():
     assert mfu_flops_per_token(PRESETS["tiny"], 32) == 6 * n + 6 * 2 * 32 * 8 * 8 == 614400
 
 
-def test_records_carry_mfu_and_hfu_against_the_users_peak(monkeypatch, tmp_path):
+def test_records_carry_mfu_and_hfu_against_the_users_peak():
     from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no peak measured on this machine
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]
     expected = r["tokens_per_s"] * mfu_flops_per_token(cfg.model, 32) / (8 * 0.5e12)
@@ -397,8 +396,7 @@ def test_a_flop_share_above_one_is_raised_naming_both_figures(monkeypatch, tmp_p
 
     from shard.hardware import peak_cache_path
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    peak_cache_path().parent.mkdir(parents=True)
+    monkeypatch.setenv("SHARD_PEAK_FILE", str(tmp_path / "peak.json"))
     peak_cache_path().write_text(json.dumps({"peak_flops": {"float32": 1e3, "bfloat16": 1e3}}))
     with pytest.raises(AssertionError, match=r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done "
                                              r"against a peak of 0\.0 GFLOP/s"):

@@ -6,6 +6,7 @@ for the model and hardware FLOP shares that `shard train` and benchmarks/side_by
 
     python benchmarks/peak.py            # sizes 512..8192, about two minutes on 2 cores
     python benchmarks/peak.py --quick    # tiny shapes, a few seconds, nothing cached (not a peak)
+    python benchmarks/peak.py --sizes 1024 2048 4096 --backend xla   # fewer shapes, one backend
 
 Shapes per size n: square (n, n, n); skinny (4n, n, n/4), a layer's tall activation times a narrow
 weight; batched 8 x (n/2, n/2, n/2), per-head products as attention has. Each is timed after a warm-up,
@@ -124,7 +125,7 @@ def main() -> None:
     ap.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="repeatable; default all")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds each shape is repeated (default 1)")
     ap.add_argument("--one", choices=sorted(BACKENDS), help=argparse.SUPPRESS)  # a child: one backend's rows
-    ap.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", type=int, nargs="+", help=f"sizes n of the shapes (default {' '.join(map(str, SIZES))})")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(measure_one(a.one, a.sizes, a.min_time)))
@@ -135,7 +136,7 @@ def main() -> None:
 
     platform = jax.devices()[0].platform
     cpu = cpu_summary()
-    sizes, min_time = (QUICK_SIZES, 0.05) if a.quick else (SIZES, a.min_time)
+    sizes, min_time = (QUICK_SIZES, 0.05) if a.quick else (a.sizes or SIZES, a.min_time)
     backends = a.backend or (["xla", "numpy", "torch-onednn"] if platform == "cpu" else ["xla"])
     print(f"{platform}: {cpu['model'] or 'unknown CPU'}, {cpu['threads']} thread(s), flags "
           f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(('avx512_bf16', 'amx_bf16'))}; XLA devices "

@@ -93,6 +93,31 @@ def test_profile_is_written_and_summarised(tmp_path):
     assert s["compute_frac"] > 0 and s["collectives_frac"].get("all-reduce", 0) > 0  # data parallel grads
     assert abs(s["compute_frac"] + s["exposed_comm_frac"] + s["idle_frac"] - 1) < 1e-6
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace TensorBoard's profile plugin reads
+    split = s["compute_split"]  # by the compiled step's op names
+    assert split["backward"] > split["forward"] > 0, split
+    assert abs(sum(split.values()) - 1) < 1e-6 and split.get("unattributed", 0) < 0.2, split
+
+
+def test_ops_take_their_phase_from_their_op_name_or_the_ops_they_fuse():
+    from shard.measure.profiling import OUTSIDE, op_phases
+
+    hlo = """HloModule jit_step
+%fused_computation.1 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/checkpoint/rematted_computation/mul"}
+  ROOT %a = f32[4]{0} add(%m, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/add"}
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %dot.2 = f32[4]{0} multiply(%x, %x), metadata={op_name="jit(step)/jvp()/while/body/btd,df->btf/dot_general"}
+  %fusion.1 = f32[4]{0} fusion(%dot.2), kind=kLoop, calls=%fused_computation.1
+  %transpose.3 = f32[4]{0} negate(%fusion.1), metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  ROOT %sqrt.4 = f32[4]{0} sqrt(%transpose.3), metadata={op_name="jit(step)/sqrt"}
+}
+"""
+    phases = op_phases(hlo)
+    assert {k: phases[k] for k in ("dot.2", "fusion.1", "transpose.3", "sqrt.4")} == {
+        "dot.2": "forward", "fusion.1": "remat recompute", "transpose.3": "backward", "sqrt.4": OUTSIDE}
 
 
 def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):

@@ -43,6 +43,7 @@ class Run:
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
     trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
     held_out_since: int | None = None  # kept in each checkpoint: see shard.run.checkpoint.Restored
+    step_hlo: Callable[[], str] | None = None  # the compiled step's HLO text, on demand (the profile's split)
     eval_data: object = None  # the held-out Samples with eval.every (read before compiling: a bad eval.path fails first)
 
     @property
@@ -130,7 +131,8 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
 
         step_fn = with_reference(compiled, spec, layout, frozen_reference(spec, state, start_step, cfg.seed, reference))
     return Run(cfg, layout, spec, state, stream, step_fn, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
+               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data,
+               step_hlo=compiled.as_text)
 
 
 def _training_data(cfg: TrainConfig, source=None):

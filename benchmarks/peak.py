@@ -154,6 +154,12 @@ def main() -> None:
     for dtype, r in best.items():
         print(f"peak {dtype}: {r['flops_per_s'] / 1e9:,.1f} GFLOP/s ({r['backend']}, {r['family']} "
               f"{' x '.join(map(str, r['shape']))})")
+    if platform != "cpu":
+        from shard.hardware import hardware_for_device
+
+        hw = hardware_for_device(jax.devices()[0].device_kind, platform)
+        print(f"datasheet ({hw.name}): bf16 {hw.bf16_tflops * 1e3:,.0f} GFLOP/s" if hw
+              else "datasheet: no entry in shard/hardware.toml")
     if a.quick:
         print("--quick: tiny shapes are no peak; nothing cached")
         return

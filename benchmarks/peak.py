@@ -4,7 +4,7 @@ dtypes). Prints the table, the CPU's matmul flags and thread count, and the maxi
 the maxima where shard reads them (shard.hardware.peak_cache_path: ~/.cache/shard/peak-<host>-<key>.json)
 for the model and hardware FLOP shares that `shard train` and benchmarks/side_by_side.py report.
 
-    python benchmarks/peak.py            # sizes 512..8192, about two minutes on 2 cores
+    python benchmarks/peak.py            # sizes 512..8192: 26 minutes on 2 cores shared with other work
     python benchmarks/peak.py --quick    # tiny shapes, a few seconds, nothing cached (not a peak)
     python benchmarks/peak.py --sizes 1024 2048 4096 --backend xla   # fewer shapes, one backend
 

@@ -12,8 +12,9 @@ from shard.testing import subprocess_env
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
-def run(script: str, *args: str, cwd: Path, devices: int = 1) -> str:
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd, env=subprocess_env(devices),
+def run(script: str, *args: str, cwd: Path, devices: int = 1, **env: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd,
+                          env=subprocess_env(devices, **env),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -79,3 +80,15 @@ def test_every_mutant_still_applies_and_names_tests_that_exist():
     mutants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mutants)
     assert len(mutants.MUTANTS) >= 17 and mutants.check_patches() == []
+
+
+def test_peak_quick_prints_every_shape_the_maxima_and_the_cpu_and_caches_nothing(tmp_path):
+    out = run("peak.py", "--quick", "--backend", "xla", "--backend", "numpy", cwd=tmp_path,
+              SHARD_PEAK_FILE=str(tmp_path / "peak.json"))
+    assert re.match(r"cpu: .*, \d+ thread\(s\), flags ", out), out
+    for dtype in ("float32", "bfloat16"):
+        for family in ("square", "skinny", "batched"):
+            assert re.search(rf"^xla +{dtype} +{family} +[\dx ]+ +[\d,.]+$", out, re.M), out
+        assert re.search(rf"^peak {dtype}: [\d,.]+ GFLOP/s \((xla|numpy), ", out, re.M), out
+    assert re.search(r"^numpy +float32 +square", out, re.M) and not re.search(r"^numpy +bfloat16", out, re.M), out
+    assert "nothing cached" in out and not (tmp_path / "peak.json").exists(), out

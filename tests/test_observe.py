@@ -93,6 +93,31 @@ def test_profile_is_written_and_summarised(tmp_path):
     assert s["compute_frac"] > 0 and s["collectives_frac"].get("all-reduce", 0) > 0  # data parallel grads
     assert abs(s["compute_frac"] + s["exposed_comm_frac"] + s["idle_frac"] - 1) < 1e-6
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace TensorBoard's profile plugin reads
+    split = s["compute_split"]  # by the compiled step's op names (shares of time: no bound on each)
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer and outside the gradient"] > 0, split
+    assert abs(sum(split.values()) - 1) < 1e-6, split
+
+
+def test_ops_take_their_phase_from_their_op_name_or_the_ops_they_fuse():
+    from shard.measure.profiling import OUTSIDE, op_phases
+
+    hlo = """HloModule jit_step
+%fused_computation.1 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/checkpoint/rematted_computation/mul"}
+  ROOT %a = f32[4]{0} add(%m, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/add"}
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %dot.2 = f32[4]{0} multiply(%x, %x), metadata={op_name="jit(step)/jvp()/while/body/btd,df->btf/dot_general"}
+  %fusion.1 = f32[4]{0} fusion(%dot.2), kind=kLoop, calls=%fused_computation.1
+  %transpose.3 = f32[4]{0} negate(%fusion.1), metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  ROOT %sqrt.4 = f32[4]{0} sqrt(%transpose.3), metadata={op_name="jit(step)/sqrt"}
+}
+"""
+    phases = op_phases(hlo)
+    assert {k: phases[k] for k in ("dot.2", "fusion.1", "transpose.3", "sqrt.4")} == {
+        "dot.2": "forward", "fusion.1": "remat recompute", "transpose.3": "backward", "sqrt.4": OUTSIDE}
 
 
 def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):
@@ -378,14 +403,30 @@ def test_mfu_flops_match_a_hand_count():
     assert mfu_flops_per_token(PRESETS["tiny"], 32) == 6 * n + 6 * 2 * 32 * 8 * 8 == 614400
 
 
-def test_records_carry_mfu_against_the_users_peak():
-    from shard.config.model import mfu_flops_per_token
+def test_records_carry_mfu_and_hfu_against_the_users_peak():
+    from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]
     expected = r["tokens_per_s"] * mfu_flops_per_token(cfg.model, 32) / (8 * 0.5e12)
     assert r["mfu"] == pytest.approx(expected, rel=1e-9)
+    # every position is a token here (no packing): the shares differ by the FLOPs counted per token
+    assert r["hfu"] == pytest.approx(expected * hardware_flops_per_token(cfg.model, 32, "cpu")
+                                     / mfu_flops_per_token(cfg.model, 32), rel=1e-9)
     assert "mfu" not in train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]  # CPU: omitted by default
+
+
+def test_a_flop_share_above_one_is_raised_naming_both_figures(monkeypatch, tmp_path):
+    """benchmarks/peak.py's cached peak is the CPU's; planted far too small, the share passes 100%."""
+    import json
+
+    from shard.hardware import peak_cache_path
+
+    monkeypatch.setenv("SHARD_PEAK_FILE", str(tmp_path / "peak.json"))
+    peak_cache_path().write_text(json.dumps({"peak_flops": {"float32": 1e3, "bfloat16": 1e3}}))
+    with pytest.raises(AssertionError, match=r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done "
+                                             r"against a peak of 0\.0 GFLOP/s"):
+        train(tiny_config("8x1"), devices=devices_for("8x1"))
 
 
 def test_device_kinds_find_their_hardware():

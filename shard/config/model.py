@@ -548,6 +548,25 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + 6 * keys * cfg.n_heads * (cfg.head_dim + cfg.v_dim)
 
 
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, platform: str) -> float:
+    """The matmul FLOPs per token a training step runs (the hardware FLOP share's count): 6N as MFU counts
+    it, attention over the whole score square (XLA's attention computes every score and masks the
+    future), and what remat recomputes. Full remat runs each layer's forward again for its backward,
+    but not the matmuls whose outputs the backward does not read (the attention output and the MLP's
+    down projection: their inputs are what their gradients need). dots and dots_no_batch keep the
+    projections' outputs; on XLA:CPU their compiled step recomputes no matmul (measured: +0.2% FLOPs).
+    Elementwise FLOPs (norms, softmax, the optimizer) are not counted: they do not run on the matmul
+    units the peak measures (a few % of the compiled HLO's count at d_model 256)."""
+    heads = cfg.n_heads * (cfg.head_dim + cfg.v_dim)  # QK^T and PV per key
+    flops = 6 * matmul_params(cfg) + 6 * seq_len * heads * cfg.n_layers
+    if cfg.remat_on(platform) == "full":
+        downs = (cfg.experts_per_token if cfg.n_experts else 1) + cfg.n_shared_experts  # a MoE: approximate
+        not_read = cfg.n_heads * cfg.v_dim * cfg.d_model + downs * cfg.mlp_dim * cfg.d_model
+        layer = (matmul_params(cfg) - cfg.vocab_size * cfg.d_model) / cfg.n_layers
+        flops += cfg.n_layers * (2 * (layer - not_read) + 2 * seq_len * heads)
+    return flops
+
+
 def attended_keys(seq_len: int, window: int) -> float:
     """The keys a query attends to on average over a sequence, as MFU counts them: T / 2 (causal), or
     with a window W < T (0: none), W - W^2 / 2T (the first W queries see fewer)."""

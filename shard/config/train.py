@@ -96,8 +96,9 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    # Peak bf16 TFLOP/s per device for MFU; 0: from the hardware table by device kind (GPUs; on CPU
-    # MFU is then omitted, since simulated devices share the host's cores).
+    # Peak TFLOP/s per device for MFU and HFU; 0: from the hardware table by device kind (GPUs); on a
+    # CPU the matmul peak benchmarks/peak.py measured on this machine, shared by the simulated devices
+    # (none measured: both shares omitted).
     peak_tflops: float = 0.0
 
 

@@ -197,7 +197,7 @@ def is_event(record: dict) -> bool:
 # value may not be (JsonlWriter writes a NaN loss as null).
 NUMBER_FIELDS = ("step", "time_s", "tokens_per_s", "step_time_s", "tokens_seen", "mem_in_use_bytes",
                  "mem_peak_bytes")
-NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "eval_loss", "aux_loss", "router_z_loss", "pipeline_bubble",
+NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "hfu", "eval_loss", "aux_loss", "router_z_loss", "pipeline_bubble",
                          "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped",
                          "expert_rows_sent", "mtp_loss", "max_logit")
 

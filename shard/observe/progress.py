@@ -51,8 +51,11 @@ def moe_fields(r: dict) -> list[str]:
 
 
 def health_fields(r: dict) -> list[str]:
-    """MFU (where a peak is known) and the busiest device's peak memory (`~`: XLA's compiled estimate)."""
+    """MFU and the hardware FLOP share HFU (where a peak is known), and the busiest device's peak memory
+    (`~`: XLA's compiled estimate)."""
     out = [f"MFU {r['mfu']:.1%}"] if r.get("mfu") is not None else []
+    if r.get("hfu") is not None:
+        out.append(f"HFU {r['hfu']:.1%}")
     if r.get("mem_peak_bytes"):
         out.append(f"mem {'~' if r.get('mem_source') == 'compiled' else ''}{short_bytes(r['mem_peak_bytes'])}")
     return out
@@ -116,8 +119,9 @@ class ConsoleProgress(Observer):
             + (f" · ~{human_bytes(peak)} per device (compiled estimate)" if peak else "")
             + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
-            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
-                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
+            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices (set one with "
+                          "--set observe.peak_tflops=X; on a CPU, measure it: python benchmarks/peak.py)[/dim]",
+                          soft_wrap=True, markup=True)
         if run.hardware is not None:
             from shard.measure.plan import startup_warnings
 

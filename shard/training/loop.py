@@ -11,9 +11,10 @@ import time
 import jax
 
 from shard.cluster import runtime
-from shard.config.model import mfu_flops_per_token
+from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.errors import DivergenceError
+from shard.hardware import flop_shares
 from shard.training.dpo import DPO_METRICS  # a DPO run's step metrics, copied into its records
 from shard.training.grpo import GRPO_METRICS  # and a GRPO run's
 from shard.training.observer import Observer
@@ -99,6 +100,9 @@ class _StepLoop:
     def __init__(self, cfg: TrainConfig, run: Run, observers, evaluator, harness=None):
         self.cfg, self.run, self.observers, self.evaluator, self.harness = cfg, run, observers, evaluator, harness
         self.flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
+        # what runs per input position, padding included
+        self.hardware_flops_per_position = hardware_flops_per_token(cfg.model, cfg.data.seq_len,
+                                                                    run.mesh.devices.flat[0].platform)
         self.mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         self.records: list[dict] = []
         self.start = self.last_time = time.perf_counter()
@@ -221,8 +225,11 @@ class _StepLoop:
             "mesh": self.mesh_name,  # this start's layout: shard report marks where it changed
             **device_memory(run),
         }
-        if run.peak_flops:
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (run.devices_in_all * run.peak_flops)
+        if run.peak_flops:  # model and hardware FLOP shares, never above 1 (flop_shares raises)
+            positions_per_s = timed * self.cfg.data.batch * self.cfg.data.seq_len / elapsed
+            record["mfu"], record["hfu"] = flop_shares(record["tokens_per_s"] * self.flops_per_token,
+                                                       positions_per_s * self.hardware_flops_per_position,
+                                                       run.devices_in_all * run.peak_flops)
         if run.pipeline:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token

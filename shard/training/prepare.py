@@ -43,6 +43,7 @@ class Run:
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
     trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
     held_out_since: int | None = None  # kept in each checkpoint: see shard.run.checkpoint.Restored
+    step_hlo: Callable[[], str] | None = None  # the compiled step's HLO text, on demand (the profile's split)
     eval_data: object = None  # the held-out Samples with eval.every (read before compiling: a bad eval.path fails first)
 
     @property
@@ -128,7 +129,7 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     step_fn = with_schedule(compiled, spec, layout)
     if cfg.task == "grpo":
         from shard.training.rollouts import grpo_run_parts
@@ -139,7 +140,8 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
 
         step_fn = with_reference(compiled, spec, layout, frozen_reference(spec, state, start_step, cfg.seed, reference))
     return Run(cfg, layout, spec, state, stream, step_fn, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
+               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data,
+               step_hlo=compiled.as_text)
 
 
 def _training_data(cfg: TrainConfig, source=None):
@@ -202,7 +204,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
                          offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, process_sets.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
                tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
@@ -248,13 +250,17 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
     return restored.step
 
 
-def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
-    """(hardware entry, peak FLOP/s per device for MFU): the user's figure, else the table's for GPUs."""
-    from shard.hardware import hardware_for_device
+def device_peak(cfg: TrainConfig, device, local_devices: int = 1) -> tuple[object, float | None]:
+    """(hardware entry, peak FLOP/s per device for the FLOP shares): the user's figure, else the table's
+    for GPUs; on a CPU this machine's matmul peak in the step's compute dtype as benchmarks/peak.py
+    measured and cached it, shared by the `local_devices` simulated devices that run on it."""
+    from shard.hardware import hardware_for_device, measured_peak
 
     hw = hardware_for_device(getattr(device, "device_kind", ""), device.platform)
     if cfg.observe.peak_tflops > 0:
         return hw, cfg.observe.peak_tflops * 1e12
     if hw is not None and device.platform != "cpu":
         return hw, hw.bf16_tflops * 1e12
+    if device.platform == "cpu" and (peak := measured_peak(cfg.model.compute_dtype_on("cpu"))):
+        return hw, peak / local_devices
     return hw, None

@@ -181,6 +181,9 @@ def measured_peak(dtype: str, path: Path | None = None) -> float | None:
     return float(value) if is_positive_number(value) else None
 
 
+FLOP_SHARE_ERROR = "flop_share_error"  # a run's record: why its FLOP shares stopped (a peak that is none)
+
+
 def flop_shares(model_flops_s: float, hardware_flops_s: float, peak_flops_s: float) -> tuple[float, float]:
     """(model FLOP share = MFU, hardware FLOP share) of a peak. Neither can pass 1: a share above it means
     the peak is no peak (measured on a loaded machine, or the wrong dtype's) or a FLOP count is wrong,

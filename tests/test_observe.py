@@ -1,6 +1,7 @@
 """What a user watches: TensorBoard events, the profile summary, reports, and the divergence guard."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -420,13 +421,19 @@ def test_a_flop_share_above_one_is_raised_naming_both_figures(monkeypatch, tmp_p
     """benchmarks/peak.py's cached peak is the CPU's; planted far too small, the share passes 100%."""
     import json
 
-    from shard.hardware import peak_cache_path
+    from shard.hardware import FLOP_SHARE_ERROR, flop_shares, peak_cache_path
 
     monkeypatch.setenv("SHARD_PEAK_FILE", str(tmp_path / "peak.json"))
     peak_cache_path().write_text(json.dumps({"peak_flops": {"float32": 1e3, "bfloat16": 1e3}}))
     with pytest.raises(AssertionError, match=r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done "
                                              r"against a peak of 0\.0 GFLOP/s"):
-        train(tiny_config("8x1"), devices=devices_for("8x1"))
+        flop_shares(2e3, 2e3, 1e3)
+    # in a run it is said once, in the record where it was seen, and the shares stop: the run goes on
+    records = train(tiny_config("8x1"), devices=devices_for("8x1"))
+    said = [r for r in records if FLOP_SHARE_ERROR in r]
+    assert len(said) == 1 and re.search(r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done against "
+                                        r"a peak of 0\.0 GFLOP/s", said[0][FLOP_SHARE_ERROR]), said
+    assert not any("mfu" in r for r in records) and [r["step"] for r in records] == [1, 2, 3]
 
 
 def test_device_kinds_find_their_hardware():

@@ -8,6 +8,7 @@ from rich.markup import escape
 
 from shard.observe.console import console, err_console, human_bytes, param_count, params_phrase, short_bytes
 from shard.errors import ShardError
+from shard.hardware import FLOP_SHARE_ERROR
 from shard.training.observer import Observer
 
 
@@ -154,6 +155,9 @@ class ConsoleProgress(Observer):
             evaluated += (f" · reward {r['reward']:.4f} ± {r['reward_std']:.4f} · kl {r['kl']:.4f} · clipped "
                           f"{r['clip_low']:.2f}/{r['clip_high']:.2f} · length {r['completion_length']:.1f} · "
                           f"filtered {r['filtered']:.0%} · rollout {r['rollout_tokens_per_s']:,.0f} tokens/s")
+        if FLOP_SHARE_ERROR in r:
+            (self.progress.console if self.progress else err_console).print(
+                f"[yellow]warning: {escape(r[FLOP_SHARE_ERROR])}[/yellow]", soft_wrap=True)
         if self.progress:
             self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}",
                                  more=" · ".join(health_fields(r) + moe_fields(r)))

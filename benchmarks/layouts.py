@@ -1,13 +1,14 @@
 """Per-device memory and step time of the tiny/small models across layouts on 8 simulated devices,
-and the pipeline bubble: measured against the formula (S - 1) / (M + S - 1).
+and the pipeline bubble of each schedule (gpipe, 1f1b, interleaved V = 2, zero_bubble at S = 4): by
+formula, by schedule table, and as the step times imply.
 
 Memory is XLA's compiled estimate for the whole train step (arguments + temporaries + outputs -
 donated, per device). Step time is the median of timed steps after a warm-up; on simulated CPU
 devices the 8 "devices" share the host's cores, so times compare layouts' work, not real scaling.
 
 Bubble: the schedule tables give the idle share of (tick, stage) slots; timing gives another
-estimate: with a fixed microbatch size, step time T(M) = c (M + S - 1) + overhead, so c is the slope
-of T over M and the measured bubble is 1 - c M / T(M).
+estimate: with a fixed microbatch size, step time T(M) = c M + (fill and drain) + overhead, so c is the
+slope of T over M and the timed bubble is 1 - c M / T(M).
 
     python benchmarks/layouts.py [--models tiny,small] [--steps 5] [--bubble-model tiny] [--only 1f1b]
 """
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 
 from shard import config, prepare
-from shard.parallel import pipeline
+from shard.parallel import schedule
 from shard.testing import median_step_seconds
 
 # (label, mesh, extra --set keys, model override)
@@ -67,24 +68,32 @@ def layouts(models: list[str], steps: int, batch: int, seq: int, only: str = "")
                   f"{loss:>7.3f}", flush=True)
 
 
-def bubble(model: str, steps: int, rows_per_micro: int, seq: int, micro=(2, 4, 8)) -> None:
-    S = 2
-    print(f"\npipeline bubble, {model}, stage=2 x data=4, {rows_per_micro} rows per microbatch per replica")
-    print(f"{'schedule':<8} {'M':>3} {'formula':>8} {'schedule table':>15} {'timed':>7} {'step ms':>9} "
-          f"{'temp MiB/dev':>12}")
-    for kind in ("gpipe", "1f1b"):
-        times, temps = [], []
+SCHEDULE_ROWS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1))
+
+
+def bubble(model: str, steps: int, rows_per_micro: int, seq: int, micro=(4, 8, 16)) -> None:
+    """Each schedule at S = 4 (stage=4,data=2, 8 layers so that interleaved V = 2 has a layer a chunk):
+    the bubble by formula and by table (the same object: the table the executor runs), the step time,
+    the bubble the times imply, and memory per device."""
+    S = 4
+    print(f"\npipeline bubble, {model} (8 layers), stage=4 x data=2, {rows_per_micro} rows per microbatch per replica")
+    print(f"{'schedule':<14} {'M':>3} {'formula':>8} {'schedule table':>15} {'timed':>7} {'step ms':>9} "
+          f"{'step MiB/dev':>12} {'temp MiB/dev':>12}")
+    for kind, v in SCHEDULE_ROWS:
+        times, mems = [], []
         for m in micro:
-            cfg = resolve(model, "pipeline", {"pipeline.schedule": kind, "pipeline.microbatches": m},
-                          rows_per_micro * 4 * m, seq)
+            cfg = resolve(model, "stage=4,data=2", {"pipeline.schedule": kind, "pipeline.microbatches": m,
+                                                    "pipeline.virtual_stages": v, "model.n_layers": 8},
+                          rows_per_micro * 2 * m, seq)
             run = prepare(cfg)
             times.append(median_step_seconds(run, steps))
-            temps.append(run.compiled_memory["temporaries"])
+            mems.append(run.compiled_memory)
         c = np.polyfit(np.array(micro, float), np.array(times), 1)[0]
-        for m, t, temp in zip(micro, times, temps):
-            print(f"{kind:<8} {m:>3} {pipeline.bubble_fraction(S, m):>8.3f} "
-                  f"{pipeline.schedule(kind, S, m).idle_fraction():>15.3f} {1 - c * m / t:>7.3f} {t * 1e3:>9.1f} "
-                  f"{temp / 2**20:>12.2f}", flush=True)
+        label = kind + (f" V={v}" if v > 1 else "")
+        for m, t, mem in zip(micro, times, mems):
+            print(f"{label:<14} {m:>3} {schedule.bubble_formula(kind, S, m, v):>8.3f} "
+                  f"{schedule.build(kind, S, m, v).idle_fraction():>15.3f} {1 - c * m / t:>7.3f} {t * 1e3:>9.1f} "
+                  f"{mem['total'] / 2**20:>12.2f} {mem['temporaries'] / 2**20:>12.2f}", flush=True)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The side-by-side CPU configuration (reference_cpu.toml: the untied 20.6M model, seq 256, global batch 8,
 8 simulated devices), per mesh and per variant: launch to the end of the first step, steady tokens/s,
-peak RSS, and model FLOP/s as a share of the matmul rate this machine reaches. Each run is a fresh
+peak RSS, and the model and hardware FLOP shares of this machine's matmul peak. Each run is a fresh
 `shard train` process, started as a user starts it, with an empty compile cache; runs are interleaved
 (every mesh and variant once, then again) and each figure is reported as the range over the repeats.
 
@@ -16,10 +16,13 @@ by malloc: SHARD_RELEASE_FREED_MEMORY=0). shard sets no thread counts; XLA:CPU u
 
 Launch to first step: from starting the process to the first line of its metrics.jsonl (written when
 step 1 ends). Steady tokens/s: the median over steps 3.. (every step is logged). Peak RSS: the process's
-own (all 8 simulated devices live in it). Model FLOP/s: tokens/s x shard's MFU count per token (6N plus
-causal attention, `mfu_flops_per_token`), as a share of a 2048 x 2048 matmul's rate in the step's dtype,
-timed in this process with every core (the same cores the step runs on) just before each run. MaxText's side runs only where
-MaxText is installed; otherwise the benchmark says it is absent.
+own (all 8 simulated devices live in it). Model FLOP share (MFU): tokens/s x shard's MFU count per token
+(6N plus causal attention, `mfu_flops_per_token`) / the peak; hardware FLOP share: tokens/s x the FLOPs
+the step runs per token (the whole attention square and remat's recompute, `hardware_flops_per_token`)
+/ the peak. The peak: this machine's best matmul rate in the step's dtype as benchmarks/peak.py measured
+it (its cache; measured first where there is none). A share above 100% stops the benchmark as the bug
+it is (shard.hardware.flop_shares). MaxText's side runs only where MaxText is installed; otherwise the
+benchmark says it is absent.
 """
 
 import argparse
@@ -77,38 +80,29 @@ def run(mesh: str, variant: str, steps: int, workdir: Path) -> dict:
             "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
-def matmul_rates(n: int = 2048, repeats: int = 10) -> dict[str, float]:
-    """FLOP/s of an n x n matmul in float32 and bfloat16 on this process's CPU device (the best of
-    `repeats`, after a warm-up)."""
-    import jax
-    import jax.numpy as jnp
+def peak_flops() -> dict[str, float]:
+    """This machine's matmul peak per dtype from benchmarks/peak.py's cache, measured first if absent."""
+    from shard.hardware import measured_peak
 
-    rates = {}
-    for dtype in ("float32", "bfloat16"):
-        a = jnp.ones((n, n), dtype)
-        f = jax.jit(lambda x, y: x @ y)
-        f(a, a).block_until_ready()
-        best = min(_timed(f, a) for _ in range(repeats))
-        rates[dtype] = 2 * n**3 / best
-    return rates
+    if measured_peak("float32") is None:
+        print("no matmul peak cached for this machine: measuring it (benchmarks/peak.py)", flush=True)
+        subprocess.run([sys.executable, str(Path(__file__).with_name("peak.py"))], check=True)
+    return {dtype: measured_peak(dtype) for dtype in ("float32", "bfloat16")}
 
 
-def _timed(f, a) -> float:
-    t0 = time.perf_counter()
-    f(a, a).block_until_ready()
-    return time.perf_counter() - t0
-
-
-def flops_per_token() -> tuple[float, int]:
-    """shard's MFU count per token of the reference model, and its sequence length."""
-    from shard.config.model import ModelConfig, mfu_flops_per_token
+def flops_per_token(variant: str) -> tuple[float, float, int]:
+    """shard's MFU count per token of the reference model, the FLOPs its step runs per token under the
+    variant's remat policy, and its sequence length."""
+    from shard.config.model import ModelConfig, hardware_flops_per_token, mfu_flops_per_token
     from shard.config.presets import PRESETS
 
     doc = tomllib.loads(CONFIG.read_text())
     fields = {k: v for k, v in doc["model"].items() if k != "name"}
+    fields |= {k.removeprefix("model."): v for k, v in (s.split("=", 1) for s in VARIANTS[variant][0])}
     base = PRESETS.get(doc["model"].get("name", "small"), ModelConfig())
     cfg = ModelConfig(**{**vars(base), **fields})
-    return mfu_flops_per_token(cfg, doc["data"]["seq_len"]), doc["data"]["seq_len"]
+    seq = doc["data"]["seq_len"]
+    return mfu_flops_per_token(cfg, seq), hardware_flops_per_token(cfg, seq, "cpu"), seq
 
 
 def step_dtype(variant: str) -> str:
@@ -139,29 +133,32 @@ def main():
     steps = max(args.steps, 4)
     if importlib.util.find_spec("MaxText") is None:
         print("MaxText: not installed here, so its side is absent; shard's figures follow", flush=True)
-    rates = matmul_rates()
-    per_token, seq = flops_per_token()
-    print(f"matmul 2048x2048 on this CPU: float32 {rates['float32'] / 1e9:.0f} GFLOP/s, "
-          f"bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s; model {per_token / 1e6:.1f} MFLOP per token "
-          f"(seq {seq})", flush=True)
+    peak = peak_flops()
+    print(f"matmul peak of this CPU (benchmarks/peak.py): float32 {peak['float32'] / 1e9:.0f} GFLOP/s, "
+          f"bfloat16 {peak['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for mesh in meshes:
             for variant in variants:
-                # the matmul rate just before each run: on a shared machine it moves with the load
-                near = matmul_rates(repeats=3)
                 with tempfile.TemporaryDirectory() as tmp:
-                    r = run(mesh, variant, steps, Path(tmp))
-                results.setdefault((mesh, variant), []).append(r | {"matmul": near[step_dtype(variant)]})
+                    results.setdefault((mesh, variant), []).append(run(mesh, variant, steps, Path(tmp)))
     for (mesh, variant), rs in results.items():
-        tps = [r["tokens_per_s"] for r in rs]
-        dtype = step_dtype(variant)
-        shares = [r["tokens_per_s"] * per_token / r["matmul"] * 100 for r in rs]
-        print(f"{mesh} {variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
-              f"steady {_range(tps, ',.0f')} tokens/s (median of steps 3-{steps}), "
-              f"peak RSS {_range([r['peak_rss_mib'] for r in rs], ',.0f')} MiB, "
-              f"model {_range([t * per_token / 1e9 for t in tps], '.0f')} GFLOP/s = {_range(shares, '.0f')}% of "
-              f"the {dtype} matmul rate ({len(rs)} runs)", flush=True)
+        print(summary(mesh, variant, rs, steps, peak[step_dtype(variant)]), flush=True)
+
+
+def summary(mesh: str, variant: str, rs: list[dict], steps: int, peak: float) -> str:
+    """One line of a mesh and variant's runs: each figure's range over the repeats."""
+    from shard.hardware import flop_shares
+
+    model, hardware, seq = flops_per_token(variant)
+    tps = [r["tokens_per_s"] for r in rs]
+    shares = [flop_shares(t * model, t * hardware, peak) for t in tps]
+    return (f"{mesh} {variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
+            f"steady {_range(tps, ',.0f')} tokens/s (median of steps 3-{steps}), "
+            f"peak RSS {_range([r['peak_rss_mib'] for r in rs], ',.0f')} MiB, "
+            f"model {_range([t * model / 1e9 for t in tps], '.0f')} GFLOP/s: MFU "
+            f"{_range([m * 100 for m, _ in shares], '.0f')}%, HFU {_range([h * 100 for _, h in shares], '.0f')}% "
+            f"of the {step_dtype(variant)} peak ({len(rs)} runs, seq {seq})")
 
 
 if __name__ == "__main__":

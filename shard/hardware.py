@@ -2,7 +2,11 @@
 own file of the same form, and the entry that matches a JAX device."""
 
 import functools
+import hashlib
+import json
+import os
 import re
+import socket
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -136,3 +140,60 @@ RAGGED_ALL_TO_ALL_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
 
 def lowers_ragged_all_to_all(platform: str) -> bool:
     return platform in RAGGED_ALL_TO_ALL_PLATFORMS
+
+
+# /proc/cpuinfo flags that decide a CPU's matmul rate, printed beside its measured peak
+CPU_MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_summary(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """This machine's CPU model, its matmul flags (CPU_MATMUL_FLAGS it has) and the cores this process
+    may use; empty model and flags where `cpuinfo` is unreadable."""
+    try:
+        lines = Path(cpuinfo).read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    model = next((line.partition(":")[2].strip() for line in lines if line.startswith("model name")), "")
+    flags = set().union(*(line.partition(":")[2].split() for line in lines if line.startswith("flags")))
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"model": model, "flags": [f for f in CPU_MATMUL_FLAGS if f in flags], "threads": threads}
+
+
+def peak_cache_path() -> Path:
+    """Where benchmarks/peak.py keeps this machine's measured matmul peak and shard reads it: one file per
+    machine (host name, CPU model and usable cores) under $XDG_CACHE_HOME/shard (~/.cache/shard), or the
+    file $SHARD_PEAK_FILE names (the tests name one that is absent: no peak, whatever the machine has)."""
+    if os.environ.get("SHARD_PEAK_FILE"):
+        return Path(os.environ["SHARD_PEAK_FILE"])
+    cpu = cpu_summary()
+    key = hashlib.sha256(f"{socket.gethostname()}|{cpu['model']}|{cpu['threads']}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shard"
+    return root / f"peak-{socket.gethostname()}-{key}.json"
+
+
+def measured_peak(dtype: str, path: Path | None = None) -> float | None:
+    """This machine's best measured matmul FLOP/s in `dtype` (float32, bfloat16), all cores together, from
+    benchmarks/peak.py's cache; None where it was not measured here (or the file is unreadable)."""
+    try:
+        doc = json.loads((path or peak_cache_path()).read_text())
+        value = doc["peak_flops"][dtype]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if is_positive_number(value) else None
+
+
+FLOP_SHARE_ERROR = "flop_share_error"  # a run's record: why its FLOP shares stopped (a peak that is none)
+
+
+def flop_shares(model_flops_s: float, hardware_flops_s: float, peak_flops_s: float) -> tuple[float, float]:
+    """(model FLOP share = MFU, hardware FLOP share) of a peak. Neither can pass 1: a share above it means
+    the peak is no peak (measured on a loaded machine, or the wrong dtype's) or a FLOP count is wrong,
+    and is raised as that bug with both figures rather than reported."""
+    shares = model_flops_s / peak_flops_s, hardware_flops_s / peak_flops_s
+    for name, flops, share in (("model", model_flops_s, shares[0]), ("hardware", hardware_flops_s, shares[1])):
+        if share > 1.0:
+            raise AssertionError(f"{name} FLOP share {share:.1%} is above 100%: {flops / 1e9:,.1f} GFLOP/s done "
+                                 f"against a peak of {peak_flops_s / 1e9:,.1f} GFLOP/s; the peak is not this "
+                                 "machine's (measure it again: python benchmarks/peak.py) or the FLOP count "
+                                 "(shard.config.model) is wrong")
+    return shares

@@ -14,6 +14,8 @@ _CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# no matmul peak (benchmarks/peak.py's cache): this machine's would turn MFU on in every CPU run
+os.environ["SHARD_PEAK_FILE"] = str(_CACHE.parent / "no-such-peak.json")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -12,8 +12,9 @@ from shard.testing import subprocess_env
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
-def run(script: str, *args: str, cwd: Path, devices: int = 1) -> str:
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd, env=subprocess_env(devices),
+def run(script: str, *args: str, cwd: Path, devices: int = 1, **env: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=cwd,
+                          env=subprocess_env(devices, **env),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -52,13 +53,17 @@ def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_c
 
 
 def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
-    out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", cwd=tmp_path, devices=8)
+    out = run("moe.py", "--steps", "1", "--batch", "8", "--seq", "8", "--layouts", "ep", "--forms",
+              "dropless,capacity,dense,deepseek-style", cwd=tmp_path, devices=8)  # mixtral-style: another dropless
     lines = out.splitlines()
-    assert lines[1].split() == ["layout", "form", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
+    assert lines[1].split() == ["layout", "form", "active", "step", "ms", "tokens/s", "a2a", "B/dev", "static", "min",
                                 "ragged", "min", "ragged", "routed"], out
     rows = {re.sub(r"\s+", " ", line[7:25].strip()): line[25:].split() for line in lines[2:]}
-    assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)"] and all(line.startswith("ep ") for line in lines[2:]), out
-    bytes_ = {form: [int(v.replace(",", "")) for v in cells[2:]] for form, cells in rows.items()}
+    assert list(rows) == ["dropless", "capacity 1.25", "dense (mlp 160)", "deepseek-style"] and all(
+        line.startswith("ep ") for line in lines[2:]), out
+    bytes_ = {form: [int(v.replace(",", "")) for v in cells[3:]] for form, cells in rows.items()}
+    # DeepSeek's attention and group-limited routing: 2 of 4 groups bound the rows a token sends
+    assert 0 < bytes_["deepseek-style"][3] < bytes_["dropless"][3], out
     moved, static, ragged, routed = bytes_["dropless"]
     assert static <= moved <= 1.05 * static and ragged < static, out  # dropless: at the static-shape minimum
     assert 0 < routed < static, out  # a ragged all-to-all on this step's routing
@@ -75,3 +80,15 @@ def test_every_mutant_still_applies_and_names_tests_that_exist():
     mutants = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mutants)
     assert len(mutants.MUTANTS) >= 17 and mutants.check_patches() == []
+
+
+def test_peak_quick_prints_every_shape_the_maxima_and_the_cpu_and_caches_nothing(tmp_path):
+    out = run("peak.py", "--quick", "--backend", "xla", "--backend", "numpy", cwd=tmp_path,
+              SHARD_PEAK_FILE=str(tmp_path / "peak.json"))
+    assert re.match(r"cpu: .*, \d+ thread\(s\), flags ", out), out
+    for dtype in ("float32", "bfloat16"):
+        for family in ("square", "skinny", "batched"):
+            assert re.search(rf"^xla +{dtype} +{family} +[\dx ]+ +[\d,.]+$", out, re.M), out
+        assert re.search(rf"^peak {dtype}: [\d,.]+ GFLOP/s \((xla|numpy), ", out, re.M), out
+    assert re.search(r"^numpy +float32 +square", out, re.M) and not re.search(r"^numpy +bfloat16", out, re.M), out
+    assert "nothing cached" in out and not (tmp_path / "peak.json").exists(), out

@@ -689,3 +689,12 @@ def test_a_second_ctrl_c_says_what_it_left(tmp_path, monkeypatch):
     assert f"the newest complete checkpoint is {tmp_path / 'r' / 'checkpoints' / '2'}" in r.output, r.output
     # without a first signal (before the loop takes them, as here) it is not "again"
     assert "interrupted: stopped at once" in r.output, r.output
+
+
+def test_inspect_draws_the_pipeline_schedule():
+    """A mesh with stages: inspect prints the schedule's table as a chart, its bubble beside the formula's."""
+    r = invoke("inspect", "--mesh", "stage=4,data=2", "--model", "tiny", "--set", "model.n_layers=4",
+               "--set", "pipeline.microbatches=8")
+    assert r.exit_code == 0, r.output
+    assert "pipeline 1f1b: 4 stages x 8 microbatches, 22 ticks, bubble 0.273 (formula 0.273)" in r.output
+    assert "stage 0 FFFF...BFBFBFBFB.B.B.B\nstage 1 .FFF..BFBFBFBFBFB.B.B." in r.output

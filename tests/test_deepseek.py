@@ -217,24 +217,24 @@ def deepseek(tmp_path_factory):
     model.save_pretrained(path)
     config_json, tensors = hf.read_hf_dir(str(path))
     ours = hf.config_from_hf(config_json)
-    assert dataclasses.replace(ours, name=TINY.name, aux_loss_weight=0.0, compute_dtype="float32",
-                               remat="none") == dataclasses.replace(TINY, aux_loss_weight=0.0)
+    assert dataclasses.replace(ours, name=TINY.name, aux_loss_weight=0.0, compute_dtype="float32", remat="none",
+                               router_bias_update=0.0) == dataclasses.replace(TINY, aux_loss_weight=0.0)
     ours = dataclasses.replace(ours, compute_dtype="float32")
     with torch.no_grad():
         logits = model(torch.tensor(TOKENS)).logits.numpy()
     return model, path, ours, hf.params_from_hf(tensors, ours), logits
 
 
-def _logits(cfg, params, mesh):
+def _logits(cfg, params, mesh, router_bias=None):
     tc = tiny_config(mesh)
     layout = make_layout(tc, parse_mesh(mesh), devices_for(mesh))
     spec = state_spec(cfg, tc.optimizer, 3, layout)
 
-    def f(p, tokens):
+    def f(p, tokens, bias):
         with activation_layout(layout):
-            return llama.forward(cfg, p, tokens)[0]
+            return llama.forward(cfg, p, tokens, router_bias=bias)[0]
 
-    return np.asarray(jax.jit(f)(jax.device_put(params, spec.shardings["params"]), jnp.asarray(TOKENS)))
+    return np.asarray(jax.jit(f)(jax.device_put(params, spec.shardings["params"]), jnp.asarray(TOKENS), router_bias))
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "ep"])
@@ -246,7 +246,9 @@ def test_logits_match_transformers(deepseek, mesh):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
 
 
-def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek):
+@pytest.mark.parametrize("mesh", ["1x1", "ep"])
+def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek, mesh):
+    """On one device and with the experts split over expert=4 (data=2): transformers' greedy tokens."""
     from shard.training.generate import Generator, Sampling
 
     model, _, cfg, params, _ = deepseek
@@ -254,8 +256,8 @@ def test_greedy_tokens_match_transformers_with_the_latent_cache(deepseek):
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    tc = tiny_config("1x1")
-    layout = make_layout(tc, parse_mesh("1x1"), devices_for("1x1"))
+    tc = tiny_config(mesh)
+    layout = make_layout(tc, parse_mesh(mesh), devices_for(mesh))
     spec = state_spec(cfg, tc.optimizer, 3, layout)
     gen = Generator(cfg, spec.graphdef, jax.device_put(params, spec.shardings["params"]), layout, max_len=32)
     tokens = gen.generate(prompt, 24, Sampling(temperature=0))
@@ -277,7 +279,8 @@ def test_export_reloads_in_transformers_with_identical_tensors(deepseek, tmp_pat
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_interleave": False}, "rope_interleave=false is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0}}, "rope scaling .* is not supported"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0}},
+     "rope scaling linear with mscale_all_dim is not supported for deepseek_v3"),
 ])
 def test_what_deepseek_cannot_be_is_refused_in_one_line(change, message):
     from shard.errors import ShardError
@@ -298,3 +301,154 @@ def test_the_tiny_twin_agrees_across_layouts(deepseek):
     np.testing.assert_allclose(norm[0], norm[1], rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(r))), err_msg=str(path))
+
+
+# DeepSeek-V3's own long-context settings (its config.json's rope_scaling)
+YARN = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(deepseek, tmp_path_factory):
+    """The tiny model as a real DeepSeek-V3 checkpoint holds it: YaRN (so the softmax scale carries
+    mscale(40, 1)^2), a nonzero e_score_correction_bias choosing the experts, and a multi-token prediction
+    module stored as layer 3 (its layer, enorm, hnorm, eh_proj, shared_head and the copies of the
+    embedding and head), which transformers does not build: added to the saved tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_cfg = deepseek[0].config.to_dict() | {"rope_scaling": YARN, "num_nextn_predict_layers": 1,
+                                             "max_position_embeddings": 163840}
+    hf_cfg.pop("rope_parameters", None)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**hf_cfg)).float().eval()
+    rng = np.random.default_rng(3)
+    with torch.no_grad():
+        model.load_state_dict(deepseek[0].state_dict())
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor(rng.normal(0, 0.5, 16)))
+        logits = model(torch.tensor(TOKENS)).logits.numpy()
+    path = tmp_path_factory.mktemp("deepseek-yarn")
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    mtp = {k.replace("layers.2.", "layers.3."): v + rng.normal(0, 0.05, v.shape).astype(np.float32)
+           for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    D = hf_cfg["hidden_size"]
+    mtp |= {f"model.layers.3.{n}.weight": (1 + rng.normal(0, 0.3, D)).astype(np.float32)
+            for n in ("enorm", "hnorm", "shared_head.norm")}
+    mtp |= {"model.layers.3.eh_proj.weight": rng.normal(0, 0.2, (D, 2 * D)).astype(np.float32),
+            "model.layers.3.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+            "model.layers.3.shared_head.head.weight": tensors["lm_head.weight"]}
+    save_file(tensors | mtp, path / "model.safetensors", metadata={"format": "pt"})
+    return path, tensors | mtp, logits
+
+
+def test_a_real_checkpoints_yarn_bias_and_mtp_module_import_with_parity(deepseek_checkpoint):
+    from shard.run.weights import load_with_router_bias
+
+    path, tensors, theirs = deepseek_checkpoint
+    cfg, params, bias = load_with_router_bias(path)
+    assert (cfg.rope_scaling_type, cfg.rope_scaling, cfg.mtp_depth) == ("yarn", 40.0, 1)
+    assert cfg.attention_scale == pytest.approx(16 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
+    np.testing.assert_array_equal(bias, np.stack([tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+                                                  for i in (1, 2, 3)]))  # the MTP module's layer last
+    params = jax.tree.map(np.asarray, params)
+    np.testing.assert_array_equal(params["mtp"]["eh_proj"][0], tensors["model.layers.3.eh_proj.weight"].T)
+    np.testing.assert_array_equal(params["mtp"]["enorm"][0], tensors["model.layers.3.enorm.weight"])
+    np.testing.assert_array_equal(params["mtp"]["layers"]["w_up"][0, 5], tensors["model.layers.3.mlp.experts.5.up_proj.weight"].T)
+    ours = _logits(cfg, params, "1x1", jnp.asarray(bias))
+    print(f"deepseek_v3 yarn + bias: max |logit difference| {np.abs(ours - theirs).max():.2e}")
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=2e-5)
+    # train --init-from the folder builds the same model (MTP module included) and starts from its bias
+    from shard.config.model import ModelConfig
+    from shard.run.resume import init_from_base, restore_source
+
+    assert ModelConfig(**init_from_base(str(path))["model"]) == dataclasses.replace(cfg, compute_dtype="auto")
+    tc = tiny_config("1x1")
+    spec = state_spec(cfg, tc.optimizer, 3, make_layout(tc, parse_mesh("1x1"), devices_for("1x1")))
+    started = restore_source(None, False, False, str(path), 0, print)(spec).state
+    np.testing.assert_array_equal(np.asarray(started["router_bias"]), bias)
+    # the MTP module's layer chooses its experts by its own row of the bias (the last)
+    from shard.models import mtp
+
+    def module_out(b):
+        h = llama.forward_hidden(cfg, params, jnp.asarray(TOKENS[:2]), router_bias=b)[0]
+        return mtp.mtp_hidden(cfg, params, h, jnp.asarray(TOKENS[:2]), router_bias=b)[0][0]
+
+    run = jax.jit(module_out)
+    assert np.abs(run(jnp.asarray(bias)) - run(jnp.asarray(bias * np.array([[1], [1], [0]], np.float32)))).max() > 1e-3
+    # without the softmax's mscale^2, or without the bias, the logits are another model's
+    unscaled = dataclasses.replace(cfg, rope_mscale_all_dim=0.0, rope_mscale=0.0, rope_attention_factor=1.0)
+    assert np.abs(_logits(unscaled, params, "1x1", jnp.asarray(bias)) - theirs).max() > 1e-2
+    assert np.abs(_logits(cfg, params, "1x1") - theirs).max() > 1e-2
+
+
+def test_import_then_export_gives_back_every_tensor(deepseek_checkpoint, tmp_path):
+    """import-hf writes the bias into the train state and the MTP module among the params; export-hf
+    writes both back: every tensor of the folder, equal."""
+    from safetensors.numpy import load_file
+    from typer.testing import CliRunner
+
+    from shard.cli.app import app
+
+    path, tensors, _ = deepseek_checkpoint
+    for args in (["import-hf", str(path), "--out", str(tmp_path / "run")],
+                 ["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "back")]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    written = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert written.keys() == tensors.keys()
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(written[name], t, err_msg=name)
+    config_json = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config_json["num_nextn_predict_layers"] == 1
+    assert {k: config_json["rope_parameters"][k] for k in YARN} == YARN
+
+
+# --- the tiny twin with its multi-token prediction module, trained by Muon, on the test meshes ----------
+
+def _twin_config(mesh: str):
+    return tiny_config(mesh, model__name="deepseek-v3-tiny", model__mtp_depth=1, model__router_bias_update=0.01,
+                       optimizer__name="muon", optimizer__warmup_steps=0)
+
+
+def _twin_curves(mesh: str, params: dict) -> dict:
+    """Two steps of the tiny twin with one MTP module and auxiliary-loss-free balancing, trained by Muon
+    from `params`, on one random batch per step: each step's loss, grad_norm and MTP loss. The train
+    step alone (the optimizer's init beside it): the loop's sharded init and run dir would cost this test
+    three times its time."""
+    from shard.run.weights import state_from
+    from shard.testing import random_batch
+    from shard.training.step import batch_sharding, make_train_step
+
+    cfg = _twin_config(mesh)
+    layout = make_layout(cfg, parse_mesh(mesh), devices_for(mesh))
+    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
+    state, step = state_from(params, spec, 0, "init").state, make_train_step(spec, layout)
+    curves = {"loss": [], "grad_norm": [], "mtp_loss": []}
+    for seed in range(2):
+        batch = jax.device_put(random_batch(8, 32, 256, seed), batch_sharding(layout))
+        state, metrics = step(state, batch)
+        for k in curves:
+            curves[k].append(float(metrics[k]))
+    return curves
+
+
+@pytest.fixture(scope="module")
+def twin():
+    """The twin's initial params (built once: an eager init takes seconds) and its curves on one device."""
+    from flax import nnx
+
+    from shard import models
+
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(models.build(_twin_config("1x1").model, seed=0))))
+    return params, _twin_curves("1x1", params)
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "ep"])
+def test_the_twin_with_mtp_and_muon_agrees_on_every_mesh(twin, mesh):
+    """fsdp=8 (weights and MLA's latents split) and data=2 x expert=4 (experts split, tokens exchanged;
+    heads split over a model axis: test_the_tiny_twin_agrees_across_layouts, and 2x4 passed when this
+    was written, left out of the suite for its time): the losses, gradient norms and MTP losses of one device at rtol
+    1e-5, over two Muon steps (the second loss follows the Newton-Schulz update and the moved router bias)."""
+    from shard.testing import assert_same_curves
+
+    assert_same_curves(_twin_curves(mesh, twin[0]), twin[1], 1e-5, mesh)

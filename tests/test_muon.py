@@ -176,3 +176,24 @@ def test_qk_clip_brings_the_heads_past_tau_back_to_tau_and_leaves_the_rest(kv_he
     np.testing.assert_allclose(after[0], np.minimum(before[0], tau), rtol=1e-5)
     assert np.all(after[1] <= np.maximum(before[1], tau) + 1e-5)  # layer 1 sees layer 0's clipped output
 
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_planner_counts_the_optimizer_state_the_optimizer_holds(name):
+    """shard.measure.memory.optimizer_bytes against the state optax makes for the DeepSeek tiny twin with
+    an MTP module (MLA, experts, dense layers): Muon keeps one momentum per matrix, AdamW two moments."""
+    from flax import nnx
+
+    from shard import models
+    from shard.measure.costs import LayoutShape, Workload
+    from shard.measure.memory import optimizer_bytes
+
+    model = dataclasses.replace(PRESETS["deepseek-v3-tiny"], mtp_depth=1)
+    tx, _ = make_optimizer(OptimizerConfig(name=name), 10, model)
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: models.build(model))))
+    moments = [x for path, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(tx.init, params))
+               if {"mu", "nu"} & {getattr(k, "name", None) for k in path}]  # not counts nor Newton-Schulz's coefficients
+    held = sum(x.size * x.dtype.itemsize for x in moments)
+    assert held == optimizer_bytes(model, LayoutShape.of(data=1), Workload(1, 1, optimizer=name))
+    if name == "muon":
+        adamw = optimizer_bytes(model, LayoutShape.of(data=1), Workload(1, 1))
+        assert 0.5 * adamw < held < 0.75 * adamw

@@ -1,6 +1,7 @@
 """What a user watches: TensorBoard events, the profile summary, reports, and the divergence guard."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -93,6 +94,31 @@ def test_profile_is_written_and_summarised(tmp_path):
     assert s["compute_frac"] > 0 and s["collectives_frac"].get("all-reduce", 0) > 0  # data parallel grads
     assert abs(s["compute_frac"] + s["exposed_comm_frac"] + s["idle_frac"] - 1) < 1e-6
     assert list(tmp_path.rglob("*.xplane.pb"))  # the trace TensorBoard's profile plugin reads
+    split = s["compute_split"]  # by the compiled step's op names (shares of time: no bound on each)
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer and outside the gradient"] > 0, split
+    assert abs(sum(split.values()) - 1) < 1e-6, split
+
+
+def test_ops_take_their_phase_from_their_op_name_or_the_ops_they_fuse():
+    from shard.measure.profiling import OUTSIDE, op_phases
+
+    hlo = """HloModule jit_step
+%fused_computation.1 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/checkpoint/rematted_computation/mul"}
+  ROOT %a = f32[4]{0} add(%m, %p), metadata={op_name="jit(step)/transpose(jvp())/while/body/add"}
+}
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %dot.2 = f32[4]{0} multiply(%x, %x), metadata={op_name="jit(step)/jvp()/while/body/btd,df->btf/dot_general"}
+  %fusion.1 = f32[4]{0} fusion(%dot.2), kind=kLoop, calls=%fused_computation.1
+  %transpose.3 = f32[4]{0} negate(%fusion.1), metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  ROOT %sqrt.4 = f32[4]{0} sqrt(%transpose.3), metadata={op_name="jit(step)/sqrt"}
+}
+"""
+    phases = op_phases(hlo)
+    assert {k: phases[k] for k in ("dot.2", "fusion.1", "transpose.3", "sqrt.4")} == {
+        "dot.2": "forward", "fusion.1": "remat recompute", "transpose.3": "backward", "sqrt.4": OUTSIDE}
 
 
 def test_a_run_that_stops_inside_the_profile_window_is_summarised(tmp_path):
@@ -149,18 +175,18 @@ def test_observers_end_last_first_and_an_end_that_fails_aborts_the_rest():
     assert events == ["console.start", "console.abort"]
 
 
-def _fake_run(path, mesh, losses):
+def _fake_run(path, mesh, losses, **more):
     path.mkdir()
     (path / "config.toml").write_text(f'[model]\nname = "tiny"\n[mesh]\nspec = "{mesh}"\n')
     with open(path / "metrics.jsonl", "w") as f:
         for i, loss in enumerate(losses, 1):
             f.write(json.dumps({"step": i, "loss": loss, "tokens_per_s": 1000.0 * i, "time_s": float(i),
-                                "mem_peak_bytes": 2048, "mem_source": "compiled"}) + "\n")
+                                "mem_peak_bytes": 2048, "mem_source": "compiled"} | more) + "\n")
 
 
 def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     _fake_run(tmp_path / "a", "fsdp", [3.0, 2.5, 2.0])
-    _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7])
+    _fake_run(tmp_path / "b", "2x4", [3.0, 2.8, 2.7], reward=0.5)  # a GRPO run's: its reward plotted
     out = tmp_path / "report"
     r = CliRunner().invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
@@ -169,6 +195,7 @@ def test_report_makes_pngs_and_json_for_two_runs(tmp_path, monkeypatch):
     assert doc["runs"][0]["final_loss"] == 2.0 and doc["runs"][1]["median_tokens_per_s"] == 2500.0
     for png in doc["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [Path(p).name for p in doc["plots"]][-1] == "reward_vs_step.png"
     # --json alone is for a script: nothing written beside it (it wrote ./report/*.png)
     here = tmp_path / "here"
     here.mkdir()
@@ -377,14 +404,36 @@ def test_mfu_flops_match_a_hand_count():
     assert mfu_flops_per_token(PRESETS["tiny"], 32) == 6 * n + 6 * 2 * 32 * 8 * 8 == 614400
 
 
-def test_records_carry_mfu_against_the_users_peak():
-    from shard.config.model import mfu_flops_per_token
+def test_records_carry_mfu_and_hfu_against_the_users_peak():
+    from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]
     expected = r["tokens_per_s"] * mfu_flops_per_token(cfg.model, 32) / (8 * 0.5e12)
     assert r["mfu"] == pytest.approx(expected, rel=1e-9)
+    # every position is a token here (no packing): the shares differ by the FLOPs counted per token
+    assert r["hfu"] == pytest.approx(expected * hardware_flops_per_token(cfg.model, 32, "cpu")
+                                     / mfu_flops_per_token(cfg.model, 32), rel=1e-9)
     assert "mfu" not in train(tiny_config("8x1"), devices=devices_for("8x1"))[-1]  # CPU: omitted by default
+
+
+def test_a_flop_share_above_one_is_raised_naming_both_figures(monkeypatch, tmp_path):
+    """benchmarks/peak.py's cached peak is the CPU's; planted far too small, the share passes 100%."""
+    import json
+
+    from shard.hardware import FLOP_SHARE_ERROR, flop_shares, peak_cache_path
+
+    monkeypatch.setenv("SHARD_PEAK_FILE", str(tmp_path / "peak.json"))
+    peak_cache_path().write_text(json.dumps({"peak_flops": {"float32": 1e3, "bfloat16": 1e3}}))
+    with pytest.raises(AssertionError, match=r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done "
+                                             r"against a peak of 0\.0 GFLOP/s"):
+        flop_shares(2e3, 2e3, 1e3)
+    # in a run it is said once, in the record where it was seen, and the shares stop: the run goes on
+    records = train(tiny_config("8x1"), devices=devices_for("8x1"))
+    said = [r for r in records if FLOP_SHARE_ERROR in r]
+    assert len(said) == 1 and re.search(r"model FLOP share [\d,.]+% is above 100%: [\d,.]+ GFLOP/s done against "
+                                        r"a peak of 0\.0 GFLOP/s", said[0][FLOP_SHARE_ERROR]), said
+    assert not any("mfu" in r for r in records) and [r["step"] for r in records] == [1, 2, 3]
 
 
 def test_device_kinds_find_their_hardware():

@@ -2,6 +2,7 @@
 same loss, same gradients; plus the pieces (schedules, ring attention, routing) and the errors."""
 
 import dataclasses
+import re
 
 import jax
 import jax.extend
@@ -16,7 +17,7 @@ from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
 from shard.models import moe
 from shard.config.presets import PRESETS
-from shard.parallel import pipeline
+from shard.parallel import schedule as sched
 from shard.parallel.ring_attention import ring_attention, zigzag_positions
 from shard.testing import fake_mesh, loss_and_grads, tiny_config
 
@@ -48,8 +49,39 @@ def dense_reference():
     ("stage=4,fsdp=2", "1f1b"),
 ])
 def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference):
-    out = loss_and_grads(tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4))
+    cfg = tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4)
+    *out, hlo = loss_and_grads(cfg, with_hlo=True)
     assert_same(out, dense_reference)
+    if schedule == "1f1b":  # it passes on what its table sends, no more (stage=4: five distinct pair sets)
+        S = int(re.search(r"stage=(\d+)", mesh).group(1))
+        table = {p for tick in sched.build("1f1b", S, 4).sends() for p in tick if p}
+        assert stage_pair_sets(hlo, S) == table
+
+
+def stage_pair_sets(hlo: str, S: int) -> set[tuple[tuple[int, int], ...]]:
+    """The stage pairs of each collective-permute over `stage` alone in compiled HLO (stage outermost in
+    the mesh, as shard orders it: device d on stage d // (8 // S))."""
+    inner, out = 8 // S, set()
+    for m in re.finditer(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", hlo):
+        pairs = [tuple(map(int, p.split(","))) for p in re.findall(r"\{(\d+,\d+)\}", m.group(1))]
+        if all(a % inner == b % inner for a, b in pairs):
+            out.add(tuple(sorted({(a // inner, b // inner) for a, b in pairs})))
+    return out
+
+
+@pytest.mark.parametrize("mesh, schedule, layers, virtual", [
+    ("stage=2,data=2,model=2", "interleaved", 4, 2),
+    ("stage=4,data=2", "interleaved", 8, 2),
+    ("stage=4,data=2", "zero_bubble", 4, 1),  # on stage=2,data=2,model=2 too when run by hand (12.8 s cold)
+])
+def test_interleaved_and_zero_bubble_match_the_unpipelined_model(mesh, schedule, layers, virtual, dense_reference):
+    """Interleaved: V = 2 chunks a stage, layer block v = c S + s on stage s (stage=4 needs 8 layers for
+    its 8 chunks). Zero-bubble: the backward split into B (input gradient) and W (layers' gradient, run
+    in the bubbles). The loss and every gradient as one device's."""
+    sets = dict(PIPE, model__n_layers=layers)
+    ref = dense_reference if layers == 4 else loss_and_grads(tiny_config("1x1", **sets))
+    assert_same(loss_and_grads(tiny_config(mesh, **sets, pipeline__schedule=schedule,
+                                           pipeline__virtual_stages=virtual, pipeline__microbatches=4)), ref)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -95,18 +127,32 @@ def test_pipeline_gradients_are_not_trivially_equal(dense_reference):
         assert np.all(np.abs(g).reshape(g.shape[0], -1).max(axis=1) > 0)
 
 
-@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 4), (4, 16), (8, 32)])
+@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 4), (4, 8), (4, 16), (8, 32)])
 def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro):
-    expected = pipeline.bubble_fraction(stages, micro)
-    for kind in ("gpipe", "1f1b"):
-        sch = pipeline.schedule(kind, stages, micro)
-        assert sch.idle_fraction() == pytest.approx(expected)
-        for s in range(stages):  # every stage runs each microbatch's forward and backward once
-            for op in (pipeline.FWD, pipeline.BWD):
-                assert sorted(sch.mb[sch.op[:, s] == op, s]) == list(range(micro))
-    # 1F1B keeps at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
-    assert pipeline._slots(pipeline.schedule("1f1b", stages, micro)) <= stages
-    assert pipeline._slots(pipeline.schedule("gpipe", stages, micro)) == micro
+    """Bubble by schedule (the table's idle slots) == bubble by formula, for every schedule; each stage
+    runs every (microbatch, chunk)'s phases once; 1F1B and zero-bubble keep at most S inputs."""
+    for kind in sched.SCHEDULES:
+        V = 2 if kind == "interleaved" else 1
+        sch = sched.build(kind, stages, micro, V)
+        assert sch.idle_fraction() == pytest.approx(sched.bubble_formula(kind, stages, micro, V)), kind
+        sends = sch.sends()  # the minimum: each microbatch crosses each boundary once each way
+        assert [sum(len(tick[i]) for tick in sends) for i in (0, 1)] == [micro * (V * stages - 1)] * 2, kind
+        phases = (sched.FWD, sched.BWD) + ((sched.WGT,) if kind == "zero_bubble" else ())
+        for s in range(stages):
+            rows = sch.table[sch.table[:, 1] == s]
+            for phase in phases:
+                assert sorted(map(tuple, rows[rows[:, 4] == phase][:, 2:4])) == [
+                    (m, c) for m in range(micro) for c in range(V)], (kind, s, phase)
+    # 1F1B and ZB-H1 keep at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
+    assert max(sched.build("zero_bubble", stages, micro).held()) <= stages
+    assert sched.slots(sched.build("1f1b", stages, micro)) <= stages
+    assert sched.slots(sched.build("gpipe", stages, micro)) == micro
+
+
+def test_the_schedule_chart_draws_the_table():
+    """`shard inspect` draws the table: stages x ticks, F/B/W per op, . where idle (1F1B, S=2, M=3)."""
+    assert sched.build("1f1b", 2, 3).chart() == "stage 0 FF.BFB.B\nstage 1 .FBFBFB."
+    assert sched.build("zero_bubble", 2, 2).chart() == "stage 0 FF.BWBW\nstage 1 .FBFBWW"
 
 
 # --- context and sequence parallel ---------------------------------------------------------------------
@@ -295,6 +341,13 @@ def _check(mesh: str, **sets):
 @pytest.mark.parametrize("mesh, sets, message", [
     ("stage=4,data=2", {}, r"2 layers do not split into 4 stages"),
     ("stage=2,data=4", {"data__batch": 16, "pipeline__microbatches": 3}, r"does not split into pipeline.microbatches=3"),
+    ("stage=2,data=4", {"model__n_layers": 4, "pipeline__schedule": "interleaved", "pipeline__virtual_stages": 4},
+     r"4 layers do not split into 2 stages x 4 virtual stages"),
+    ("stage=4,data=2", {"model__n_layers": 8, "data__batch": 12, "pipeline__schedule": "interleaved",
+                        "pipeline__virtual_stages": 2, "pipeline__microbatches": 6},
+     r"interleaved schedule runs microbatches in groups of the 4 stages; pipeline.microbatches=6 is not"),
+    ("stage=2,data=4", {"data__batch": 16, "pipeline__virtual_stages": 2},
+     r"pipeline.virtual_stages=2 needs pipeline.schedule=interleaved \(got 1f1b\)"),
     ("cp", {"data__seq_len": 30}, r"sequence length 30 does not divide over 4 devices \(context=4"),
     ("ep", {"model__name": "moe-tiny", "model__n_experts": 6}, r"6 experts do not divide over the expert axis"),
     # it crashed in Shardy's verifier with a traceback (ring attention's shard_map nested in the stages')
@@ -306,7 +359,7 @@ def test_bad_layouts_are_clear_errors(mesh, sets, message):
 
 
 def test_unknown_schedule_is_an_error():
-    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b"):
+    with pytest.raises(ShardError, match="pipeline.schedule must be one of gpipe, 1f1b, interleaved, zero_bubble"):
         tiny_config("pipeline", pipeline__schedule="zigzag")
 
 

@@ -107,7 +107,8 @@ def test_reference_plan_table_names_the_best_command():
     (["--seq", "0"], "--seq must be positive, got 0"),
     (["--devices", "-8"], "--devices must be positive, got -8"),
     (["--top", "-1"], "--top must be 0 or more, got -1"),
-    (["--set", "data.batch=7"], "plan takes model.* keys in --set"),
+    (["--set", "data.batch=7"], "plan takes model.* and optimizer.* keys in --set"),
+    (["--stages", "4", "--microbatches", "3"], "does not split into 3 microbatches"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))
@@ -115,6 +116,18 @@ def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     r = invoke("plan", *[x for kv in base.items() for x in kv])
     assert r.exit_code == 2, r.output
     assert message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_plan_counts_muons_optimizer_state_and_the_latent_cache():
+    """DeepSeek-V3 on 256 H100s: AdamW's two moments leave no layout within memory, Muon's one momentum on
+    the matrices (AdamW's on the rest) fits one, and the best command trains with Muon; the KV cache line
+    gives MLA's latent per token (61 layers of 512 + 64 in bfloat16) beside full keys and values."""
+    args = ["plan", "--model", "deepseek-v3", "--devices", "256", "--nodes", "32", "--top", "1"]
+    adamw, muon = invoke(*args), invoke(*args, "--set", "optimizer.name=muon")
+    assert adamw.exit_code == 1 and muon.exit_code == 0, muon.output
+    assert "optimizer state per device on fsdp=32,expert=8: muon 12G (adamw: 23G)" in muon.output
+    assert "--set optimizer.name=muon --set model.remat=full" in muon.output
+    assert "KV cache: 70,272 bytes per token, latent (MLA); keys and values of all 128 heads: 4,997,120" in muon.output
 
 
 def test_the_best_command_trains_the_model_that_was_planned():
@@ -342,3 +355,22 @@ def test_a_batch_no_layout_can_split_is_named_as_the_reason():
     r = invoke("plan", "--model", "llama-7b", "--devices", "64", "--nodes", "8", "--batch", "100", "--seq", "2047")
     assert r.exit_code == 1 and ("no layout fits: --batch 100 splits over the data-parallel devices of none of them "
                                  "(the fewest are 8); use a multiple of 8") in r.output
+
+
+def test_plan_ranks_the_pipeline_schedules():
+    """`plan --stages 4`: every schedule the 24 layers allow, smallest bubble first, the bubble read from
+    each schedule's table equal to its formula; zero-bubble keeps 1F1B's activations at a third of its
+    bubble, interleaved V = 2 about half (3/19 against 3/11), GPipe keeps every microbatch's."""
+    r = invoke(*REFERENCE, "--stages", "4", "--microbatches", "8", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {(o["schedule"], o["virtual_stages"]): o for o in json.loads(r.output)["schedules"]}
+    assert set(rows) == {("zero_bubble", 1), ("interleaved", 2), ("interleaved", 3), ("1f1b", 1), ("gpipe", 1)}
+    assert next(iter(rows)) == ("zero_bubble", 1)
+    for o in rows.values():
+        assert o["bubble"] == pytest.approx(o["bubble_formula"])
+    one_f = rows["1f1b", 1]
+    assert one_f["bubble"] == pytest.approx(3 / 11) and rows["interleaved", 2]["bubble"] == pytest.approx(3 / 19)
+    assert rows["zero_bubble", 1]["bubble"] == pytest.approx(3 / 27)
+    assert rows["zero_bubble", 1]["activation_bytes"] == one_f["activation_bytes"]  # 4 inputs + 4 gradients
+    assert rows["gpipe", 1]["activation_bytes"] == 6 * one_f["activation_bytes"]  # 8 microbatches x 6 layers
+    assert one_f["sends"] == 2 * 8 * 3 and rows["interleaved", 2]["sends"] == 2 * 8 * 7

@@ -36,6 +36,8 @@ def inspect(
         print(json.dumps(doc, indent=1))
         return
     _print_params(doc, cfg.model.name)
+    if "pipeline" in doc:
+        _print_schedule(doc["pipeline"])
     if compiled:
         _print_compiled(doc)
 
@@ -54,6 +56,15 @@ def _print_params(doc: dict, model: str) -> None:
     console.print(f"{param_count(doc['param_count'])} parameters{padding} · per device: params "
                   f"{human_bytes(doc['params_bytes_per_device'])}, optimizer state "
                   f"{human_bytes(doc['opt_state_bytes_per_device'])}", soft_wrap=True)
+
+
+def _print_schedule(p: dict) -> None:
+    console.print(f"pipeline {p['schedule']}: {p['stages']} stages x {p['microbatches']} microbatches"
+                  + (f" x {p['virtual_stages']} virtual stages" if p["virtual_stages"] > 1 else "")
+                  + f", {p['ticks']} ticks, bubble {p['bubble_schedule']:.3f} (formula {p['bubble_formula']:.3f}), "
+                  f"inputs held per stage {p['held']} (F forward, B backward, W weight gradient, . idle)",
+                  soft_wrap=True)
+    console.print(p["chart"], soft_wrap=True, markup=False, highlight=False)
 
 
 def _print_compiled(doc: dict) -> None:

@@ -48,7 +48,7 @@ FLAG_KEYS = {"mesh": "mesh.spec", "model": "model.name", "steps": "steps", "batc
              "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
              "cross_host": "cluster.cross_host", "failure_timeout": "cluster.failure_timeout", "bind": "cluster.bind",
              "eval_every": "eval.every", "init_from": "init_from", "tokenizer": "data.tokenizer",
-             "packing": "data.packing", "wandb": "tracking.project", "task": "task"}
+             "packing": "data.packing", "wandb": "tracking.project", "task": "task", "reward": "grpo.rewards"}
 
 
 def flag_settings(**flags) -> dict:

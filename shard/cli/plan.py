@@ -9,6 +9,7 @@ from rich.table import Table
 
 from shard.cli.options import PlanSetOpt
 from shard import config as config_mod
+from shard.config.model import cache_bytes_per_token, cache_line
 from shard.errors import ShardError
 from shard.observe.console import console, params_phrase, short_bytes, table_console
 
@@ -26,43 +27,44 @@ def plan(
     batch: Annotated[int | None, typer.Option(help="global batch in sequences (default: 2 per device)")] = None,
     top: Annotated[int, typer.Option(help="rows to print")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="print every layout as JSON")] = False,
+    stages: Annotated[int, typer.Option(help="rank the pipeline schedules for this many stages instead")] = 0,
+    microbatches: Annotated[int, typer.Option(help="microbatches per step (with --stages)")] = 8,
     set_: PlanSetOpt = None,
 ):
     """Rank the layouts of a model on a cluster by predicted step time, from the analytic cost model."""
     from shard import find_hardware, load_hardware
-    from shard.measure.plan import REMAT_CHOICES
-    from shard.measure.plan import plan as make_plan
+    from shard.measure.plan import REMAT_CHOICES, plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])
-    if set(sets) - {"model"}:
-        raise ShardError(f"plan takes model.* keys in --set (the rest from its flags: --batch, --seq, ...), got "
-                         f"{sorted(set(sets) - {'model'})[0]}.*")
+    if set(sets) - {"model", "optimizer"}:
+        raise ShardError(f"plan takes model.* and optimizer.* keys in --set (the rest from its flags: --batch, "
+                         f"--seq, ...), got {sorted(set(sets) - {'model', 'optimizer'})[0]}.*")
     cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
     hw = find_hardware(hardware, load_hardware(hardware_file))
     if top < 0:
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
-    # A remat policy given with --set is planned alone; the other model keys go into the best command.
+    if stages:
+        return _plan_schedules(cfg.model, stages, microbatches, global_batch // max(1, devices // stages), seq,
+                               hw.name, as_json)
+    # A remat policy given with --set is planned alone; the other keys go into the best command.
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
                       if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
-    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats)
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats, cfg.optimizer.name)
     best = next((c for c in ranked if c.fits), None)
     best_command = best.command(cfg.model.name, global_batch, seq, passed_on) if best else None
     if as_json:
-        print(json.dumps({"model": cfg.model.name, "devices": devices, "nodes": nodes, "hardware": hw.name,
-                          "batch": global_batch, "seq_len": seq,
-                          "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
-                          "best": best_command, "layouts": [c.to_dict() for c in ranked]}, indent=1))
-        if best is None:
-            raise typer.Exit(1)
-        return
+        _print_json(cfg, hw, {"devices": devices, "nodes": nodes, "batch": global_batch, "seq_len": seq}, best_command,
+                    ranked)
+        raise typer.Exit(1 if best is None else 0)
     console.print(f"{cfg.model.name} ({params_phrase(cfg.model)}) on {devices} x {hw.name} in "
                   f"{nodes} node(s) · batch {global_batch} x {seq} tokens · {hw.description}")
     _print_table(ranked[:top])
     console.print(f"{sum(c.fits for c in ranked)} of {len(ranked)} layouts fit · * = the axis crosses nodes")
     if cfg.model.n_experts:  # with the table, before the best: that best is not weighed against expert parallel
         console.print(f"warning: {_MOE_NOT_PLANNED}", soft_wrap=True)
+    _print_state(cfg, best, hw)
     if best_command:
         console.print(f"best: {best_command}", soft_wrap=True)  # one line to copy
         return
@@ -74,6 +76,48 @@ def plan(
     else:
         console.print("no layout fits: add devices, shorten --seq, or lower --batch")
     raise typer.Exit(1)  # like grep with no match: the table is the answer, the status is for scripts
+
+
+def _print_json(cfg, hw, sizes: dict, best_command: str | None, ranked: list) -> None:
+    cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
+    print(json.dumps({"model": cfg.model.name, **sizes, "hardware": hw.name, "best": best_command,
+                      "optimizer": cfg.optimizer.name,
+                      "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},
+                      "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
+                      "layouts": [c.to_dict() for c in ranked]}, indent=1))
+
+
+def _print_state(cfg, best, hw) -> None:
+    """The best layout's optimizer state per device (beside AdamW's, for another optimizer), and the KV
+    cache generation holds per token (MLA's latent beside full keys and values)."""
+    from shard.measure.plan import optimizer_state
+
+    if best is not None:
+        state = optimizer_state(cfg.model, best, cfg.optimizer.name)
+        other = f" (adamw: {short_bytes(state['adamw'])})" if cfg.optimizer.name != "adamw" else ""
+        console.print(f"optimizer state per device on {best.mesh_spec()}: {cfg.optimizer.name} "
+                      f"{short_bytes(state[cfg.optimizer.name])}{other}", soft_wrap=True)
+    console.print(cache_line(cfg.model, "cpu" if hw.name == "cpu" else "gpu") + " (generation)", soft_wrap=True,
+                  highlight=False)
+
+
+def _plan_schedules(model, stages: int, microbatches: int, rows: int, seq: int, hardware: str, as_json: bool) -> None:
+    """The schedules for `stages` stages, ranked by bubble (shard.measure.schedules)."""
+    from shard.measure.costs import DTYPE_BYTES
+    from shard.measure.schedules import schedule_options
+
+    act = DTYPE_BYTES[model.compute_dtype_on("cpu" if hardware == "cpu" else "gpu")]
+    options = schedule_options(model, stages, microbatches, rows, seq, act)
+    if as_json:
+        print(json.dumps({"model": model.name, "stages": stages, "microbatches": microbatches, "schedules": options}))
+        return
+    table = Table(title=f"{model.name}: {stages} stages x {microbatches} microbatches of {rows // microbatches} rows")
+    for col in ("schedule", "V", "ticks", "bubble", "formula", "activations/device", "sends/step"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for r in options:
+        table.add_row(r["schedule"], str(r["virtual_stages"]), str(r["ticks"]), f"{r['bubble']:.3f}",
+                      f"{r['bubble_formula']:.3f}", short_bytes(r["activation_bytes"]), str(r["sends"]))
+    table_console(110).print(table)
 
 
 def _print_table(candidates: list) -> None:

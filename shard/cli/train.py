@@ -34,7 +34,11 @@ AllowFresh = Annotated[bool, typer.Option(
 InitFrom = Annotated[str | None, typer.Option(
     "--init-from", help="start from these weights (a shard checkpoint or a Hugging Face folder)")]
 Task = Annotated[str | None, typer.Option(
-    "--task", help="pretrain (default) | sft: chat rows, loss on assistant turns | dpo: preference pairs")]
+    "--task", help="pretrain (default) | sft: chat rows, loss on assistant turns | dpo: preference pairs | "
+                   "grpo: prompts, rewarded completions sampled each step")]
+Reward = Annotated[list[str] | None, typer.Option(
+    "--reward", help="task grpo: answer | boxed | last_number | format | module:function, each NAME or NAME=WEIGHT "
+                     "(repeat to sum several)")]
 Coordinator = Annotated[str | None, typer.Option(help="HOST:PORT of process 0, to start processes by hand (with --num-processes, --process-id)")]
 NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in the job (explicit form)")]
 ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's id, 0..N-1 (explicit form)")]
@@ -54,7 +58,7 @@ def train(mesh: MeshOpt = None, model: ModelOpt = None, steps: Steps = None, bat
           config: ConfigOpt = None, set_: SetOpt = None, simulate_devices: SimOpt = None,
           coordinator: Coordinator = None, num_processes: NumProcesses = None, process_id: ProcessId = None,
           cross_host: CrossHost = None, failure_timeout: FailureTimeout = None, bind: Bind = None,
-          eval_every: EvalEvery = None, wandb: Wandb = None):
+          eval_every: EvalEvery = None, wandb: Wandb = None, reward: Reward = None):
     """Train a model on a device mesh; under mpiexec or srun, on every process of the job."""
     from shard.run.training_run import RunInterrupted, run_training  # JAX: only once the command runs
 
@@ -63,7 +67,7 @@ def train(mesh: MeshOpt = None, model: ModelOpt = None, steps: Steps = None, bat
                              compile_cache=compile_cache, checkpoint_every=checkpoint_every, keep=keep,
                              cross_host=cross_host, failure_timeout=failure_timeout, bind=bind,
                              eval_every=eval_every, init_from=init_from, tokenizer=tokenizer, packing=packing,
-                             wandb=wandb, task=task)
+                             wandb=wandb, task=task, reward=reward)
     try:
         result = run_training(settings, config_file=config, sets=set_ or [], resume=resume, allow_fresh=allow_fresh,
                               profile_steps=profile_steps, coordinator=coordinator, num_processes=num_processes,

@@ -317,6 +317,12 @@ class ModelConfig:
         return self.n_layers - self.dense_layers if self.n_experts else 0
 
     @property
+    def router_bias_layers(self) -> int:
+        """The rows of the router bias (auxiliary-loss-free balancing): the layers with experts, then the
+        multi-token prediction modules' (their layers have experts too)."""
+        return self.moe_layers + (self.mtp_depth if self.n_experts else 0)
+
+    @property
     def dense_part(self) -> "ModelConfig":
         """The config of the dense first layers' stack (dense_layers): this model's, with that many layers,
         no experts and an MLP of dense_mlp_dim."""
@@ -328,6 +334,16 @@ class ModelConfig:
     def mla(self) -> bool:
         """Whether attention is multi-head latent attention (shard.models.mla)."""
         return self.kv_lora_rank > 0
+
+    @property
+    def attention_scale(self) -> float:
+        """The scores' factor before the softmax: query_scale ** -0.5 (0: head_dim ** -0.5); with multi-head
+        latent attention and YaRN, times yarn_mscale(rope_scaling, rope_mscale_all_dim) squared, as
+        DeepSeek-V3 scales every dim's scores, not only the rotated ones (transformers' yarn_apply_mscale)."""
+        scale = (self.query_scale or self.head_dim) ** -0.5
+        if self.mla and self.rope_scaling and self.rope_scaling_type == "yarn" and self.rope_mscale_all_dim:
+            scale *= yarn_mscale(self.rope_scaling, self.rope_mscale_all_dim) ** 2
+        return scale
 
     @property
     def rope_dim(self) -> int:
@@ -530,6 +546,25 @@ def mfu_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     dispatch, are not counted: MFU measures useful work."""
     keys = sum(attended_keys(seq_len, w) for w in cfg.layer_windows())
     return 6 * matmul_params(cfg) + 6 * keys * cfg.n_heads * (cfg.head_dim + cfg.v_dim)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, platform: str) -> float:
+    """The matmul FLOPs per token a training step runs (the hardware FLOP share's count): 6N as MFU counts
+    it, attention over the whole score square (XLA's attention computes every score and masks the
+    future), and what remat recomputes. Full remat runs each layer's forward again for its backward,
+    but not the matmuls whose outputs the backward does not read (the attention output and the MLP's
+    down projection: their inputs are what their gradients need). dots and dots_no_batch keep the
+    projections' outputs; on XLA:CPU their compiled step recomputes no matmul (measured: +0.2% FLOPs).
+    Elementwise FLOPs (norms, softmax, the optimizer) are not counted: they do not run on the matmul
+    units the peak measures (a few % of the compiled HLO's count at d_model 256)."""
+    heads = cfg.n_heads * (cfg.head_dim + cfg.v_dim)  # QK^T and PV per key
+    flops = 6 * matmul_params(cfg) + 6 * seq_len * heads * cfg.n_layers
+    if cfg.remat_on(platform) == "full":
+        downs = (cfg.experts_per_token if cfg.n_experts else 1) + cfg.n_shared_experts  # a MoE: approximate
+        not_read = cfg.n_heads * cfg.v_dim * cfg.d_model + downs * cfg.mlp_dim * cfg.d_model
+        layer = (matmul_params(cfg) - cfg.vocab_size * cfg.d_model) / cfg.n_layers
+        flops += cfg.n_layers * (2 * (layer - not_read) + 2 * seq_len * heads)
+    return flops
 
 
 def attended_keys(seq_len: int, window: int) -> float:

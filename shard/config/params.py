@@ -30,6 +30,18 @@ class ParamSpec:
     feature: str = ""
 
 
+# Axes Muon (optimizer.name = "muon") treats as a batch of matrices: a stacked weight is one matrix per
+# layer (and per expert).
+MATRIX_BATCH_AXES = (LAYERS, EXPERT)
+
+
+def muon_matrix(axes: tuple, init) -> bool:
+    """Whether Muon orthogonalises a weight with these logical axes and initial values (ParamSpec.init):
+    two axes or more besides the batch ones; not the embedding nor the head (a vocab axis), nor norms
+    and biases (constant initial values). AdamW trains the others."""
+    return sum(a not in MATRIX_BATCH_AXES for a in axes) >= 2 and VOCAB not in axes and bool(init)
+
+
 # A dense layer's gated MLP, whose place a mixture of experts takes
 MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
 

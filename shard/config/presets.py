@@ -36,8 +36,9 @@ PRESETS: dict[str, ModelConfig] = {
     # key-value latent and 64 RoPE dims per head shared across its 128 or 64 heads, queries through a
     # 1536-wide latent), 256 or 384 routed experts of width 2048, top 8 by sigmoid scores renormalised and
     # scaled, one shared expert, auxiliary-loss-free balancing; DeepSeek-V3 limits each token to 4 of 8
-    # expert groups; their first 3 (1) layers are dense, of width 18432. Not yet here: their context
-    # extension is YaRN (factor 40 / 32) and they train a multi-token prediction module. The tiny twin keeps
+    # expert groups; their first 3 (1) layers are dense, of width 18432. The presets are the 4K-context
+    # models without DeepSeek-V3's multi-token prediction module: their checkpoints' YaRN (factor 40 / 32)
+    # and MTP layer come with import-hf, or by model.rope_* and model.mtp_depth = 1. The tiny twin keeps
     # every feature with tiny's width (every dim divides 8): one dense layer, then two with experts.
     "deepseek-v3": ModelConfig(name="deepseek-v3", vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
                                n_kv_heads=128, head_dim=192, mlp_dim=2048, tie_embeddings=False, norm_eps=1e-6,

@@ -71,13 +71,16 @@ class DataConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     """Pipeline parallelism, active when the mesh has a `stage` axis: the batch is cut into
-    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b)."""
+    `microbatches` that flow through the stages on `schedule` (gpipe | 1f1b | interleaved | zero_bubble); with
+    interleaved, each stage holds `virtual_stages` chunks of layers, chunk c of stage s the model's
+    (c * S + s)-th slice."""
 
     microbatches: int = 4
     schedule: str = "1f1b"
+    virtual_stages: int = 1
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 PACKING_MODES = ("concat", "packed")
 CROSS_HOST_MODES = ("xla", "mpi")  # one global mesh over every process; or a mesh per process, reduced over MPI
 
@@ -94,8 +97,9 @@ class GuardConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    # Peak bf16 TFLOP/s per device for MFU; 0: from the hardware table by device kind (GPUs; on CPU
-    # MFU is then omitted, since simulated devices share the host's cores).
+    # Peak TFLOP/s per device for MFU and HFU; 0: from the hardware table by device kind (GPUs); on a
+    # CPU the matmul peak benchmarks/peak.py measured on this machine, shared by the simulated devices
+    # (none measured: both shares omitted).
     peak_tflops: float = 0.0
 
 
@@ -252,9 +256,62 @@ class DpoConfig:
     max_prompt_tokens: int = 0
 
 
+# grpo.loss_norm: what a step's summed surrogate is divided by (docs/formulas.md#grpo)
+LOSS_NORMS = ("token", "sequence", "constant")
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    """Group relative policy optimisation and its variants (DAPO, Dr. GRPO): each prompt's
+    `samples_per_prompt` completions are scored and compared within their group; the loss is PPO's
+    clipped surrogate (docs/formulas.md#grpo, shard.training.grpo)."""
+
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    updates_per_batch: int = 1  # optimizer steps on each batch of rollouts
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high] (DAPO: 0.2, 0.28)
+    clip_high: float = 0.2
+    loss_norm: str = "token"  # token (DAPO) | sequence (GRPO) | constant (Dr. GRPO): LOSS_NORMS
+    kl_beta: float = 0.0  # the k3 KL penalty to the starting weights; 0 skips the reference forward pass
+    normalise_advantages: bool = True  # divide by the group's std (false: Dr. GRPO)
+    filter_zero_advantage: bool = True  # leave out groups whose rewards are all equal (no signal)
+    filter_truncated: bool = False  # leave out completions cut at max_new_tokens (DAPO's overlong filter)
+    tis_cap: float = 2.0  # truncated importance sampling: the sampler/trainer weight capped here; 0: off
+    # "NAME" or "NAME=WEIGHT": answer | boxed | last_number | format | module:function (shard.training.rewards)
+    rewards: tuple[str, ...] = ()
+    format_pattern: str = ""  # the regular expression the `format` reward searches a completion for
+    # the mesh the sampler lays the params out on (same devices; "": the training mesh), resharded each step
+    rollout_mesh: str = ""
+
+    def problems(self) -> list[str]:
+        out = [] if self.loss_norm in LOSS_NORMS else [
+            f"grpo.loss_norm must be one of {', '.join(LOSS_NORMS)}, got {self.loss_norm!r}"]
+        for spec in self.rewards:
+            try:
+                reward_spec(spec)
+            except ShardError as e:
+                out.append(str(e))
+        return out
+
+
+def reward_spec(spec: str) -> tuple[str, float]:
+    """(name, weight) of one `grpo.rewards` entry, "NAME" (weight 1) or "NAME=WEIGHT"."""
+    name, sep, weight = spec.partition("=")
+    try:
+        value = float(weight) if sep else 1.0
+    except ValueError:
+        value = math.nan
+    if not name.strip() or not math.isfinite(value):
+        raise ShardError(f"a reward is NAME or NAME=WEIGHT (a finite number), got {spec!r}")
+    return name.strip(), value
+
+
 # pretrain: next-token loss on every token | sft: on the assistant turns of conversations |
-# dpo: preference pairs against the starting weights (docs/finetuning.md)
-TASKS = ("pretrain", "sft", "dpo")
+# dpo: preference pairs against the starting weights (docs/finetuning.md) | grpo: rewarded completions
+# sampled each step (docs/formulas.md#grpo-the-policy-loss)
+TASKS = ("pretrain", "sft", "dpo", "grpo")
 
 
 @dataclass(frozen=True)
@@ -272,6 +329,7 @@ class TrainConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Overrides of the mesh preset's rules: logical axis -> mesh axes ([] replicates).
     rules: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -323,6 +381,7 @@ class TrainConfig:
         if self.tracking.mode not in TRACKING_MODES:
             problems.append(f"tracking.mode must be online, offline, disabled or \"\" (wandb's default), "
                             f"got {self.tracking.mode!r}")
+        problems.extend(self.grpo.problems())
         problems.extend(_task_problems(self))
         problems.extend(_precision_problems(self))
         problems.extend(_optimizer_problems(self))
@@ -342,6 +401,22 @@ def _task_problems(cfg: "TrainConfig") -> list[str]:
         return [f"task dpo reads preference pairs, two sequences each: data.batch ({cfg.data.batch}) must be even"]
     if cfg.task == "dpo" and cfg.data.microbatches != 1:
         return ["task dpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    if cfg.task == "grpo":
+        return _grpo_problems(cfg)
+    return []
+
+
+def _grpo_problems(cfg: "TrainConfig") -> list[str]:
+    g = cfg.grpo
+    if cfg.data.batch % g.samples_per_prompt:
+        return [f"task grpo samples grpo.samples_per_prompt ({g.samples_per_prompt}) completions a prompt: "
+                f"data.batch ({cfg.data.batch}, completions a step) must be a multiple of it"]
+    if g.max_new_tokens >= cfg.data.seq_len:
+        return [f"grpo.max_new_tokens ({g.max_new_tokens}) leaves no room for a prompt in --seq {cfg.data.seq_len}"]
+    if cfg.data.microbatches != 1:
+        return ["task grpo does not accumulate microbatches yet: leave data.microbatches at 1"]
+    if not g.rewards:
+        return ["task grpo needs a reward: --reward answer | boxed | last_number | format | module:function"]
     return []
 
 
@@ -364,9 +439,9 @@ def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
     if opt.qk_clip and cfg.model.qk_norm:
         return [f"optimizer.qk_clip with model.qk_norm ({cfg.model.name}): the q/k norms undo a rescaled query "
                 "weight and bound the logits themselves; leave optimizer.qk_clip at 0"]
-    if opt.qk_clip and (cfg.lora.rank or cfg.task == "dpo" or cfg.cluster.cross_host == "mpi"):
+    if opt.qk_clip and (cfg.lora.rank or cfg.task in ("dpo", "grpo") or cfg.cluster.cross_host == "mpi"):
         what = "lora.rank (the query weights are frozen)" if cfg.lora.rank else (
-            "task dpo (its loss records no logits)" if cfg.task == "dpo" else "cluster.cross_host=mpi")
+            f"task {cfg.task} (its loss records no logits)" if cfg.task != "pretrain" else "cluster.cross_host=mpi")
         return [f"optimizer.qk_clip does not run with {what}; leave it at 0"]
     if opt.qk_clip and (cfg.model.mla or cfg.model.dense_layers or cfg.model.mtp_depth):
         return [f"optimizer.qk_clip is not yet for {cfg.model.name}'s multi-head latent attention, dense first "
@@ -414,6 +489,7 @@ _SECONDS = (lambda v: 0 < v <= 1e6, "positive and at most 1e6 (seconds: 11.6 day
 _RANGES = {
     "steps": _SIZE, "log_every": _COUNT, "seed": (lambda v: 0 <= v < 2**32, "between 0 and 2**32-1"),
     "data.batch": _SIZE, "data.seq_len": _SIZE, "data.microbatches": _COUNT, "pipeline.microbatches": _COUNT,
+    "pipeline.virtual_stages": _COUNT,
     "checkpoint.every": (lambda v: v >= 0, "0 (off) or positive"), "checkpoint.keep": _COUNT,
     "checkpoint.local_every": (lambda v: v >= 0, "0 (off) or positive"),
     "eval.every": _NON_NEGATIVE, "eval.batches": _COUNT, "eval.processes": _NON_NEGATIVE,
@@ -428,6 +504,11 @@ _RANGES = {
     "observe.peak_tflops": _NON_NEGATIVE, "checkpoint.keep_best": _COUNT,
     "cluster.failure_timeout": _SECONDS, "cluster.join_timeout": _SECONDS, "cluster.bucket_mb": _POSITIVE,
     "dpo.beta": _POSITIVE, "dpo.max_prompt_tokens": (lambda v: 0 <= v < 2**31, "0 (half of --seq) or positive"),
+    "grpo.samples_per_prompt": (lambda v: 2 <= v < 2**31, "at least 2 (a group to compare within)"),
+    "grpo.max_new_tokens": _SIZE, "grpo.temperature": _POSITIVE, "grpo.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "grpo.updates_per_batch": _COUNT, "grpo.clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grpo.clip_high": _NON_NEGATIVE, "grpo.kl_beta": _NON_NEGATIVE,
+    "grpo.tis_cap": (lambda v: v == 0 or v >= 1, "0 (off) or at least 1"),
     "optimizer.muon_beta": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "optimizer.muon_ns_steps": (lambda v: 0 < v <= 100, "between 1 and 100"),
     "optimizer.muon_rms": _NON_NEGATIVE, "optimizer.qk_clip": (lambda v: 0 <= v < math.inf, "0 (off) or a positive logit"),

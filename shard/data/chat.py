@@ -9,6 +9,10 @@ rendering of the turns before it with `add_generation_prompt` (the prompt a mode
 The rendering is cut at those points and each piece tokenized on its own, so an assistant turn's
 tokens are exactly the ones a model generates after its prompt; only they are trained on.
 
+A GRPO prompt is a row `{"prompt": ...}` or `{"messages": [...]}`, plus any fields its rewards read
+(`answer` ...): a `prompt` string is the text a model continues, as is (TRL's "standard" form, for a base
+model); messages are rendered with `add_generation_prompt`, as SFT renders the prompt of an assistant turn.
+
 A preference pair (DPO) is a row `{"prompt", "chosen", "rejected"}`: each a string (a user turn, an
 assistant turn), or a list of messages; the completion's assistant turns are the trained tokens.
 """
@@ -97,9 +101,9 @@ class ChatRenderer:
             raise ShardError(f"{self.where} line {line}: the chat template failed to render this conversation "
                              f"({type(e).__name__}: {detail})") from None
 
-    def prompt(self, messages: list[dict]) -> str:
+    def prompt(self, messages: list[dict], line: int = 1) -> str:
         """The text a model answers the conversation from (rendered with add_generation_prompt)."""
-        return self._render(messages, 1, True)
+        return self._render(messages, line, True)
 
     def pieces(self, messages: list[dict], line: int, trained_from: int = 0) -> list[tuple[str, bool]]:
         """The conversation's rendering cut into (text, trained) pieces: the assistant turns at or after
@@ -203,3 +207,34 @@ def read_pairs(path: str, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.nda
             both += render.encode(prompt + completion, n, trained_from=len(prompt))
         pairs.append(tuple(both))
     return pairs
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A GRPO prompt: its line in the file, its row (what rewards read) and its rendered token ids."""
+
+    line: int
+    row: dict
+    ids: np.ndarray
+
+
+def read_prompts(path: str, tokenizer: Tokenizer, max_tokens: int) -> list[Prompt]:
+    """Every prompt of a JSON Lines file: a `prompt` string as is, messages (`prompt` or `messages`) rendered;
+    a prompt longer than `max_tokens` (the room --seq leaves for a completion) is an error naming its line."""
+    render = ChatRenderer.of(tokenizer, path)
+    prompts = []
+    for n, row in read_rows(path):
+        field = next((f for f in ("prompt", "messages") if f in row), None)
+        if field is None:
+            raise ShardError(f"{path} line {n} has no 'prompt' (a string or a list of {{role, content}}) "
+                             "nor 'messages'")
+        text = row[field] if isinstance(row[field], str) and field == "prompt" else render.prompt(
+            messages_of(row[field], path, n, field, "user"), n)
+        ids = np.asarray(tokenizer.encode_batch([text])[0], np.int32)
+        if not len(ids):
+            raise ShardError(f"{path} line {n}: its prompt renders to no tokens")
+        if len(ids) > max_tokens:
+            raise ShardError(f"{path} line {n}: its prompt is {len(ids)} tokens, more than the {max_tokens} that "
+                             "--seq leaves beside grpo.max_new_tokens; raise --seq or shorten it")
+        prompts.append(Prompt(n, row, ids))
+    return prompts

@@ -6,11 +6,15 @@
 - dpo: one sequence per row, padded, the chosen and the rejected sequence of a pair in consecutive rows
   (sample 2k and 2k + 1); pairs are shuffled, never split. A pair longer than a row has its prompt cut
   from the left (dpo.max_prompt_tokens), or is left out (fit_pairs).
+- grpo: prompts (shard.data.chat.read_prompts), each step's drawn by a PromptStream; the rows are built
+  from the completions sampled (shard.training.rollouts).
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 
-from shard.data.chat import read_chats, read_pairs
+from shard.data.chat import Prompt, read_chats, read_pairs, read_prompts
 from shard.data.corpus import check_tokenizer_fits
 from shard.data.packing import PackedSource, pack
 from shard.data.samples import Samples, shuffled_order
@@ -124,7 +128,56 @@ def task_samples(cfg, source: DataSource | None = None) -> Samples:
     spec = source.tokenizer
     tokenizer = load_tokenizer(spec)
     check_tokenizer_fits(tokenizer, spec, cfg.model.vocab_size)
+    if cfg.task == "grpo":
+        prompts = read_prompts(cfg.data.path, tokenizer, cfg.data.seq_len + 1 - cfg.grpo.max_new_tokens)
+        return PromptSet(prompts, tokenizer, cfg.data.path, source)
     if cfg.task == "dpo":
         return dpo_samples(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source,
                            max_prompt_tokens=cfg.dpo.max_prompt_tokens)
     return sft_samples(cfg.data.path, tokenizer, cfg.data.seq_len, cfg.seed, origin=source)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """GRPO's prompts, with the tokenizer that rendered them (the rewards read its decoding)."""
+
+    prompts: list[Prompt]
+    tokenizer: object
+    path: str
+    origin: DataSource | None = None
+    rewards: tuple = ()  # shard.training.rewards.Reward, loaded by the trainer before it compiles
+    windows = None  # no fixed rows: shard.data.batches.repetition_note has nothing to say
+
+    def describe(self) -> str:
+        return f"{len(self.prompts):,} prompts"
+
+
+@dataclass
+class PromptStream:
+    """The prompts of each GRPO step, `batch // group` of them (`batch` completions, `group` a prompt), in a
+    fresh shuffle every epoch from the seed. `position` counts completions, as BatchStream's counts rows:
+    a checkpoint keeps it, and a resumed run draws the same prompts. `next()`: (the step's index from 0,
+    its prompts)."""
+
+    dataset: PromptSet
+    batch: int
+    group: int
+    seq_len: int
+    seed: int
+    position: int = 0
+    filled_tokens: int = 0  # rows x seq_len, as the trainer reads them
+    made: int = 0
+    packed = False
+
+    def next(self) -> tuple[int, list[Prompt]]:
+        n, per_step = len(self.dataset.prompts), self.batch // self.group
+        first = self.position // self.group
+        picked = [self.dataset.prompts[self._order(k // n)[k % n]] for k in range(first, first + per_step)]
+        index = self.position // self.batch
+        self.position += self.batch
+        self.filled_tokens += self.batch * self.seq_len
+        self.made += 1
+        return index, picked
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self.dataset.prompts))

@@ -130,6 +130,7 @@ class Workload:
     # GPUs and TPUs move dropless routing's tokens by ragged all-to-all, which sends the rows routed;
     # XLA:CPU sends every token to every device (parallel.expert_exchange.expert_exchange)
     ragged_exchange: bool = False
+    optimizer: str = "adamw"  # optimizer.name: AdamW keeps two moments per parameter, Muon one on its matrices
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -138,7 +139,8 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule, **dropless_lowering(platform))
+                   pipeline_schedule=cfg.pipeline.schedule, optimizer=cfg.optimizer.name,
+                   **dropless_lowering(platform))
 
 
 def dropless_lowering(platform: str) -> dict:

@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 
+from shard.axes import STAGE
+from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import Layout, path_str
 from shard.training.state import StateSpec
 
@@ -71,6 +73,17 @@ def summary(spec: StateSpec, layout: Layout) -> dict:
     }
 
 
+def pipeline_doc(kind: str, stages: int, microbatches: int, virtual: int = 1) -> dict:
+    """The schedule `shard inspect` draws: its bubble by formula and by table, the inputs each stage
+    holds at its peak, and the chart (stages x ticks)."""
+    from shard.parallel.schedule import bubble_formula, build
+
+    sch = build(kind, stages, microbatches, virtual)
+    return {"schedule": kind, "stages": stages, "microbatches": microbatches, "virtual_stages": virtual,
+            "ticks": sch.ticks, "bubble_formula": bubble_formula(kind, stages, microbatches, virtual),
+            "bubble_schedule": sch.idle_fraction(), "held": sch.held(), "chart": sch.chart()}
+
+
 def inspect_config(cfg, devices, compiled: bool = False) -> dict:
     """`shard inspect`'s document: every parameter's layout on cfg's mesh over `devices` (`summary`), and
     with `compiled` what the step compiled from shapes moves and holds (shard.measure.analysis)."""
@@ -81,6 +94,10 @@ def inspect_config(cfg, devices, compiled: bool = False) -> dict:
     layout = make_layout(cfg, parse_mesh(cfg.mesh.spec), devices)
     doc = summary(state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora), layout)
     doc["model"] = cfg.model.name
+    if (stages := layout.axis_sizes.get(STAGE, 1)) > 1:
+        p = cfg.pipeline
+        schedule_check(p.schedule, stages, p.microbatches, p.virtual_stages, cfg.model.n_layers)
+        doc["pipeline"] = pipeline_doc(p.schedule, stages, p.microbatches, p.virtual_stages)
     if compiled:
         from shard.measure.analysis import analyze
         from shard.training.step import check_batch

@@ -10,6 +10,7 @@ import math
 
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, VOCAB
 from shard.config.model import ModelConfig
+from shard.config.params import model_params, muon_matrix
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
 from shard.sharding.decisions import attention_chunks, loss_chunks
 
@@ -163,9 +164,21 @@ def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
                for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
 
 
+def optimizer_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Per-device bytes of the optimizer state, sharded like the parameters: AdamW's two moments of every
+    parameter; Muon's one momentum of each matrix it orthogonalises (shard.config.params.muon_matrix)
+    and AdamW's two moments of the rest."""
+    total = 0.0
+    for spec in model_params(cfg).values():
+        moments = 1 if work.optimizer == "muon" and muon_matrix(spec.axes, spec.init) else 2
+        total += moments * math.prod(spec.shape) * work.param_bytes / math.prod(shape.ways(spec.axes, param=True).values())
+    return total
+
+
 def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
-    """Per-device memory of a train step (AdamW): what XLA's memory analysis calls arguments +
-    temporaries + outputs - aliased, in parts."""
+    """Per-device memory of a train step (AdamW or Muon: `work.optimizer`): what XLA's memory analysis
+    calls arguments + temporaries + outputs - aliased, in parts. Muon's Newton-Schulz temporaries are
+    counted as AdamW's update temporaries (not fitted apart)."""
     pb = work.param_bytes
     params = param_bytes(cfg, shape, pb)
     gathers = any(shape.ways(a, param=True) != shape.ways(a, param=False) for _, _, a in cfg.param_shapes())
@@ -173,7 +186,7 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
     tokens = work.global_batch * work.seq_len / shape.token_ways()
     out = {
         "params": params,
-        "optimizer": 2 * params,  # AdamW's two moments, sharded like the parameters
+        "optimizer": optimizer_bytes(cfg, shape, work),
         # gradients as stored, plus (FSDP) one layer's gradient in the compute layout before its
         # reduce-scatter: the layers are scanned, so one is in flight at a time
         "grads": params + (layer * pb / work.act_bytes if gathers else 0.0),
@@ -219,6 +232,6 @@ def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict
     counted as without remat: counting those remat keeps made remat look faster where HBM bounds."""
     passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
     weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
-    optimizer = memory["params"] * 7  # read p, g, m, v; write p, m, v
+    optimizer = memory["params"] * 3 + memory["optimizer"] * 2  # read p, g and the moments; write p and them
     moved = activation_bytes(cfg, shape, dataclasses.replace(work, remat="none"))
     return weights + optimizer + 2 * moved * work.microbatches

@@ -7,12 +7,13 @@ tests/test_plan.py on simulated devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from dataclasses import dataclass, field
 
 from shard.measure import costs
-from shard.measure.memory import hbm_bytes, memory_bytes, probs_hbm_bytes
+from shard.measure.memory import hbm_bytes, memory_bytes, optimizer_bytes, probs_hbm_bytes
 from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
 from shard.errors import ShardError
 from shard.hardware import Hardware
@@ -135,8 +136,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
-             global_batch: int, seq_len: int) -> Candidate:
-    """Predicted costs of one layout on this hardware."""
+             global_batch: int, seq_len: int, optimizer: str = "adamw") -> Candidate:
+    """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name)."""
     import dataclasses
 
     platform = "cpu" if hw.name == "cpu" else "gpu"
@@ -147,7 +148,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute),
-                          **costs.dropless_lowering(platform))
+                          optimizer=optimizer, **costs.dropless_lowering(platform))
     problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = memory_bytes(cfg, shape, work)
@@ -179,8 +180,9 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
 
 
 def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
-         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES) -> list[Candidate]:
-    """All layouts (each with every remat policy in `remats`), the fitting ones first, fastest first.
+         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES, optimizer: str = "adamw") -> list[Candidate]:
+    """All layouts (each with every remat policy in `remats`, trained by `optimizer`), the fitting ones
+    first, fastest first.
     Step times within 2% count as a tie, broken by room to spare (a layout predicted within the memory
     model's 9% error of the limit may not fit: it goes after the others), then by the time with nothing
     overlapped (less exposed traffic), then by memory."""
@@ -192,9 +194,17 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     per_node = devices // nodes
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
-    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len)
+    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer)
            for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB
     return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),
                                       c.memory["total"] > tight, c.step_s_serial, c.memory["total"]))
+
+
+def optimizer_state(cfg: ModelConfig, candidate: Candidate, optimizer: str) -> dict[str, float]:
+    """Per-device optimizer state bytes of a layout under `optimizer` and under AdamW, to compare."""
+    shape = costs.LayoutShape.of(**candidate.sizes)
+    work = costs.Workload(1, 1, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype])
+    return {name: optimizer_bytes(cfg, shape, dataclasses.replace(work, optimizer=name))
+            for name in dict.fromkeys((optimizer, "adamw"))}

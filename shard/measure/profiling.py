@@ -41,9 +41,11 @@ class Profiler(Observer):
         self.summary: dict | None = None
         self._tracing = False
         self._step = 0  # the newest step seen
+        self._hlo = None
 
     def on_start(self, run) -> None:
         self._step = run.start_step
+        self._hlo = getattr(run, "step_hlo", None)  # the compiled step's text, for the compute split
         if run.start_step == self.first - 1:  # the window opens with this run's first step
             self._start()
 
@@ -79,7 +81,9 @@ class Profiler(Observer):
         self._tracing = False
         jax.profiler.stop_trace()
         if summarize_steps:
-            self.summary = summarize(find_trace(self.out_dir), steps=min(self._step, self.last) - self.first + 1)
+            phases = op_phases(self._hlo()) if self._hlo else None
+            self.summary = summarize(find_trace(self.out_dir), steps=min(self._step, self.last) - self.first + 1,
+                                     phases=phases)
             (self.out_dir / "profile_summary.json").write_text(json.dumps(self.summary, indent=1))
 
 
@@ -136,9 +140,49 @@ def device_timelines(events: list[dict]) -> dict[str, list[dict]]:
     return lines
 
 
-def summarize(trace: Path, steps: int = 1) -> dict:
+# What a compiled op does, by the op_name JAX gives its HLO: the gradient's transpose, remat's rerun of the
+# forward inside it, the forward (jvp), and what runs outside the gradient (the optimizer, the norm)
+PHASES = (("remat recompute", "rematted_computation"), ("backward", "transpose("), ("forward", "jvp("))
+OUTSIDE = "optimizer and outside the gradient"
+
+
+def op_phases(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled HLO module -> its phase (PHASES, else OUTSIDE), by its op_name; a
+    fusion without one takes the phase of the ops it fuses (the first of PHASES any of them is in)."""
+    names, fused, calls, current = {}, {}, {}, None
+    for line in hlo_text.splitlines():
+        if m := re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line):
+            current = fused.setdefault(m.group(1), [])
+        elif m := re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line):
+            if op := re.search(r'op_name="([^"]*)"', line):
+                names[m.group(1)] = op.group(1)
+                if current is not None:
+                    current.append(op.group(1))
+            if c := re.search(r"calls=%?([\w.\-]+)", line):
+                calls[m.group(1)] = c.group(1)
+    for name, comp in calls.items():
+        if name not in names and fused.get(comp):
+            names[name] = next((o for _, mark in PHASES for o in fused[comp] if mark in o), fused[comp][-1])
+    return {name: next((phase for phase, mark in PHASES if mark in op), OUTSIDE) for name, op in names.items()}
+
+
+def compute_split(lines: dict[str, list[dict]], phases: dict[str, str]) -> dict[str, float]:
+    """Shares of the compute ops' time (summed over threads and streams) per phase (op_phases); ops the
+    module does not name (runtime copies) are `unattributed`."""
+    time: dict[str, float] = {}
+    for evs in lines.values():
+        for e in evs:
+            if not collective_kind(e["name"]) and not _NOT_COMPUTE.search(e["name"]):
+                phase = phases.get(e["name"], "unattributed")
+                time[phase] = time.get(phase, 0.0) + e["dur"]
+    total = sum(time.values()) or 1.0
+    return {k: v / total for k, v in sorted(time.items(), key=lambda kv: -kv[1])}
+
+
+def summarize(trace: Path, steps: int = 1, phases: dict[str, str] | None = None) -> dict:
     """Fractions of the traced window per device timeline, averaged: compute, each collective kind,
-    idle, and exposed communication (collective time with no compute running beside it)."""
+    idle, and exposed communication (collective time with no compute running beside it); with the
+    compiled step's `phases` (op_phases), the compute's split into forward, remat, backward and the rest."""
     data = json.loads(gzip.decompress(trace.read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     lines = device_timelines(events)
@@ -170,12 +214,14 @@ def summarize(trace: Path, steps: int = 1) -> dict:
         "collectives_frac": {k: v / n for k, v in sorted(kinds.items())},
         "exposed_comm_frac": exposed / n,
         "idle_frac": idle / n,
-    }
+    } | ({"compute_split": compute_split(lines, phases)} if phases else {})
 
 
 def format_summary(s: dict) -> str:
     parts = [f"compute {s['compute_frac']:.0%}"]
     parts += [f"{k} {v:.0%}" for k, v in s["collectives_frac"].items()]
     parts += [f"exposed communication {s['exposed_comm_frac']:.0%}", f"idle {s['idle_frac']:.0%}"]
+    split = "; compute: " + ", ".join(f"{k} {v:.0%}" for k, v in s["compute_split"].items()) \
+        if s.get("compute_split") else ""
     return (f"profile of {s['steps']} step(s), {s['window_ms']:.1f} ms on {s['timelines']} device timeline(s): "
-            + ", ".join(parts))
+            + ", ".join(parts) + split)

@@ -84,7 +84,7 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
     the amax histories of this layer's fp8_delayed weights, by weight."""
     recipes, histories = recipes or {}, histories or {}
     window = cfg.sliding_window if window is None else window
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+    scale = cfg.attention_scale
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))

@@ -138,7 +138,10 @@ def forward_hidden(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, zigzag:
 
 def run_stacks(cfg: ModelConfig, params: dict, x_btd: jax.Array, cache: dict | None = None, start=0, **kw):
     """`run_layers` over the model's layer stacks: the dense first layers' (cfg.dense_layers, DeepSeek-V3)
-    and then the main one; a cache's layers are split between them and joined again."""
+    and then the main one; a cache's layers are split between them and joined again. A router bias's rows
+    past the main stack's layers are the MTP modules' (shard.models.mtp)."""
+    if kw.get("router_bias") is not None:
+        kw = kw | {"router_bias": kw["router_bias"][:cfg.moe_layers]}
     history = params.get("fp8", {})  # training with fp8_delayed weights: their amax histories
     if not cfg.dense_layers:
         return run_layers(cfg, params["layers"], x_btd, cache, start, **kw, fp8_history=history.get("layers"))

@@ -68,7 +68,7 @@ def mla_attention(h_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, st
     """The attention output (B, T, N, V) of the normalised residual, and the updated latent cache
     (`kv`: {"ckv": (B, S, C), "k_rope": (B, S, R)}, written at `start`; None without one)."""
     P = cfg.qk_nope_head_dim
-    scale = (cfg.query_scale or cfg.head_dim) ** -0.5  # YaRN's attention-scale correction goes here
+    scale = cfg.attention_scale
     q_btnh = queries(h_btd, p, dtype)
     q_btnh = jnp.concatenate([q_btnh[..., :P], apply_rope(q_btnh[..., P:], cos_tr, sin_tr)], axis=-1)
     q_btnh = constrain(q_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))

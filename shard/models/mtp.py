@@ -25,10 +25,11 @@ from shard.sharding.rules import constrain
 
 
 def mtp_hidden(cfg: ModelConfig, params: dict, h_btd: jax.Array, tokens_bt: jax.Array, table=None,
-               segment_ids=None, positions=None) -> list[tuple[jax.Array, dict]]:
+               segment_ids=None, positions=None, router_bias=None) -> list[tuple[jax.Array, dict]]:
     """Each module's hidden state (B, T, D), before its final norm, and its layer's MoE statistics; `h_btd`
     the decoder's last hidden state, `tokens_bt` its input tokens (module k reads them k + 1 ahead; the
-    last k + 1 positions wrap around, and their predictions are masked out by `mtp_loss`)."""
+    last k + 1 positions wrap around, and their predictions are masked out by `mtp_loss`). `router_bias`:
+    the model's (its rows after the main stack's layers are the modules')."""
     dtype = compute_dtype(cfg)
     out = []
     for k in range(cfg.mtp_depth):
@@ -38,19 +39,23 @@ def mtp_hidden(cfg: ModelConfig, params: dict, h_btd: jax.Array, tokens_bt: jax.
         h_btd = jnp.einsum("btx,xd->btd", both_btx, compute_weight(p["eh_proj"], (None, EMBED), dtype))
         h_btd = constrain(h_btd, (BATCH, RES_LENGTH, EMBED))
         layer = jax.tree.map(lambda a, k=k: a[k:k + 1], params["mtp"]["layers"])  # a stack of one
-        h_btd, stats = run_layers(cfg, layer, h_btd, segment_ids=segment_ids, positions=positions, stack="mtp/layers")
+        bias = None if router_bias is None else router_bias[cfg.moe_layers + k:cfg.moe_layers + k + 1]
+        h_btd, stats = run_layers(cfg, layer, h_btd, segment_ids=segment_ids, positions=positions, router_bias=bias,
+                                  stack="mtp/layers")
         out.append((h_btd, stats))
     return out
 
 
 def mtp_loss(cfg: ModelConfig, params: dict, h_btd: jax.Array, tokens_bt: jax.Array, targets_bt: jax.Array,
-             mask_bt: jax.Array, table=None, segment_ids=None, positions=None) -> tuple[jax.Array, jax.Array]:
+             mask_bt: jax.Array, table=None, segment_ids=None, positions=None,
+             router_bias=None) -> tuple[jax.Array, jax.Array]:
     """(mean over modules of each module's mean next-token loss, their summed MoE auxiliary losses): module
     k's targets are `targets_bt` k + 1 positions on, counted where the mask is 1 there and, in packed rows,
     the target lies in the same document."""
     total, aux = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     T = tokens_bt.shape[1]
-    for k, (h_k, stats) in enumerate(mtp_hidden(cfg, params, h_btd, tokens_bt, table, segment_ids, positions)):
+    modules = mtp_hidden(cfg, params, h_btd, tokens_bt, table, segment_ids, positions, router_bias)
+    for k, (h_k, stats) in enumerate(modules):
         shift = k + 1
         valid_t = (jnp.arange(T) < T - shift).astype(jnp.float32)  # no wrapped-around target
         mask_k = jnp.roll(mask_bt, -shift, axis=1) * valid_t

@@ -11,6 +11,10 @@ from pathlib import Path
 from shard.training.observer import Observer
 
 
+# A GRPO record's few sampled completions: written to completions.jsonl (CompletionsWriter), not metrics.jsonl.
+COMPLETIONS = "completions"
+
+
 class JsonlWriter(Observer):
     """Appends each logged record as one line; flushed per line so a crash loses nothing logged."""
 
@@ -25,6 +29,9 @@ class JsonlWriter(Observer):
             self._f.write("\n")
 
     def on_log(self, record: dict) -> None:
+        self._write({k: v for k, v in record.items() if k != COMPLETIONS})
+
+    def _write(self, record: dict) -> None:
         # strict JSON: a non-finite value (the NaN loss of a step the guard skipped) is written as null
         strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         try:
@@ -114,6 +121,15 @@ def append_event(path: Path, event: dict) -> None:
         f.write(("\n" if torn else "") + json.dumps(event, allow_nan=False) + "\n")
 
 
+class CompletionsWriter(JsonlWriter):
+    """completions.jsonl: a few of the completions a GRPO run sampled at each logged step, with their
+    prompt's line and reward, one line a step."""
+
+    def on_log(self, record: dict) -> None:
+        if COMPLETIONS in record:
+            self._write({"step": record["step"], COMPLETIONS: record[COMPLETIONS]})
+
+
 def _last_byte(path: Path) -> bytes:
     with open(path, "rb") as f:
         f.seek(-1, 2)
@@ -181,7 +197,7 @@ def is_event(record: dict) -> bool:
 # value may not be (JsonlWriter writes a NaN loss as null).
 NUMBER_FIELDS = ("step", "time_s", "tokens_per_s", "step_time_s", "tokens_seen", "mem_in_use_bytes",
                  "mem_peak_bytes")
-NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "eval_loss", "aux_loss", "router_z_loss", "pipeline_bubble",
+NUMBER_OR_NULL_FIELDS = ("loss", "grad_norm", "lr", "mfu", "hfu", "eval_loss", "aux_loss", "router_z_loss", "pipeline_bubble",
                          "expert_load_min", "expert_load_max", "expert_load_cv", "tokens_dropped",
                          "expert_rows_sent", "mtp_loss", "max_logit")
 

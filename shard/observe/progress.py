@@ -8,6 +8,7 @@ from rich.markup import escape
 
 from shard.observe.console import console, err_console, human_bytes, param_count, params_phrase, short_bytes
 from shard.errors import ShardError
+from shard.hardware import FLOP_SHARE_ERROR
 from shard.training.observer import Observer
 
 
@@ -51,8 +52,11 @@ def moe_fields(r: dict) -> list[str]:
 
 
 def health_fields(r: dict) -> list[str]:
-    """MFU (where a peak is known) and the busiest device's peak memory (`~`: XLA's compiled estimate)."""
+    """MFU and the hardware FLOP share HFU (where a peak is known), and the busiest device's peak memory
+    (`~`: XLA's compiled estimate)."""
     out = [f"MFU {r['mfu']:.1%}"] if r.get("mfu") is not None else []
+    if r.get("hfu") is not None:
+        out.append(f"HFU {r['hfu']:.1%}")
     if r.get("mem_peak_bytes"):
         out.append(f"mem {'~' if r.get('mem_source') == 'compiled' else ''}{short_bytes(r['mem_peak_bytes'])}")
     return out
@@ -116,8 +120,9 @@ class ConsoleProgress(Observer):
             + (f" · ~{human_bytes(peak)} per device (compiled estimate)" if peak else "")
             + f" · step compiled {compiled}", soft_wrap=True)
         if run.peak_flops is None:
-            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices "
-                          "(set one with --set observe.peak_tflops=X)[/dim]", soft_wrap=True, markup=True)
+            console.print(f"[dim]MFU not reported: no peak FLOP/s known for {kind} devices (set one with "
+                          "--set observe.peak_tflops=X; on a CPU, measure it: python benchmarks/peak.py)[/dim]",
+                          soft_wrap=True, markup=True)
         if run.hardware is not None:
             from shard.measure.plan import startup_warnings
 
@@ -146,6 +151,13 @@ class ConsoleProgress(Observer):
         if "reward_margin" in r:  # a DPO run's
             evaluated += (f" · reward margin {r['reward_margin']:.4f} (chosen {r['reward_chosen']:.4f}, rejected "
                           f"{r['reward_rejected']:.4f}) · accuracy {r['accuracy']:.2f}")
+        if "completion_length" in r:  # a GRPO run's
+            evaluated += (f" · reward {r['reward']:.4f} ± {r['reward_std']:.4f} · kl {r['kl']:.4f} · clipped "
+                          f"{r['clip_low']:.2f}/{r['clip_high']:.2f} · length {r['completion_length']:.1f} · "
+                          f"filtered {r['filtered']:.0%} · rollout {r['rollout_tokens_per_s']:,.0f} tokens/s")
+        if FLOP_SHARE_ERROR in r:
+            (self.progress.console if self.progress else err_console).print(
+                f"[yellow]warning: {escape(r[FLOP_SHARE_ERROR])}[/yellow]", soft_wrap=True)
         if self.progress:
             self.progress.update(self.task, loss=f"{r['loss']:.4f}", tps=f"{r['tokens_per_s']:,.0f}",
                                  more=" · ".join(health_fields(r) + moe_fields(r)))

@@ -160,7 +160,7 @@ def summary_row(run: dict) -> dict:
 
 def plot(runs: list[dict], out: Path) -> list[Path]:
     """loss vs step (and the eval loss, where logged), loss vs time, tokens/s vs step, and the expert
-    load's cv vs step of the runs that log it (MoE): one PNG each, one line per run."""
+    load's cv (MoE) and the reward (GRPO) vs step of the runs that log them: one PNG each, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,22 +194,33 @@ def plot(runs: list[dict], out: Path) -> list[Path]:
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)
-    balanced = [run for run in runs if any("expert_load_cv" in r for r in run["records"])]
-    if balanced:  # MoE runs: how evenly their experts were loaded
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for run in balanced:
-            recs = [r for r in run["records"] if r.get("expert_load_cv") is not None]
-            ax.plot([r["step"] for r in recs], [r["expert_load_cv"] for r in recs], marker=".", label=run["name"])
-        ax.set_title("expert load balance by step", fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel("expert load cv (0: balanced)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "expert_load_vs_step.png", dpi=110)
-        plt.close(fig)
-        paths.append(out / "expert_load_vs_step.png")
+    for name, y, title, label in METRIC_CHARTS:
+        logged = [run for run in runs if any(y in r for r in run["records"])]
+        if logged:
+            paths.append(_metric_chart(plt, logged, out / name, y, title, label))
     return paths
+
+
+# Charts of a metric some runs log, drawn for those: (file, metric, title, y label)
+METRIC_CHARTS = (("expert_load_vs_step.png", "expert_load_cv", "expert load balance by step",
+                  "expert load cv (0: balanced)"),  # MoE runs: how evenly their experts were loaded
+                 ("reward_vs_step.png", "reward", "mean reward by step", "reward"))  # GRPO runs
+
+
+def _metric_chart(plt, runs: list[dict], path: Path, y: str, title: str, label: str) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        recs = [r for r in run["records"] if r.get(y) is not None]
+        ax.plot([r["step"] for r in recs], [r[y] for r in recs], marker=".", label=run["name"])
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _mark_resumes(ax, run: dict, x: str, color) -> None:

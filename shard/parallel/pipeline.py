@@ -1,7 +1,7 @@
 """Pipeline parallelism over the `stage` mesh axis: the stacked layers split into S stages, the batch
-into M microbatches, on a GPipe or 1F1B schedule.
+into M microbatches, on a GPipe, 1F1B, interleaved or zero-bubble schedule.
 
-Both schedules run the model's own pieces, passed in by the train step (the layer block as `stage_fn`,
+Every schedule runs the model's own pieces, passed in by the train step (the layer block as `stage_fn`,
 the head and loss as `head_loss`), inside one `jax.shard_map` that is manual over `stage` and the pure data-parallel axes (`replicas`: mesh axes
 that split the batch and hold whole copies of the parameters). FSDP and tensor parallelism keep working
 on the other mesh axes by their rules.
@@ -9,27 +9,29 @@ on the other mesh axes by their rules.
 Why the replica axes are manual: left to the partitioner, the weight gradient of every backward tick is
 all-reduced over `data` inside the schedule's loop (the sum over the batch is taken where the gradient
 is made), M times per step. Manual, each replica accumulates its own partial gradient and the schedule
-ends with one psum over the replica axes. 1F1B's head gradient leaves the schedule summed over stages
-only, one copy per replica: with tied embeddings it meets the lookup's gradient in one add, which
-XLA:GPU's AllReduceReassociate reduces over the replicas once.
+ends with one psum over the replica axes. The table schedules' head gradient leaves the schedule summed
+over stages only, one copy per replica: with tied embeddings it meets the lookup's gradient in one add,
+which XLA:GPU's AllReduceReassociate reduces over the replicas once.
 
 - GPipe: a forward loop of M + S - 1 ticks (each stage applies its layers, then a ppermute passes the
   activations on); `jax.grad` differentiates it, so activations of all M microbatches are kept.
-- 1F1B: a static table says, for every tick and stage, idle / forward(m) / backward(m); a `fori_loop`
-  reads its row and picks the op with `lax.switch`. The backward recomputes its stage (jax.vjp) from a
-  stored input, so a stage holds at most a few microbatches' inputs, independent of M. The loss and
-  all gradients come out of one pass, wrapped in a custom_vjp so the train step stays `value_and_grad`.
+- 1F1B, interleaved, zero-bubble: a static table says, for every tick and stage, idle / forward /
+  backward (/ weight gradient) of which microbatch and chunk; a `fori_loop` reads its row and picks the
+  op with `lax.switch`. The backward recomputes its chunk (jax.vjp) from a stored input, so a stage
+  holds a bounded number of inputs, independent of M. The loss and all gradients come out of one pass,
+  wrapped in a custom_vjp so the train step stays `value_and_grad`.
 
-The bubble (idle share of a stage's time) is (S - 1) / (M + S - 1) for both.
+The tables (what runs where and when) are data: shard/parallel/schedule.py builds them, and the bubble
+(idle share of a stage's time) read from them is the formula's (docs/formulas.md).
 
 Per-microbatch inputs of the layers beyond the activations (`extras`: packed rows' segment ids and
 positions, (M, rows, T) each) are not passed along the chain: every stage holds all M of them (they are
-small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m)`; `extras_m` is None
+small) and reads the microbatch it runs, `stage_fn(layers, x_btd, extras_m, first_layer)`; `extras_m` is None
 without them.
 """
 
+
 import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -40,24 +42,20 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
+from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build, slots
+from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
-IDLE, FWD, BWD = 0, 1, 2
-BWD_LAST = 3  # executed only: the last stage's backward, which also runs the head and the loss
-
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of each stage in GPipe and 1F1B with equal-cost microbatches."""
-    return (stages - 1) / (microbatches + stages - 1)
+# The executor's op codes: the schedule's IDLE, FWD, BWD, WGT, and the last virtual stage's backward and
+# weight gradient, which also run the head and the loss.
+BWD_LAST, WGT_LAST = 4, 5
 
 
 def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
-          context_ways: int = 1) -> None:
+          context_ways: int = 1, kind: str = "1f1b", virtual: int = 1) -> None:
     """Errors a user can cause, before anything is traced. `context_ways`: how many ways the layout
     splits `length` (context parallelism)."""
-    if cfg.n_layers % stages:
-        raise ShardError(f"pipeline: {cfg.n_layers} layers do not split into {stages} stages; use a stage "
-                         f"count that divides model.n_layers")
+    schedule_check(kind, stages, microbatches, virtual, cfg.n_layers)
     if cfg.n_experts:
         raise ShardError("pipeline: mixture-of-experts models are not pipelined yet; drop the stage axis")
     if cfg.mtp_depth:
@@ -72,100 +70,10 @@ def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: i
                          f"split into pipeline.microbatches={microbatches}")
 
 
-# --- schedule tables (numpy, static) ------------------------------------------------------------------
+# --- schedule tables (numpy, static: shard/parallel/schedule.py) ----------------------------------------
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """`op[t, s]` and `mb[t, s]`: what stage s does at tick t. Computed once, becomes constants."""
-
-    op: np.ndarray
-    mb: np.ndarray
-    stages: int
-    microbatches: int
-
-    @property
-    def ticks(self) -> int:
-        return self.op.shape[0]
-
-    def idle_fraction(self) -> float:
-        """Measured bubble: the share of (tick, stage) slots with no work, each op taking one slot."""
-        return float(np.mean(self.op == IDLE))
-
-
-def stage_orders(kind: str, S: int, M: int) -> list[list[tuple[int, int]]]:
-    """Each stage's ordered list of (op, microbatch)."""
-    orders = []
-    for s in range(S):
-        if kind == "gpipe":
-            orders.append([(FWD, m) for m in range(M)] + [(BWD, m) for m in range(M)])
-            continue
-        warm = min(S - 1 - s, M)
-        order = [(FWD, m) for m in range(warm)]
-        for i in range(M - warm):
-            order += [(FWD, warm + i), (BWD, i)]
-        order += [(BWD, m) for m in range(M - warm, M)]
-        orders.append(order)
-    return orders
-
-
-@functools.lru_cache(maxsize=32)
-def schedule(kind: str, S: int, M: int) -> Schedule:
-    """Run each stage's order as early as dependencies allow (one op per stage per tick; a message sent
-    at tick t is usable at t + 1)."""
-    orders = stage_orders(kind, S, M)
-    done_f = np.full((S, M), -1)
-    done_b = np.full((S, M), -1)
-    nxt = [0] * S
-    ops, mbs = [], []
-    t = 0
-    while any(nxt[s] < len(orders[s]) for s in range(S)):
-        row_op, row_mb = [IDLE] * S, [0] * S
-        for s in range(S):
-            if nxt[s] == len(orders[s]):
-                continue
-            op, m = orders[s][nxt[s]]
-            if op == FWD:
-                ready = s == 0 or 0 <= done_f[s - 1, m] < t
-            else:
-                ready = (0 <= done_f[s, m] < t) if s == S - 1 else (0 <= done_b[s + 1, m] < t)
-            if ready:
-                row_op[s], row_mb[s] = op, m
-        for s in range(S):
-            if row_op[s] != IDLE:
-                (done_f if row_op[s] == FWD else done_b)[s, row_mb[s]] = t
-                nxt[s] += 1
-        ops.append(row_op)
-        mbs.append(row_mb)
-        t += 1
-        if t > 4 * (M + S) + 8:
-            raise AssertionError("pipeline schedule did not finish")
-    return Schedule(np.array(ops, np.int32), np.array(mbs, np.int32), S, M)
-
-
-def _slots(sch: Schedule) -> int:
-    """Fewest input-buffer slots (microbatch m in slot m % K) such that no live input is overwritten:
-    stage s holds microbatch m's input from its arrival (tick after F(m) on s-1) to its B(m)."""
-    S, M = sch.stages, sch.microbatches
-    t_f = np.zeros((S, M), int)
-    t_b = np.zeros((S, M), int)
-    for t in range(sch.ticks):
-        for s in range(S):
-            if sch.op[t, s] == FWD:
-                t_f[s, sch.mb[t, s]] = t
-            elif sch.op[t, s] == BWD:
-                t_b[s, sch.mb[t, s]] = t
-    # Live interval of m's input on stage s: [arrival, B(m)]; gradient: [arrival from s+1, B(m)].
-    start = np.where(np.arange(S)[:, None] == 0, t_f, np.roll(t_f, 1, axis=0) + 1)
-    for k in range(1, M + 1):
-        ok = all(not (start[s, m2] <= t_b[s, m1] and start[s, m1] <= t_b[s, m2])
-                 for s in range(S) for m1 in range(M) for m2 in range(m1 + k, M, k))
-        if ok:
-            return k
-    return M
-
-
-# --- the two schedules ----------------------------------------------------------------------------------
+# --- the schedules -------------------------------------------------------------------------------------
 
 
 def _chain(S: int, step: int) -> list[tuple[int, int]]:
@@ -224,7 +132,7 @@ def _microbatch(extras, m):
 def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tuple[str, ...] = (),
                  extras: dict | None = None) -> jax.Array:
     """The layer stack applied to M microbatches on a GPipe schedule (differentiable). `stage_fn(layers,
-    x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual
+    x_btd, extras_m, first_layer) -> y_btd` applies one stage's slice of the stacked layers; `replicas`: the manual
     data-parallel axes (see `replica_axes`); `extras`: per-microbatch inputs of the layers (module
     docstring)."""
     layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
@@ -242,7 +150,7 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
             incoming, out_mbtd = carry
             x_btd = jnp.where(s == 0, x_mbtd[jnp.clip(t, 0, M - 1)], incoming)
             extras_m = None if extras is None else _microbatch(extras, jnp.clip(t - s, 0, M - 1))  # s runs t - s
-            y_btd = stage_fn(layers, x_btd, extras_m)
+            y_btd = stage_fn(layers, x_btd, extras_m, s * jax.tree.leaves(layers)[0].shape[0])
             m_out = t - (S - 1)
             write = (s == S - 1) & (m_out >= 0)
             idx = jnp.clip(m_out, 0, M - 1)
@@ -258,18 +166,25 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
                          out_specs=rows, axis_names={STAGE, *replicas})(layers, x_mbtd, extras)
 
 
-def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = ()):
-    """`f(layers, head, x_mbtd, aux, extras=None) -> (nll, count)` on a 1F1B schedule, differentiable by
-    custom_vjp (in the first three).
+def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (), kind: str = "1f1b", V: int = 1):
+    """`f(layers, head, x_mbtd, aux, extras=None) -> (nll, count)` on the table of schedule `kind` (1f1b,
+    or interleaved with V virtual stages), differentiable by custom_vjp (in the first three).
 
-    `stage_fn(layers, x_btd, extras_m) -> y_btd` applies one stage's slice of the stacked layers;
-    `extras`: per-microbatch inputs of the layers (module docstring).
+    `stage_fn(layers, x_btd, extras_m, first_layer) -> y_btd` applies a slice of the stacked layers whose
+    first is the model's layer `first_layer`; `extras`: per-microbatch inputs of the layers (module
+    docstring).
     `head_loss(head, y_btd, aux_m) -> (nll, count)` is the model's head and loss for one microbatch
     (aux_m: that microbatch's targets and mask); `head` are its parameters (replicated over stages).
     `replicas`: the manual data-parallel axes (see `replica_axes`); gradients are summed over them once,
     at the end.
+
+    Interleaved: virtual stage v = c * S + s (chunk c of stage s) holds layers [v n, (v + 1) n), n =
+    L / (V S). The stacked layers are split over `stage` in order, so they are reordered (stage s's
+    chunks together) on the way in and their gradients back on the way out: the weights cross the
+    stage axis twice a step, which storing them in chunk order would save.
     """
-    body = _one_f_one_b_body(stage_fn, mesh, M, head_loss, replicas)
+    body = _one_f_one_b_body(stage_fn, mesh, M, head_loss, replicas, kind, V)
+    order = _chunk_order(mesh.shape[STAGE], V)
 
     def run(layers, head, x_mbtd, aux, extras):
         layer_spec = jax.tree.map(lambda _: P(STAGE), layers)
@@ -277,34 +192,62 @@ def one_f_one_b(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...] = (
         per_replica = lambda tree: jax.tree.map(lambda _: P(replicas or None), tree)  # noqa: E731
         rows = _rows(replicas)
         per_row = lambda tree: jax.tree.map(lambda _: rows, tree)  # noqa: E731
-        return jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, per_row(aux), per_row(extras)),
-                             out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
+        if V > 1:
+            layers = jax.tree.map(lambda w: w[order(w.shape[0])], layers)
+        nll, count, g_layers, g_head, dx = jax.shard_map(
+            body, mesh=mesh, in_specs=(layer_spec, rep(head), rows, per_row(aux), per_row(extras)),
+            out_specs=(P(), P(), layer_spec, per_replica(head), rows), axis_names={STAGE, *replicas})(
             layers, head, x_mbtd, aux, extras)
+        if V > 1:
+            g_layers = jax.tree.map(lambda g: g[np.argsort(order(g.shape[0]))], g_layers)
+        return nll, count, g_layers, g_head, dx
 
     return _loss_with_its_gradients(run)
 
 
-def _one_f_one_b_tables(S: int, M: int) -> tuple[int, int, np.ndarray]:
-    """(ticks, slots K, table): the table holds, for every tick and stage, the op executed, its
-    microbatch, and the microbatches that arrive from the stage before and the stage after (-1: none)."""
-    sch = schedule("1f1b", S, M)
-    # Executed ops: the last stage's forward is folded into its backward (it recomputes anyway).
-    op = sch.op.copy()
-    op[:, S - 1] = np.where(op[:, S - 1] == FWD, IDLE, op[:, S - 1])
-    op[:, S - 1] = np.where(op[:, S - 1] == BWD, BWD_LAST, op[:, S - 1])
-    # What arrives at tick t: the microbatch a neighbour sent at t - 1 (-1: nothing).
-    recv_f = np.full_like(sch.op, -1)
-    recv_b = np.full_like(sch.op, -1)
-    recv_f[1:, 1:] = np.where(sch.op[:-1, :-1] == FWD, sch.mb[:-1, :-1], -1)
-    recv_b[1:, :-1] = np.where(sch.op[:-1, 1:] == BWD, sch.mb[:-1, 1:], -1)
-    return sch.ticks, _slots(sch), np.stack([op, sch.mb, recv_f, recv_b], -1)
+def _chunk_order(S: int, V: int):
+    """`order(L)`: the layer indices stage by stage, each stage's chunks in order (virtual stage c S + s
+    holds layers [(c S + s) n, (c S + s + 1) n), n = L / (V S))."""
+    def order(L: int) -> np.ndarray:
+        n = L // (V * S)
+        return np.array([(c * S + s) * n + i for s in range(S) for c in range(V) for i in range(n)])
+
+    return order
 
 
-def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...]):
+def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.ndarray, list]:
+    """(ticks, slots K, table, sends): the table holds, for every tick and stage, the op executed, its
+    microbatch and chunk, and the units (chunk * M + microbatch) that arrive from the stage before and
+    the stage after (-1: none); `sends`, per tick, the stage pairs that pass something forward and
+    backward (Schedule.sends)."""
+    sch = build(kind, S, M, V)
+    op, mb, ch = sch.op, sch.mb, sch.grid("chunk")
+    last = (ch * S + np.arange(S)) == V * S - 1  # the last virtual stage's ops
+    # Executed ops: the last virtual stage's forward is folded into its backward (it recomputes anyway).
+    ex = np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)
+    # What arrives at tick t: the unit a neighbour sent at t - 1 (-1: nothing).
+    recv_f = np.full_like(op, -1)
+    recv_b = np.full_like(op, -1)
+    for t, pairs in enumerate(sch.sends()[:-1]):
+        for i, recv in ((0, recv_f), (1, recv_b)):
+            for src, dst in pairs[i]:
+                v = ch[t, src] * S + src + (1 if i == 0 else -1)  # the virtual stage it feeds
+                recv[t + 1, dst] = (v // S) * M + mb[t, src]
+    return sch.ticks, slots(sch), np.stack([ex, mb, ch, recv_f, recv_b], -1), sch.sends()
+
+
+def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...], kind: str = "1f1b",
+                      V: int = 1):
     """What each device of the shard_map runs: its row of the table, tick by tick, then the sums.
-    Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient)."""
+    Returns (nll, count, the layers' gradients, the head's gradient per replica, the input's gradient).
+
+    Sends at the minimum: a tick passes on only what the table sends then (Schedule.sends), so each
+    microbatch crosses each boundary once forward and once backward. Which stage pairs send changes from
+    tick to tick, and a ppermute's pairs are static: each direction's distinct pair sets become the
+    branches of a `lax.switch` whose index is the tick's (the same on every device, so every device
+    enters the same branch and its collective), the empty set a branch that sends nothing."""
     S = mesh.shape[STAGE]
-    ticks, K, table = _one_f_one_b_tables(S, M)
+    ticks, K, table, sends = _executed_tables(kind, S, M, V)
 
     def body(layers, head, x_mbtd, aux, extras):
         s = lax.axis_index(STAGE)
@@ -314,16 +257,16 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
         x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(table)
         act = x_mbtd[0]
-        fwd_perm, bwd_perm = _chain(S, +1), _chain(S, -1)
-        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras)
+        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V),
+                        kind == "zero_bubble")
+
+        send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
 
         def tick(t, c):
-            op_t, m, rf, rb = (tables[t, s, i] for i in range(4))
+            op_t, m, ch, rf, rb = (tables[t, s, i] for i in range(5))
             c = c | {"xin": _put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": _put(c["gin"], rb, c["recv_b"], rb >= 0)}
-            c = lax.switch(op_t, ops, c, m)
-            recv_f = lax.ppermute(c["send_f"], STAGE, fwd_perm)
-            recv_b = lax.ppermute(c["send_b"], STAGE, bwd_perm)
-            return c | {"recv_f": recv_f, "recv_b": recv_b}
+            c = lax.switch(op_t, ops, c, m, ch)
+            return c | {"recv_f": send_f(t, c["send_f"]), "recv_b": send_b(t, c["send_b"])}
 
         c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere))
         # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
@@ -338,38 +281,98 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
     return body
 
 
-def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras) -> list:
-    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, BWD_LAST: each takes the carry and a
-    microbatch m and returns the carry. A forward keeps its input (slot m % K of `xin`) and sends its
-    output on; a backward recomputes its stage from that input (jax.vjp), adds its layers' gradient and
-    sends its input's gradient back (stage 0 keeps it, in `dx`); the last stage's also runs the head and
-    the loss."""
+def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple[str, ...]):
+    """`send(t, x)`: x passed over tick t's stage pairs (zeros where nothing arrives), one `lax.switch`
+    branch per distinct pair set, chosen by t alone (so alike on every device)."""
+    patterns = sorted(set(pairs_per_tick) - {()})
+    index = jnp.asarray([patterns.index(p) + 1 if p else 0 for p in pairs_per_tick], jnp.int32)
+    nothing = lambda x: _vary(jnp.zeros(x.shape, x.dtype), everywhere)  # noqa: E731
+    branches = [nothing] + [functools.partial(lambda x, p: lax.ppermute(x, STAGE, list(p)), p=p) for p in patterns]
+    return lambda t, x: lax.switch(index[t], branches, x)
 
-    def idle(c, m):
+
+def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape, split: bool) -> list:
+    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, WGT, BWD_LAST, WGT_LAST: each takes the carry, a
+    microbatch m and a chunk ch, and returns the carry. A forward keeps its input (slot u % K of `xin`,
+    u = ch * M + m) and sends its output on; a backward recomputes its chunk from that input (jax.vjp),
+    adds its layers' gradient and sends its input's gradient back (virtual stage 0 keeps it, in `dx`);
+    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V). `split` (zero-bubble):
+    the backward in two, B the input's gradient (sent back at once) and W the layers' (later, in a
+    bubble), each recomputing the chunk from the stored input."""
+    S, M, V = shape
+    n = jax.tree.leaves(layers)[0].shape[0] // V  # layers per chunk
+
+    def chunk(tree, ch):  # the chunk's layers (with V = 1 all of them, the program as before chunks)
+        return tree if V == 1 else jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, ch * n, n, 0), tree)
+
+    def add_chunk(acc, g, ch):
+        if V == 1:
+            return jax.tree.map(jnp.add, acc, g)
+        return jax.tree.map(lambda a, b: lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, ch * n, n, 0)
+                                                                          + b, ch * n, 0), acc, g)
+
+    def run(lp, x, m, ch):  # the chunk on virtual stage ch * S + s, its layers numbered from there
+        return stage_fn(lp, x, _microbatch(extras, m), (ch * S + s) * n)
+
+    first = (lambda ch: s == 0) if V == 1 else (lambda ch: (s == 0) & (ch == 0))  # virtual stage 0
+
+    def idle(c, m, ch):
         return c
 
-    def fwd(c, m):
-        x_btd = jnp.where(s == 0, x_mbtd[m], c["xin"][m % K])
-        return c | {"xin": _put(c["xin"], m, x_btd, True), "send_f": stage_fn(layers, x_btd, _microbatch(extras, m))}
+    def fwd(c, m, ch):
+        u = ch * M + m
+        x_btd = jnp.where(first(ch), x_mbtd[m], c["xin"][u % K])
+        return c | {"xin": _put(c["xin"], u, x_btd, True), "send_f": run(chunk(layers, ch), x_btd, m, ch)}
 
-    def bwd(c, m):
-        extras_m = _microbatch(extras, m)
-        _, vjp = jax.vjp(lambda lp, x: stage_fn(lp, x, extras_m), layers, c["xin"][m % K])
-        g_layers, dx = vjp(c["gin"][m % K])
-        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers), "send_b": dx,
-                    "dx": _set(c["dx"], m, dx, s == 0)}
+    def bwd(c, m, ch):
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda lp, x: run(lp, x, m, ch), chunk(layers, ch), c["xin"][u % K])
+        g_layers, dx = vjp(c["gin"][u % K])
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch), "send_b": dx,
+                    "dx": _set(c["dx"], m, dx, first(ch))}
 
-    def bwd_last(c, m):
+    def bwd_last(c, m, ch):
+        u = ch * M + m
         aux_m = jax.tree.map(lambda a: a[m], aux)
-        extras_m = _microbatch(extras, m)
-        f = lambda lp, hp, x: head_loss(hp, stage_fn(lp, x, extras_m), aux_m)  # noqa: E731
-        (nll, count), vjp = jax.vjp(f, layers, head, c["xin"][m % K])
+        f = lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)  # noqa: E731
+        (nll, count), vjp = jax.vjp(f, chunk(layers, ch), head, c["xin"][u % K])
         g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
-        return c | {"g_layers": jax.tree.map(jnp.add, c["g_layers"], g_layers),
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch),
                     "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
                     "nll": c["nll"] + nll, "count": c["count"] + count}
 
-    return [idle, fwd, bwd, bwd_last]
+    def bwd_input(c, m, ch):  # zero-bubble's B: the input's gradient only
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda x: run(chunk(layers, ch), x, m, ch), c["xin"][u % K])
+        (dx,) = vjp(c["gin"][u % K])
+        return c | {"send_b": dx, "dx": _set(c["dx"], m, dx, first(ch))}
+
+    def wgt(c, m, ch):  # zero-bubble's W: the layers' gradient, from the same stored input and gradient
+        u = ch * M + m
+        _, vjp = jax.vjp(lambda lp: run(lp, c["xin"][u % K], m, ch), chunk(layers, ch))
+        (g_layers,) = vjp(c["gin"][u % K])
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
+
+    def head_of(m, ch):  # the last virtual stage's chunk, head and loss for microbatch m
+        aux_m = jax.tree.map(lambda a: a[m], aux)
+        return lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)
+
+    def bwd_input_last(c, m, ch):  # B on the last virtual stage: the loss, the head's and the input's gradient
+        u = ch * M + m
+        (nll, count), vjp = jax.vjp(lambda hp, x: head_of(m, ch)(chunk(layers, ch), hp, x), head, c["xin"][u % K])
+        g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+        return c | {"g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
+                    "nll": c["nll"] + nll, "count": c["count"] + count}
+
+    def wgt_last(c, m, ch):
+        u = ch * M + m
+        (nll, count), vjp = jax.vjp(lambda lp: head_of(m, ch)(lp, head, c["xin"][u % K]), chunk(layers, ch))
+        (g_layers,) = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
+        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
+
+    if split:
+        return [idle, fwd, bwd_input, wgt, bwd_input_last, wgt_last]
+    return [idle, fwd, bwd, idle, bwd_last]  # W never runs: its slot an idle branch
 
 
 def _first_carry(layers, head, act, K: int, M: int, everywhere: tuple[str, ...]) -> dict:

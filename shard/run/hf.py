@@ -111,13 +111,40 @@ def _names(tmpl: str, layer: int, cfg: ModelConfig) -> list[str]:
     return [tmpl.format(layer)]
 
 
-def _stacks(cfg: ModelConfig) -> list[tuple[str, ModelConfig, range]]:
-    """(params key, the stack's config, its HF layer numbers) of each layer stack: "layers", and before it
-    the dense first layers' "dense_layers" (cfg.dense_layers, DeepSeek-V3's first_k_dense_replace)."""
-    k = cfg.dense_layers
-    if not k:
-        return [("layers", cfg, range(cfg.n_layers))]
-    return [("dense_layers", cfg.dense_part, range(k)), ("layers", cfg, range(k, cfg.n_layers))]
+def _mtp_map(cfg: ModelConfig):
+    """DeepSeek-V3's multi-token prediction modules, stored as the layers after the last
+    (`model.layers.<n_layers + k>.*`): shard param under "mtp" -> (HF name, to_shard, to_hf); the module's
+    layer is one of the main stack's kind. The copies of the embedding and head those layers also hold
+    (embed_tokens, shared_head.head) are the decoder's, shared (_MTP_SHARED)."""
+    same = (lambda w: w, lambda w: w)
+    module = {"enorm": ("model.layers.{}.enorm.weight", *same), "hnorm": ("model.layers.{}.hnorm.weight", *same),
+              "eh_proj": ("model.layers.{}.eh_proj.weight", lambda w: w.T, lambda w: w.T),
+              "norm": ("model.layers.{}.shared_head.norm.weight", *same)}
+    return module | {f"layers/{k}": v for k, v in _layer_map(cfg).items()}
+
+
+_MTP_SHARED = {"model.layers.{}.embed_tokens.weight": "model.embed_tokens.weight",
+               "model.layers.{}.shared_head.head.weight": "lm_head.weight"}
+
+
+def _stacks(cfg: ModelConfig) -> list[tuple[str, ModelConfig, range, dict]]:
+    """(params key, the stack's config, its HF layer numbers, its tensor map) of each layer stack:
+    "layers", before it the dense first layers' "dense_layers" (cfg.dense_layers, DeepSeek-V3's
+    first_k_dense_replace), after it the multi-token prediction modules' "mtp" (cfg.mtp_depth)."""
+    k, L = cfg.dense_layers, cfg.n_layers
+    stacks = [("dense_layers", cfg.dense_part, range(k), _layer_map(cfg.dense_part))] if k else []
+    stacks.append(("layers", cfg, range(k, L), _layer_map(cfg)))
+    if cfg.mtp_depth:
+        stacks.append(("mtp", cfg, range(L, L + cfg.mtp_depth), _mtp_map(cfg)))
+    return stacks
+
+
+def _stack_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor shape of each key of a stack's tensor map (per layer, per expert)."""
+    D = cfg.d_model
+    layer = _layer_shapes(cfg)
+    return layer | {f"layers/{k}": v for k, v in layer.items()} | {
+        "enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "norm": (D,)}
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -125,9 +152,9 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
-    for _, c, numbers in _stacks(cfg):
-        per_layer = _layer_shapes(c)
-        for key, (tmpl, _, _) in _layer_map(c).items():
+    for _, c, numbers, tensors in _stacks(cfg):
+        per_layer = _stack_shapes(c)
+        for key, (tmpl, _, _) in tensors.items():
             for i in numbers:
                 shapes |= dict.fromkeys(_names(tmpl, i, c), per_layer[key])
     return shapes
@@ -203,12 +230,18 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
             raise ShardError(f"tensor {name} is {kind}; shard imports float weights only "
                              "(quantized checkpoints are not supported)")
     # A tied model may still carry lm_head, and older exports carry RoPE's inverse frequencies (recomputed).
-    extra = sorted(n for n in set(tensors) - set(expected)
+    shared = {t.format(cfg.n_layers + k): main for t, main in _MTP_SHARED.items() for k in range(cfg.mtp_depth)}
+    extra = sorted(n for n in set(tensors) - set(expected) - set(shared)
                    if n != "lm_head.weight" and not n.endswith("rotary_emb.inv_freq") and not n.endswith(_EXPERT_BIAS))
-    _refuse_expert_bias(tensors, cfg)
+    router_bias_from_hf(tensors, cfg)  # checked here, read by weights.load_with_router_bias
     if extra:
         raise ShardError(f"the checkpoint holds tensor {extra[0]}, which the config does not describe "
                          f"({len(extra)} such); check num_hidden_layers and the model type")
+    for name in sorted(set(shared) & set(tensors)):  # read whole: a copy that differs would be lost
+        main = shared[name] if shared[name] in tensors else "model.embed_tokens.weight"
+        if _shape(tensors, name) != _shape(tensors, main) or not np.array_equal(tensors[name], tensors[main]):
+            raise ShardError(f"tensor {name} differs from {main}: shard's multi-token prediction modules share "
+                             "the decoder's embedding and output head")
 
     def get(name):
         t = np.asarray(tensors[name], dtype=dtype)
@@ -240,13 +273,31 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
 
     final = LazyParam((cfg.d_model,), dtype, lambda index: get("model.norm.weight")[index])
     params = {"embed": table("model.embed_tokens.weight", False), "final_norm": final}
-    for stack, c, numbers in _stacks(cfg):
+    for stack, _, numbers, layer_tensors in _stacks(cfg):
         shapes = {p.split("/", 1)[1]: s[1:] for p, s, _ in cfg.param_shapes() if p.startswith(stack + "/")}
-        params[stack] = {key: stacked(tmpl, to_shard, shapes[key], numbers)
-                         for key, (tmpl, to_shard, _) in _layer_map(c).items()}
+        params[stack] = _nested({key: stacked(tmpl, to_shard, shapes[key], numbers)
+                                 for key, (tmpl, to_shard, _) in layer_tensors.items()})
     if not cfg.tie_embeddings:
         params["unembed"] = table("lm_head.weight", True)
     return params
+
+
+def _nested(flat: dict) -> dict:
+    """{"a/b": x} -> {"a": {"b": x}}."""
+    out: dict = {}
+    for key, value in flat.items():
+        *outer, last = key.split("/")
+        node = out
+        for k in outer:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
+
+
+def _at(tree: dict, key: str):
+    for k in key.split("/"):
+        tree = tree[k]
+    return tree
 
 
 # DeepSeek-V3's per-expert bias experts are chosen by (auxiliary-loss-free balancing): shard keeps it in the
@@ -254,13 +305,35 @@ def lazy_params_from_hf(tensors, cfg: ModelConfig, dtype=np.float32) -> dict:
 _EXPERT_BIAS = ".mlp.gate.e_score_correction_bias"
 
 
-def _refuse_expert_bias(tensors, cfg: ModelConfig) -> None:
-    """A ShardError where a checkpoint's expert-choice bias is not zero: import-hf does not carry it into
-    the train state yet, and the model would choose other experts without it."""
-    for name in sorted(n for n in tensors if n.endswith(_EXPERT_BIAS)):
-        if _shape(tensors, name) != (cfg.n_experts,) or np.any(np.asarray(tensors[name]) != 0):
-            raise ShardError(f"tensor {name} holds a nonzero expert-choice bias (DeepSeek's auxiliary-loss-free "
-                             "balancing), which import-hf does not carry into the train state yet")
+def _bias_names(cfg: ModelConfig) -> list[str]:
+    """The expert-choice bias tensor of each router bias row: the layers with experts', then the MTP
+    modules' layers' (model.layers.<n_layers + k>)."""
+    if not cfg.n_experts:
+        return []
+    return [f"model.layers.{i}{_EXPERT_BIAS}" for i in range(cfg.dense_layers, cfg.n_layers + cfg.mtp_depth)]
+
+
+def router_bias_from_hf(tensors, cfg: ModelConfig) -> np.ndarray | None:
+    """The expert-choice bias (DeepSeek's auxiliary-loss-free balancing, e_score_correction_bias) of the
+    layers with experts and then of the MTP modules' layers, (router_bias_layers, E) float32, as shard's
+    train state holds it; None where the checkpoint holds none. A bias of the wrong shape, or one where
+    shard has no such layer, is a ShardError."""
+    names = {n for n in tensors if n.endswith(_EXPERT_BIAS)}
+    if not names:
+        return None
+    moe = _bias_names(cfg)
+    for name in sorted(names):
+        if name not in moe:
+            raise ShardError(f"the checkpoint holds tensor {name}, which the config does not describe")
+        if _shape(tensors, name) != (cfg.n_experts,):
+            raise ShardError(f"tensor {name} has shape {_shape(tensors, name)}, the config implies ({cfg.n_experts},)")
+    bias = np.stack([np.asarray(tensors[n], np.float32) if n in names else np.zeros(cfg.n_experts, np.float32)
+                     for n in moe])
+    if not np.all(np.isfinite(bias)):
+        raise ShardError("the checkpoint's e_score_correction_bias holds NaN or infinite values")
+    return bias
+
+
 
 
 def _shape(tensors, name: str) -> tuple[int, ...]:
@@ -291,24 +364,28 @@ def pad_vocab(params: dict, cfg: ModelConfig) -> dict:
 
 def params_to_hf(params: dict, cfg: ModelConfig, router_bias=None) -> dict[str, np.ndarray]:
     """HF tensors of shard's parameters, the tables cut back to the true vocabulary (cfg.vocab_size); a
-    DeepSeek-V3 mixture of experts with its expert-choice bias, `router_bias` (L, E) (zeros where None)."""
+    DeepSeek-V3 mixture of experts with its expert-choice bias, `router_bias` (the layers with experts,
+    then the MTP modules', E) (zeros where None)."""
     V = cfg.vocab_size
     out = {"model.embed_tokens.weight": np.ascontiguousarray(np.asarray(params["embed"])[:V]),
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["unembed"])[:, :V].T)
-    for stack, c, numbers in _stacks(cfg):
-        for key, (tmpl, _, to_hf) in _layer_map(c).items():
-            stacked = np.asarray(params[stack][key])
+    for stack, c, numbers, layer_tensors in _stacks(cfg):
+        for key, (tmpl, _, to_hf) in layer_tensors.items():
+            stacked = np.asarray(_at(params[stack], key))
             for j, i in enumerate(numbers):
                 if "{e}" in tmpl:
                     out |= {n: np.ascontiguousarray(to_hf(w)) for n, w in zip(_names(tmpl, i, c), stacked[j])}
                 else:
                     out[tmpl.format(i)] = np.ascontiguousarray(to_hf(stacked[j]))
     if cfg.mla and cfg.n_experts:
-        bias = np.zeros((cfg.moe_layers, cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
-        out |= {f"model.layers.{i}{_EXPERT_BIAS}": np.ascontiguousarray(bias[j], np.float32)
-                for j, i in enumerate(range(cfg.dense_layers, cfg.n_layers))}
+        names = _bias_names(cfg)
+        bias = np.zeros((len(names), cfg.n_experts), np.float32) if router_bias is None else np.asarray(router_bias)
+        out |= {name: np.ascontiguousarray(bias[j], np.float32) for j, name in enumerate(names)}
+    for tmpl, main in _MTP_SHARED.items():  # DeepSeek's MTP layers hold copies of the shared embedding and head
+        out |= {tmpl.format(i): out.get(main, out["model.embed_tokens.weight"])
+                for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)}
     return out
 
 

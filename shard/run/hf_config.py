@@ -64,8 +64,10 @@ SUPPORTED_TYPES = tuple(FAMILIES)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
-    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent."""
+def config_from_hf(hf: dict, name: str = "hf", tensor_names=()) -> ModelConfig:
+    """A ModelConfig for an HF config.json, or a ShardError naming what shard cannot represent.
+    `tensor_names`: the checkpoint's (DeepSeek-V3's multi-token prediction modules are read where its
+    tensors hold them: transformers builds none, so a folder it saves has none)."""
     kind = _model_type(hf)
     family = FAMILIES[kind]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5; older configs: rope_theta, rope_scaling
@@ -73,9 +75,10 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
         raise ShardError(f"config.json: rope_parameters must be a table, got {rope!r}")
     gemma = _gemma_fields(kind, hf, rope) if family.get("gemma") else {}
     theta, scaling = _rope_fields(kind, hf, rope)
-    if kind == "deepseek_v3" and scaling.get("rope_scaling_type") == "yarn":
-        raise ShardError("rope scaling yarn is not supported for deepseek_v3 yet: its multi-head latent attention "
-                         "also scales the softmax by mscale(factor, mscale_all_dim)^2, which shard does not apply")
+    given = hf.get("rope_scaling") or rope
+    if kind == "deepseek_v3" and scaling.get("rope_scaling_type", "yarn") != "yarn" and given.get("mscale_all_dim"):
+        raise ShardError(f"rope scaling {scaling['rope_scaling_type']} with mscale_all_dim is not supported for "
+                         "deepseek_v3: shard scales its attention's softmax by mscale_all_dim with YaRN only")
     _refuse_biases(kind, hf)
     window = _sliding_window(kind, hf)
     if gemma and (not gemma["global_every"] or window is None):  # no layer is windowed
@@ -83,7 +86,7 @@ def config_from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ShardError(f"config.json: sliding_window must be a positive integer or null (no window), got {window!r}")
     moe = (_mixtral_fields(hf) if kind == "mixtral" else _qwen3_moe_fields(hf) if kind == "qwen3_moe"
-           else _deepseek_fields(hf) if kind == "deepseek_v3" else {})
+           else _deepseek_fields(hf, tensor_names) if kind == "deepseek_v3" else {})
     if hf.get("attention_dropout"):
         raise ShardError(f"attention_dropout={hf['attention_dropout']!r} is not supported: shard has no dropout")
     if not gemma and hf.get("hidden_act", "silu") != "silu":
@@ -290,10 +293,16 @@ def _whole_number(hf: dict, key: str, default, zero: bool = False) -> int:
     return value
 
 
-def _deepseek_fields(hf: dict) -> dict:
-    """The multi-head latent attention and mixture-of-experts fields of a DeepSeek-V3 config.json: experts
-    in every layer from first_k_dense_replace on (the first ones dense, of intermediate_size), or none."""
+def _deepseek_fields(hf: dict, tensor_names=()) -> dict:
+    """The multi-head latent attention, multi-token prediction and mixture-of-experts fields of a DeepSeek-V3
+    config.json: experts in every layer from first_k_dense_replace on (the first ones dense, of
+    intermediate_size), or none; num_nextn_predict_layers modules after the layers where the tensors
+    (`tensor_names`) hold the first one's projection, none otherwise. Experts choose by a bias
+    (e_score_correction_bias) moved at DeepSeek-V3's rate, 0.001, in training."""
     defaults = FAMILIES["deepseek_v3"]["defaults"]
+    mtp = _whole_number(hf, "num_nextn_predict_layers", 0, zero=True)
+    layers = hf.get("num_hidden_layers")
+    mtp = mtp if isinstance(layers, int) and f"model.layers.{layers}.eh_proj.weight" in tensor_names else 0
     if hf.get("rope_interleave", True) is not True:
         raise ShardError("rope_interleave=false is not supported: import-hf reads DeepSeek's RoPE dims in the "
                          "interleaved pairs its checkpoints hold (rope_interleave true)")
@@ -303,7 +312,7 @@ def _deepseek_fields(hf: dict) -> dict:
         out[key] = _whole_number(hf, key, defaults[key])
     out["qk_nope_head_dim"] = _whole_number(hf, "qk_nope_head_dim", defaults["qk_nope_head_dim"], zero=True)
     out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
-    layers = hf.get("num_hidden_layers")
+    out |= {"mtp_depth": mtp} if mtp else {}
     dense = _whole_number(hf, "first_k_dense_replace", defaults["first_k_dense_replace"], zero=True)
     if isinstance(layers, int) and dense >= layers:
         return out  # every layer dense, of intermediate_size
@@ -317,7 +326,8 @@ def _deepseek_fields(hf: dict) -> dict:
     if not is_positive_number(scale):
         raise ShardError(f"config.json: routed_scaling_factor must be a positive number, got {scale!r}")
     return out | {"routed_scale": float(scale), "router_normalize": bool(hf.get("norm_topk_prob", True)),
-                  "router_scores": "sigmoid", "moe_routing": "dropless", "aux_loss_weight": 0.0001}
+                  "router_scores": "sigmoid", "moe_routing": "dropless", "aux_loss_weight": 0.0001,
+                  "router_bias_update": 0.001}
 
 
 def _gemma_fields(kind: str, hf: dict, rope: dict) -> dict:
@@ -439,12 +449,8 @@ def family_of(cfg: ModelConfig) -> str:
 
 def _deepseek_family(cfg: ModelConfig) -> str:
     """deepseek_v3 for a model with multi-head latent attention, or a ShardError naming what DeepSeek-V3 lacks."""
-    if cfg.mtp_depth:
-        raise ShardError(f"model {cfg.name} has multi-token prediction (mtp_depth={cfg.mtp_depth}), whose modules "
-                         "export-hf does not write yet (transformers' DeepSeek-V3 runs none)")
     wrong = [f"{f}={getattr(cfg, f)!r}" for f in ("sliding_window", "sandwich_norms", "norm_plus_one",
-                                                  "embed_scale", "final_softcap", "rope_scaling", "query_scale")
-             if getattr(cfg, f)]
+                                                  "embed_scale", "final_softcap", "query_scale") if getattr(cfg, f)]
     if cfg.mlp_activation != "silu":
         wrong.append(f"mlp_activation={cfg.mlp_activation!r}")
     if cfg.n_experts and cfg.router_scores != "sigmoid":
@@ -474,9 +480,9 @@ def _deepseek_config_to_hf(cfg: ModelConfig) -> dict:
         "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "qk_head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu", "attention_bias": False, "torch_dtype": "float32", "max_position_embeddings": 4096,
-        "num_nextn_predict_layers": 0, **moe,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, **_rope_scaling_to_hf(cfg)}, "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "torch_dtype": "float32",
+        "max_position_embeddings": _max_positions(cfg), "num_nextn_predict_layers": cfg.mtp_depth, **moe,
     }
 
 

@@ -87,14 +87,12 @@ def load_model(source: str | Path, cfg: TrainConfig | None = None, mesh_spec: Me
                devices=None, *, inference: bool = True) -> LoadedModel:
     """The weights at `source`, laid out on `mesh_spec` over `devices` by `cfg`'s rules (without them: on
     the host). `inference`: the model as evaluation and generation run it (ModelConfig.for_inference on
-    this backend) with its saved router bias; else as saved, for training to start from."""
+    this backend); else as saved, for training to start from or export; either way with its saved router
+    bias."""
     from shard.run import weights
     from shard.sharding.layout import make_layout
 
-    if inference:
-        model, params, bias = weights.load_with_router_bias(source)
-    else:
-        (model, params), bias = weights.load(source), None
+    model, params, bias = weights.load_with_router_bias(source, inference)
     cfg = dataclasses.replace(cfg or TrainConfig(), model=model)
     layout = make_layout(cfg, mesh_spec, devices) if mesh_spec is not None else None
     return LoadedModel(str(source), cfg, params, bias, layout)

@@ -126,7 +126,7 @@ def _fresh_source(init_from: str, seed: int) -> Callable | None:
     from shard.run.inference import load_model
 
     loaded = load_model(init_from, inference=False)  # on the host: placed into the run's own layout
-    return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from)
+    return lambda spec: weights.state_from(loaded.host_params, spec, seed, init_from, loaded.host_router_bias)
 
 
 class NewestState:
@@ -188,7 +188,10 @@ def init_from_base(source: str) -> dict:
     if not path.exists():
         raise ShardError(f"--init-from: {source} does not exist")
     if hf.is_hf_dir(path):
-        cfg = hf.config_from_hf(hf.read_json(path / "config.json"), name=path.name or "hf")
+        config_json = hf.read_json(path / "config.json")
+        # DeepSeek-V3's MTP modules are read where its tensors hold them: their names from the files' headers
+        names = set(hf.read_hf_dir(str(path))[1]) if config_json.get("model_type") == "deepseek_v3" else ()
+        cfg = hf.config_from_hf(config_json, name=path.name or "hf", tensor_names=names)
         return {"model": dataclasses.asdict(cfg)}
     directory, step = find_checkpoint(path)
     text = saved_config(directory / str(step))  # the step's own, as shard.run.weights reads it

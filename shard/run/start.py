@@ -80,8 +80,9 @@ def _check_task(cfg: config_mod.TrainConfig, given: dict, from_file: dict) -> No
         raise ShardError("task sft packs conversations into rows with attention and positions restarting at each "
                          "(as --packing packed does); --packing concat, which runs them into each other, does not "
                          "apply: leave --packing out")
-    if cfg.task == "dpo" and packing is not None:
-        raise ShardError("task dpo gives each sequence a row of its own, padded: --packing does not apply; leave it out")
+    if cfg.task in ("dpo", "grpo") and packing is not None:
+        raise ShardError(f"task {cfg.task} gives each sequence a row of its own, padded: --packing does not apply; "
+                         "leave it out")
     if cfg.task == "dpo" and not cfg.init_from:
         raise ShardError("task dpo needs --init-from: its reference model is the weights the run starts from (as TRL's "
                          "DPOTrainer copies the model it is given), and a random initialisation is no model to "

@@ -23,7 +23,7 @@ from shard.errors import ShardError, user_error
 from shard.measure import profiling
 from shard.observe.console import note as console_note
 from shard.observe.console import warn as console_warn
-from shard.observe.metrics import JsonlWriter, TensorBoardWriter
+from shard.observe.metrics import CompletionsWriter, JsonlWriter, TensorBoardWriter
 from shard.observe.progress import ConsoleProgress, compiling_line
 from shard.paths import CHECKPOINTS_DIR
 from shard.run.checkpoint import Checkpoints, SaveCheckpoints, step_dirs
@@ -269,6 +269,8 @@ class _TrainingRun:
             save_run_tokenizer(cfg, path, self.start.source)
             observers = [ConsoleProgress(cfg, path), JsonlWriter(path / "metrics.jsonl"),
                          TensorBoardWriter(path / "tb")]
+            if cfg.task == "grpo":
+                observers.append(CompletionsWriter(path / "completions.jsonl"))
             if cfg.tracking.project:
                 from shard.observe.tracking import WandbTracker
 

@@ -25,13 +25,13 @@ def load(path: str | Path) -> tuple[ModelConfig, dict]:
     return _load(path, router_bias=False)[:2]
 
 
-def load_with_router_bias(path: str | Path) -> tuple[ModelConfig, dict, np.ndarray | None]:
-    """As `load`, for evaluation and generation: the config as they run it (ModelConfig.for_inference on
-    this backend), and the MoE balancing bias (L, E) the checkpoint's experts were chosen by
-    (model.router_bias_update), to choose as training did; None for a Hugging Face folder and a
-    checkpoint saved without one."""
+def load_with_router_bias(path: str | Path, inference: bool = True) -> tuple[ModelConfig, dict, np.ndarray | None]:
+    """As `load`, with the MoE balancing bias (L, E) the checkpoint's experts were chosen by
+    (model.router_bias_update; a Hugging Face folder's e_score_correction_bias), to choose as training
+    did; None for a checkpoint saved without one. `inference`: the config as evaluation and generation
+    run it (ModelConfig.for_inference on this backend)."""
     cfg, params, bias = _load(path, router_bias=True)
-    return cfg.for_inference(jax.default_backend()), params, bias
+    return (cfg.for_inference(jax.default_backend()) if inference else cfg), params, bias
 
 
 def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.ndarray | None]:
@@ -41,9 +41,10 @@ def _load(path: str | Path, router_bias: bool) -> tuple[ModelConfig, dict, np.nd
         raise ShardError(f"weights path {path} does not exist")
     if is_hf_dir(path):
         hf_config, tensors = hf.read_hf_dir(str(path))
-        cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf")
+        cfg = hf.config_from_hf(hf_config, name=Path(path).name or "hf", tensor_names=set(tensors))
         # read tensor by tensor as `place` puts them on the devices: never the whole model twice on the host
-        return cfg, hf.lazy_params_from_hf(tensors, cfg), None
+        params = hf.lazy_params_from_hf(tensors, cfg)
+        return cfg, params, hf.router_bias_from_hf(tensors, cfg) if router_bias else None
     if (Path(path) / "config.json").exists():
         raise ShardError(f"{Path(path) / 'config.json'} is not a file")
     from shard.run.stored import StoredModel
@@ -250,9 +251,10 @@ def placed_base(saved: dict, spec: StateSpec, source: str) -> dict:
     return place(load(init_from)[1], spec, "base")
 
 
-def state_from(params: dict, spec: StateSpec, seed: int, source: str):
-    """A fresh train state (step 0, new optimizer state) around loaded params, for `--init-from`:
-    returned as a shard.run.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""
+def state_from(params: dict, spec: StateSpec, seed: int, source: str, router_bias=None):
+    """A fresh train state (step 0, new optimizer state) around loaded params, for `--init-from`, with the
+    weights' MoE balancing bias (None: zeros) where the spec's state holds one: returned as a
+    shard.run.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""
     import jax.numpy as jnp
 
     from shard.run.checkpoint_files import Restored
@@ -265,6 +267,6 @@ def state_from(params: dict, spec: StateSpec, seed: int, source: str):
         placed = place(params, spec)
     opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(spec.trainable(placed))
     step = jax.device_put(jnp.zeros((), jnp.int32), spec.shardings["step"])
-    state = {"step": step, "params": placed, "opt_state": opt_state} | placed_router_bias(spec)
+    state = {"step": step, "params": placed, "opt_state": opt_state} | placed_router_bias(spec, router_bias)
     return Restored(step=0, state=state, position=0,
                     seed=seed, config_toml="", path=Path(source))

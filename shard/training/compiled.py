@@ -16,6 +16,11 @@ def lower_step(cfg: TrainConfig, layout: Layout, spec=None):
     packed = cfg.data.packing == "packed" or cfg.task == "sft"  # sft packs conversations
     batch = abstract_batch(layout, cfg.data.batch, cfg.data.seq_len, packed=packed, loss_mask=cfg.task != "pretrain")
     state = spec.abstract_with_shardings()
+    if cfg.task == "grpo":  # the rollout's arrays come as a third argument
+        from shard.training.grpo import jit_grpo_step, rollout_shapes
+
+        jitted = jit_grpo_step(spec, layout, cfg.grpo, cfg.guard)
+        return jitted.lower(state, batch, rollout_shapes(layout, cfg), abstract_schedule_inputs(spec, layout))
     if cfg.task == "dpo":  # the reference weights come as a fourth argument
         from shard.training.dpo import jit_dpo_step
 

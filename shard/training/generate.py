@@ -16,7 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
+from shard.config.train import LoraConfig
 from shard.models.llama import cache_axes, init_cache
+from shard.models.lora import adapting
 from shard.sharding.rules import Layout, activation_layout
 
 
@@ -50,6 +52,14 @@ def sample(logits_bv: jax.Array, key, s: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits_bv, axis=-1)
 
 
+def sample_with_logp(logits_bv: jax.Array, key, s: Sampling) -> tuple[jax.Array, jax.Array]:
+    """`sample`'s tokens, and each one's log-probability under softmax(logits / T) (before top-k and
+    top-p cut it, as the trainer computes it: GRPO's sampler log-probabilities)."""
+    token_b = sample(logits_bv, key, s)
+    logp_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32) / max(s.temperature, 1e-6), axis=-1)
+    return token_b, jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+
+
 def _token_ids(prompt) -> list[int]:
     """One prompt's token ids as Python ints; a batch of prompts, or anything else, is a one-line error."""
     try:
@@ -64,10 +74,11 @@ def _token_ids(prompt) -> list[int]:
 class Generator:
     """Compiled prefill and decode for one model on one layout; `stream` yields tokens as they come.
     `router_bias` (L, E), placed (shard.training.state.place_router_bias): the balancing bias a MoE
-    checkpoint chose its experts by in training (model.router_bias_update); None: by the scores alone."""
+    checkpoint chose its experts by in training (model.router_bias_update); None: by the scores alone.
+    `lora`: the run's adapters config, where `params` hold adapters (GRPO samples with a LoRA run's own)."""
 
     def __init__(self, model_cfg: ModelConfig, graphdef, params: dict, layout: Layout, max_len: int,
-                 router_bias: jax.Array | None = None):
+                 router_bias: jax.Array | None = None, lora: LoraConfig | None = None):
         self.cfg, self.max_len, self.router_bias = model_cfg, max_len, router_bias
         # One prompt at a time, one token per decode step: the batch and the sequence are replicated (a
         # context-parallel split of a cache of any length would have to divide it); the other rules
@@ -81,15 +92,17 @@ class Generator:
         replicated = NamedSharding(layout.mesh, PartitionSpec())
 
         def forward(params, tokens, cache, start, router_bias):
-            with activation_layout(self.layout):
+            with activation_layout(self.layout), adapting(lora, None):  # LoRA params: their term added
                 logits, cache = nnx.merge(graphdef, params)(tokens, cache, start, router_bias)
             return logits[:, -1], cache
 
         self._forward = jax.jit(forward, out_shardings=(replicated, self.cache_sharding), donate_argnums=2)
         self._sample = jax.jit(sample, static_argnums=2)
+        self._sample_logp = jax.jit(sample_with_logp, static_argnums=2)
+        self._repeat = jax.jit(lambda cache, n: jax.tree.map(lambda x: jnp.repeat(x, n, axis=1), cache),
+                               static_argnums=1, out_shardings=self.cache_sharding)
 
-    def stream(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:
-        """`prompt`: one sequence of token ids (a list, or a 1-D array such as ByteTokenizer.encode's)."""
+    def _checked(self, prompt, max_new_tokens: int, sampling: Sampling) -> list[int]:
         prompt = _token_ids(prompt)
         if not prompt:
             raise ShardError("the prompt is empty")
@@ -98,6 +111,30 @@ class Generator:
         if max(prompt) >= self.cfg.vocab_size or min(prompt) < 0:
             raise ShardError(f"prompt token ids must lie in 0..{self.cfg.vocab_size - 1}")
         sampling.validate()
+        return prompt
+
+    def group(self, prompt, n: int, max_new_tokens: int, sampling: Sampling, key) -> tuple[jax.Array, jax.Array]:
+        """n completions of one prompt sampled side by side (GRPO's group): one prefill, its cache repeated
+        n times, then n rows a decode step. (n, max_new_tokens) token ids and each one's log-probability
+        under the temperature's softmax (`sample_with_logp`); all run to max_new_tokens (the caller cuts
+        each at its end of text). `key`: a jax.random key; token i draws with fold_in(key, i)."""
+        prompt = self._checked(prompt, max_new_tokens, sampling)
+        cache = jax.device_put(init_cache(self.cfg, 1, self.max_len), self.cache_sharding)
+        logits, cache = self._forward(self.params, jnp.asarray([prompt], jnp.int32), cache, 0, self.router_bias)
+        logits, cache = jnp.repeat(logits, n, axis=0), self._repeat(cache, n)
+        tokens, logps = [], []
+        for i in range(max_new_tokens):
+            token, logp = self._sample_logp(logits, jax.random.fold_in(key, i), sampling)
+            tokens.append(token)
+            logps.append(logp)
+            if i + 1 < max_new_tokens:
+                logits, cache = self._forward(self.params, token[:, None].astype(jnp.int32), cache,
+                                              len(prompt) + i, self.router_bias)
+        return jnp.stack(tokens, axis=1), jnp.stack(logps, axis=1)
+
+    def stream(self, prompt, max_new_tokens: int, sampling: Sampling, seed: int = 0) -> Iterator[int]:
+        """`prompt`: one sequence of token ids (a list, or a 1-D array such as ByteTokenizer.encode's)."""
+        prompt = self._checked(prompt, max_new_tokens, sampling)
         cache = jax.device_put(init_cache(self.cfg, 1, self.max_len), self.cache_sharding)
         key = jax.random.key(seed)
         logits, cache = self._forward(self.params, jnp.asarray([prompt], jnp.int32), cache, 0, self.router_bias)

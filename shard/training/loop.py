@@ -11,10 +11,12 @@ import time
 import jax
 
 from shard.cluster import runtime
-from shard.config.model import mfu_flops_per_token
+from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.errors import DivergenceError
+from shard.hardware import FLOP_SHARE_ERROR, flop_shares
 from shard.training.dpo import DPO_METRICS  # a DPO run's step metrics, copied into its records
+from shard.training.grpo import GRPO_METRICS  # and a GRPO run's
 from shard.training.observer import Observer
 from shard.training.prepare import Run, prepare
 
@@ -98,6 +100,9 @@ class _StepLoop:
     def __init__(self, cfg: TrainConfig, run: Run, observers, evaluator, harness=None):
         self.cfg, self.run, self.observers, self.evaluator, self.harness = cfg, run, observers, evaluator, harness
         self.flops_per_token = mfu_flops_per_token(cfg.model, cfg.data.seq_len)
+        # what runs per input position, padding included
+        self.hardware_flops_per_position = hardware_flops_per_token(cfg.model, cfg.data.seq_len,
+                                                                    run.mesh.devices.flat[0].platform)
         self.mesh_name = ",".join(f"{k}={v}" for k, v in run.mesh.shape.items())
         self.records: list[dict] = []
         self.start = self.last_time = time.perf_counter()
@@ -106,6 +111,7 @@ class _StepLoop:
         self.pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked, still on device
         self.grad_norms: list[float] = []
         self.skipped = 0
+        self.peak_refuted = False  # a FLOP share above 1 was seen: the peak is no peak
         self.filled_since = run.stream.filled_tokens  # real (not padding) input tokens made into batches so far
         # asked between eval batches too, where every process evaluates (should_stop is a collective of all)
         self.eval_stop = None
@@ -220,15 +226,26 @@ class _StepLoop:
             "mesh": self.mesh_name,  # this start's layout: shard report marks where it changed
             **device_memory(run),
         }
-        if run.peak_flops:
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (run.devices_in_all * run.peak_flops)
+        if run.peak_flops and not self.peak_refuted:  # model and hardware FLOP shares, never above 1
+            positions_per_s = timed * self.cfg.data.batch * self.cfg.data.seq_len / elapsed
+            try:
+                record["mfu"], record["hfu"] = flop_shares(record["tokens_per_s"] * self.flops_per_token,
+                                                           positions_per_s * self.hardware_flops_per_position,
+                                                           run.devices_in_all * run.peak_flops)
+            except AssertionError as e:  # a wrong peak (observe.peak_tflops, a cache measured under load)
+                # must not stop a run: said once in its record, and no share is reported from then on
+                self.peak_refuted = True
+                record[FLOP_SHARE_ERROR] = f"{e}; MFU and HFU are left out of this run's records"
         if run.pipeline:
             record["pipeline_bubble"] = run.pipeline["bubble"]
         if run.stream.packed:  # the share of the batches' input positions that hold a token
             record["packing"] = per_step / (self.cfg.data.batch * self.cfg.data.seq_len)
-        for key in MOE_METRICS + DPO_METRICS + ("max_logit",):  # a MoE model's, a DPO run's, QK-clip's
+        for key in MOE_METRICS + DPO_METRICS + GRPO_METRICS + ("max_logit",):  # MoE's, DPO's, GRPO's, QK-clip's
             if key in values:
                 record[key] = float(values[key])
+        record |= {k: float(v) for k, v in values.items() if k.startswith("reward/")}  # GRPO's, each reward's
+        if "completions" in values:  # and a few of its completions (completions.jsonl)
+            record["completions"] = values["completions"]
         return record
 
     def _publish(self, record: dict) -> None:

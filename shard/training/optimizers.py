@@ -18,14 +18,11 @@ import optax
 from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from shard.axes import EMBED, EXPERT, LAYERS, VOCAB
+from shard.axes import EMBED
 from shard.config.model import ModelConfig
-from shard.config.params import model_params
+from shard.config.params import MATRIX_BATCH_AXES, model_params, muon_matrix
 from shard.config.train import OptimizerConfig
 from shard.sharding.rules import active_layout
-
-# Axes Muon treats as a batch of matrices: a stacked weight is one matrix per layer (and per expert).
-_BATCH_AXES = (LAYERS, EXPERT)
 
 
 def matrix_axes(axes: tuple, init) -> MuonDimensionNumbers | None:
@@ -34,9 +31,9 @@ def matrix_axes(axes: tuple, init) -> MuonDimensionNumbers | None:
     embedding and the head (a vocab axis), norms and biases (constant initial values) and vectors. A
     weight that writes the residual stream (embed its last axis: wo, w_down) reads all its other axes;
     the others read their first (embed, or a latent) and write the rest (wq: embed -> heads x head_dim)."""
-    inner = [i for i, a in enumerate(axes) if a not in _BATCH_AXES]
-    if len(inner) < 2 or VOCAB in axes or not init:
+    if not muon_matrix(axes, init):
         return None
+    inner = [i for i, a in enumerate(axes) if a not in MATRIX_BATCH_AXES]
     if axes[inner[-1]] == EMBED:
         return MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=(inner[-1],))
     return MuonDimensionNumbers(reduction_axis=(inner[0],), output_axis=tuple(inner[1:]))

@@ -43,6 +43,7 @@ class Run:
     tokens_before: int = 0  # tokens trained on up to start_step (saved with the checkpoint: seq_len may change)
     trained_to: int | None = None  # the step `state` holds after a `train` (a second call goes on from it)
     held_out_since: int | None = None  # kept in each checkpoint: see shard.run.checkpoint.Restored
+    step_hlo: Callable[[], str] | None = None  # the compiled step's HLO text, on demand (the profile's split)
     eval_data: object = None  # the held-out Samples with eval.every (read before compiling: a bad eval.path fails first)
 
     @property
@@ -68,15 +69,16 @@ class Run:
 
     @property
     def pipeline(self) -> dict:
-        """Stages, microbatches, schedule and the computed bubble fraction; empty when not pipelined."""
+        """Stages, microbatches, schedule and its bubble fraction (read from the schedule's table, which a
+        test holds to the formula); empty when not pipelined."""
         stages = pipeline_stages(self.layout)
         if stages == 1:
             return {}
-        from shard.parallel.pipeline import bubble_fraction
+        from shard.parallel.schedule import build
 
-        m = self.cfg.pipeline.microbatches
-        return {"stages": stages, "microbatches": m, "schedule": self.cfg.pipeline.schedule,
-                "bubble": bubble_fraction(stages, m)}
+        m, kind, v = self.cfg.pipeline.microbatches, self.cfg.pipeline.schedule, self.cfg.pipeline.virtual_stages
+        return {"stages": stages, "microbatches": m, "schedule": kind, "virtual_stages": v,
+                "bubble": build(kind, stages, m, v).idle_fraction()}
 
 
 def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, reference: Callable | None = None,
@@ -99,6 +101,10 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     check_batch(cfg, layout)
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)
     dataset, eval_data = _training_data(cfg, source)
+    if cfg.task == "grpo":  # a missing reward function is said before anything compiles
+        from shard.training.rewards import load_rewards
+
+        dataset = dataclasses.replace(dataset, rewards=load_rewards(cfg.grpo.rewards, cfg.grpo.format_pattern))
     # A helper thread compiles the init while this one traces and compiles the step (XLA compiles
     # without holding the GIL). With one process it also starts the init there, which then runs
     # during the step's compile; with several, every process compiles first and then meets the others,
@@ -123,14 +129,19 @@ def prepare(cfg: TrainConfig, devices=None, restore: Callable | None = None, ref
     exchange.barrier("compiled")
     state, start_step, position, tokens_before, since = _first_state(cfg, spec, init, restore)
     stream = BatchStream(dataset, cfg.data.batch, cfg.data.seq_len, batch_sharding(layout), position)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     step_fn = with_schedule(compiled, spec, layout)
+    if cfg.task == "grpo":
+        from shard.training.rollouts import grpo_run_parts
+
+        stream, step_fn = grpo_run_parts(cfg, spec, layout, compiled, dataset, state, start_step, position, reference)
     if cfg.task == "dpo":
         from shard.training.dpo import frozen_reference, with_reference
 
         step_fn = with_reference(compiled, spec, layout, frozen_reference(spec, state, start_step, cfg.seed, reference))
     return Run(cfg, layout, spec, state, stream, step_fn, compile_s, memory_of(compiled), peak, hw,
-               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
+               start_step, tokens_before=tokens_before, held_out_since=since, eval_data=eval_data,
+               step_hlo=compiled.as_text)
 
 
 def _training_data(cfg: TrainConfig, source=None):
@@ -161,8 +172,8 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
 
     if cfg.guard.action == "skip":
         raise ShardError("guard.action=skip is not supported with --cross-host mpi yet; use stop")
-    if cfg.task == "dpo":
-        raise ShardError("task dpo is not supported with --cross-host mpi yet; use --cross-host xla")
+    if cfg.task in ("dpo", "grpo"):
+        raise ShardError(f"task {cfg.task} is not supported with --cross-host mpi yet; use --cross-host xla")
     if cfg.lora.rank:
         raise ShardError("LoRA (lora.rank) is not supported with --cross-host mpi yet; use --cross-host xla")
     mesh_spec = parse_mesh(cfg.mesh.spec)
@@ -193,7 +204,7 @@ def _prepare_bridge(cfg: TrainConfig, ctx, devices=None, restore: Callable | Non
                          offset=ctx.rank * rows, rows=rows)
     step = make_bridge_step(spec, layout, process_sets.world().comm, cfg.data.microbatches,
                             int(cfg.cluster.bucket_mb * (1 << 20)), cfg.pipeline)
-    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0])
+    hw, peak = device_peak(cfg, layout.mesh.devices.flat[0], layout.mesh.local_mesh.size)
     return Run(cfg, layout, spec, state, stream, step, None, {}, peak, hw, start_step, replicas=ctx.size,
                tokens_before=tokens_before, held_out_since=since, eval_data=eval_data)
 
@@ -239,13 +250,17 @@ def _held_out_since(cfg: TrainConfig, restored) -> int | None:
     return restored.step
 
 
-def device_peak(cfg: TrainConfig, device) -> tuple[object, float | None]:
-    """(hardware entry, peak FLOP/s per device for MFU): the user's figure, else the table's for GPUs."""
-    from shard.hardware import hardware_for_device
+def device_peak(cfg: TrainConfig, device, local_devices: int = 1) -> tuple[object, float | None]:
+    """(hardware entry, peak FLOP/s per device for the FLOP shares): the user's figure, else the table's
+    for GPUs; on a CPU this machine's matmul peak in the step's compute dtype as benchmarks/peak.py
+    measured and cached it, shared by the `local_devices` simulated devices that run on it."""
+    from shard.hardware import hardware_for_device, measured_peak
 
     hw = hardware_for_device(getattr(device, "device_kind", ""), device.platform)
     if cfg.observe.peak_tflops > 0:
         return hw, cfg.observe.peak_tflops * 1e12
     if hw is not None and device.platform != "cpu":
         return hw, hw.bf16_tflops * 1e12
+    if device.platform == "cpu" and (peak := measured_peak(cfg.model.compute_dtype_on("cpu"))):
+        return hw, peak / local_devices
     return hw, None

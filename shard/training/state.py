@@ -208,15 +208,19 @@ def router_bias_init(model_cfg: ModelConfig) -> jax.Array:
     """The balancing bias at the start (model.router_bias_update): (L, E) float32 zeros. It lives in the
     state beside the params, not among them: no gradient, no optimizer state; replicated (L E numbers,
     read whole by every token's top-k)."""
-    return jnp.zeros((model_cfg.moe_layers, model_cfg.n_experts), jnp.float32)
+    return jnp.zeros((model_cfg.router_bias_layers, model_cfg.n_experts), jnp.float32)
 
 
-def placed_router_bias(spec: StateSpec) -> dict:
-    """{"router_bias": zeros in its sharding} where the spec's state holds one, else {}: for a state made
-    from params alone (--init-from) or read from a checkpoint saved without it."""
+def placed_router_bias(spec: StateSpec, bias=None) -> dict:
+    """{"router_bias": `bias` (on the host; None: zeros) in its sharding} where the spec's state holds
+    one, else {}: for a state made from params alone (--init-from, import-hf) or read from a checkpoint
+    saved without it."""
     if "router_bias" not in spec.abstract:
         return {}
-    return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
+    if bias is None:
+        return {"router_bias": jax.device_put(router_bias_init(spec.model), spec.shardings["router_bias"])}
+    place_router_bias(bias, spec)  # its shape checked
+    return {"router_bias": jax.device_put(np.asarray(bias, np.float32), spec.shardings["router_bias"])}
 
 
 def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:
@@ -225,10 +229,10 @@ def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:
     experts are chosen by their scores alone, as a zero bias would."""
     if bias is None:
         return None
-    want = (spec.model.moe_layers, spec.model.n_experts)
+    want = (spec.model.router_bias_layers, spec.model.n_experts)
     if not spec.model.n_experts or np.shape(bias) != want:
         raise ShardError(f"the router bias has shape {np.shape(bias)}, but the model chooses among "
-                         f"{spec.model.n_experts} expert(s) in {spec.model.moe_layers} layer(s)")
+                         f"{spec.model.n_experts} expert(s) in {spec.model.router_bias_layers} layer(s)")
     replicated = NamedSharding(spec.shardings["step"].mesh, PartitionSpec())
     return jax.device_put(np.asarray(bias, np.float32), replicated)
 

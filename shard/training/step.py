@@ -101,7 +101,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
                 raise ShardError("model.mtp_depth can't run with context parallelism yet (its modules read the "
                                  "tokens ahead, which the ring's zig-zag order moves); split the batch instead")
             mtp_mean, mtp_aux = mtp.mtp_loss(cfg, params, x_btd, mb["inputs"], mb["targets"], target_mask(mb),
-                                             table, **packing_of(mb))
+                                             table, **packing_of(mb), router_bias=router_bias)
             router_loss = router_loss + aux_w * mtp_aux + cfg.mtp_loss_weight * mtp_mean
             moe = moe | {"mtp": mtp_mean}
         return nll + router_loss * count, (nll, count, moe)
@@ -113,10 +113,10 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
-    def stage_fn(layers, x_btd, extras_m=None):  # extras_m: the microbatch's packing_of arrays
-        # this stage's first layer, which local and global layers alternating (Gemma) need
-        first = jax.lax.axis_index(STAGE) * jax.tree.leaves(layers)[0].shape[0] if cfg.windows_vary else 0
-        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}), first_layer=first)[0]
+    def stage_fn(layers, x_btd, extras_m, first_layer):  # extras_m: the microbatch's packing_of arrays
+        # the slice's first layer, which local and global layers alternating (Gemma) need
+        return llama.run_layers(cfg, layers, x_btd, **(extras_m or {}),
+                                first_layer=first_layer if cfg.windows_vary else 0)[0]
 
     def head_loss(head, y_btd, aux_m):
         return head_nll(cfg, head, y_btd, aux_m["targets"], aux_m["mask"])
@@ -135,7 +135,8 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
             nll, count = head_loss(head, y_btd, {"targets": mb["targets"], "mask": target_mask(mb)})
         else:
             aux = {k: _microbatches(v, M, layout) for k, v in (("targets", mb["targets"]), ("mask", target_mask(mb)))}
-            nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas)(
+            nll, count = pipeline.one_f_one_b(stage_fn, layout.mesh, M, head_loss, replicas, pipe.schedule,
+                                              pipe.virtual_stages)(
                 params["layers"], head, x_mbtd, aux, extras)
         return nll, (nll, count, {"aux": jnp.zeros((), jnp.float32)})
 
@@ -199,9 +200,10 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
             metrics["max_logit"] = jnp.max(moe["max_logit"])
         new_state = {"step": state["step"] + 1}
         metrics |= _layer_metrics(spec, moe)
-        if "router_bias" in state:
-            new_state["router_bias"] = update_router_bias(state["router_bias"], moe["load"],
-                                                          spec.model.router_bias_update)
+        if "router_bias" in state:  # the MTP modules' rows (after the layers') are kept as they are
+            bias, L = state["router_bias"], spec.model.moe_layers
+            new_state["router_bias"] = jnp.concatenate(
+                [update_router_bias(bias[:L], moe["load"], spec.model.router_bias_update), bias[L:]])
         if "fp8" in state:  # fp8_delayed: this step's amaxes pushed into the histories
             new_state["fp8"] = moe["fp8"]
         if skip_bad:
@@ -402,7 +404,7 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
                          "are updated by the plain step's gradient pass); use fp8_tensorwise or fp8_rowwise")
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
-                       layout.degree(LENGTH))
+                       layout.degree(LENGTH), cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
     experts = layout.degree(EXPERT, param=True)
     if cfg.model.n_experts % experts if cfg.model.n_experts else False:
         raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "

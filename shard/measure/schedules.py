@@ -1,0 +1,44 @@
+"""`shard plan --stages S`: the pipeline schedules (and virtual stage counts) a model can run on S stages
+with M microbatches, each with its bubble (by table and by formula), the activations a stage keeps and
+the buffers it sends, ranked. Pure Python over the schedule tables (shard/parallel/schedule.py).
+"""
+
+from __future__ import annotations
+
+from shard.config.model import ModelConfig
+from shard.errors import ShardError
+from shard.parallel.schedule import SCHEDULES, bubble_formula, build, check, slots
+
+MAX_VIRTUAL = 4  # interleaved beyond 4 chunks a stage: sends grow with V for little bubble left
+
+
+def schedule_options(cfg: ModelConfig, stages: int, microbatches: int, rows_per_replica: int, seq_len: int,
+                     act_bytes: int) -> list[dict]:
+    """Every schedule x virtual stages that runs here, smallest bubble first (ties: less memory).
+
+    Activation memory per device: the recomputing schedules (1F1B, interleaved, zero-bubble) keep, per
+    stage, `slots` stored stage inputs and as many incoming gradients of one microbatch (rows x T x D);
+    GPipe differentiates through its loop and keeps the residual stream of every layer it holds for
+    all M microbatches (a lower bound: the layers' own residuals come on top). Sends: buffers of
+    rows x T x D a stage boundary passes per step, both directions."""
+    if stages < 2:
+        raise ShardError(f"--stages must be 2 or more, got {stages}")
+    if rows_per_replica % microbatches:
+        raise ShardError(f"the batch ({rows_per_replica} rows per replica) does not split into {microbatches} "
+                         "microbatches")
+    per_input = rows_per_replica // microbatches * seq_len * cfg.d_model * act_bytes
+    out = []
+    for kind in SCHEDULES:
+        for v in range(1, MAX_VIRTUAL + 1) if kind == "interleaved" else (1,):
+            try:
+                check(kind, stages, microbatches, v, cfg.n_layers)
+            except ShardError:
+                continue
+            if kind == "interleaved" and v == 1:
+                continue  # the same table as 1F1B
+            sch = build(kind, stages, microbatches, v)
+            held = (microbatches * cfg.n_layers // stages if kind == "gpipe" else 2 * slots(sch)) * per_input
+            out.append({"schedule": kind, "virtual_stages": v, "ticks": sch.ticks, "bubble": sch.idle_fraction(),
+                        "bubble_formula": bubble_formula(kind, stages, microbatches, v),
+                        "activation_bytes": held, "sends": 2 * microbatches * (v * stages - 1)})
+    return sorted(out, key=lambda r: (round(r["bubble"], 9), r["activation_bytes"]))

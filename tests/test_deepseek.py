@@ -443,11 +443,10 @@ def twin():
     return params, _twin_curves("1x1", params)
 
 
-@pytest.mark.parametrize("mesh", ["fsdp", "ep"])
+@pytest.mark.parametrize("mesh", ["fsdp", "2x4", "ep"])
 def test_the_twin_with_mtp_and_muon_agrees_on_every_mesh(twin, mesh):
-    """fsdp=8 (weights and MLA's latents split) and data=2 x expert=4 (experts split, tokens exchanged;
-    heads split over a model axis: test_the_tiny_twin_agrees_across_layouts, and 2x4 passed when this
-    was written, left out of the suite for its time): the losses, gradient norms and MTP losses of one device at rtol
+    """fsdp=8 (weights and MLA's latents split), data=2 x model=4 (heads split) and data=2 x expert=4
+    (experts split, tokens exchanged): the losses, gradient norms and MTP losses of one device at rtol
     1e-5, over two Muon steps (the second loss follows the Newton-Schulz update and the moved router bias)."""
     from shard.testing import assert_same_curves
 

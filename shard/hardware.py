@@ -50,6 +50,12 @@ class Hardware:
         itself a compute-bound plan read MFU 100%)."""
         return self.matmul_tflops or MATMUL_SHARE * self.bf16_tflops
 
+    @property
+    def achieved_fp8_tflops(self) -> float | None:
+        """The rate the planner takes FP8 matmuls at: the FP8 peak times the share of the bf16 peak a bf16
+        matmul reaches (no FP8 matmul has been measured here); None without an `fp8_tflops`."""
+        return self.fp8_tflops * self.achieved_tflops / self.bf16_tflops if self.fp8_tflops else None
+
 
 def load_hardware(extra: str | Path | None = None) -> dict[str, Hardware]:
     """The shipped table (shard/hardware.toml), amended by a user's TOML file of the same form."""

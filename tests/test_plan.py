@@ -79,6 +79,28 @@ def test_compute_is_taken_at_the_measured_matmul_rate(tmp_path):
         f"error: hardware file {f}: [mine]: matmul_tflops (120) is above the peak bf16_tflops (100)")
 
 
+def test_fp8_matmuls_are_taken_at_the_fp8_rate():
+    """The attention projections and MLPs that precision.default puts in FP8 are planned at fp8_tflops
+    (h100: 1979, reached at bf16's 790 / 989 of the peak), the rest of the compute at bf16's rate."""
+    from shard.config.presets import PRESETS
+    from shard.measure import costs
+    from shard.measure.plan import plan
+
+    cfg, hw = PRESETS["llama-7b"], find_hardware("h100", load_hardware())
+    assert hw.achieved_fp8_tflops == pytest.approx(1979 * 790 / 989)
+    bf16, fp8, rows = (plan(cfg, 8, 1, hw, 16, 2048, ("none",), precision={"default": recipe})
+                       for recipe in ("bf16", "fp8_tensorwise", "fp8_rowwise"))
+    assert [c.mesh_spec() for c in fp8] == [c.mesh_spec() for c in rows]  # the recipe does not change the rate
+    bf16 = {c.mesh_spec(): c for c in bf16}
+    per_layer = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim \
+        + 3 * cfg.d_model * cfg.mlp_dim  # wq, wo; wk, wv; the gated MLP
+    share = 6 * cfg.n_layers * per_layer * 16 * 2048 / costs.model_flops(cfg, 16 * 2048, 2048, flash=True)
+    assert 0.9 < share < 1
+    for c in (c for c in fp8 if c.sizes.get("context", 1) == 1):  # ring attention scores other keys
+        assert c.compute_s == pytest.approx(bf16[c.mesh_spec()].compute_s * (1 - share + share * 989 / 1979))
+    assert fp8[0].step_s < 0.6 * bf16[fp8[0].mesh_spec()].step_s  # fsdp=8, compute-bound
+
+
 def test_remat_is_never_predicted_faster():
     """Remat adds compute and moves no fewer activations; the HBM term counted only those remat keeps,
     so a small model on H100s (HBM-bound) ranked fsdp=4,model=2 with full remat first, at 22% MFU
@@ -107,7 +129,9 @@ def test_reference_plan_table_names_the_best_command():
     (["--seq", "0"], "--seq must be positive, got 0"),
     (["--devices", "-8"], "--devices must be positive, got -8"),
     (["--top", "-1"], "--top must be 0 or more, got -1"),
-    (["--set", "data.batch=7"], "plan takes model.* and optimizer.* keys in --set"),
+    (["--set", "data.batch=7"], "plan takes model.*, optimizer.* and precision.* keys in --set"),
+    (["--set", "precision.default=fp8_tensorwise"], "a100-40g has no fp8_tflops (no FP8 tensor cores"),
+    (["--set", "precision.layers/wz=fp8_rowwise"], "precision rule 'layers/wz' decides no matmul weight"),
     (["--stages", "4", "--microbatches", "3"], "does not split into 3 microbatches"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):

@@ -36,9 +36,9 @@ def plan(
     from shard.measure.plan import REMAT_CHOICES, plan as make_plan
 
     sets = config_mod.parse_sets(set_ or [])
-    if set(sets) - {"model", "optimizer"}:
-        raise ShardError(f"plan takes model.* and optimizer.* keys in --set (the rest from its flags: --batch, "
-                         f"--seq, ...), got {sorted(set(sets) - {'model', 'optimizer'})[0]}.*")
+    if set(sets) - {"model", "optimizer", "precision"}:
+        raise ShardError(f"plan takes model.*, optimizer.* and precision.* keys in --set (the rest from its flags: "
+                         f"--batch, --seq, ...), got {sorted(set(sets) - {'model', 'optimizer', 'precision'})[0]}.*")
     cfg = config_mod.resolve(config_mod.merge({"model": {"name": model}}, sets))
     hw = find_hardware(hardware, load_hardware(hardware_file))
     if top < 0:
@@ -51,7 +51,7 @@ def plan(
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES
     passed_on = tuple(item.strip() for item in set_ or ()
                       if item.partition("=")[0].strip() not in ("model.remat", "model.name"))
-    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats, cfg.optimizer.name)
+    ranked = make_plan(cfg.model, devices, nodes, hw, global_batch, seq, remats, cfg.optimizer.name, cfg.precision)
     best = next((c for c in ranked if c.fits), None)
     best_command = best.command(cfg.model.name, global_batch, seq, passed_on) if best else None
     if as_json:
@@ -81,7 +81,7 @@ def plan(
 def _print_json(cfg, hw, sizes: dict, best_command: str | None, ranked: list) -> None:
     cache = cache_bytes_per_token(cfg.model, "cpu" if hw.name == "cpu" else "gpu")
     print(json.dumps({"model": cfg.model.name, **sizes, "hardware": hw.name, "best": best_command,
-                      "optimizer": cfg.optimizer.name,
+                      "optimizer": cfg.optimizer.name, "precision": cfg.precision,
                       "kv_cache_bytes_per_token": {"held": cache[0], "all_heads": cache[1]},
                       "warnings": [_MOE_NOT_PLANNED] if cfg.model.n_experts else [],
                       "layouts": [c.to_dict() for c in ranked]}, indent=1))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, matmul_params
+from shard.config.params import model_params
+from shard.config.precision import weight_recipes
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, balanced_ring, cudnn_attention_problem,
                                       stored_lookup_axes)
@@ -414,6 +416,13 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
     `flash`: attention runs as a fused flash kernel (cuDNN on GPUs), which skips masked blocks."""
     return (tokens * (6 * matmul_params(cfg) + _moe_overhead_flops(cfg, seq_len))
             + attention_flops(cfg, tokens, seq_len, context, flash))
+
+
+def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> int:
+    """Parameters whose matmuls the `[precision]` rules put in FP8 (shard.config.precision): the forward
+    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece."""
+    shapes = model_params(cfg)
+    return sum(math.prod(shapes[path].shape) for path in weight_recipes(precision, cfg))
 
 
 def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,

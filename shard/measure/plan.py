@@ -136,8 +136,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
-             global_batch: int, seq_len: int, optimizer: str = "adamw") -> Candidate:
-    """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name)."""
+             global_batch: int, seq_len: int, optimizer: str = "adamw", fp8_params: int = 0) -> Candidate:
+    """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name), with the
+    matmuls of `fp8_params` parameters (costs.fp8_matmul_params) in FP8."""
     import dataclasses
 
     platform = "cpu" if hw.name == "cpu" else "gpu"
@@ -163,8 +164,8 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
-    hw_flops = flops * (4 / 3 if remat != "none" else 1.0)  # remat recomputes the forward pass
-    compute_s = hw_flops / devices / (hw.achieved_tflops * 1e12)
+    recompute = 4 / 3 if remat != "none" else 1.0  # remat recomputes the forward pass
+    compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices
     hbm_s = hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
     probs_s = probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
     local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
@@ -179,10 +180,20 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
                      unsplit_batch_ways=batch_ways if global_batch % batch_ways else None)
 
 
+def _compute_s(flops: float, fp8_flops: float, hw: Hardware) -> float:
+    """Seconds for `flops` at one device's rates: `fp8_flops` of them at the FP8 rate, the rest at bf16's."""
+    if fp8_flops and not hw.fp8_tflops:
+        raise ShardError(f"{hw.name} has no fp8_tflops (no FP8 tensor cores, or not in its hardware entry): plan "
+                         "FP8 matmuls on h100 or h200, or give fp8_tflops in --hardware-file")
+    fp8_s = fp8_flops / (hw.achieved_fp8_tflops * 1e12) if fp8_flops else 0.0
+    return (flops - fp8_flops) / (hw.achieved_tflops * 1e12) + fp8_s
+
+
 def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch: int,
-         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES, optimizer: str = "adamw") -> list[Candidate]:
-    """All layouts (each with every remat policy in `remats`, trained by `optimizer`), the fitting ones
-    first, fastest first.
+         seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES, optimizer: str = "adamw",
+         precision: dict[str, str] | None = None) -> list[Candidate]:
+    """All layouts (each with every remat policy in `remats`, trained by `optimizer`, the matmuls
+    `precision`'s rules pick in FP8), the fitting ones first, fastest first.
     Step times within 2% count as a tie, broken by room to spare (a layout predicted within the memory
     model's 9% error of the limit may not fit: it goes after the others), then by the time with nothing
     overlapped (less exposed traffic), then by memory."""
@@ -194,7 +205,8 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     per_node = devices // nodes
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
-    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer)
+    fp8 = costs.fp8_matmul_params(cfg, precision or {})
+    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8)
            for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB

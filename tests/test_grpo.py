@@ -82,10 +82,17 @@ def test_the_clipped_surrogate_kl_and_normalisers_equal_numpy(settings):
     rewards, truncated, rollout, logp = _batch()
     adv = _np_advantages(rewards, cfg.normalise_advantages)
     keep = np.asarray(grpo.kept_sequences(rewards, truncated, G, cfg))
-    total, count, metrics = grpo.grpo_loss(logp, rollout | {"advantages": adv, "keep": keep}, cfg)
+    logits = np.random.default_rng(1).normal(0, 2, (P * G, T, 7)).astype(np.float32)
+    logits[0, 3, 0] = -np.inf  # a token the policy never draws: p log p = 0, no NaN
+    logp_v = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    entropy = grpo.token_entropy(logp_v)  # the policy's entropy per position, from its log-probabilities
+    total, count, metrics = grpo.grpo_loss(logp, rollout | {"advantages": adv, "keep": keep}, cfg, entropy)
     loss, kl, low, high = _np_loss(logp, rollout, adv, keep, cfg)
     np.testing.assert_allclose(float(total / count), loss, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["kl"]), kl if cfg.kl_beta else 0.0, rtol=1e-5)
+    mask = rollout["mask"] * keep[:, None]  # the mean over the kept completions' tokens
+    want = (-(np.exp(logp_v) * np.where(np.isfinite(logp_v), logp_v, 0)).sum(-1) * mask).sum() / mask.sum()
+    np.testing.assert_allclose(float(metrics["entropy"]), want, rtol=1e-5)
     assert (float(metrics["clip_low"]), float(metrics["clip_high"])) == pytest.approx((low, high))
     assert low > 0 and high > 0  # the batch reaches both clip bounds: the test reads both
 
@@ -128,6 +135,8 @@ def test_user_rewards_are_summed_with_weights_and_their_faults_are_one_line(tmp_
     scores = rw.score(loaded, [(1, {"answer": 2}), (2, {"answer": 5})], ["1 2", "five"], "p.jsonl")
     np.testing.assert_allclose(scores, [[3, 1], [4, 0]])
     np.testing.assert_allclose(rw.total(loaded, scores), [1.3, 0.4], rtol=1e-6)
+    assert rw.per_reward_stats(loaded, scores) == {f"reward/{mine}:length": 3.5, f"reward_std/{mine}:length": 0.5,
+                                                   "reward/last_number": 0.5, "reward_std/last_number": 0.5}
     faults = {
         (f"{mine}:picky",): ("p.jsonl line 7: reward", "raised ZeroDivisionError: division by zero"),
         (f"{mine}:words",): ("p.jsonl line 7: reward", "returned ['a'], not a finite number"),
@@ -198,7 +207,11 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     assert rewards[0] < 0.2 and rewards[-1] > 0.4, rewards  # bytes at random: 26/256 lower-case
     # the sampler's log-probabilities are the trainer's, token for token (a shift by one would be ~1 apart)
     assert max(r["logp_gap"] for r in records) < 1e-4 and records[0]["tis_clipped"] == 0
-    assert records[-1]["kl"] == 0 and records[-1]["completion_length"] == 8 and "reward/" + f"{tmp_path}/toy.py:lower" in records[0]
+    assert records[-1]["kl"] == 0 and records[-1]["completion_length"] == 8
+    assert {"reward/" + f"{tmp_path}/toy.py:lower", "reward_std/" + f"{tmp_path}/toy.py:lower"} <= set(records[0])
+    # the policy's entropy over the completions: at most uniform bytes' log 256, narrower as it learns
+    entropy = [r["entropy"] for r in records]
+    assert 0 < entropy[-1] < entropy[0] <= np.log(256), entropy
     written = read_jsonl(tmp_path / "a" / "completions.jsonl")  # a few completions a logged step, beside the metrics
     assert [len(w["completions"]) for w in written] == [4] * 6 and "completions" not in records[0]
     assert {"line", "completion", "reward"} == set(written[-1]["completions"][0])

@@ -152,8 +152,9 @@ class ConsoleProgress(Observer):
             evaluated += (f" · reward margin {r['reward_margin']:.4f} (chosen {r['reward_chosen']:.4f}, rejected "
                           f"{r['reward_rejected']:.4f}) · accuracy {r['accuracy']:.2f}")
         if "completion_length" in r:  # a GRPO run's
-            evaluated += (f" · reward {r['reward']:.4f} ± {r['reward_std']:.4f} · kl {r['kl']:.4f} · clipped "
-                          f"{r['clip_low']:.2f}/{r['clip_high']:.2f} · length {r['completion_length']:.1f} · "
+            evaluated += (f" · reward {r['reward']:.4f} ± {r['reward_std']:.4f} · kl {r['kl']:.4f} · entropy "
+                          f"{r['entropy']:.3f} · clipped {r['clip_low']:.2f}/{r['clip_high']:.2f} · length "
+                          f"{r['completion_length']:.1f} · "
                           f"filtered {r['filtered']:.0%} · rollout {r['rollout_tokens_per_s']:,.0f} tokens/s")
         if FLOP_SHARE_ERROR in r:
             (self.progress.console if self.progress else err_console).print(

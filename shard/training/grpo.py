@@ -23,8 +23,8 @@ from shard.training.state import StateSpec
 from shard.training.step import batch_sharding, context_order, make_step_parts, pipeline_stages
 
 # The step metrics GRPO adds to the loss (shard.training.loop copies them into records).
-GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "logp_gap", "reward", "reward_std", "completion_length",
-                "filtered", "rollout_s", "reference_s", "rollout_tokens_per_s")
+GRPO_METRICS = ("kl", "clip_low", "clip_high", "tis_clipped", "logp_gap", "entropy", "reward", "reward_std",
+                "completion_length", "filtered", "rollout_s", "reference_s", "rollout_tokens_per_s")
 
 
 def group_advantages(rewards_b: jax.Array, group: int, normalise: bool = True, eps: float = 1e-4) -> jax.Array:
@@ -94,11 +94,21 @@ def normalised_sum(loss_bt: jax.Array, mask_bt: jax.Array, norm: str, max_new_to
     return jnp.sum(sums_b), sequences * max_new_tokens
 
 
-def grpo_loss(logp_bt: jax.Array, rollout: dict, cfg: GrpoConfig) -> tuple[jax.Array, jax.Array, dict]:
+def token_entropy(logp_btv: jax.Array) -> jax.Array:
+    """(B, T) the entropy -sum_v p log p of each position's distribution, from its log-probabilities
+    (B, T, V); a probability of 0 adds 0. No gradient flows through it: a metric, not a loss term."""
+    logp_btv = jax.lax.stop_gradient(logp_btv)
+    p_btv = jnp.exp(logp_btv)
+    return -jnp.sum(jnp.where(p_btv > 0, p_btv * logp_btv, 0.0), axis=-1)
+
+
+def grpo_loss(logp_bt: jax.Array, rollout: dict, cfg: GrpoConfig, entropy_bt: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array, dict]:
     """(the summed loss, its count, metrics) of the policy's token log-probabilities `logp_bt` on a batch
     of `rollout`s: "mask" (B, T), "advantages" and "keep" (B,), "old" (the trainer's log-probabilities
     when the rollouts were sampled) and "sampler" (the sampler's) (B, T), and "reference" (B, T) when
-    kl_beta > 0. The metrics are means over the kept tokens."""
+    kl_beta > 0. The metrics are means over the kept tokens, the policy's entropy among them where
+    `entropy_bt` (`token_entropy`) is given."""
     mask_bt = rollout["mask"] * rollout["keep"][:, None]
     loss_bt, low_bt, high_bt = surrogate_terms(logp_bt, rollout["old"], rollout["advantages"], cfg)
     weight_bt = jax.lax.stop_gradient(tis_weights(rollout["old"], rollout["sampler"], cfg.tis_cap))
@@ -108,6 +118,8 @@ def grpo_loss(logp_bt: jax.Array, rollout: dict, cfg: GrpoConfig) -> tuple[jax.A
     metrics = {"clip_low": mean(low_bt), "clip_high": mean(high_bt),
                "logp_gap": mean(jnp.abs(rollout["old"] - rollout["sampler"])),  # the sampler/trainer mismatch
                "tis_clipped": mean(weight_bt >= cfg.tis_cap) if cfg.tis_cap else jnp.zeros(())}
+    if entropy_bt is not None:
+        metrics["entropy"] = mean(entropy_bt)
     if cfg.kl_beta:
         kl_bt = k3_kl(logp_bt, rollout["reference"])
         loss_bt = loss_bt + cfg.kl_beta * kl_bt
@@ -123,15 +135,17 @@ ROLLOUT_SEQUENCE_KEYS = ("advantages", "keep")
 
 
 def token_logps(cfg, layout: Layout, params: dict, batch: dict, temperature: float, router_bias=None
-                ) -> tuple[jax.Array, dict]:
+                ) -> tuple[jax.Array, jax.Array, dict]:
     """(B, T) the log-probability of each target under softmax(logits / temperature), as the sampler
-    drew it, and the forward's MoE statistics."""
+    drew it; (B, T) the entropy of that distribution (`token_entropy`, from the same logits: a caller
+    that does not read it leaves it to XLA to drop); and the forward's MoE statistics."""
     batch, zigzag = context_order(batch, layout, cfg)
     if zigzag:  # per-token values must stay in the rows' order
         raise ShardError("task grpo does not run with context parallelism (a context axis) yet; use another mesh")
     logits_btv, moe = llama.forward(cfg, params, batch["inputs"], False, router_bias=router_bias)
     logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp_btv, batch["targets"][..., None], axis=-1)[..., 0], moe
+    logp_bt = jnp.take_along_axis(logp_btv, batch["targets"][..., None], axis=-1)[..., 0]
+    return logp_bt, token_entropy(logp_btv), moe
 
 
 def rollout_shardings(layout: Layout, keys) -> dict:
@@ -181,10 +195,10 @@ def jit_grpo_step(spec: StateSpec, layout: Layout, cfg: GrpoConfig, guard: Guard
     adapters = spec.lora is not None and bool(spec.lora.rank)
 
     def loss_fn(params, batch, rollout, router_bias):
-        logp_bt, moe = token_logps(spec.model, layout, params, batch, cfg.temperature, router_bias)
+        logp_bt, entropy_bt, moe = token_logps(spec.model, layout, params, batch, cfg.temperature, router_bias)
         if "old" not in rollout:  # one update per batch: the ratio is 1, its gradient the policy gradient's
             rollout = rollout | {"old": jax.lax.stop_gradient(logp_bt)}
-        total, count, metrics = grpo_loss(logp_bt, rollout, cfg)
+        total, count, metrics = grpo_loss(logp_bt, rollout, cfg, entropy_bt)
         return total, (count, metrics, moe)
 
     grad_fn = lora.grad_of_adapters(loss_fn) if adapters else jax.value_and_grad(loss_fn, has_aux=True)

@@ -243,7 +243,8 @@ class _StepLoop:
         for key in MOE_METRICS + DPO_METRICS + GRPO_METRICS + ("max_logit",):  # MoE's, DPO's, GRPO's, QK-clip's
             if key in values:
                 record[key] = float(values[key])
-        record |= {k: float(v) for k, v in values.items() if k.startswith("reward/")}  # GRPO's, each reward's
+        each_reward = ("reward/", "reward_std/")  # GRPO's, each reward's mean and std
+        record |= {k: float(v) for k, v in values.items() if k.startswith(each_reward)}
         if "completions" in values:  # and a few of its completions (completions.jsonl)
             record["completions"] = values["completions"]
         return record

@@ -159,3 +159,12 @@ def score(rewards: list[Reward], rows: list[tuple[int, dict]], texts: list[str],
 def total(rewards: list[Reward], scores: np.ndarray) -> np.ndarray:
     """(completions,) the weighted sum of each completion's rewards."""
     return scores @ np.asarray([r.weight for r in rewards], np.float32)
+
+
+def per_reward_stats(rewards: list[Reward], scores: np.ndarray) -> dict[str, float]:
+    """Each reward's mean and standard deviation over the completions (`reward/NAME`, `reward_std/NAME`),
+    unweighted; the deviation over the whole batch (ddof 0), as `reward_std` is the weighted sum's."""
+    out = {}
+    for r, column in zip(rewards, scores.T):
+        out[f"reward/{r.name}"], out[f"reward_std/{r.name}"] = float(column.mean()), float(column.std())
+    return out

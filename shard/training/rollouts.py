@@ -142,9 +142,8 @@ class GrpoStep:
             "reward": float(total.mean()), "reward_std": float(total.std()),
             "completion_length": float(ends.mean()), "filtered": float(1 - keep.mean()),
             "rollout_s": rollout_s, "reference_s": reference_s,
-            "rollout_tokens_per_s": completions.size / max(rollout_s, 1e-9)}
-        for r, column in zip(self.rewards, scores.T):
-            metrics[f"reward/{r.name}"] = float(column.mean())
+            "rollout_tokens_per_s": completions.size / max(rollout_s, 1e-9),
+            **rewards.per_reward_stats(self.rewards, scores)}
         group = g.samples_per_prompt  # the first prompt's first completions, for completions.jsonl
         metrics["completions"] = [{"line": prompts[i // group].line, "completion": texts[i], "reward": float(total[i])}
                                   for i in range(min(SAMPLES_KEPT, len(texts)))]

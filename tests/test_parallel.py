@@ -352,6 +352,8 @@ def _check(mesh: str, **sets):
     ("ep", {"model__name": "moe-tiny", "model__n_experts": 6}, r"6 experts do not divide over the expert axis"),
     # it crashed in Shardy's verifier with a traceback (ring attention's shard_map nested in the stages')
     ("stage=2,context=4", {}, r"context parallelism \(ring attention over `length`\) does not run inside"),
+    # XLA's partitioner aborted the process (a failed check, no Python error) on this mesh with 1F1B
+    ("stage=2,fsdp=2,model=2", {"data__batch": 8}, r"pipeline.schedule=1f1b with both fsdp and model axes beside"),
 ])
 def test_bad_layouts_are_clear_errors(mesh, sets, message):
     with pytest.raises(ShardError, match=message):

@@ -10,7 +10,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.sharding.decisions import balanced_ring
-from shard.axes import BATCH, EMBED, EXPERT, LENGTH, RES_LENGTH, STAGE
+from shard.axes import BATCH, EMBED, EXPERT, FSDP, LENGTH, MODEL, RES_LENGTH, STAGE
 from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
 from shard.errors import ShardError
 from shard.models import llama, mtp
@@ -405,6 +405,13 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     if stages > 1:
         pipeline.check(cfg.model, stages, cfg.pipeline.microbatches, cfg.data.batch // (dp * m),
                        layout.degree(LENGTH), cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+        sizes = layout.axis_sizes
+        if cfg.pipeline.schedule != "gpipe" and sizes.get(FSDP, 1) > 1 and sizes.get(MODEL, 1) > 1:
+            # XLA:CPU (jax 0.10.2) aborts the process in its SPMD partitioner on this mesh (a failed check in
+            # spmd_partitioner_util.cc: the switch that picks each tick's sends, with fsdp and model inside)
+            raise ShardError(f"pipeline.schedule={cfg.pipeline.schedule} with both fsdp and model axes beside the "
+                             "stage axis aborts XLA's partitioner; use pipeline.schedule=gpipe on this mesh, or "
+                             "drop the fsdp or the model axis")
     experts = layout.degree(EXPERT, param=True)
     if cfg.model.n_experts % experts if cfg.model.n_experts else False:
         raise ShardError(f"{cfg.model.n_experts} experts do not divide over the expert axis ({experts} ways); "

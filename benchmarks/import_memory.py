@@ -104,7 +104,8 @@ def main():
         return
 
     if args.hf_dir:
-        from shard.run.hf import config_from_hf, read_json
+        from shard.run.hf import config_from_hf
+        from shard.run.hf_config import read_json
 
         cfg = config_from_hf(read_json(args.hf_dir / "config.json"), name=args.hf_dir.name)
         args.shape = args.hf_dir.name

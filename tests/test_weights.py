@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from shard import config
-from shard.run import hf
+from shard.run import hf, hf_side
 from shard import models
 from shard.cli.app import app
 from shard.errors import ShardError
@@ -197,7 +197,7 @@ def test_a_sequence_beyond_the_weights_positions_is_said(hf_dir, tmp_path):
     shutil.copytree(hf_dir, short)
     config = json.loads((short / "config.json").read_text()) | {"max_position_embeddings": 16}
     (short / "config.json").write_text(json.dumps(config))
-    assert hf.context_note(short, 16) is None and hf.context_note(hf_dir, 32) is None  # 4096 positions
+    assert hf_side.context_note(short, 16) is None and hf_side.context_note(hf_dir, 32) is None  # 4096 positions
     r = invoke("train", "--init-from", short, "--mesh", "8x1", "--steps", 1, "--batch", 8, "--seq", 32,
                "--run-dir", tmp_path / "ft")
     assert r.exit_code == 0, r.output

@@ -73,7 +73,7 @@ def _prompts(loaded, texts: list[str], prompt_ids: str | None, ids: bool):
 def _warn_past_positions(source: str, length: int) -> None:
     """Once, as `train --seq` does: sampling past the positions the weights were made for goes on
     in positions new to the model."""
-    from shard.run.hf import positions_made_for
+    from shard.run.hf_side import positions_made_for
 
     limit = positions_made_for(source)
     if limit is not None and length > limit:

@@ -98,7 +98,7 @@ def results_file(checkpoint: str, stamp: str, out: Path | None = None) -> Path:
     """Where a checkpoint's task scores go: `out`, else its run dir's eval/ folder; a Hugging Face folder's
     into the working directory's eval/ (never into the folder: an export is not written to)."""
     from shard.run.checkpoint import find_checkpoint
-    from shard.run.hf import is_hf_dir
+    from shard.run.hf_config import is_hf_dir
 
     if is_hf_dir(checkpoint):
         return (out or Path("eval")) / f"harness-{Path(checkpoint).absolute().name}-{stamp}.json"

@@ -36,10 +36,12 @@ def harness_lm(weights_path: str | Path, cfg, mesh_spec, devices, batch: int, ma
 
 
 def _context(weights_path) -> int:
-    from shard.run import hf, weights
+    from shard.run import weights
+    from shard.run.hf_config import read_json
+    from shard.run.hf_side import side_files_of
 
-    side = hf.side_files_of(weights_path)
-    limit = hf.read_json(side / "config.json").get("max_position_embeddings") if side and (
+    side = side_files_of(weights_path)
+    limit = read_json(side / "config.json").get("max_position_embeddings") if side and (
         side / "config.json").is_file() else None
     if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
         return limit

@@ -1,6 +1,8 @@
 """Hugging Face model folders (config.json + *.safetensors) to shard's parameters and back.
 
-The families and their config.json keys are shard/run/hf_config.py's; this module maps the tensors.
+The families and their config.json keys are shard/run/hf_config.py's; this module maps the tensors and
+reads and writes the folders. The side files a run keeps of a folder (tokenizer, generation defaults)
+are shard/run/hf_side.py's; LoRA adapters in PEFT's format, shard/run/hf_peft.py's.
 Pure conversion: names and layouts only. HF stores projections as (out, in) matrices over flattened
 heads; shard keeps (in, heads, head_dim) with a leading `layers` dim. Both use the rotate-half RoPE
 layout, so no permutation of q/k is needed, except for DeepSeek-V3, whose RoPE dims come in interleaved
@@ -10,7 +12,6 @@ and back on export (`_deinterleave`), which leaves every score as it is.
 
 import json
 import math
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,14 +22,10 @@ from shard.errors import ShardError, first_line
 from shard.paths import current_umask
 from shard.config.model import ModelConfig
 from shard.run.hf_config import (FAMILIES, SUPPORTED_TYPES, config_from_hf, config_to_hf,  # noqa: F401 - the API
-                                 family_of)
+                                 family_of, read_json)
+from shard.run.hf_side import SIDE_FILES, copy_side_files
 
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    """A Hugging Face model folder: one with a config.json."""
-    return (Path(path) / "config.json").is_file()
 
 
 def _layer_map(cfg: ModelConfig):
@@ -466,18 +463,7 @@ class HFTensors(Mapping):
         return np.dtype(self._DTYPES[kind]) if kind in self._DTYPES else np.dtype("V1")  # V: not a float
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from a file, or a one-line ShardError."""
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise ShardError(f"{path} must hold a JSON object, not {type(doc).__name__}")
-    return doc
-
-
-def _save_safetensors(tensors: dict, path: Path) -> None:
+def save_safetensors(tensors: dict, path: Path) -> None:
     """safetensors' writer, with its errors (a full disk) as one line, and the file as readable as any
     other this process writes (the writer makes it owner-only)."""
     from safetensors.numpy import save_file
@@ -489,92 +475,10 @@ def _save_safetensors(tensors: dict, path: Path) -> None:
     path.chmod(0o666 & ~current_umask())
 
 
-# A Hugging Face folder's files that shard's model doesn't hold (token ids, context length, generation
-# defaults, the tokenizer): import-hf and train --init-from keep them in the run dir's SIDE_DIR, and
-# export-hf writes them back, so a model fine-tuned here stops at its end-of-sequence token there.
-SIDE_DIR = "hf"
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "vocab.json", "merges.txt",
-              "added_tokens.json")
 # Keys of the original config.json that would contradict what export-hf writes (float32 weights, no
 # quantization, transformers' own Llama code).
 # the model's own RoPE is in config_to_hf's keys: an original's llama3 rope_scaling would override them
 _NOT_CARRIED = ("dtype", "torch_dtype", "quantization_config", "auto_map", "rope_scaling")
-
-
-def side_files_of(source: str | Path) -> Path | None:
-    """The folder holding the side files of some weights: a Hugging Face folder itself, or the SIDE_DIR
-    of a shard checkpoint's run dir; None when there is none."""
-    from shard.run.checkpoint_files import find_checkpoint
-    if is_hf_dir(source):
-        return Path(source)
-    side = find_checkpoint(source)[0].parent / SIDE_DIR
-    return side if side.is_dir() else None
-
-
-def positions_made_for(source: str | Path) -> int | None:
-    """The positions the weights at `source` were made for: the max_position_embeddings of their
-    config.json (a Hugging Face folder's, or the one a shard checkpoint imported from one keeps); None
-    when nothing says."""
-    try:
-        side = side_files_of(source)
-        limit = read_json(side / "config.json").get("max_position_embeddings") if side else None
-    except (ShardError, OSError):
-        return None
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
-
-
-def context_note(source: str | Path, seq_len: int) -> str | None:
-    """A notice when `seq_len` is beyond the positions the weights at `source` were made for; None
-    otherwise, or when nothing says."""
-    limit = positions_made_for(source)
-    if limit is None or seq_len <= limit:
-        return None
-    return (f"data.seq_len {seq_len} is beyond the {limit} positions {source} was made for "
-            "(max_position_embeddings in its config.json): the positions past it are new to the model; a longer "
-            "context usually comes with a larger model.rope_theta or model.rope_scaling")
-
-
-# An imported run dir's note of the Hugging Face folder its weights are (SIDE_DIR/IMPORTED_FROM, an absolute
-# path): a PEFT adapter trained over the import names that folder as its base, which peft can load.
-IMPORTED_FROM = "imported_from"
-
-
-def note_import(hf_dir: Path, run_dir: Path) -> None:
-    """Record in run_dir that its weights are those of the Hugging Face folder hf_dir."""
-    (run_dir / SIDE_DIR).mkdir(exist_ok=True)
-    (run_dir / SIDE_DIR / IMPORTED_FROM).write_text(str(Path(hf_dir).absolute()))
-
-
-def hf_origin(source: str | Path) -> Path | None:
-    """The Hugging Face folder whose weights are those at `source`: the folder itself, or the one a
-    shard import (step 0, never trained since) was read from, while it still exists; None otherwise."""
-    from shard.run.checkpoint_files import find_checkpoint
-
-    if is_hf_dir(source):
-        return Path(source).absolute()
-    try:
-        directory, step = find_checkpoint(source)
-        noted = directory.parent / SIDE_DIR / IMPORTED_FROM
-        origin = Path(noted.read_text().strip()) if step == 0 and noted.is_file() else None
-    except (ShardError, OSError, UnicodeDecodeError):
-        return None
-    return origin if origin is not None and is_hf_dir(origin) else None
-
-
-def keep_side_files(source: str | Path, run_dir: Path) -> None:
-    """Copy the side files of the weights at `source` into run_dir/SIDE_DIR (nothing when it has none)."""
-    side = side_files_of(source)
-    if side is not None and any((side / name).is_file() for name in SIDE_FILES):
-        (run_dir / SIDE_DIR).mkdir(exist_ok=True)
-        _copy_side_files(side, run_dir / SIDE_DIR, SIDE_FILES)
-
-
-def _copy_side_files(side: Path, dest: Path, names: tuple[str, ...]) -> None:
-    """Those of `names` that `side` holds, copied into `dest`."""
-    for name in names:
-        if (side / name).is_file():
-            shutil.copyfile(side / name, dest / name)
 
 
 def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = None,
@@ -592,7 +496,7 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = 
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf_config, indent=1))
     if side is not None:  # config.json is the one just written
-        _copy_side_files(side, root, tuple(n for n in SIDE_FILES if n != "config.json"))
+        copy_side_files(side, root, tuple(n for n in SIDE_FILES if n != "config.json"))
     # contiguous copies: safetensors writes raw buffers, so a transposed view would land transposed
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in params_to_hf(params, cfg, router_bias).items()}
     shards, current, size = [], {}, 0
@@ -604,53 +508,14 @@ def write_hf_dir(path: str, cfg: ModelConfig, params: dict, side: Path | None = 
         size += t.nbytes
     shards.append(current)
     if len(shards) == 1:
-        _save_safetensors(shards[0], root / "model.safetensors")
+        save_safetensors(shards[0], root / "model.safetensors")
         return [root / "model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        _save_safetensors(shard, root / name)
+        save_safetensors(shard, root / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(math.prod(t.shape) * 4 for t in tensors.values())
     (root / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return [root / n for n in names]
-
-
-# --- LoRA adapters in PEFT's format ----------------------------------------------------------------------
-
-# shard's targets -> the Llama module PEFT adapts (its `target_modules` names and key paths)
-PEFT_MODULES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-                "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
-
-
-def adapters_to_peft(adapters: dict, lora) -> dict[str, np.ndarray]:
-    """PEFT's tensors of shard's adapters: per layer and target, lora_A (rank, in features) and lora_B
-    (out features, rank), the features flattened as the HF weight's are (heads outer, head_dim inner)."""
-    layers = adapters["layers"]
-    out = {}
-    for target in lora.targets:
-        a_lir, b_lro = np.asarray(layers[f"{target}_lora_a"]), np.asarray(layers[f"{target}_lora_b"])
-        for i in range(a_lir.shape[0]):
-            prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[target]}"
-            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a_lir[i].reshape(-1, lora.rank).T, np.float32)
-            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b_lro[i].reshape(lora.rank, -1).T, np.float32)
-    return out
-
-
-def peft_config(lora, base: str = "") -> dict:
-    """adapter_config.json of shard's LoRA settings: PEFT's scale is lora_alpha / r, as shard's."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": sorted(PEFT_MODULES[t].split(".")[1] for t in lora.targets),
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
-            "base_model_name_or_path": base or None}
-
-
-def write_peft_dir(path: str | Path, adapters: dict, lora, base: str = "") -> list[Path]:
-    """adapter_config.json + adapter_model.safetensors that peft's PeftModel.from_pretrained loads over
-    the base model (`base`: where it is, written into the config)."""
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "adapter_config.json").write_text(json.dumps(peft_config(lora, base), indent=1))
-    _save_safetensors(adapters_to_peft(adapters, lora), root / "adapter_model.safetensors")
-    return [root / "adapter_config.json", root / "adapter_model.safetensors"]

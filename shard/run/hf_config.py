@@ -2,10 +2,13 @@
 
 Each family (FAMILIES: Llama, Qwen2/2.5, Qwen3, Mistral, Mixtral, Gemma 2, Gemma 3) is a set of config
 features of the one decoder, read from config.json's `model_type`; every key of config.json that
-changes the math is mapped to a model key or refused by name. shard/run/hf.py maps the tensors.
+changes the math is mapped to a model key or refused by name; is_hf_dir and read_json find and read a
+folder's config.json. shard/run/hf.py maps the tensors.
 """
 
+import json
 import math
+from pathlib import Path
 
 from shard.config.model import ROPE_SCALINGS, ModelConfig
 from shard.config.values import is_positive_number
@@ -567,3 +570,19 @@ def _gemma_config_to_hf(cfg: ModelConfig, kind: str) -> dict:
 def _whole(x: float) -> int | float:
     """x as an int where it is one (transformers' Gemma configs type query_pre_attn_scalar as int)."""
     return int(x) if float(x).is_integer() else x
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model folder: one with a config.json."""
+    return (Path(path) / "config.json").is_file()
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a one-line ShardError."""
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ShardError(f"{path} must hold a JSON object, not {type(doc).__name__}")
+    return doc

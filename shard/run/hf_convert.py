@@ -21,7 +21,7 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
     """Write the weights of the Hugging Face folder `hf_dir` (any family shard builds) as the step-0
     checkpoint of a new run dir `out`, read tensor by tensor, with the folder's side files (token ids,
     context length, tokenizer) for export-hf; the model it holds."""
-    from shard.run.hf import is_hf_dir
+    from shard.run.hf_config import is_hf_dir
 
     if not is_hf_dir(hf_dir):
         what = "does not exist" if not hf_dir.exists() else "is a file" if not hf_dir.is_dir() else \
@@ -32,7 +32,7 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
     import jax
     import numpy as np
 
-    from shard.run import hf, weights
+    from shard.run import hf_side, weights
     from shard.run.checkpoint import Checkpoints
     from shard.training.state import placed_router_bias
 
@@ -53,8 +53,8 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
         ckpts = Checkpoints(partial / CHECKPOINTS_DIR, tcfg.checkpoint,
                             write_concurrent_gb=max(0.25, 1.01 * largest / 1e9))
         (partial / "config.toml").write_text(config_toml)
-        hf.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
-        hf.note_import(hf_dir, partial)  # for a PEFT adapter's base_model_name_or_path
+        hf_side.keep_side_files(hf_dir, partial)  # token ids, context length, tokenizer: for export-hf
+        hf_side.note_import(hf_dir, partial)  # for a PEFT adapter's base_model_name_or_path
         try:
             ckpts.save(0, state, position=0, seed=tcfg.seed, config_toml=config_toml)
             ckpts.wait()
@@ -108,12 +108,12 @@ def export_adapters(checkpoint: str, lora_out: Path) -> tuple[config_mod.LoraCon
     """A LoRA checkpoint's adapters written into the new folder `lora_out` in PEFT's format; their settings
     and the Hugging Face folder named as their base (the run's init_from, or the folder it was imported
     from; None when the base is no such folder: a shard run's own weights, or a fresh init)."""
-    from shard.run import hf, weights
+    from shard.run import hf_peft, hf_side, weights
 
     _, lora, _, adapters, init_from = weights.load_lora(checkpoint, base=False)
-    base = hf.hf_origin(init_from) if init_from else None
+    base = hf_side.hf_origin(init_from) if init_from else None
     with written_whole(lora_out) as partial:
-        hf.write_peft_dir(partial, adapters, lora, str(base) if base else "")
+        hf_peft.write_peft_dir(partial, adapters, lora, str(base) if base else "")
     return lora, base
 
 
@@ -121,12 +121,12 @@ def export_hf_folder(checkpoint: str, out: Path) -> tuple[list, bool]:
     """A checkpoint's model written into the new folder `out` as Hugging Face's (the family its features
     make; a LoRA checkpoint's adapters folded into the base weights): its safetensors files, and whether
     the run's tokenizer went with them."""
-    from shard.run import hf
+    from shard.run import hf, hf_side
     from shard.run.tokenizer import copy_tokenizer
 
     loaded = load_model(checkpoint, inference=False)  # read on the host, tensor by tensor as it is written
     with written_whole(out) as partial:  # a full disk leaves nothing behind
-        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf.side_files_of(checkpoint),
+        files = hf.write_hf_dir(str(partial), loaded.model, loaded.host_params, side=hf_side.side_files_of(checkpoint),
                                 router_bias=loaded.host_router_bias)
         # the run's own, when the side files hold none; either way with a config naming its eos for transformers
         tokenizer = copy_tokenizer(checkpoint, partial)

@@ -183,12 +183,13 @@ def init_from_base(source: str) -> dict:
 
     from shard.run import hf
     from shard.run.checkpoint import find_checkpoint, saved_config
+    from shard.run.hf_config import is_hf_dir, read_json
 
     path = Path(source)
     if not path.exists():
         raise ShardError(f"--init-from: {source} does not exist")
-    if hf.is_hf_dir(path):
-        config_json = hf.read_json(path / "config.json")
+    if is_hf_dir(path):
+        config_json = read_json(path / "config.json")
         # DeepSeek-V3's MTP modules are read where its tensors hold them: their names from the files' headers
         names = set(hf.read_hf_dir(str(path))[1]) if config_json.get("model_type") == "deepseek_v3" else ()
         cfg = hf.config_from_hf(config_json, name=path.name or "hf", tensor_names=names)

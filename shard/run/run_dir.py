@@ -54,7 +54,7 @@ def has_records(path: Path) -> bool:
 
 def start_files() -> tuple[str, ...]:
     """What a fresh start writes before its first step is logged or saved."""
-    from shard.run.hf import SIDE_DIR
+    from shard.run.hf_side import SIDE_DIR
 
     return ("config.toml", SIDE_DIR, TOKENIZER_DIR, "metrics.jsonl", "tb", WANDB_ID, "wandb")
 

@@ -41,7 +41,7 @@ def resolve_start(layers: Callable[[dict | None], dict], from_file: dict, sets: 
     init_from comes from. Notes the
     cluster's settings for the errors before it is joined (shard.cluster.runtime.expect)."""
     from shard.cluster import runtime
-    from shard.run.hf import context_note
+    from shard.run.hf_side import context_note
 
     main = cluster is None or cluster.process_id == 0
     base = resume_base(run_dir, allow_fresh, notice=notice if main else None) if resume else None
@@ -128,7 +128,7 @@ def _check_saved_model(cfg: config_mod.TrainConfig, base: dict | None, resumed: 
                        run_dir: str | None) -> None:
     """The model named must be the one the saved config or the weights hold: their weights load into
     no other."""
-    from shard.run.hf import is_hf_dir
+    from shard.run.hf_config import is_hf_dir
 
     saved_name = (base or {}).get("model", {}).get("name")
     if not saved_name or cfg.model.name == saved_name:
@@ -228,10 +228,10 @@ class RunDirClaim:
         writes back beside the weights (tokenizer, token ids), unless the run dir holds them already."""
         if not self.main:
             return
-        from shard.run import hf
+        from shard.run import hf_side
 
-        if init_from and first_start and not {"config.toml", hf.SIDE_DIR} & self.found:
-            hf.keep_side_files(init_from, self.path)
+        if init_from and first_start and not {"config.toml", hf_side.SIDE_DIR} & self.found:
+            hf_side.keep_side_files(init_from, self.path)
         write_text_atomic(self.path / "config.toml", config_toml)
 
     def forget_unstarted(self) -> None:

@@ -1,7 +1,7 @@
 """The tokenizer travels with the run: saved in the run dir (`tokenizer/`, beside the checkpoints) when
 a run first starts, so `shard generate --prompt`, `shard eval` and `shard export-hf` find it from a
 checkpoint without being told. A model imported from Hugging Face keeps its folder's tokenizer among
-the side files (shard.run.hf.SIDE_DIR), which is read when the run dir has no tokenizer of its own. An
+the side files (shard.run.hf_side.SIDE_DIR), which is read when the run dir has no tokenizer of its own. An
 export's tokenizer_config.json names the special tokens shard read the data with (name_special_tokens)."""
 
 import json
@@ -69,7 +69,8 @@ def tokenizer_folder(weights: str | Path) -> Path | None:
     """The folder of the tokenizer that goes with some weights: a Hugging Face folder itself, or for a
     shard checkpoint its run dir's tokenizer/ (else the side files it imported); None when none says."""
     from shard.run.checkpoint import find_checkpoint
-    from shard.run.hf import SIDE_DIR, is_hf_dir
+    from shard.run.hf_config import is_hf_dir
+    from shard.run.hf_side import SIDE_DIR
 
     if is_hf_dir(weights):
         candidates = [Path(weights)]

@@ -13,7 +13,7 @@ from shard.config.resolve import resolve
 from shard import tomlfiles
 from shard.config.train import LoraConfig, TrainConfig
 from shard.errors import ShardError
-from shard.run.hf import is_hf_dir
+from shard.run.hf_config import is_hf_dir
 from shard.sharding.rules import spec_entries
 from shard.config.model import ModelConfig
 from shard.training.state import StateSpec, placed_router_bias

@@ -316,6 +316,10 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
 
     first = (lambda ch: s == 0) if V == 1 else (lambda ch: (s == 0) & (ch == 0))  # virtual stage 0
 
+    def head_of(m, ch):  # the last virtual stage's chunk, head and loss for microbatch m
+        aux_m = jax.tree.map(lambda a: a[m], aux)
+        return lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)
+
     def idle(c, m, ch):
         return c
 
@@ -333,9 +337,7 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
 
     def bwd_last(c, m, ch):
         u = ch * M + m
-        aux_m = jax.tree.map(lambda a: a[m], aux)
-        f = lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)  # noqa: E731
-        (nll, count), vjp = jax.vjp(f, chunk(layers, ch), head, c["xin"][u % K])
+        (nll, count), vjp = jax.vjp(head_of(m, ch), chunk(layers, ch), head, c["xin"][u % K])
         g_layers, g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
         return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch),
                     "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
@@ -352,10 +354,6 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
         _, vjp = jax.vjp(lambda lp: run(lp, c["xin"][u % K], m, ch), chunk(layers, ch))
         (g_layers,) = vjp(c["gin"][u % K])
         return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
-
-    def head_of(m, ch):  # the last virtual stage's chunk, head and loss for microbatch m
-        aux_m = jax.tree.map(lambda a: a[m], aux)
-        return lambda lp, hp, x: head_loss(hp, run(lp, x, m, ch), aux_m)
 
     def bwd_input_last(c, m, ch):  # B on the last virtual stage: the loss, the head's and the input's gradient
         u = ch * M + m

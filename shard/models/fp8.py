@@ -31,9 +31,12 @@ def scale_of(x: jax.Array, fp8_dtype, axes: tuple[int, ...] | None = None) -> ja
     """float32 scale amax / max(fp8_dtype), the amax over `axes` (None: the whole tensor; kept as size-1
     dims), so the largest value maps to the format's largest; 1 where the amax is 0 (zeros stay zeros).
     A non-finite amax gives a non-finite scale, so an inf or nan still reaches the loss and the guard."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=axes is not None)
-    fmax = jnp.finfo(fp8_dtype).max.astype(jnp.float32)
-    return jnp.where(amax > 0, amax / fmax, 1.0)
+    return _scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=axes is not None), fp8_dtype)
+
+
+def _scale(amax: jax.Array, fp8_dtype) -> jax.Array:
+    """amax / max(fp8_dtype) in float32; 1 where the amax is 0."""
+    return jnp.where(amax > 0, amax / jnp.finfo(fp8_dtype).max.astype(jnp.float32), 1.0)
 
 
 def quantize(x: jax.Array, fp8_dtype, axes: tuple[int, ...] | None = None,
@@ -48,29 +51,23 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     return fp8_ops.dequantize(q, jnp.float32, scale)
 
 
-def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool) -> jax.Array:
+def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales=(None, None)) -> jax.Array:
     """float32 `einsum(subscripts, a, b)` with a and b quantized to a_dtype and b_dtype: the dot on the
-    float8 operands, then the product of their scales (rowwise: per row along each one's contracting
-    dims, broadcast to the output by an outer product)."""
+    float8 operands, then the product of their scales (this step's, or the per-tensor `scales` given:
+    delayed scaling's; rowwise: per row along each one's contracting dims, broadcast to the output by
+    an outer product)."""
     ins, out = subscripts.split("->")
     sa, sb = ins.split(",")
     contract_a = tuple(i for i, c in enumerate(sa) if c not in out) if rowwise else None
     contract_b = tuple(i for i, c in enumerate(sb) if c not in out) if rowwise else None
-    qa, scale_a = quantize(a, a_dtype, contract_a)
-    qb, scale_b = quantize(b, b_dtype, contract_b)
+    qa, scale_a = quantize(a, a_dtype, contract_a, scales[0])
+    qb, scale_b = quantize(b, b_dtype, contract_b, scales[1])
     y = jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32)
     if not rowwise:
         return y * (scale_a * scale_b)
     free_a, free_b = "".join(c for c in sa if c in out), "".join(c for c in sb if c in out)
     scale = jnp.einsum(f"{free_a},{free_b}->{out}", jnp.squeeze(scale_a, contract_a), jnp.squeeze(scale_b, contract_b))
     return y * scale
-
-
-def _scaled_dot(subscripts: str, a, b, a_dtype, b_dtype, scale_a, scale_b) -> jax.Array:
-    """`scaled_einsum` with given per-tensor scales (delayed scaling's)."""
-    qa, scale_a = quantize(a, a_dtype, scale=scale_a)
-    qb, scale_b = quantize(b, b_dtype, scale=scale_b)
-    return jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32) * (scale_a * scale_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
@@ -104,8 +101,7 @@ def delayed_scale(history: jax.Array, x: jax.Array, fp8_dtype) -> jax.Array:
     """A per-tensor scale from the largest amax in `history` (earlier steps'); this step's amax while
     the history is still empty (the first step), so the first step does not saturate or flush to zero."""
     past = jnp.max(history)
-    amax = jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32))))
-    return jnp.where(amax > 0, amax / jnp.finfo(fp8_dtype).max.astype(jnp.float32), 1.0)
+    return _scale(jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32)))), fp8_dtype)
 
 
 def pushed(history: jax.Array, x: jax.Array) -> jax.Array:
@@ -124,7 +120,7 @@ def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict) -
 
 def _delayed_fwd(subscripts, x, w, history):
     sx, sw = delayed_scale(history["x"], x, E4M3), delayed_scale(history["w"], w, E4M3)
-    return _scaled_dot(subscripts, x, w, E4M3, E4M3, sx, sw).astype(x.dtype), (x, w, sx, sw, history)
+    return scaled_einsum(subscripts, x, w, E4M3, E4M3, False, (sx, sw)).astype(x.dtype), (x, w, sx, sw, history)
 
 
 def _delayed_bwd(subscripts, saved, g):
@@ -132,8 +128,8 @@ def _delayed_bwd(subscripts, saved, g):
     ins, out = subscripts.split("->")
     x_letters, w_letters = ins.split(",")
     sg = delayed_scale(history["g"], g, E5M2)
-    dx = _scaled_dot(f"{out},{w_letters}->{x_letters}", g, w, E5M2, E4M3, sg, sw)
-    dw = _scaled_dot(f"{x_letters},{out}->{w_letters}", x, g, E4M3, E5M2, sx, sg)
+    dx = scaled_einsum(f"{out},{w_letters}->{x_letters}", g, w, E5M2, E4M3, False, (sg, sw))
+    dw = scaled_einsum(f"{x_letters},{out}->{w_letters}", x, g, E4M3, E5M2, False, (sx, sg))
     new = {"x": pushed(history["x"], x), "w": pushed(history["w"], w), "g": pushed(history["g"], g)}
     return dx.astype(x.dtype), dw.astype(w.dtype), new
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shard.testing import subprocess_env
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -89,3 +91,27 @@ def test_peak_quick_prints_every_shape_the_maxima_and_the_cpu_and_caches_nothing
         assert re.search(rf"^peak {dtype}: [\d,.]+ GFLOP/s \((xla|numpy), ", out, re.M), out
     assert re.search(r"^numpy +float32 +square", out, re.M) and not re.search(r"^numpy +bfloat16", out, re.M), out
     assert "nothing cached" in out and not (tmp_path / "peak.json").exists(), out
+
+
+def test_rl_splits_a_grpo_step_and_times_the_kv_cache_against_uncached_sampling(capsys, monkeypatch):
+    """In this process (its 8 simulated devices are the script's): no second interpreter, import and start."""
+    import importlib.util
+    import os
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # the script adds its device count at import
+    monkeypatch.setattr(sys, "argv", ["rl.py", "--steps", "1", "--batch", "8", "--group", "4", "--seq", "32",
+                                      "--new", "4"])
+    spec = importlib.util.spec_from_file_location("rl_benchmark", BENCHMARKS / "rl.py")
+    rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl)
+    rl.main()
+    lines = capsys.readouterr().out.splitlines()
+    out = "\n".join(lines)
+    assert lines[0] == "GRPO tiny on 2x4: 8 completions a step (4 a prompt), 4 new tokens, seq 32; medians of 1 steps", out
+    parts = [re.fullmatch(rf"  {name} +([\d.]+) ms +([\d.]+)%", line) for name, line in
+             zip(("rollout", "reference", "training"), lines[1:4])]
+    assert all(parts) and all(float(p[1]) > 0 for p in parts), out  # training: the step's time less the other two
+    assert sum(float(p[2]) for p in parts) == pytest.approx(100, abs=0.2), out
+    assert re.fullmatch(r"  rollout tokens/s: KV cache [\d,]+, uncached [\d,]+ \([\d.]+x\)", lines[4]), out
+    # the uncached loop once timed a compile (its rows placed otherwise than at its warm-up call)
+    assert re.fullmatch(r"  compiles while timed: \d+ in the steps, 0 in the uncached loop", lines[5]), out

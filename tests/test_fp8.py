@@ -124,16 +124,21 @@ def _f8_dots(text: str) -> list[tuple[str, list[str], str]]:
     return out
 
 
-def test_a_lowered_train_step_has_float8_dots_for_the_rule_matched_weights_only():
+def test_a_train_step_has_float8_dots_for_the_rule_matched_weights_only_and_gathers_one_scale_ones_in_float8():
+    from shard.measure.analysis import analyze
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
     from shard.testing import devices_for, tiny_config
     from shard.training.compiled import lower_step
 
-    # wk, wv in bf16: q, k and v run as three einsums; gate and up share a recipe: one (64, 2, 128) weight
-    cfg = tiny_config("1x1", model__n_kv_heads=4, precision__default="fp8_rowwise",
-                      **{"precision__layers/w(k|v)": "bf16", "precision__layers/w_down": "fp8_tensorwise"})
-    text = lower_step(cfg, make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))).as_text()
+    # wk, wv in bf16: q, k and v run as three einsums; gate and up share a recipe: one (64, 2, 128) weight;
+    # w_down (tensorwise) and wo (delayed): one scale each, quantized as stored and gathered in float8
+    cfg = tiny_config("fsdp", model__n_kv_heads=4, precision__default="fp8_rowwise",
+                      **{"precision__layers/w(k|v)": "bf16", "precision__layers/w_down": "fp8_tensorwise",
+                         "precision__layers/wo": "fp8_delayed"})
+    layout = make_layout(cfg, parse_mesh("fsdp"), devices_for("fsdp"))
+    lowered = lower_step(cfg, layout)
+    text = lowered.as_text()
     dots = _f8_dots(text)
     fp8_shapes = {"wq": "64x8x8", "wo": "8x8x64", "w_gate/w_up": "64x2x128", "w_down": "128x64"}
     for name, shape in fp8_shapes.items():
@@ -145,6 +150,13 @@ def test_a_lowered_train_step_has_float8_dots_for_the_rule_matched_weights_only(
     assert not any("64x4x8" in t or "256" in t for d in dots for t in d[1])
     for result, _, _ in dots:  # the scales are applied to the float32 product, after the dot
         assert re.search(rf"stablehlo.multiply {re.escape(result)}, ", text), result
+    # compiled on fsdp=8: the float8 all-gathers are w_down's and wo's, per layer (XLA:CPU widens them to f16,
+    # the HLO reader counts the float8 bytes); rowwise and bf16 weights gather in the compute dtype. The
+    # analysis raises if the cost model's minimum (float8 gathers at 1 byte) exceeded the bytes moved.
+    analysis = analyze(cfg, layout, lowered.compile())
+    f8 = {c.result_bytes // 2 for c in analysis.collectives if c.kind == "all-gather" and "f8e4m3fn" in c.compiled_as}
+    assert f8 == {128 * 64, 8 * 8 * 64}, f8
+    assert analysis.efficiency["fsdp"] > 0.98, analysis.efficiency  # less: rowwise's per-row amax all-reduces
 
 
 def test_delayed_scaling_scales_by_the_history_and_its_gradient_is_the_update():

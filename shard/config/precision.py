@@ -13,6 +13,10 @@ from shard.errors import ShardError
 BF16 = "bf16"  # the model's compute dtype (bfloat16 on accelerators): no FP8
 DELAYED = "fp8_delayed"
 RECIPES = (BF16, "fp8_tensorwise", "fp8_rowwise", DELAYED)
+# Recipes with one scale per weight: a weight is quantized where it is stored and gathered (FSDP) as
+# float8, its amax one scalar reduced over the shards. Rowwise's backward requantizes the weight along
+# other dims than its forward, so it gathers the weight in the compute dtype.
+GATHERED = ("fp8_tensorwise", DELAYED)
 AMAX_HISTORY = 16  # fp8_delayed: the steps of amaxes a scale is taken from (their largest), as TransformerEngine's
 # The weights of a dense layer's matmuls: the attention projections and the gated MLP
 MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -72,6 +76,11 @@ def weight_recipes(precision: dict[str, str], model) -> dict[str, str]:
                              f"(a full match of one of: {', '.join(paths) or 'none'}; an earlier rule wins where "
                              "two match; embeddings, norms, router, experts and head stay in the compute dtype)")
     return out
+
+
+def fp8_gathered(precision: dict[str, str], model) -> frozenset[str]:
+    """The weights (by path) whose FSDP all-gathers move float8 bytes: those of a GATHERED recipe."""
+    return frozenset(path for path, r in weight_recipes(precision, model).items() if r in GATHERED)
 
 
 def delayed_problems(cfg) -> list[str]:

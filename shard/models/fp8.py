@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from shard.sharding.rules import active_layout
+from shard.sharding.rules import active_layout, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16 = "bf16"
@@ -62,33 +62,68 @@ def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales
     contract_b = tuple(i for i, c in enumerate(sb) if c not in out) if rowwise else None
     qa, scale_a = quantize(a, a_dtype, contract_a, scales[0])
     qb, scale_b = quantize(b, b_dtype, contract_b, scales[1])
-    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32)
     if not rowwise:
-        return y * (scale_a * scale_b)
+        return quantized_einsum(subscripts, qa, scale_a, qb, scale_b)
+    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32)
     free_a, free_b = "".join(c for c in sa if c in out), "".join(c for c in sb if c in out)
     scale = jnp.einsum(f"{free_a},{free_b}->{out}", jnp.squeeze(scale_a, contract_a), jnp.squeeze(scale_b, contract_b))
     return y * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, rowwise: bool = False) -> jax.Array:
+def quantized_einsum(subscripts: str, qa, scale_a, qb, scale_b, dtype=jnp.float32) -> jax.Array:
+    """`einsum` of two float8 operands with per-tensor scales, in `dtype`: the dot (accumulating in float32
+    on an FP8 GEMM, written in `dtype`), then the scales."""
+    return jnp.einsum(subscripts, qa, qb, preferred_element_type=dtype) * (scale_a * scale_b).astype(dtype)
+
+
+def gathered(w: jax.Array, gather: tuple, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(w quantized to E4M3 where it is stored, then put in its compute layout; the scale): a weight
+    that arrives as stored (FSDP: a shard) is all-gathered as float8 bytes. Its amax (`scale` not
+    given) is the largest over all shards, one float32 scalar reduced across them, so each element
+    quantizes as it would on one device. `gather`: the weight's logical axes. Constrained only to the
+    compute layout, sharding propagation moves the cast after the gather (shard.models.llama's
+    compute_weight says so for the compute dtype)."""
+    q, scale = quantize(w, E4M3, scale=scale)
+    return constrain(constrain(q, gather, param=True), gather), scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, rowwise: bool = False,
+               gather: tuple | None = None) -> jax.Array:
     """`einsum(subscripts, x, w)` (an activation and a weight, each letter once per operand) in FP8:
     E4M3 operands forward; backward, the incoming gradient in E5M2 against the E4M3 weight (dx) and
-    activation (dw). The result in x's dtype."""
-    return scaled_einsum(subscripts, x, w, E4M3, E4M3, rowwise).astype(x.dtype)
+    activation (dw). The result in x's dtype. `gather` (tensorwise): w arrives as stored, with these
+    logical axes, and is quantized there and gathered in float8 (`gathered`); its gradient leaves in
+    the compute layout, and the caller's constraint reduce-scatters it."""
+    if gather is None:
+        return scaled_einsum(subscripts, x, w, E4M3, E4M3, rowwise).astype(x.dtype)
+    return _fp8_einsum_fwd(subscripts, x, w, rowwise, gather)[0]
 
 
-def _fp8_einsum_fwd(subscripts, x, w, rowwise):
-    return fp8_einsum(subscripts, x, w, rowwise), (x, w)
+def _fp8_einsum_fwd(subscripts, x, w, rowwise, gather):
+    if gather is None:
+        return fp8_einsum(subscripts, x, w, rowwise), (x, w)
+    qx, sx = quantize(x, E4M3)
+    qw, sw = gathered(w, gather)
+    # (a scalar of w's dtype: the dtype its gradient must have)
+    return quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype), (x, (qw, sw, jnp.zeros((), w.dtype)))
 
 
-def _fp8_einsum_bwd(subscripts, rowwise, saved, g):
+def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
     x, w = saved
     ins, out = subscripts.split("->")
     sx, sw = ins.split(",")
-    dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
-    dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    if gather is None:
+        dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
+        dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+    qw, scale_w, w_dtype = w  # the gathered float8 weight: what requantizing the weight would give
+    qg, scale_g = quantize(g, E5M2)
+    dx = quantized_einsum(f"{out},{sw}->{sx}", qg, scale_g, qw, scale_w)
+    # the dot writes the weight's dtype, in which its partial sums are then reduce-scattered (float32, they
+    # moved twice a bf16 gradient's bytes)
+    dw = quantized_einsum(f"{sx},{out}->{sw}", *quantize(x, E4M3), qg, scale_g, w_dtype.dtype)
+    return dx.astype(x.dtype), dw
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
@@ -104,48 +139,58 @@ def delayed_scale(history: jax.Array, x: jax.Array, fp8_dtype) -> jax.Array:
     return _scale(jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32)))), fp8_dtype)
 
 
-def pushed(history: jax.Array, x: jax.Array) -> jax.Array:
-    """The history with this step's amax of x first and its oldest entry dropped."""
-    return jnp.roll(history, 1).at[0].set(jnp.max(jnp.abs(x.astype(jnp.float32))))
+def pushed(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history with this step's amax first and its oldest entry dropped."""
+    return jnp.roll(history, 1).at[0].set(amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict) -> jax.Array:
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict, gather: tuple | None = None) -> jax.Array:
     """`fp8_einsum` (tensorwise) with scales from amax histories ({"x", "w", "g"}: (H,) float32 each).
     The histories' "gradient" is their update (this step's amaxes pushed in), which the train step
     takes as the new histories (flax's fp8_ops "overwrite with gradient", without its max-dtype: the
-    step takes the maximum over microbatches itself)."""
-    return _delayed_fwd(subscripts, x, w, history)[0]
+    step takes the maximum over microbatches itself). `gather`: as in `fp8_einsum`."""
+    return _delayed_fwd(subscripts, x, w, history, gather)[0]
 
 
-def _delayed_fwd(subscripts, x, w, history):
+def _delayed_fwd(subscripts, x, w, history, gather):
     sx, sw = delayed_scale(history["x"], x, E4M3), delayed_scale(history["w"], w, E4M3)
-    return scaled_einsum(subscripts, x, w, E4M3, E4M3, False, (sx, sw)).astype(x.dtype), (x, w, sx, sw, history)
+    qx, sx = quantize(x, E4M3, scale=sx)
+    qw, sw = gathered(w, gather, sw) if gather is not None else quantize(w, E4M3, scale=sw)
+    y = quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype)
+    # the float8 weight (gathered, when it arrived as stored), and a scalar of w's dtype for its gradient's
+    return y, (x, qw, jnp.zeros((), w.dtype), sx, sw, _amax(w), history)
 
 
-def _delayed_bwd(subscripts, saved, g):
-    x, w, sx, sw, history = saved
+def _delayed_bwd(subscripts, gather, saved, g):
+    x, qw, w_dtype, sx, sw, w_amax, history = saved
     ins, out = subscripts.split("->")
     x_letters, w_letters = ins.split(",")
-    sg = delayed_scale(history["g"], g, E5M2)
-    dx = scaled_einsum(f"{out},{w_letters}->{x_letters}", g, w, E5M2, E4M3, False, (sg, sw))
-    dw = scaled_einsum(f"{x_letters},{out}->{w_letters}", x, g, E4M3, E5M2, False, (sx, sg))
-    new = {"x": pushed(history["x"], x), "w": pushed(history["w"], w), "g": pushed(history["g"], g)}
-    return dx.astype(x.dtype), dw.astype(w.dtype), new
+    qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g, E5M2))
+    dx = quantized_einsum(f"{out},{w_letters}->{x_letters}", qg, sg, qw, sw)
+    dw = quantized_einsum(f"{x_letters},{out}->{w_letters}", quantize(x, E4M3, scale=sx)[0], sx, qg, sg, w_dtype.dtype)
+    new = {"x": pushed(history["x"], _amax(x)), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], _amax(g))}
+    return dx.astype(x.dtype), dw, new
 
 
 delayed_einsum.defvjp(_delayed_fwd, _delayed_bwd)
 
 
-def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None):
+def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None,
+           gather: tuple | None = None):
     """`einsum(subscripts, x, w)` by a weight's recipe: plain in the operands' dtype for bf16 (the
     compute dtype), `delayed_einsum` for fp8_delayed with its histories (without them, as in evaluation
-    and generation: current tensorwise scaling), else `fp8_einsum`."""
+    and generation: current tensorwise scaling), else `fp8_einsum`. `gather`: w arrives as stored
+    (a recipe in GATHERED), with these logical axes, to be quantized before its gather."""
     if recipe == BF16:
         return jnp.einsum(subscripts, x, w)
     if recipe == DELAYED and history is not None:
-        return delayed_einsum(subscripts, x, w, history)
-    return fp8_einsum(subscripts, x, w, ROWWISE[recipe])
+        return delayed_einsum(subscripts, x, w, history, gather)
+    return fp8_einsum(subscripts, x, w, ROWWISE[recipe], gather)
 
 
 def fusable(*recipes: str) -> bool:

@@ -212,18 +212,26 @@ def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh(
 def test_layouts_agree_with_fp8_on():
     """1x1, fsdp and 2x4 in FP8: the scales are global amaxes, so layouts differ only where a float32
     partial sum rounds differently and flips an FP8 rounding downstream. Measured (tiny, one step): 8e-8
-    for tensorwise and delayed, rowwise on fsdp 1.8e-5 in the loss and 2.6e-4 in the gradient norm."""
+    for tensorwise and delayed, rowwise on fsdp 1.8e-5 in the loss and 2.6e-4 in the gradient norm.
+    Through the pipeline (GPipe, 2 microbatches, fsdp beside the stages) current scaling takes each
+    microbatch's amaxes, so the scales themselves differ and every element re-rounds on E4M3's grid (steps
+    of 2^-4 relative): measured 9.4e-4 in the loss and 4.4e-3 in the gradient norm, tested at about 3x.
+    One step from the init that is near bf16's own gap (1.8e-3, 1.1e-2), so the pipeline's compiled
+    program is also checked for its float8 dots."""
     from shard.testing import loss_and_grads, tiny_config
 
     sets = {"precision__default": "fp8_tensorwise", "precision__layers/w(q|k|v|o)": "fp8_rowwise"}
+    meshes = {"1x1": {}, "fsdp": {}, "2x4": {}, "stage=2,data=2,fsdp=2": {"pipeline__microbatches": 2}}
     curves = {}
-    for mesh in ("1x1", "fsdp", "2x4"):
-        loss, grads = loss_and_grads(tiny_config(mesh, **sets))
+    for mesh, extra in meshes.items():
+        loss, grads, hlo = loss_and_grads(tiny_config(mesh, **sets, **extra), with_hlo=True)
+        assert "f8e4m3fn" in hlo and "f8e5m2" in hlo, mesh
         curves[mesh] = (float(loss), float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64))
                                                        for g in jax.tree.leaves(grads)))))
-    for mesh in ("fsdp", "2x4"):
-        np.testing.assert_allclose(curves[mesh][0], curves["1x1"][0], rtol=1e-4, err_msg=f"loss {mesh}")
-        np.testing.assert_allclose(curves[mesh][1], curves["1x1"][1], rtol=1e-3, err_msg=f"grad_norm {mesh}")
+    for mesh, (loss_rtol, norm_rtol) in {"fsdp": (1e-4, 1e-3), "2x4": (1e-4, 1e-3),
+                                         "stage=2,data=2,fsdp=2": (3e-3, 1.5e-2)}.items():
+        np.testing.assert_allclose(curves[mesh][0], curves["1x1"][0], rtol=loss_rtol, err_msg=f"loss {mesh}")
+        np.testing.assert_allclose(curves[mesh][1], curves["1x1"][1], rtol=norm_rtol, err_msg=f"grad_norm {mesh}")
 
 
 def test_the_hardware_table_has_datasheet_fp8_peaks_where_there_are_fp8_tensor_cores():

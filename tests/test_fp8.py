@@ -176,7 +176,11 @@ def test_delayed_scaling_scales_by_the_history_and_its_gradient_is_the_update():
         np.testing.assert_array_equal(new[k], [np.abs(a).max(), 0, float(history[k][1]), 0])
 
 
-def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh(tmp_path):
+def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh_and_a_resume_continues_bitwise(
+        tmp_path):
+    """The resume: a fresh run prepared from the step-2 checkpoint on disk (what a restart after kill -9
+    reads; the checkpoint's atomicity under kill -9 is tests/test_checkpoint.py's) continues the
+    uninterrupted run's losses and amax histories bit for bit."""
     from shard.run.checkpoint import Checkpoints, SaveCheckpoints
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
@@ -185,25 +189,31 @@ def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh(
     from shard.training.prepare import prepare
     from shard.training.state import state_spec
 
-    cfg = tiny_config("2x4", steps=2, precision__default="fp8_delayed", **{"precision__layers/wo": "fp8_rowwise"})
+    cfg = tiny_config("2x4", steps=4, checkpoint__every=2, precision__default="fp8_delayed",
+                      **{"precision__layers/wo": "fp8_rowwise"})
     ckpts = Checkpoints(tmp_path / "checkpoints", cfg.checkpoint)
     try:
         run = prepare(cfg, devices_for("2x4"))
-        train(cfg, run=run, observers=[SaveCheckpoints(ckpts, seed=cfg.seed, config_toml=c.to_toml(cfg))])
+        saver = SaveCheckpoints(ckpts, seed=cfg.seed, config_toml=c.to_toml(cfg))
+        losses = [r["loss"] for r in train(cfg, run=run, observers=[saver])]
         saved = jax.device_get(run.state["fp8"])
         assert sorted(saved["layers"]) == ["w_down", "w_gate", "w_up", "wk", "wq", "wv"]  # wo: rowwise, none
-        for history in jax.tree.leaves(saved):  # (layers, 16): two steps' amaxes, newest first
-            assert history.shape == (2, 16) and np.all(history[:, :2] > 0) and not np.any(history[:, 2:])
+        for history in jax.tree.leaves(saved):  # (layers, 16): four steps' amaxes, newest first
+            assert history.shape == (2, 16) and np.all(history[:, :4] > 0) and not np.any(history[:, 4:])
+        resumed = prepare(cfg, devices_for("2x4"), restore=lambda spec: ckpts.restore(2, spec))
+        assert resumed.start_step == 2
+        assert [r["loss"] for r in train(cfg, run=resumed)] == losses[2:]  # bitwise
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["fp8"]), saved)
         layout = make_layout(cfg, parse_mesh("fsdp"), devices_for("fsdp"))
-        restored = ckpts.restore(2, state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)).state["fp8"]
+        restored = ckpts.restore(4, state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)).state["fp8"]
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
-        plain = tiny_config("fsdp", steps=2)  # a resume in bf16 leaves them out
+        plain = tiny_config("fsdp", steps=4)  # a resume in bf16 leaves them out
         layout = make_layout(plain, parse_mesh("fsdp"), devices_for("fsdp"))
-        assert "fp8" not in ckpts.restore(2, state_spec(plain.model, plain.optimizer, 2, layout)).state
+        assert "fp8" not in ckpts.restore(4, state_spec(plain.model, plain.optimizer, 4, layout)).state
         # other fp8_delayed weights: their histories start empty, the checkpoint read and checked as saved
-        other = tiny_config("fsdp", steps=2, precision__default="fp8_delayed", **{"precision__layers/w_down": "bf16"})
+        other = tiny_config("fsdp", steps=4, precision__default="fp8_delayed", **{"precision__layers/w_down": "bf16"})
         layout = make_layout(other, parse_mesh("fsdp"), devices_for("fsdp"))
-        fresh = ckpts.restore(2, state_spec(other.model, other.optimizer, 2, layout)).state["fp8"]
+        fresh = ckpts.restore(4, state_spec(other.model, other.optimizer, 4, layout)).state["fp8"]
         assert "w_down" not in fresh["layers"] and not any(np.any(h) for h in jax.tree.leaves(jax.device_get(fresh)))
     finally:
         ckpts.close()

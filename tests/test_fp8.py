@@ -56,6 +56,14 @@ def test_rules_pick_the_matmul_weights_and_defaults_leave_the_rest(tmp_path):
     # experts, router, embeddings, norms and head are never FP8 candidates; a dense first stack's MLP is
     moe = resolve(model="moe-tiny").model
     assert fp8_weights(moe) == ["layers/wq", "layers/wk", "layers/wv", "layers/wo"]
+    # the experts' grouped matmuls only where a rule names them, tensorwise
+    experts = weight_recipes({"default": "fp8_rowwise", "layers/w_(gate|up)": "fp8_tensorwise"}, moe)
+    assert experts == {"layers/wq": "fp8_rowwise", "layers/wk": "fp8_rowwise", "layers/wv": "fp8_rowwise",
+                       "layers/wo": "fp8_rowwise", "layers/w_gate": "fp8_tensorwise", "layers/w_up": "fp8_tensorwise"}
+    from shard.measure.costs import fp8_matmul_params  # the planner counts the experts a token runs, k of E
+
+    assert fp8_matmul_params(moe, {"layers/w_(gate|up|down)": "fp8_tensorwise"}) == pytest.approx(
+        moe.n_layers * 3 * moe.d_model * moe.mlp_dim * moe.experts_per_token)
     toml = tmp_path / "fp8.toml"  # the config file form
     toml.write_text('[model]\nname = "tiny"\n[precision]\n"layers/w(q|k|v|o)" = "fp8_rowwise"\n'
                     '"layers/w_(gate|up|down)" = "fp8_tensorwise"\n')
@@ -68,6 +76,9 @@ def test_rules_pick_the_matmul_weights_and_defaults_leave_the_rest(tmp_path):
     ("precision.embed=fp8_rowwise", "precision rule 'embed' decides no matmul weight"),
     ("precision.default=fp9", "precision.default: unknown recipe 'fp9'"),
     ('precision."layers/wq"=int4', "unknown recipe 'int4' (one of bf16, fp8_tensorwise, fp8_rowwise, fp8_delayed)"),
+    ('model.name=moe-tiny precision."layers/w_down"=fp8_rowwise',
+     "precision rule 'layers/w_down' puts the experts' layers/w_down in fp8_rowwise: their grouped matmuls run in "
+     "fp8_tensorwise only"),
     ("precision.default=fp8_delayed cluster.cross_host=mpi",
      "precision recipe fp8_delayed does not run with cluster.cross_host=mpi yet"),
 ])
@@ -112,6 +123,44 @@ def test_fp8_einsum_and_its_gradients_match_numpy(rowwise):
     want_dw = np.einsum("btd,btnh->dnh", qdq(x, fp8.E4M3, (0, 1)), qdq(g, fp8.E5M2, (0, 1)))
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5 * np.abs(want_dx).max())
     np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+
+
+def test_fp8_ragged_dot_and_its_gradients_match_numpy():
+    """The experts' grouped matmul in FP8: row group e against w[e] (an empty group included), E4M3
+    forward, E5M2 gradient against E4M3 weight (dx) and activation (dw), per-tensor scales."""
+    x, w, g = wide_range((12, 16), 7), wide_range((3, 16, 8), 8), wide_range((12, 8), 9)
+    sizes = np.array([5, 0, 7])
+    group = np.repeat(np.arange(3), sizes)  # each row's expert
+
+    def qdq(a, fmt):
+        q, s = np_quantize(a, fmt)
+        return q * s
+
+    y, pullback = jax.vjp(lambda a, b: fp8.fp8_ragged_dot(a, b, jnp.asarray(sizes, jnp.int32)), jnp.asarray(x),
+                          jnp.asarray(w))
+    xq, wq, gq = qdq(x, fp8.E4M3), qdq(w, fp8.E4M3), qdq(g, fp8.E5M2)
+    want = np.einsum("md,mdf->mf", xq, wq[group])
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    dx, dw = pullback(jnp.asarray(g))
+    want_dx = np.einsum("mf,mdf->md", gq, wq[group])
+    want_dw = np.stack([np.einsum("md,mf->df", xq[group == e], gq[group == e]) for e in range(3)])
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5 * np.abs(want_dx).max())
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5 * np.abs(want_dw).max())
+    assert not np.any(np.asarray(dw[1]))  # the empty group's expert gets no gradient
+
+
+def test_a_rule_on_the_experts_puts_their_grouped_matmuls_in_fp8():
+    """moe-tiny (8 experts of 64x64): three float8 dots per expert stack, forward, dx and dw (XLA:CPU
+    lowers `ragged_dot` as a masked dense dot_general, which keeps the float8 operands)."""
+    from shard.sharding.layout import make_layout
+    from shard.sharding.mesh import parse_mesh
+    from shard.testing import devices_for, tiny_config
+    from shard.training.compiled import lower_step
+
+    cfg = tiny_config("1x1", model__name="moe-tiny", **{"precision__layers/w_(gate|up|down)": "fp8_tensorwise"})
+    dots = _f8_dots(lower_step(cfg, make_layout(cfg, parse_mesh("1x1"), devices_for("1x1"))).as_text())
+    assert len(dots) == 9, dots
+    assert sum("tensor<8x64x64xf8E4M3FN>" in d[1] for d in dots) == 6  # the expert weights: forward and dx
 
 
 def _f8_dots(text: str) -> list[tuple[str, list[str], str]]:

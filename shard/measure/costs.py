@@ -19,7 +19,7 @@ from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, 
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, matmul_params
 from shard.config.params import model_params
-from shard.config.precision import fp8_gathered, weight_recipes
+from shard.config.precision import expert_weights, fp8_gathered, weight_recipes
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, balanced_ring, cudnn_attention_problem,
                                       stored_lookup_axes)
@@ -422,11 +422,14 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
             + attention_flops(cfg, tokens, seq_len, context, flash))
 
 
-def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> int:
+def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> float:
     """Parameters whose matmuls the `[precision]` rules put in FP8 (shard.config.precision): the forward
-    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece."""
+    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece; an
+    expert stack's counted at the share of experts a token runs (k / E), as `matmul_params` counts them."""
     shapes = model_params(cfg)
-    return sum(math.prod(shapes[path].shape) for path in weight_recipes(precision, cfg))
+    experts = set(expert_weights(cfg))
+    return sum(math.prod(shapes[path].shape) * (cfg.experts_per_token / cfg.n_experts if path in experts else 1)
+               for path in weight_recipes(precision, cfg))
 
 
 def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,

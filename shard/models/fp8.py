@@ -180,6 +180,69 @@ def _delayed_bwd(subscripts, gather, saved, g):
 delayed_einsum.defvjp(_delayed_fwd, _delayed_bwd)
 
 
+# --- a mixture of experts' grouped matmul ---
+
+
+def _scale_over(a: jax.Array, fp8_dtype, axes: tuple[str, ...]) -> jax.Array:
+    """A per-tensor scale from a's amax, the largest over the manual mesh `axes` (none: a's own)."""
+    amax = _amax(a)
+    return _scale(jax.lax.pmax(amax, axes) if axes else amax, fp8_dtype)
+
+
+# dw of a grouped matmul: (M, D) x (M, F) contracted over the ragged M, one (D, F) per group
+_RAGGED_CONTRACT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_ragged_dot(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, sizes)` (the experts' grouped matmul: row group e against w[e]) in FP8,
+    tensorwise: E4M3 operands forward; backward, the E5M2 gradient against the E4M3 weight (dx, a
+    grouped matmul) and activation (dw, contracted over each group's rows). `axes`: the manual mesh axes
+    the rows are split over (dropless routing's shard_map), whose amaxes are max-reduced so that every
+    device scales as one device would. The result in x's dtype."""
+    return _ragged_fwd(x_md, w_edf, sizes_e, axes)[0]
+
+
+def _ragged_fwd(x_md, w_edf, sizes_e, axes):
+    qx, sx = quantize(x_md, E4M3, scale=_scale_over(x_md, E4M3, axes))
+    qw, sw = quantize(w_edf, E4M3, scale=_scale_over(w_edf, E4M3, axes))
+    y = jax.lax.ragged_dot(qx, qw, sizes_e, preferred_element_type=jnp.float32) * (sx * sw)
+    # a scalar of w: its dtype and the manual axes it varies over, which its gradient must have
+    return y.astype(x_md.dtype), (qx, sx, qw, sw, sizes_e, w_edf[(0,) * w_edf.ndim] * 0)
+
+
+def _ragged_bwd(axes, saved, g_mf):
+    qx, sx, qw, sw, sizes_e, like_w = saved
+    qg, sg = quantize(g_mf, E5M2, scale=_scale_over(g_mf, E5M2, axes))
+    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes_e, preferred_element_type=jnp.float32) * (sg * sw)
+    dw = jax.lax.ragged_dot_general(qx, qg, sizes_e, _RAGGED_CONTRACT, preferred_element_type=like_w.dtype)
+    dw = dw * (sx * sg).astype(like_w.dtype)
+    # inside a shard_map, w shared by devices whose rows differ: the sum of their parts (pvary's transpose)
+    summed = tuple(sorted(_varying(dw) - _varying(like_w)))
+    return dx.astype(g_mf.dtype), jax.lax.psum(dw, summed) if summed else dw, None
+
+
+fp8_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The manual mesh axes `a` varies over inside a shard_map (jax 0.10's `manual_axis_type.varying`,
+    earlier jax's `vma`)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def ragged_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, recipe: str = BF16,
+                  axes: tuple[str, ...] = ()) -> jax.Array:
+    """The experts' grouped matmul by their weight's recipe: `jax.lax.ragged_dot` in the operands' dtype
+    for bf16, else `fp8_ragged_dot` (tensorwise: the only recipe the rules allow the experts)."""
+    if recipe == BF16:
+        return jax.lax.ragged_dot(x_md, w_edf, sizes_e)
+    return fp8_ragged_dot(x_md, w_edf, sizes_e, axes)
+
+
 def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None,
            gather: tuple | None = None):
     """`einsum(subscripts, x, w)` by a weight's recipe: plain in the operands' dtype for bf16 (the

@@ -238,7 +238,9 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
     axes = _layer_axes(cfg, layers)
     # FP8 weights with one scale each arrive at their matmul as stored, which quantizes and gathers them
-    gathers = {k: axes[k] for k, r in recipes.items() if r in GATHERED}
+    # (a mixture of experts' stacks are gathered in the compute dtype and quantized where they run)
+    gathers = {k: axes[k] for k, r in recipes.items()
+               if r in GATHERED and not (cfg.n_experts and k in ("w_gate", "w_up", "w_down"))}
 
     def block(x_btd, xs):
         p, kv, bias_e, window, key, history = xs
@@ -264,7 +266,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
             ffn_btd, aux, counts = moe.moe_block(norm(cfg, x_btd, p["mlp_norm"]), p, cfg, dtype,
-                                                 dropless=cache is not None, bias_e=bias_e)
+                                                 dropless=cache is not None, bias_e=bias_e, recipes=recipes)
             stats = {"aux": aux, **counts}
         else:
             ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes, history, gathers), {"aux": jnp.zeros((), jnp.float32)}

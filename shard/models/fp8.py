@@ -51,8 +51,9 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     return fp8_ops.dequantize(q, jnp.float32, scale)
 
 
-def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales=(None, None)) -> jax.Array:
-    """float32 `einsum(subscripts, a, b)` with a and b quantized to a_dtype and b_dtype: the dot on the
+def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales=(None, None),
+                  dtype=jnp.float32) -> jax.Array:
+    """`einsum(subscripts, a, b)` in `dtype` with a and b quantized to a_dtype and b_dtype: the dot on the
     float8 operands, then the product of their scales (this step's, or the per-tensor `scales` given:
     delayed scaling's; rowwise: per row along each one's contracting dims, broadcast to the output by
     an outer product)."""
@@ -63,11 +64,11 @@ def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales
     qa, scale_a = quantize(a, a_dtype, contract_a, scales[0])
     qb, scale_b = quantize(b, b_dtype, contract_b, scales[1])
     if not rowwise:
-        return quantized_einsum(subscripts, qa, scale_a, qb, scale_b)
-    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32)
+        return quantized_einsum(subscripts, qa, scale_a, qb, scale_b, dtype)
+    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=dtype)
     free_a, free_b = "".join(c for c in sa if c in out), "".join(c for c in sb if c in out)
     scale = jnp.einsum(f"{free_a},{free_b}->{out}", jnp.squeeze(scale_a, contract_a), jnp.squeeze(scale_b, contract_b))
-    return y * scale
+    return y * scale.astype(dtype)
 
 
 def quantized_einsum(subscripts: str, qa, scale_a, qb, scale_b, dtype=jnp.float32) -> jax.Array:
@@ -115,8 +116,9 @@ def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
     sx, sw = ins.split(",")
     if gather is None:
         dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
-        dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise)
-        return dx.astype(x.dtype), dw.astype(w.dtype)
+        # written in the weight's dtype, in which its partial sums are reduced (as below)
+        dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
+        return dx.astype(x.dtype), dw
     qw, scale_w, w_dtype = w  # the gathered float8 weight: what requantizing the weight would give
     qg, scale_g = quantize(g, E5M2)
     dx = quantized_einsum(f"{out},{sw}->{sx}", qg, scale_g, qw, scale_w)

@@ -70,6 +70,27 @@ def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
     assert bytes_["dense (mlp 160)"] == [], out  # no experts, no all-to-all
 
 
+def test_fp8_prints_bf16_and_each_recipe_with_its_gap_and_the_curves(tmp_path, monkeypatch, capsys):
+    """In this process (the script's imports and a subprocess cost more than its two tiny runs)."""
+    import importlib.util
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the script adds to it at import
+    monkeypatch.setattr(sys, "argv", ["fp8.py", "--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32",
+                                      "--recipes", "fp8_tensorwise", "--every", "1"])
+    spec = importlib.util.spec_from_file_location("fp8_benchmark", BENCHMARKS / "fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    out = capsys.readouterr().out
+    assert "tiny on 1x1, batch 8 x 32, 2 steps" in out, out
+    for recipe in ("bf16", "fp8_tensorwise"):
+        assert re.search(rf"^{recipe} +\d+\.\d{{4}} +\d+\.\d{{4}} +[+-]\d+\.\d\d% +\d+ +[\d,]+$", out, re.M), out
+    assert re.search(r"^ +2 +\d+\.\d{4} +\d+\.\d{4}$", out, re.M), out  # the curves, a step a line
+    assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
 def test_every_mutant_still_applies_and_names_tests_that_exist():
     """benchmarks/mutants.py runs on demand, not here: only that each patch's text is in the source once
     and each test it names exists, so the mutants keep up with the code they mutate."""

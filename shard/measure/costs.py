@@ -19,7 +19,7 @@ from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, 
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, matmul_params
 from shard.config.params import model_params
-from shard.config.precision import weight_recipes
+from shard.config.precision import expert_weights, fp8_gathered, weight_recipes
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, balanced_ring, cudnn_attention_problem,
                                       stored_lookup_axes)
@@ -133,6 +133,9 @@ class Workload:
     # XLA:CPU sends every token to every device (parallel.expert_exchange.expert_exchange)
     ragged_exchange: bool = False
     optimizer: str = "adamw"  # optimizer.name: AdamW keeps two moments per parameter, Muon one on its matrices
+    # The weights (paths) whose FSDP gathers move float8 bytes, 1 per element: quantized where stored
+    # (precision.fp8_gathered); their gradients are reduced in the compute dtype as the others'
+    fp8_gathered: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -142,7 +145,7 @@ class Workload:
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
                    pipeline_schedule=cfg.pipeline.schedule, optimizer=cfg.optimizer.name,
-                   **dropless_lowering(platform))
+                   fp8_gathered=fp8_gathered(cfg.precision, m), **dropless_lowering(platform))
 
 
 def dropless_lowering(platform: str) -> dict:
@@ -276,8 +279,9 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         g = math.prod(gather.values())
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
+        gathered = compute_bytes / work.act_bytes if name in work.fp8_gathered else compute_bytes  # float8
         for a, n in gather.items():
-            yield a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a)
+            yield a, passes * wire_bytes("all-gather", gathered, n) * axis_share(gather, a)
         # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
         # (not over one that splits the parameter as computed: experts over expert), as one logical
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
@@ -418,11 +422,14 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
             + attention_flops(cfg, tokens, seq_len, context, flash))
 
 
-def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> int:
+def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> float:
     """Parameters whose matmuls the `[precision]` rules put in FP8 (shard.config.precision): the forward
-    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece."""
+    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece; an
+    expert stack's counted at the share of experts a token runs (k / E), as `matmul_params` counts them."""
     shapes = model_params(cfg)
-    return sum(math.prod(shapes[path].shape) for path in weight_recipes(precision, cfg))
+    experts = set(expert_weights(cfg))
+    return sum(math.prod(shapes[path].shape) * (cfg.experts_per_token / cfg.n_experts if path in experts else 1)
+               for path in weight_recipes(precision, cfg))
 
 
 def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,

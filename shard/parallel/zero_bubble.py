@@ -14,6 +14,7 @@ gradients need. B runs B's body as the reverse scan, W runs W's body over the la
 Where a pullback does not have that shape, `plan` says None and the executor recomputes instead.
 """
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -73,25 +74,44 @@ def plan(f, layers, x) -> Plan | None:
 def _split(body: jcore.Jaxpr, nc: int, nk: int):
     """B's body (carry out first, then what W reads that B computes or receives as the carry) and W's
     body (inputs: the consts it reads, the residuals it reads, then B's extra outputs; outputs: the
-    per-layer ones), and which consts and residuals W reads."""
+    per-layer ones), and which consts and residuals W reads. W keeps its matmuls; an equation of W's
+    that B has the inputs for moves to B where that shrinks what W reads (a norm scale's gradient: a
+    sum over tokens of two (B, T, D) tensors B has)."""
     ny = len(body.outvars) - nk
     jb, _ = pe.dce_jaxpr(body, [True] * nk + [False] * ny, instantiate=True)
     jw, _ = pe.dce_jaxpr(body, [False] * nk + [True] * ny, instantiate=True)
     in_b = {v for e in jb.eqns for v in e.outvars}
     eqns = [e for e in jw.eqns if not all(v in in_b or isinstance(v, jcore.DropVar) for v in e.outvars)]
-    made = {v for e in eqns for v in e.outvars}
-    reads = []
-    for v in [v for e in eqns for v in e.invars] + list(jw.outvars):
-        if not isinstance(v, jcore.Literal) and v not in made and v not in reads:
-            reads.append(v)
+    moved, has = [], in_b | set(body.invars)
+    for e in list(eqns):
+        rest = [x for x in eqns if x is not e]
+        if (e.primitive.name != "dot_general" and all(isinstance(v, jcore.Literal) or v in has for v in e.invars)
+                and _bytes(_reads(rest, jw.outvars)) <= _bytes(_reads(eqns, jw.outvars))):
+            eqns, has = rest, has | set(e.outvars)
+            moved.append(e)
+    reads = _reads(eqns, jw.outvars)
     pos = {v: i for i, v in enumerate(body.invars)}
     w_consts = tuple(pos[v] for v in reads if v in pos and pos[v] < nc)
     w_xs = tuple(pos[v] - nc - nk for v in reads if v in pos and pos[v] >= nc + nk)
     from_b = [v for v in reads if v not in pos or nc <= pos[v] < nc + nk]
     w_in = [body.invars[i] for i in w_consts] + [body.invars[nc + nk + i] for i in w_xs] + from_b
-    b_jaxpr = jb.replace(outvars=list(jb.outvars) + from_b)  # dce_jaxpr drops the unused outputs
+    # dce_jaxpr dropped the unused outputs: B's are the carry's, W's the per-layer ones
+    b_jaxpr = jb.replace(eqns=list(jb.eqns) + moved, outvars=list(jb.outvars) + from_b)
     w_jaxpr = jw.replace(invars=w_in, eqns=eqns)
     return jcore.ClosedJaxpr(b_jaxpr, ()), jcore.ClosedJaxpr(w_jaxpr, ()), w_consts, w_xs
+
+
+def _reads(eqns, outvars) -> list:
+    """The variables `eqns` and `outvars` read that `eqns` do not make, in order."""
+    made, reads = {v for e in eqns for v in e.outvars}, []
+    for v in [v for e in eqns for v in e.invars] + list(outvars):
+        if not isinstance(v, jcore.Literal) and v not in made and v not in reads:
+            reads.append(v)
+    return reads
+
+
+def _bytes(variables) -> int:
+    return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in variables)
 
 
 def input_gradient(p: Plan, res: list, g):
@@ -136,8 +156,7 @@ def split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, sizes,
         return dx, jax.tree.map(lambda a: vary(a, tuple(set(everywhere) - _varying(a))), kept)
 
     kept_like = jax.eval_shape(lambda x: b_of(0, 0, x, lambda y: y)[1], act)
-    carry = {"kept": jax.tree.map(lambda a: vary(jnp.zeros((waiting + 1,) + a.shape, a.dtype), everywhere),
-                                  kept_like)}
+    carry = {"kept": jax.tree.map(lambda a: vary(jnp.zeros((waiting,) + a.shape, a.dtype), everywhere), kept_like)}
 
     def bwd_input(c, m, ch):  # B: the input's gradient, sent back at once
         u = ch * M + m
@@ -171,9 +190,9 @@ def _varying(x) -> set:
 
 def switch_on_a_slot(index, ops, c, m, ch, writes: tuple[int, ...], waiting: int, everywhere: tuple[str, ...]):
     """`lax.switch(index, ops, c, m, ch)` for zero-bubble, whose carry's `kept` buffers (a slot for each
-    W waiting, and a spare) go into the conditional to be read (W reads microbatch m's slot) but not out:
-    B returns its new slot, every other op zeros, written after to m's slot (B) or the spare. Passed in
-    and out whole, or one slot in and out, they were copied on every tick (3x, then 1.8x 1F1B's step)."""
+    W waiting) go into the conditional to be read (W reads microbatch m's slot) but not out: B returns
+    its new slot, every other op zeros, and B's is written to m's slot after. Passed in and out whole, or
+    one slot in and out, they were copied on every tick (3x, then 1.8x 1F1B's step on CPU)."""
     bufs = c["kept"]
     nothing = lambda: jax.tree.map(lambda b: vary(jnp.zeros(b.shape[1:], b.dtype), everywhere), bufs)  # noqa: E731
 
@@ -184,5 +203,5 @@ def switch_on_a_slot(index, ops, c, m, ch, writes: tuple[int, ...], waiting: int
         return run
 
     c = lax.switch(index, [writes_a_slot(op) for op in ops], c, m, ch)
-    slot = jnp.where(jnp.any(index == jnp.asarray(writes)), m % waiting, waiting)
-    return c | {"kept": jax.tree.map(lambda b, v: b.at[slot].set(v), bufs, c["kept"])}
+    write = lambda bufs, new: jax.tree.map(lambda b, v: b.at[m % waiting].set(v), bufs, new)  # noqa: E731
+    return c | {"kept": lax.cond(jnp.any(index == jnp.asarray(writes)), write, lambda bufs, new: bufs, bufs, c["kept"])}

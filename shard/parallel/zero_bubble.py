@@ -11,7 +11,7 @@ over its layers, whose body computes the carry's gradient (the chain) and each l
 (its outputs). The body's jaxpr splits in two by dead-code elimination: B's body, what the carry's
 gradient needs, plus as outputs the values W's part reads; W's body, the equations only the weight
 gradients need. B runs B's body as the reverse scan, W runs W's body over the layers (`lax.map`).
-Where a pullback does not have that shape, `plan` says None and the executor recomputes instead.
+Where a pullback does not have that shape, `plan` says None and the executor refuses in one line.
 """
 
 import math
@@ -39,13 +39,13 @@ class Plan:
     w_consts: tuple[int, ...]  # which scan consts W reads
     w_xs: tuple[int, ...]  # which per-layer residuals W reads
     reverse: bool
-    dx_at: int  # which carry output is the input's gradient
     dp_at: tuple[int, ...]  # for each weight leaf, its index among the scan's per-layer outputs
 
 
 def plan(f, layers, x) -> Plan | None:
     """The split of `jax.vjp(f, layers, x)`'s pullback, traced from shapes; None where the pullback is not
-    a single scan whose carry is the input's gradient and whose per-layer outputs are the weights'."""
+    a single scan whose carry starts at the output's gradient and ends at the input's, and whose
+    per-layer outputs are the weights' gradients."""
     box = {}
 
     def trace(layers, x):
@@ -63,12 +63,13 @@ def plan(f, layers, x) -> Plan | None:
     nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
     where = {v: ("res", i) for i, v in enumerate(jaxpr.invars[:-1])} | {jaxpr.invars[-1]: ("g", 0)}
     outs = list(eqn.outvars)
-    if (nk != 1 or any(isinstance(v, jcore.Literal) or v not in where for v in eqn.invars)
+    if (nk != 1 or eqn.params["jaxpr"].consts or eqn.invars[nc] is not jaxpr.invars[-1]
+            or any(isinstance(v, jcore.Literal) or v not in where for v in eqn.invars)
             or any(v not in outs for v in jaxpr.outvars) or jaxpr.outvars[-1] is not outs[0]):
         return None
     b_body, w_body, w_consts, w_xs = _split(eqn.params["jaxpr"].jaxpr, nc, nk)
     return Plan(b_body, w_body, tuple(where[v] for v in eqn.invars), nc, w_consts, w_xs,
-                eqn.params["reverse"], 0, tuple(outs.index(v) - nk for v in jaxpr.outvars[:-1]))
+                eqn.params["reverse"], tuple(outs.index(v) - nk for v in jaxpr.outvars[:-1]))
 
 
 def _split(body: jcore.Jaxpr, nc: int, nk: int):

@@ -21,7 +21,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: which inputs each output needs
+from jax.interpreters import partial_eval as pe  # dce_jaxpr (public re-export): which inputs each output needs
 
 from shard.errors import ShardError
 from shard.parallel.manual import set_row, vary

@@ -5,9 +5,10 @@ step, `shard.measure.plan` uses them to rank layouts.
 
 Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP), context (ring attention over one
 mesh axis) and expert (a mixture of experts' all-to-all), and their products, but for a mixture of
-experts with tensor or context parallelism. Pipeline and Megatron-sequence parallelism have no
-formulas yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for
-those.
+experts with tensor or context parallelism; under pipeline parallel (stage) what the schedule's
+executor moves on stage, data, fsdp and model (`pipeline_passes`, `_stage_bytes`). Megatron-sequence
+parallelism has no formulas yet. `unmodelled_axes` names the axes for which no minimum is claimed: those
+without a formula, and a pipeline's but data (its counts are the executor's, not a floor).
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class Workload:
     # weights outside the layers (the embedding, tied or not, and the final norm) take their gradient
     # on two stages and are reduced over stage and data at once; GPipe runs the head on every stage
     pipeline_schedule: str = "gpipe"
+    pipeline_microbatches: int = 1  # pipeline.microbatches: what flows through the stages (M)
+    virtual_stages: int = 1  # pipeline.virtual_stages: chunks of layers a stage holds (V, interleaved)
     # XLA:CPU lowers `ragged_dot` (dropless routing) to a dense matmul over every expert of masked rows,
     # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
     masked_ragged_dot: bool = False
@@ -141,7 +144,8 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule, optimizer=cfg.optimizer.name,
+                   pipeline_schedule=cfg.pipeline.schedule, pipeline_microbatches=cfg.pipeline.microbatches,
+                   virtual_stages=cfg.pipeline.virtual_stages, optimizer=cfg.optimizer.name,
                    **dropless_lowering(platform))
 
 
@@ -190,7 +194,8 @@ def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
     axis (a ring over two axes); of a mixture of experts (`moe`), the axes that split its experts' MLP
     or its routing groups (tensor and context parallel), and every axis when the experts are split
     over several mesh axes or over one that does not also split the batch; and under pipeline
-    parallelism every axis but data. No minimum, so no efficiency, is claimed for them."""
+    parallelism every axis but data (`comm_bytes` estimates them, as the executor moves them). No
+    minimum, so no efficiency, is claimed for them."""
     out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
     length = shape.table(False).get(LENGTH, ())
     for a in shape.table(False).get(RES_LENGTH, ()):
@@ -206,8 +211,8 @@ def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
             for a, n in shape.sizes.items():
                 if n > 1:
                     out.setdefault(a, "expert parallel")
-    if shape.sizes.get(STAGE, 1) > 1:  # a stage holds n_layers / S layers and runs M microbatches; the
-        for a, n in shape.sizes.items():  # formulas count neither (data's one psum ends the schedule)
+    if shape.sizes.get(STAGE, 1) > 1:  # estimated as the executor moves them (`pipeline_passes`), which is
+        for a, n in shape.sizes.items():  # not a minimum (data's one psum ends the schedule: its minimum)
             if n > 1 and a != DATA:
                 out.setdefault(a, "pipeline parallel")
     return out
@@ -239,6 +244,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     for axis, b in [*_parameter_bytes(cfg, shape, work, token_axes, lookup, forward_passes),
                     *_lookup_bytes(cfg, shape, work, token_axes, lookup),
                     *_tensor_parallel_bytes(cfg, shape, work),
+                    *_stage_bytes(cfg, shape, work),
                     *_expert_parallel_bytes(cfg, shape, work, forward_passes),
                     *_ring_attention_bytes(cfg, shape, work, forward_passes)]:
         if b:
@@ -256,10 +262,11 @@ def _token_axes(shape: LayoutShape) -> list[str]:
 def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
                      lookup: dict[str, int], forward_passes: int):
     """(axis, bytes) of each parameter's FSDP gathers and gradient reduction, parameter by parameter."""
-    # 1F1B: the weights outside the layers are reduced over stage and data in one all-reduce, whose
-    # bytes the axes share in proportion to (n - 1), as the compiled step's are read (`Workload`)
-    head_stages = ({STAGE: shape.sizes[STAGE]} if shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule == "1f1b"
-                   else {})
+    # The table schedules (1F1B, interleaved, zero-bubble): the weights outside the layers are reduced over
+    # stage and data in one all-reduce, whose bytes the axes share in proportion to (n - 1), as the
+    # compiled step's are read (`Workload`)
+    piped = shape.sizes.get(STAGE, 1) > 1
+    head_stages = {STAGE: shape.sizes[STAGE]} if piped and work.pipeline_schedule != "gpipe" else {}
     for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -274,6 +281,9 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             local = {a: n for a, n in gather.items() if a in lookup}
             gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
+        if piped and name.startswith("layers/"):
+            yield from _pipelined_layer_bytes(shape, work, token_axes, gather, computed, compute_bytes)
+            continue
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
@@ -283,13 +293,84 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in local and a not in computed}
-        if not name.startswith("layers/"):
+        if head_stages and name in _head_params(cfg):
+            # the head's gradient, made inside the schedule: reduce-scattered there, then its shard
+            # all-reduced over stage and the token axes (as compiled: two collectives)
             reduce |= head_stages
+            for a, n in gather.items():
+                yield a, wire_bytes("reduce-scatter", compute_bytes, n) * axis_share(gather, a)
+            for a in reduce:
+                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(reduce.values())) * axis_share(reduce, a)
+            continue
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
         for a in both:
             yield a, b * axis_share(both, a)
+
+
+def _head_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights the table schedules run on the last stage (shard.training.step): the final norm and the
+    output projection (the tied table)."""
+    return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
+
+
+def pipeline_passes(work: Workload, stages: int) -> dict[str, int]:
+    """How often a pipeline stage runs its layers on a microbatch in one step (shard.parallel.pipeline):
+    `forward` passes (the backward's own forward included), `recomputed` ones (remat: the forward again
+    inside the backward), `backward` passes, and per layer the FSDP `gathers` of its weights and the
+    `reductions` (reduce-scatters) of its gradient. GPipe runs every one of its M + S - 1 ticks (idle
+    ones too, on zeros) and gathers the weights of its forward loop once (loop invariant); the table
+    schedules recompute a chunk from its stored input in each backward op (jax.vjp): one a microbatch,
+    two for zero-bubble (B, the input's gradient, and W, the weights')."""
+    M, r = work.pipeline_microbatches, work.remat != "none"
+    if work.pipeline_schedule == "gpipe":
+        t = M + stages - 1
+        return {"forward": t, "recomputed": r * t, "backward": t, "gathers": 1 + r * t, "reductions": t}
+    k = 2 if work.pipeline_schedule == "zero_bubble" else 1
+    return {"forward": (1 + k) * M, "recomputed": r * k * M, "backward": k * M,
+            "gathers": (1 + k + r * k) * M, "reductions": M}
+
+
+def _pipelined_layer_bytes(shape: LayoutShape, work: Workload, token_axes: list[str], gather: dict[str, int],
+                           computed: dict[str, int], compute_bytes: float):
+    """(axis, bytes) of a stacked layer weight under pipeline parallel (`compute_bytes`: the stage's share):
+    its FSDP gathers and reduce-scatters on every pass that needs them (`pipeline_passes`), inside the
+    schedule; and its gradient, accumulated in float32 by each data-parallel replica, all-reduced over
+    the other token axes once, at the end, as the FSDP shard it is by then."""
+    passes = pipeline_passes(work, shape.sizes[STAGE])
+    for a, n in gather.items():
+        yield a, (passes["gathers"] * wire_bytes("all-gather", compute_bytes, n)
+                  + passes["reductions"] * wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
+    reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in computed}
+    shard = compute_bytes / math.prod(gather.values()) * work.param_bytes / work.act_bytes
+    for a in reduce:
+        yield a, wire_bytes("all-reduce", shard, math.prod(reduce.values())) * axis_share(reduce, a)
+
+
+def _stage_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload):
+    """(axis, bytes) of the pipeline's own traffic, a device's average (shard.parallel.pipeline). Per buffer
+    of one microbatch's stage input (rows x T x D): the sends, 2 M (V S - 1) / S of them for a table
+    schedule (each microbatch crosses each of the V S - 1 boundaries once each way, `Schedule.sends`) and
+    2 (M + S - 1)(S - 1) / S for GPipe (every tick of its loop passes a buffer along the chain of S - 1
+    links, both ways); the M stage inputs' gradient summed over the stages from stage 0 (GPipe: also its
+    outputs from the last stage), one more such sum with a vocab-split table; and with a vocab-split
+    table, that table passed twice between layouts over every axis (as compiled: XLA's, not the schedule's)."""
+    S = shape.sizes.get(STAGE, 1)
+    if S < 2:
+        return
+    M, V = work.pipeline_microbatches, work.virtual_stages
+    vocab_split = shape.degree(VOCAB) > 1
+    buffer = work.global_batch * work.seq_len / shape.token_ways() / M * cfg.d_model * work.act_bytes
+    gpipe = work.pipeline_schedule == "gpipe"
+    sends = 2 * (M + S - 1) * (S - 1) / S if gpipe else 2 * M * (V * S - 1) / S
+    sums = 1 + gpipe + vocab_split
+    yield STAGE, sends * buffer + sums * wire_bytes("all-reduce", M * buffer, S)
+    if vocab_split:
+        table = cfg.padded_vocab * cfg.d_model * work.act_bytes / shape.degree(VOCAB)
+        split = {a: n for a, n in shape.sizes.items() if n > 1}
+        for a in split:
+            yield a, 2 * table * axis_share(split, a)
 
 
 def _lookup_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
@@ -315,8 +396,13 @@ def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload)
         per_layer = 4 + (work.remat == "full")
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
-            n_ar += 2
             yield model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m)
+            yield model_axis, 2 * wire_bytes("all-reduce", act, m)
+        if shape.sizes.get(STAGE, 1) > 1:  # a stage's layers, on each pass over a microbatch's tokens
+            S, M = shape.sizes[STAGE], work.pipeline_microbatches
+            p = pipeline_passes(work, S)
+            n_ar = cfg.n_layers / S * (2 * p["forward"] + 2 * p["backward"] + (work.remat == "full") * p["recomputed"])
+            act /= M
         yield model_axis, n_ar * wire_bytes("all-reduce", act, m)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shard.measure import costs, hlo
-from shard.axes import LENGTH
+from shard.axes import LENGTH, STAGE
 from shard.config.train import TrainConfig
+from shard.parallel.schedule import build
 from shard.sharding.rules import Layout
 from shard.training.compiled import compile_step, memory_of
 
@@ -101,3 +102,18 @@ def _lora_unmodelled(cfg: TrainConfig, layout: Layout) -> dict[str, str]:
     if not cfg.lora.rank:
         return {}
     return {a: "LoRA" for a, n in layout.mesh.shape.items() if n > 1}
+
+
+def table_exact_bytes(a: StepAnalysis, cfg: TrainConfig, axis_sizes: dict[str, int]) -> dict[str, float]:
+    """Bytes per mesh axis of a pipelined step whose collectives inside the schedule's `lax.switch`
+    branches are counted as the schedule table runs them rather than on every tick: the stage axis's,
+    when its only collectives in branches are the sends (permutes over stage), is what runs outside the
+    branches plus the table's sends (Schedule.sends) of the buffer those permutes pass, a device's
+    average. Empty when no axis can be counted so (an axis with other collectives in branches)."""
+    inside = [c for c in a.collectives if c.in_branch and STAGE in c.over]
+    if not inside or any(c.kind != "collective-permute" or c.over != (STAGE,) for c in inside):
+        return {}
+    S, pipe = axis_sizes[STAGE], cfg.pipeline
+    sends = sum(len(f) + len(b) for f, b in build(pipe.schedule, S, pipe.microbatches, pipe.virtual_stages).sends())
+    branches = hlo.bytes_by_axes(inside, axis_sizes=axis_sizes)[STAGE]
+    return {STAGE: a.bytes_by_axes[STAGE] - branches + sends * max(c.result_bytes for c in inside) / S}

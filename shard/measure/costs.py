@@ -13,6 +13,7 @@ without a formula, and a pipeline's but data (its counts are the executor's, not
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,14 @@ from shard.sharding.decisions import (attention_backend, axes_table, balanced_ri
                                       stored_lookup_axes)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _default_rules() -> tuple[dict, dict]:
+    from shard.sharding.mesh import load_preset
+
+    base = load_preset("default")
+    return dict(base.rules), dict(base.param_rules)
 
 
 def wire_bytes(kind: str, size: float, n: int) -> float:
@@ -64,13 +73,16 @@ class LayoutShape:
     @classmethod
     def of(cls, **sizes: int) -> LayoutShape:
         """Default rules (shard/meshes/default.toml) on a mesh with these axis sizes."""
-        from shard.sharding.mesh import load_preset
-
-        base = load_preset("default")
-        return cls(dict(sizes), dict(base.rules), dict(base.param_rules))
+        rules, param_rules = _default_rules()
+        return cls(dict(sizes), dict(rules), dict(param_rules))
 
     def table(self, param: bool) -> dict[str, tuple[str, ...]]:
-        return axes_table(self.sizes, self.rules, self.param_rules if param else {})
+        # computed once per shape (the planner asks thousands of times); the shape is not changed after
+        return self._tables[param]
+
+    @functools.cached_property
+    def _tables(self) -> dict[bool, dict[str, tuple[str, ...]]]:
+        return {p: axes_table(self.sizes, self.rules, self.param_rules if p else {}) for p in (False, True)}
 
     def ways(self, logical_axes: tuple[str, ...], *, param: bool) -> dict[str, int]:
         """Mesh axes (with sizes) that split a tensor with these logical axes; a mesh axis splits one dim."""

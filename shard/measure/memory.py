@@ -6,6 +6,7 @@ like shard.measure.costs, whose layout shape and workload they take; docs/formul
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
@@ -135,7 +136,7 @@ def pipeline_activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Worklo
     if work.pipeline_schedule == "gpipe":
         return (p["tokens"] * ((M + S - 1) * p["kept"] + p["live"]) + p["one_chunk"]
                 + logits_bytes(cfg, shape, work) + GPIPE_BUFFERS * M * buffer)
-    held = 2 * slots(build(work.pipeline_schedule, S, M, V))
+    held = 2 * _slots(work.pipeline_schedule, S, M, V)
     return (p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, one)
             + (held + TABLE_BUFFERS * M) * buffer)
 
@@ -246,6 +247,11 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
     }
     out["total"] = sum(out.values())
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(kind: str, S: int, M: int, V: int) -> int:
+    return slots(build(kind, S, M, V))
 
 
 def _pipeline_copies(cfg: ModelConfig, shape: LayoutShape, work: Workload, gathers: bool, layer: float) -> float:

@@ -294,9 +294,18 @@ def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict
     """HBM traffic of one step, roughly: weights read per pass, the optimizer's read-modify-write of
     parameters, gradients and moments, and activations written once and read once. Remat keeps fewer
     activations but moves no fewer (the recomputed forward writes them again), so the activations are
-    counted as without remat: counting those remat keeps made remat look faster where HBM bounds."""
+    counted as without remat: counting those remat keeps made remat look faster where HBM bounds. A
+    pipeline stage reads its weights on every microbatch's pass and moves its L/S layers' activations of
+    every token (not the few microbatches' it holds at once)."""
     passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
-    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
+    stages = shape.sizes.get(STAGE, 1)
+    reads = work.microbatches * (work.pipeline_microbatches if stages > 1 else 1)
+    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * reads
     optimizer = memory["params"] * 3 + memory["optimizer"] * 2  # read p, g and the moments; write p and them
-    moved = activation_bytes(cfg, shape, dataclasses.replace(work, remat="none"))
+    plain = dataclasses.replace(work, remat="none")
+    if stages > 1:
+        p = _activation_parts(dataclasses.replace(cfg, n_layers=cfg.n_layers // stages), shape, plain)
+        moved = p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, plain)
+    else:
+        moved = activation_bytes(cfg, shape, plain)
     return weights + optimizer + 2 * moved * work.microbatches

@@ -11,8 +11,8 @@ GPU would. Each case runs in a fresh process: XLA reads the device count once.
 A case is `(devices, mesh, global batch)`; the batch keeps 4 rows of 2048 tokens per batch way (data x
 fsdp), the reference's 64 on data=2,fsdp=8,model=2. Stage cases run 8 microbatches (`--microbatches`).
 Under the table schedules (1F1B) the collectives inside the schedule's `lax.switch` count on every tick,
-so those axes' compiled bytes are upper bounds (marked); the stage axis's exact figure is what runs
-outside the branches plus the sends of the schedule table. Results are in docs/measuring.md.
+so those axes' compiled bytes are upper bounds (marked), beside the count with each branch weighed by
+the (tick, stage) slots that run it and the sends by the schedule table (analysis.table_exact_bytes). Results are in docs/measuring.md.
 """
 
 import argparse
@@ -57,7 +57,7 @@ shape = costs.LayoutShape.from_layout(layout)
 work = costs.Workload.from_config(cfg, "cpu")  # as the analysis reads the minimum: the CPU's dtypes
 sizes = dict(layout.axis_sizes)
 # Collectives in a conditional's branches (the table schedules' lax.switch) count on every tick: the
-# compiled bytes of their axes are upper bounds; the stage axis's exact figure counts the table's sends.
+# compiled bytes of their axes are upper bounds; table_exact_bytes counts them as the table runs them.
 branch = hlo.bytes_by_axes([c for c in a.collectives if c.in_branch], axis_sizes=sizes)
 exact = table_exact_bytes(a, cfg, sizes)
 print(json.dumps({"planned_memory": memory_bytes(cfg.model, shape, work),
@@ -96,11 +96,9 @@ def report(devices: int, mesh: str, batch: int, schedule: str, r: dict) -> list[
     for axis in sorted(set(r["planned_bytes"]) | set(r["compiled_bytes"])):
         p, c = r["planned_bytes"].get(axis, 0.0), r["compiled_bytes"].get(axis, 0.0)
         note = ""
-        if axis in r["exact_bytes"]:  # compiled in branches, exact by the schedule table
-            note = f"  (upper bound; exact by the table {r['exact_bytes'][axis] / gib:.2f} GiB: ratio " \
-                   f"{_ratio(p, r['exact_bytes'][axis])})"
-        elif r["upper_bounds"].get(axis):
-            note = f"  (upper bound: {r['upper_bounds'][axis] / gib:.2f} GiB in the switch's branches, each counted every tick)"
+        if r["upper_bounds"].get(axis):  # compiled in the switch's branches: counted as the table runs them
+            exact = r["exact_bytes"].get(axis, 0.0)
+            note = f"  (upper bound; as the table runs: {exact / gib:.2f} GiB, ratio {_ratio(p, exact)})"
         lines.append(f"{'':>52}{axis:<8} planned {p / gib:8.2f} GiB  compiled {c / gib:8.2f} GiB  "
                      f"ratio {_ratio(p, c)}{note}")
     return lines

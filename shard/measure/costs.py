@@ -306,14 +306,20 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in local and a not in computed}
         if head_stages and name in _head_params(cfg):
-            # the head's gradient, made inside the schedule: reduce-scattered there, then its shard
-            # all-reduced over stage and the token axes (as compiled: two collectives)
-            reduce |= head_stages
+            # the head runs in the last stage's backward op: there its weights are gathered and their
+            # gradient reduce-scattered on every microbatch (M of the S stages' ops, a device's average),
+            # and that shard all-reduced over stage and the token axes once, at the end
+            per_op = work.pipeline_microbatches / shape.sizes[STAGE]
+            head = reduce | head_stages
             for a, n in gather.items():
-                yield a, wire_bytes("reduce-scatter", compute_bytes, n) * axis_share(gather, a)
-            for a in reduce:
-                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(reduce.values())) * axis_share(reduce, a)
-            continue
+                yield a, per_op * (wire_bytes("all-gather", compute_bytes, n)
+                                   + wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
+            for a in head:
+                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(head.values())) * axis_share(head, a)
+            # a tied table is the lookup's too, outside the schedule: its gradient reduced there as without
+            # stages, apart from the head's where the table is split (whole, XLA adds the two and reduces once)
+            if name != "embed" or not (gather or len(computed) > 0):
+                continue
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
@@ -327,21 +333,33 @@ def _head_params(cfg: ModelConfig) -> tuple[str, ...]:
     return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
 
 
-def pipeline_passes(work: Workload, stages: int) -> dict[str, int]:
-    """How often a pipeline stage runs its layers on a microbatch in one step (shard.parallel.pipeline):
-    `forward` passes (the backward's own forward included), `recomputed` ones (remat: the forward again
-    inside the backward), `backward` passes, and per layer the FSDP `gathers` of its weights and the
-    `reductions` (reduce-scatters) of its gradient. GPipe runs every one of its M + S - 1 ticks (idle
-    ones too, on zeros) and gathers the weights of its forward loop once (loop invariant); the table
-    schedules recompute a chunk from its stored input in each backward op (jax.vjp): one a microbatch,
-    two for zero-bubble (B, the input's gradient, and W, the weights')."""
-    M, r = work.pipeline_microbatches, work.remat != "none"
+def pipeline_passes(work: Workload, stages: int) -> dict[str, float]:
+    """Per layer of a pipeline stage and per step, a device's average (shard.parallel.pipeline): tensor
+    parallel's activation `all_reduces` (each of one microbatch's rows x T x D), the FSDP `gathers` of its
+    weights and `reductions` (reduce-scatters) of its gradient, and its `compute` over an unpipelined
+    step's forward and backward (3 units a token, the backward 2).
+
+    GPipe runs all M + S - 1 ticks of its loop (idle ones on zeros: its bubble, in the counts) as an
+    unpipelined step runs its layers (`comm_bytes`' 4 + r_full all-reduces a layer), and gathers the
+    weights of its forward loop once (loop invariant). The table schedules run a forward op (two
+    all-reduces, one gather) and a backward op that recomputes its chunk from the stored input
+    (jax.vjp) whose output nothing reads, so of that forward only the attention output's all-reduce
+    stays (one gather; remat adds none), and the backward's two; the last virtual stage (1 of V S) has no
+    forward op and keeps its backward's forward whole, as the head reads it (4 + r_full all-reduces, 1 + r
+    gathers, 3 + r units). Zero-bubble's B and W each recompute (B: 3 all-reduces, W: 3; one gather
+    each; a unit and a half each, as they split one backward), its last stage the same with the head."""
+    M, S, V = work.pipeline_microbatches, stages, work.virtual_stages
+    r, rf = work.remat != "none", work.remat == "full"
     if work.pipeline_schedule == "gpipe":
-        t = M + stages - 1
-        return {"forward": t, "recomputed": r * t, "backward": t, "gathers": 1 + r * t, "reductions": t}
-    k = 2 if work.pipeline_schedule == "zero_bubble" else 1
-    return {"forward": (1 + k) * M, "recomputed": r * k * M, "backward": k * M,
-            "gathers": (1 + k + r * k) * M, "reductions": M}
+        t = M + S - 1
+        return {"all_reduces": (4 + rf) * t, "gathers": 1 + r * t, "reductions": t, "compute": (3 + r) / 3}
+    last = 1 / (V * S)  # the share of virtual stages that run the head
+    if work.pipeline_schedule == "zero_bubble":
+        inner, head = (8, 3, 5), (7 + 2 * rf, 2 + 2 * r, 4 + 2 * r)
+    else:
+        inner, head = (5, 2, 4), (4 + rf, 1 + r, 3 + r)
+    ars, gathers, compute = ((1 - last) * a + last * b for a, b in zip(inner, head))
+    return {"all_reduces": M * ars, "gathers": M * gathers, "reductions": M, "compute": compute / 3}
 
 
 def _pipelined_layer_bytes(shape: LayoutShape, work: Workload, token_axes: list[str], gather: dict[str, int],
@@ -408,13 +426,16 @@ def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload)
         per_layer = 4 + (work.remat == "full")
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
-            yield model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m)
-            yield model_axis, 2 * wire_bytes("all-reduce", act, m)
+            # the table schedules run the head on the last of S stages: the logits' input gradient and the
+            # softmax's sums; the lookup reads a table passed between layouts instead (`_stage_bytes`)
+            tables = shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule != "gpipe"
+            share = 1 / shape.sizes[STAGE] if tables else 1
+            yield model_axis, share * 3 * wire_bytes("all-reduce", tokens * 4, m)
+            yield model_axis, share * (1 if tables else 2) * wire_bytes("all-reduce", act, m)
         if shape.sizes.get(STAGE, 1) > 1:  # a stage's layers, on each pass over a microbatch's tokens
-            S, M = shape.sizes[STAGE], work.pipeline_microbatches
-            p = pipeline_passes(work, S)
-            n_ar = cfg.n_layers / S * (2 * p["forward"] + 2 * p["backward"] + (work.remat == "full") * p["recomputed"])
-            act /= M
+            S = shape.sizes[STAGE]
+            n_ar = cfg.n_layers / S * pipeline_passes(work, S)["all_reduces"]
+            act /= work.pipeline_microbatches
         yield model_axis, n_ar * wire_bytes("all-reduce", act, m)
 
 

@@ -196,7 +196,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
-    recompute = _recomputed(work) if stages > 1 else 4 / 3 if remat != "none" else 1.0
+    recompute = costs.pipeline_passes(work, stages)["compute"] if stages > 1 else 4 / 3 if remat != "none" else 1.0
     # a stage idles for the schedule's bubble: the step is its work over the busy share
     compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices / (1 - bubble)
     hbm_s = hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
@@ -217,19 +217,6 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
 
 
 _EXPOSED = (MODEL, EXPERT_AXIS, STAGE)
-
-
-def _recomputed(work: costs.Workload) -> float:
-    """A pipelined step's compute over one forward and backward pass (3 units, the backward 2): GPipe
-    recomputes as an unpipelined step does (remat); the table schedules run each chunk's forward again in
-    its backward op (from the stored input, jax.vjp), and zero-bubble in both B and W, which split one
-    backward between them (remat: one more forward inside each)."""
-    r = work.remat != "none"
-    if work.pipeline_schedule == "gpipe":
-        return (3 + r) / 3
-    if work.pipeline_schedule == "zero_bubble":
-        return (3 + 2 * r + 2) / 3
-    return (2 + r + 2) / 3
 
 
 def _compute_s(flops: float, fp8_flops: float, hw: Hardware) -> float:

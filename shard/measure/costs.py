@@ -294,7 +294,7 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
         if piped and name.startswith("layers/"):
-            yield from _pipelined_layer_bytes(shape, work, token_axes, gather, computed, compute_bytes)
+            yield from _pipelined_layer_bytes(cfg, shape, work, token_axes, gather, computed, compute_bytes)
             continue
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
@@ -333,7 +333,7 @@ def _head_params(cfg: ModelConfig) -> tuple[str, ...]:
     return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
 
 
-def pipeline_passes(work: Workload, stages: int) -> dict[str, float]:
+def pipeline_passes(work: Workload, stages: int, n_layers: int) -> dict[str, float]:
     """Per layer of a pipeline stage and per step, a device's average (shard.parallel.pipeline): tensor
     parallel's activation `all_reduces` (each of one microbatch's rows x T x D), the FSDP `gathers` of its
     weights and `reductions` (reduce-scatters) of its gradient, and its `compute` over an unpipelined
@@ -342,33 +342,37 @@ def pipeline_passes(work: Workload, stages: int) -> dict[str, float]:
     GPipe runs all M + S - 1 ticks of its loop (idle ones on zeros: its bubble, in the counts) as an
     unpipelined step runs its layers (`comm_bytes`' 4 + r_full all-reduces a layer), and gathers the
     weights of its forward loop once (loop invariant). The table schedules run a forward op (two
-    all-reduces, one gather) and a backward op that recomputes its chunk from the stored input
-    (jax.vjp) whose output nothing reads, so of that forward only the attention output's all-reduce
-    stays (one gather; remat adds none), and the backward's two; the last virtual stage (1 of V S) has no
-    forward op and keeps its backward's forward whole, as the head reads it (4 + r_full all-reduces, 1 + r
-    gathers, 3 + r units). Zero-bubble's B and W each recompute (B: 3 all-reduces, W: 3; one gather
-    each; a unit and a half each, as they split one backward), its last stage the same with the head."""
+    all-reduces and a gather a layer) and a backward op that recomputes its chunk of n layers from the
+    stored input (jax.vjp) whose output nothing reads: of that forward, the last layer's MLP output is
+    dead (its all-reduce goes), and under full remat, which keeps only each layer's input, the whole last
+    layer; remat then runs each layer's forward again in the backward (the attention output's
+    all-reduce, a gather). The last virtual stage (1 of V S) has no forward op and keeps its backward's
+    forward whole, as the head reads it. Zero-bubble's B and W each recompute (counted for one layer a
+    chunk: its ops are being reworked)."""
     M, S, V = work.pipeline_microbatches, stages, work.virtual_stages
     r, rf = work.remat != "none", work.remat == "full"
     if work.pipeline_schedule == "gpipe":
         t = M + S - 1
         return {"all_reduces": (4 + rf) * t, "gathers": 1 + r * t, "reductions": t, "compute": (3 + r) / 3}
-    last = 1 / (V * S)  # the share of virtual stages that run the head
+    n, last = n_layers / (V * S), 1 / (V * S)  # layers a chunk; the share of virtual stages that run the head
     if work.pipeline_schedule == "zero_bubble":
         inner, head = (8, 3, 5), (7 + 2 * rf, 2 + 2 * r, 4 + 2 * r)
     else:
-        inner, head = (5, 2, 4), (4 + rf, 1 + r, 3 + r)
+        dead = (1 + rf) / n  # the backward's forward: all-reduces a layer its dead last layer saves
+        inner = (2 + (2 - dead) + rf + 2, 1 + (1 - rf / n) + r, 1 + (1 - rf / n) + r + 2)
+        head = (4 + rf, 1 + r, 3 + r)
     ars, gathers, compute = ((1 - last) * a + last * b for a, b in zip(inner, head))
     return {"all_reduces": M * ars, "gathers": M * gathers, "reductions": M, "compute": compute / 3}
 
 
-def _pipelined_layer_bytes(shape: LayoutShape, work: Workload, token_axes: list[str], gather: dict[str, int],
+def _pipelined_layer_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
+                           gather: dict[str, int],
                            computed: dict[str, int], compute_bytes: float):
     """(axis, bytes) of a stacked layer weight under pipeline parallel (`compute_bytes`: the stage's share):
     its FSDP gathers and reduce-scatters on every pass that needs them (`pipeline_passes`), inside the
     schedule; and its gradient, accumulated in float32 by each data-parallel replica, all-reduced over
     the other token axes once, at the end, as the FSDP shard it is by then."""
-    passes = pipeline_passes(work, shape.sizes[STAGE])
+    passes = pipeline_passes(work, shape.sizes[STAGE], cfg.n_layers)
     for a, n in gather.items():
         yield a, (passes["gathers"] * wire_bytes("all-gather", compute_bytes, n)
                   + passes["reductions"] * wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
@@ -434,7 +438,7 @@ def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload)
             yield model_axis, share * (1 if tables else 2) * wire_bytes("all-reduce", act, m)
         if shape.sizes.get(STAGE, 1) > 1:  # a stage's layers, on each pass over a microbatch's tokens
             S = shape.sizes[STAGE]
-            n_ar = cfg.n_layers / S * pipeline_passes(work, S)["all_reduces"]
+            n_ar = cfg.n_layers / S * pipeline_passes(work, S, cfg.n_layers)["all_reduces"]
             act /= work.pipeline_microbatches
         yield model_axis, n_ar * wire_bytes("all-reduce", act, m)
 

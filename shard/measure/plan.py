@@ -196,7 +196,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
-    recompute = costs.pipeline_passes(work, stages)["compute"] if stages > 1 else 4 / 3 if remat != "none" else 1.0
+    recompute = costs.pipeline_passes(work, stages, cfg.n_layers)["compute"] if stages > 1 else 4 / 3 if remat != "none" else 1.0
     # a stage idles for the schedule's bubble: the step is its work over the busy share
     compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices / (1 - bubble)
     hbm_s = hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)

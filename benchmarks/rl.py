@@ -6,6 +6,8 @@ runs).
 Times are medians over the timed steps after a warm-up one, on simulated CPU devices that share the
 host's cores: they show the split of a step's work and the cache's gain on CPU, not GPU throughput.
 The training time is the step's wall time less the rollout and the reference (the update is the rest).
+The last line counts the compiles that happened inside the timing (the sampler's prefill compiles once a
+prompt length, so a length first drawn after the warm-up step compiles in a timed one).
 
     python benchmarks/rl.py [--model tiny] [--mesh 2x4] [--steps 4] [--batch 16] [--group 8] [--seq 64] [--new 16]
 """
@@ -21,7 +23,34 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from shard import config, prepare, train
+from shard import Observer, config, prepare, train
+
+
+class Compiles(Observer):
+    """Counts the jit compiles (lowerings; persistent-cache hits too) while `counting`: from the first logged
+    step on, as an observer of the run, so a compile inside a timed step or loop shows in the figures."""
+
+    def __init__(self):
+        import jax
+
+        self.counting, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+
+    def _heard(self, event: str, seconds: float, **kwargs) -> None:
+        self.count += self.counting and event == "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+    def on_log(self, record: dict) -> None:
+        self.counting = True
+
+    def take(self) -> int:
+        """The count so far, and counting again from 0."""
+        count, self.count = self.count, 0
+        return count
+
+    def close(self) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._heard)
 
 
 def grpo_config(args, folder: Path):
@@ -35,7 +64,7 @@ def grpo_config(args, folder: Path):
     return config.resolve(config.layer(None, {}, {}, sets))
 
 
-def uncached_tokens_per_s(run, args, prompt: list[int]) -> float:
+def uncached_tokens_per_s(run, args, prompt: list[int], compiles: Compiles) -> float:
     """Tokens/s of sampling a group with no cache: every new token a forward pass over the whole sequence."""
     import jax
     import jax.numpy as jnp
@@ -55,8 +84,12 @@ def uncached_tokens_per_s(run, args, prompt: list[int]) -> float:
 
     tokens = jnp.zeros((args.group, args.seq), jnp.int32).at[:, :len(prompt)].set(jnp.asarray(prompt))
     key, params = jax.random.key(0), run.state["params"]
-    warm = jax.block_until_ready(next_token(params, tokens, len(prompt), key))  # compiled once
-    tokens = jax.device_put(tokens, warm.sharding)  # as the loop feeds its output back: no second compile
+    warm = jax.block_until_ready(next_token(params, tokens, len(prompt), key))
+    # compiled again for the rows placed as its output places them, as the loop feeds them back (the first
+    # compile took them unplaced): no compile inside the timed loop
+    tokens = jax.device_put(tokens, warm.sharding)
+    jax.block_until_ready(next_token(params, tokens, len(prompt), key))
+    compiles.take()
     t0 = time.perf_counter()
     for i in range(args.new):
         tokens = next_token(params, tokens, len(prompt) + i, jax.random.fold_in(key, i))
@@ -77,9 +110,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = grpo_config(args, Path(tmp))
         run = prepare(cfg)
-        records = train(cfg, run=run)[1:]  # the first step compiles the sampler and the reference pass
-        prompt = list(run.stream.dataset.prompts[0].ids)
-        uncached = uncached_tokens_per_s(run, args, prompt)
+        compiles = Compiles()
+        try:  # the first step compiles the sampler and the reference pass: left out
+            records = train(cfg, run=run, observers=[compiles])[1:]
+            in_steps = compiles.take()
+            prompt = list(run.stream.dataset.prompts[0].ids)
+            uncached = uncached_tokens_per_s(run, args, prompt, compiles)
+            in_loop = compiles.take()
+        finally:
+            compiles.close()
     med = {k: statistics.median(r[k] for r in records) for k in ("step_time_s", "rollout_s", "reference_s",
                                                                   "rollout_tokens_per_s")}
     train_s = med["step_time_s"] - med["rollout_s"] - med["reference_s"]
@@ -89,6 +128,8 @@ def main() -> None:
         print(f"  {name:10s} {s * 1e3:8.1f} ms  {s / med['step_time_s']:6.1%}")
     print(f"  rollout tokens/s: KV cache {med['rollout_tokens_per_s']:,.0f}, uncached {uncached:,.0f} "
           f"({med['rollout_tokens_per_s'] / uncached:.1f}x)")
+    # the sampler's prefill compiles once a prompt length: a length first drawn after step 1 compiles there
+    print(f"  compiles while timed: {in_steps} in the steps, {in_loop} in the uncached loop")
 
 
 if __name__ == "__main__":

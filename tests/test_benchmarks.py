@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shard.testing import subprocess_env
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -47,9 +49,6 @@ def test_compile_time_measures_the_first_compile_the_cache_hit_and_both_device_c
     assert re.search(r"tiny from the persistent cache \(5000 steps, not 1000\): step [\d.]+s", out), out
     for devices in (1, 8):
         assert f"tiny on {devices} device(s), mesh dp: step compile" in out, out
-    # as gpu.sh runs it: the big model's two cases only
-    out = run("compile_time.py", "--big", "tiny", "--seq", "32", "--batch", "8", "--meshes", "none", cwd=tmp_path)
-    assert "from the persistent cache" in out and "device(s)" not in out, out
 
 
 def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
@@ -69,6 +68,27 @@ def test_moe_prints_each_form_and_the_all_to_all_against_its_minimum(tmp_path):
     assert 0 < routed < static, out  # a ragged all-to-all on this step's routing
     assert len(bytes_["capacity 1.25"]) == 1 and bytes_["capacity 1.25"][0] > 0, out
     assert bytes_["dense (mlp 160)"] == [], out  # no experts, no all-to-all
+
+
+def test_fp8_prints_bf16_and_each_recipe_with_its_gap_and_the_curves(tmp_path, monkeypatch, capsys):
+    """In this process (the script's imports and a subprocess cost more than its two tiny runs)."""
+    import importlib.util
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the script adds to it at import
+    monkeypatch.setattr(sys, "argv", ["fp8.py", "--model", "tiny", "--steps", "2", "--batch", "8", "--seq", "32",
+                                      "--recipes", "fp8_tensorwise", "--every", "1"])
+    spec = importlib.util.spec_from_file_location("fp8_benchmark", BENCHMARKS / "fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    out = capsys.readouterr().out
+    assert "tiny on 1x1, batch 8 x 32, 2 steps" in out, out
+    for recipe in ("bf16", "fp8_tensorwise"):
+        assert re.search(rf"^{recipe} +\d+\.\d{{4}} +\d+\.\d{{4}} +[+-]\d+\.\d\d% +\d+ +[\d,]+$", out, re.M), out
+    assert re.search(r"^ +2 +\d+\.\d{4} +\d+\.\d{4}$", out, re.M), out  # the curves, a step a line
+    assert not any(tmp_path.iterdir())  # no run directory left behind
 
 
 def test_every_mutant_still_applies_and_names_tests_that_exist():
@@ -92,3 +112,27 @@ def test_peak_quick_prints_every_shape_the_maxima_and_the_cpu_and_caches_nothing
         assert re.search(rf"^peak {dtype}: [\d,.]+ GFLOP/s \((xla|numpy), ", out, re.M), out
     assert re.search(r"^numpy +float32 +square", out, re.M) and not re.search(r"^numpy +bfloat16", out, re.M), out
     assert "nothing cached" in out and not (tmp_path / "peak.json").exists(), out
+
+
+def test_rl_splits_a_grpo_step_and_times_the_kv_cache_against_uncached_sampling(capsys, monkeypatch):
+    """In this process (its 8 simulated devices are the script's): no second interpreter, import and start."""
+    import importlib.util
+    import os
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # the script adds its device count at import
+    monkeypatch.setattr(sys, "argv", ["rl.py", "--steps", "1", "--batch", "8", "--group", "4", "--seq", "32",
+                                      "--new", "4"])
+    spec = importlib.util.spec_from_file_location("rl_benchmark", BENCHMARKS / "rl.py")
+    rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl)
+    rl.main()
+    lines = capsys.readouterr().out.splitlines()
+    out = "\n".join(lines)
+    assert lines[0] == "GRPO tiny on 2x4: 8 completions a step (4 a prompt), 4 new tokens, seq 32; medians of 1 steps", out
+    parts = [re.fullmatch(rf"  {name} +([\d.]+) ms +([\d.]+)%", line) for name, line in
+             zip(("rollout", "reference", "training"), lines[1:4])]
+    assert all(parts) and all(float(p[1]) > 0 for p in parts), out  # training: the step's time less the other two
+    assert sum(float(p[2]) for p in parts) == pytest.approx(100, abs=0.2), out
+    assert re.fullmatch(r"  rollout tokens/s: KV cache [\d,]+, uncached [\d,]+ \([\d.]+x\)", lines[4]), out
+    # the uncached loop once timed a compile (its rows placed otherwise than at its warm-up call)
+    assert re.fullmatch(r"  compiles while timed: \d+ in the steps, 0 in the uncached loop", lines[5]), out

@@ -180,15 +180,18 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     """`shard train --task grpo` end to end on a toy verifiable task (the share of lower-case letters in
     8 sampled bytes) from a random tiny model: the mean reward climbs within 6 steps on 2x4; resumed from
     its step 3 checkpoint, steps 4-6 are the same records (the same prompts and sampling keys); and
-    step 1 trained on fsdp and sampled on 2x4 (grpo.rollout_mesh) draws the same completions and takes the
-    same update."""
+    step 1 trained on fsdp and sampled on 2x4 (grpo.rollout_mesh), and trained and sampled on 1x1 (one of
+    the 8 devices), draws the same completions and takes the same update."""
     import json
     import shutil
 
     from typer.testing import CliRunner
 
+    import shard
+    from shard import config
     from shard.cli.app import app
     from shard.observe.metrics import read_jsonl
+    from shard.testing import devices_for
 
     (tmp_path / "toy.py").write_text("def lower(row, text):\n    return sum('a' <= c <= 'z' for c in text) / len(text)\n")
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"word {i}:"}) + "\n" for i in range(8)))
@@ -219,9 +222,16 @@ def test_grpo_raises_a_toy_reward_resumes_bit_for_bit_and_matches_another_layout
     again = run("2x4", 6, "a", "--checkpoint-every", "3", "--resume")[-3:]
     keys = ("step", "loss", "grad_norm", "reward", "reward_std", "clip_low", "clip_high")
     assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in records[3:]]
-    one = run("fsdp", 1, "b", "--set", "grpo.rollout_mesh=2x4")[0]  # sampled on another layout than it trains on
-    assert one["reward"] == records[0]["reward"]  # the same completions, sampled on another layout
-    assert (one["loss"], one["grad_norm"]) == pytest.approx((records[0]["loss"], records[0]["grad_norm"]), rel=1e-5)
+    fsdp = run("fsdp", 1, "b", "--set", "grpo.rollout_mesh=2x4")[0]  # sampled on another layout than it trains on
+    assert read_jsonl(tmp_path / "b" / "completions.jsonl")[0] == written[0]  # the same completions
+    # 1x1 on one of this process's 8 devices (the CLI takes them all): the library call, run a's config
+    saved = config.resolve(config.layer(config.load_file(str(tmp_path / "a" / "config.toml")), {}, {},
+                                        ["mesh.spec=1x1", "steps=1"]))
+    single = shard.train(saved, devices=devices_for("1x1"))[0]
+    assert single["completions"] == written[0]["completions"]
+    for one in (fsdp, single):  # the same update: step 1's second update reads the params its first one left
+        assert one["reward"] == records[0]["reward"]
+        assert (one["loss"], one["grad_norm"]) == pytest.approx((records[0]["loss"], records[0]["grad_norm"]), rel=1e-5)
 
 
 def test_a_missing_reward_function_stops_grpo_before_it_compiles(tmp_path):

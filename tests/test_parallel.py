@@ -41,17 +41,30 @@ def dense_reference():
     return loss_and_grads(tiny_config("1x1", **PIPE))
 
 
-@pytest.mark.parametrize("mesh, schedule", [
-    ("stage=2,data=4", "gpipe"),
-    ("stage=2,data=4", "1f1b"),
-    ("stage=2,data=2,model=2", "1f1b"),
-    ("stage=2,data=2,fsdp=2", "gpipe"),  # data manual in the schedule, fsdp left to the partitioner
-    ("stage=4,fsdp=2", "1f1b"),
+# Packed rows (two documents a row, padding) and the loss in chunks of 8 positions (4 a row), 8 layers so
+# that interleaved V = 2 runs on 4 stages: one reference for every schedule's packed case.
+PACKED = dict(PIPE, model__n_layers=8, model__loss_chunk=8)
+
+
+@pytest.fixture(scope="module")
+def packed_reference():
+    return loss_and_grads(tiny_config("1x1", **PACKED), packed=True)
+
+
+@pytest.mark.parametrize("mesh, schedule, packed", [
+    ("stage=2,data=4", "gpipe", True),
+    ("stage=2,data=4", "1f1b", False),
+    ("stage=2,data=2,model=2", "1f1b", True),
+    ("stage=2,data=2,fsdp=2", "gpipe", False),  # data manual in the schedule, fsdp left to the partitioner
+    ("stage=4,fsdp=2", "1f1b", False),
 ])
-def test_pipeline_matches_the_unpipelined_model(mesh, schedule, dense_reference):
-    cfg = tiny_config(mesh, **PIPE, pipeline__schedule=schedule, pipeline__microbatches=4)
-    *out, hlo = loss_and_grads(cfg, with_hlo=True)
-    assert_same(out, dense_reference)
+def test_pipeline_matches_the_unpipelined_model(mesh, schedule, packed, request):
+    """Packed cases: the segment ids and positions ride beside the chain, and the last stage's head
+    computes the loss in chunks."""
+    sets, ref = (PACKED, "packed_reference") if packed else (PIPE, "dense_reference")
+    cfg = tiny_config(mesh, **sets, pipeline__schedule=schedule, pipeline__microbatches=4)
+    *out, hlo = loss_and_grads(cfg, with_hlo=True, packed=packed)
+    assert_same(out, request.getfixturevalue(ref))
     if schedule == "1f1b":  # it passes on what its table sends, no more (stage=4: five distinct pair sets)
         S = int(re.search(r"stage=(\d+)", mesh).group(1))
         table = {p for tick in sched.build("1f1b", S, 4).sends() for p in tick if p}
@@ -69,19 +82,38 @@ def stage_pair_sets(hlo: str, S: int) -> set[tuple[tuple[int, int], ...]]:
     return out
 
 
-@pytest.mark.parametrize("mesh, schedule, layers, virtual", [
-    ("stage=2,data=2,model=2", "interleaved", 4, 2),
-    ("stage=4,data=2", "interleaved", 8, 2),
-    ("stage=4,data=2", "zero_bubble", 4, 1),  # on stage=2,data=2,model=2 too when run by hand (12.8 s cold)
+@pytest.mark.parametrize("mesh, schedule, virtual", [
+    ("stage=2,data=2,model=2", "interleaved", 2),
+    ("stage=4,data=2", "interleaved", 2),
+    ("stage=4,data=2", "zero_bubble", 1),  # on stage=2,data=2,model=2 too when run by hand (12.8 s cold)
 ])
-def test_interleaved_and_zero_bubble_match_the_unpipelined_model(mesh, schedule, layers, virtual, dense_reference):
-    """Interleaved: V = 2 chunks a stage, layer block v = c S + s on stage s (stage=4 needs 8 layers for
-    its 8 chunks). Zero-bubble: the backward split into B (input gradient) and W (layers' gradient, run
-    in the bubbles). The loss and every gradient as one device's."""
-    sets = dict(PIPE, model__n_layers=layers)
-    ref = dense_reference if layers == 4 else loss_and_grads(tiny_config("1x1", **sets))
-    assert_same(loss_and_grads(tiny_config(mesh, **sets, pipeline__schedule=schedule,
-                                           pipeline__virtual_stages=virtual, pipeline__microbatches=4)), ref)
+def test_interleaved_and_zero_bubble_match_the_unpipelined_model(mesh, schedule, virtual, packed_reference):
+    """Interleaved: V = 2 chunks a stage, layer block v = c S + s on stage s (stage=4: 8 chunks of a
+    layer). Zero-bubble: the backward split into B (input gradient) and W (layers' gradient, run in the
+    bubbles; 2 layers a stage). With packed rows and the loss in chunks on the last stage, the loss and
+    every gradient as one device's."""
+    assert_same(loss_and_grads(tiny_config(mesh, **PACKED, pipeline__schedule=schedule, pipeline__virtual_stages=virtual,
+                                           pipeline__microbatches=4), packed=True), packed_reference)
+
+
+def test_zero_bubbles_w_runs_the_weight_matmuls_alone():
+    """The chunk's pullback split in two: B's body has the input-gradient chain, W's only the weight
+    gradients' matmuls (tiny: q/k/v, o, gate/up, down), so B and W together do what one backward does,
+    and nothing twice."""
+    from flax import nnx
+
+    from shard import models
+    from shard.models import llama
+    from shard.parallel import zero_bubble
+
+    cfg = tiny_config("1x1", model__n_layers=2).model
+    layers = nnx.to_pure_dict(nnx.state(models.build(cfg, seed=0)))["layers"]
+    x = jnp.zeros((2, 32, cfg.d_model))
+    plan = zero_bubble.plan(lambda lp, x: llama.run_layers(cfg, lp, x)[0], layers, x)
+    dots = lambda closed: sum(e.primitive.name == "dot_general" for e in closed.jaxpr.eqns)  # noqa: E731
+    _, pull = jax.vjp(lambda lp, x: llama.run_layers(cfg, lp, x)[0], layers, x)
+    backward = jax.make_jaxpr(pull)(x).eqns[0].params["jaxpr"]  # one reverse scan over the layers
+    assert (dots(plan.w_body), dots(plan.b_body) + dots(plan.w_body)) == (4, dots(backward))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -145,6 +177,7 @@ def test_schedules_have_the_formula_bubble_and_1f1b_memory_is_flat(stages, micro
                     (m, c) for m in range(micro) for c in range(V)], (kind, s, phase)
     # 1F1B and ZB-H1 keep at most `stages` inputs per stage whatever the microbatch count; GPipe keeps all.
     assert max(sched.build("zero_bubble", stages, micro).held()) <= stages
+    assert sched.w_slots(sched.build("zero_bubble", stages, micro)) == stages  # W's waiting on the last stage
     assert sched.slots(sched.build("1f1b", stages, micro)) <= stages
     assert sched.slots(sched.build("gpipe", stages, micro)) == micro
 

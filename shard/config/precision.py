@@ -13,15 +13,30 @@ from shard.errors import ShardError
 BF16 = "bf16"  # the model's compute dtype (bfloat16 on accelerators): no FP8
 DELAYED = "fp8_delayed"
 RECIPES = (BF16, "fp8_tensorwise", "fp8_rowwise", DELAYED)
+# Recipes with one scale per weight: a weight is quantized where it is stored and gathered (FSDP) as
+# float8, its amax one scalar reduced over the shards. Rowwise's backward requantizes the weight along
+# other dims than its forward, so it gathers the weight in the compute dtype.
+GATHERED = ("fp8_tensorwise", DELAYED)
+EXPERT_RECIPE = "fp8_tensorwise"  # the one recipe of a mixture of experts' grouped matmuls
 AMAX_HISTORY = 16  # fp8_delayed: the steps of amaxes a scale is taken from (their largest), as TransformerEngine's
 # The weights of a dense layer's matmuls: the attention projections and the gated MLP
 MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def expert_weights(model) -> list[str]:
+    """The paths of a mixture of experts' expert stacks (w_gate, w_up, w_down of its MoE stacks): their
+    grouped matmuls run in FP8 where a rule names them, `fp8_tensorwise` only (shard.models.fp8.
+    fp8_ragged_dot); `precision.default` leaves them in the compute dtype, as peers' defaults do."""
+    if not model.n_experts:
+        return []
+    return [path for path in model_params(model) if path.rpartition("/")[0] in ("layers", "mtp/layers")
+            and path.rpartition("/")[2] in ("w_gate", "w_up", "w_down")]
+
+
 def fp8_weights(model) -> list[str]:
-    """The paths of the weights whose matmuls can run in FP8 in this model: the attention projections
-    (not multi-head latent attention's) and the dense MLPs, in every stack (`layers`, `dense_layers`,
-    `mtp/layers`); a mixture of experts' MLP weights are its experts, which stay in the compute dtype."""
+    """The paths of the weights whose matmuls `precision.default` runs in FP8 in this model: the attention
+    projections (not multi-head latent attention's) and the dense MLPs, in every stack (`layers`,
+    `dense_layers`, `mtp/layers`); a mixture of experts' MLP weights are its experts (`expert_weights`)."""
     out = []
     for path in model_params(model):
         stack, _, name = path.rpartition("/")
@@ -57,21 +72,31 @@ def weight_recipes(precision: dict[str, str], model) -> dict[str, str]:
     embedding, a shadowed pattern) is a ShardError."""
     rules = [(rx, r) for rx, r in precision.items() if rx != "default"]
     default = precision.get("default", BF16)
-    paths = fp8_weights(model)
+    paths, experts = fp8_weights(model), expert_weights(model)
     out, decided = {}, set()
-    for path in paths:
+    for path in paths + experts:
         i = next((i for i, (rx, _) in enumerate(rules) if re.fullmatch(rx, path)), None)
         if i is not None:
             decided.add(i)
-        recipe = default if i is None else rules[i][1]
+        recipe = (BF16 if path in experts else default) if i is None else rules[i][1]
+        if path in experts and recipe not in (BF16, EXPERT_RECIPE):
+            raise ShardError(f"precision rule {rules[i][0]!r} puts the experts' {path} in {recipe}: their grouped "
+                             f"matmuls run in {EXPERT_RECIPE} only (one scale per expert stack)")
         if recipe != BF16:
             out[path] = recipe
     for i, (rx, _) in enumerate(rules):
         if i not in decided:
             raise ShardError(f"precision rule {rx!r} decides no matmul weight of {model.name} "
-                             f"(a full match of one of: {', '.join(paths) or 'none'}; an earlier rule wins where "
-                             "two match; embeddings, norms, router, experts and head stay in the compute dtype)")
+                             f"(a full match of one of: {', '.join(paths + experts) or 'none'}; an earlier rule wins "
+                             "where two match; embeddings, norms, router and head stay in the compute dtype)")
     return out
+
+
+def fp8_gathered(precision: dict[str, str], model) -> frozenset[str]:
+    """The weights (by path) whose FSDP all-gathers move float8 bytes: those of a GATHERED recipe but the
+    experts, which are gathered in the compute dtype and quantized where they run."""
+    experts = set(expert_weights(model))
+    return frozenset(p for p, r in weight_recipes(precision, model).items() if r in GATHERED and p not in experts)
 
 
 def delayed_problems(cfg) -> list[str]:

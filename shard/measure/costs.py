@@ -21,7 +21,7 @@ from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, 
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig, matmul_params
 from shard.config.params import model_params
-from shard.config.precision import weight_recipes
+from shard.config.precision import expert_weights, fp8_gathered, weight_recipes
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, balanced_ring, cudnn_attention_problem,
                                       stored_lookup_axes)
@@ -148,6 +148,9 @@ class Workload:
     # XLA:CPU sends every token to every device (parallel.expert_exchange.expert_exchange)
     ragged_exchange: bool = False
     optimizer: str = "adamw"  # optimizer.name: AdamW keeps two moments per parameter, Muon one on its matrices
+    # The weights (paths) whose FSDP gathers move float8 bytes, 1 per element: quantized where stored
+    # (precision.fp8_gathered); their gradients are reduced in the compute dtype as the others'
+    fp8_gathered: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg, platform: str = "gpu") -> Workload:
@@ -158,7 +161,7 @@ class Workload:
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
                    pipeline_schedule=cfg.pipeline.schedule, pipeline_microbatches=cfg.pipeline.microbatches,
                    virtual_stages=cfg.pipeline.virtual_stages, optimizer=cfg.optimizer.name,
-                   **dropless_lowering(platform))
+                   fp8_gathered=fp8_gathered(cfg.precision, m), **dropless_lowering(platform))
 
 
 def dropless_lowering(platform: str) -> dict:
@@ -293,13 +296,14 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             local = {a: n for a, n in gather.items() if a in lookup}
             gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
+        gathered = compute_bytes / work.act_bytes if name in work.fp8_gathered else compute_bytes  # float8
         if piped and name.startswith("layers/"):
-            yield from _pipelined_layer_bytes(cfg, shape, work, token_axes, gather, computed, compute_bytes)
+            yield from _pipelined_layer_bytes(cfg, shape, work, token_axes, gather, computed, compute_bytes, gathered)
             continue
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
         for a, n in gather.items():
-            yield a, passes * wire_bytes("all-gather", compute_bytes, n) * axis_share(gather, a)
+            yield a, passes * wire_bytes("all-gather", gathered, n) * axis_share(gather, a)
         # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
         # (not over one that splits the parameter as computed: experts over expert), as one logical
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
@@ -367,14 +371,15 @@ def pipeline_passes(work: Workload, stages: int, n_layers: int) -> dict[str, flo
 
 def _pipelined_layer_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
                            gather: dict[str, int],
-                           computed: dict[str, int], compute_bytes: float):
+                           computed: dict[str, int], compute_bytes: float, gathered: float):
     """(axis, bytes) of a stacked layer weight under pipeline parallel (`compute_bytes`: the stage's share):
-    its FSDP gathers and reduce-scatters on every pass that needs them (`pipeline_passes`), inside the
+    its FSDP gathers (of `gathered` bytes: float8 where precision.fp8_gathered) and reduce-scatters on
+    every pass that needs them (`pipeline_passes`), inside the
     schedule; and its gradient, accumulated in float32 by each data-parallel replica, all-reduced over
     the other token axes once, at the end, as the FSDP shard it is by then."""
     passes = pipeline_passes(work, shape.sizes[STAGE], cfg.n_layers)
     for a, n in gather.items():
-        yield a, (passes["gathers"] * wire_bytes("all-gather", compute_bytes, n)
+        yield a, (passes["gathers"] * wire_bytes("all-gather", gathered, n)
                   + passes["reductions"] * wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
     reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in computed}
     shard = compute_bytes / math.prod(gather.values()) * work.param_bytes / work.act_bytes
@@ -541,11 +546,14 @@ def model_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,
             + attention_flops(cfg, tokens, seq_len, context, flash))
 
 
-def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> int:
+def fp8_matmul_params(cfg: ModelConfig, precision: dict[str, str]) -> float:
     """Parameters whose matmuls the `[precision]` rules put in FP8 (shard.config.precision): the forward
-    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece."""
+    and both backward matmuls of each (shard.models.fp8), 6 of `model_flops`' FLOPs per token apiece; an
+    expert stack's counted at the share of experts a token runs (k / E), as `matmul_params` counts them."""
     shapes = model_params(cfg)
-    return sum(math.prod(shapes[path].shape) for path in weight_recipes(precision, cfg))
+    experts = set(expert_weights(cfg))
+    return sum(math.prod(shapes[path].shape) * (cfg.experts_per_token / cfg.n_experts if path in experts else 1)
+               for path in weight_recipes(precision, cfg))
 
 
 def attention_flops(cfg: ModelConfig, tokens: float, seq_len: int, context: int = 1,

@@ -21,6 +21,7 @@ from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
 from shard.config.model import ModelConfig, mfu_flops_per_token
+from shard.config.precision import fp8_gathered
 
 GIB = 1024**3
 USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
@@ -162,10 +163,11 @@ def _divisors(n: int) -> list[int]:
 
 def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
              global_batch: int, seq_len: int, optimizer: str = "adamw", fp8_params: int = 0,
-             pipeline: tuple[str, int, int] | None = None) -> Candidate:
+             fp8_gathered: frozenset[str] = frozenset(), pipeline: tuple[str, int, int] | None = None) -> Candidate:
     """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name), with the
-    matmuls of `fp8_params` parameters (costs.fp8_matmul_params) in FP8; with a stage axis, on the pipeline
-    schedule `pipeline` (schedule, microbatches, virtual stages), its bubble added to the step."""
+    matmuls of `fp8_params` parameters (costs.fp8_matmul_params) in FP8 and the weights `fp8_gathered`
+    (precision.fp8_gathered) gathered as float8; with a stage axis, on the pipeline schedule `pipeline`
+    (schedule, microbatches, virtual stages), its bubble added to the step."""
     import dataclasses
 
     platform = "cpu" if hw.name == "cpu" else "gpu"
@@ -176,7 +178,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     work = costs.Workload(global_batch, seq_len, param_bytes=costs.DTYPE_BYTES[cfg.param_dtype],
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute),
-                          optimizer=optimizer, **costs.dropless_lowering(platform))
+                          optimizer=optimizer, fp8_gathered=fp8_gathered, **costs.dropless_lowering(platform))
     stages, bubble = sizes.get(STAGE, 1), 0.0
     if pipeline is not None:  # (schedule, microbatches, virtual stages) on the stage axis
         kind, m, v = pipeline
@@ -246,7 +248,8 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
     fp8 = costs.fp8_matmul_params(cfg, precision or {})
-    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8)
+    gathered = fp8_gathered(precision or {}, cfg)
+    out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, gathered)
            for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
     for sizes in pipeline_layouts(devices, per_node, cfg.n_layers):
         replicas = sizes[DATA] * sizes[FSDP]
@@ -254,7 +257,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
             continue
         choices = pipeline_choices(cfg, sizes[STAGE], global_batch // replicas, sizes[FSDP] > 1 and sizes[MODEL] > 1)
         for remat in remats if choices else ():  # each layout with its best schedule
-            out.append(min((predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, p)
+            out.append(min((predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, gathered, p)
                             for p in choices), key=lambda c: (not c.fits, c.step_s, c.memory["total"])))
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB

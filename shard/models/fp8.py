@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
-from shard.sharding.rules import active_layout
+from shard.sharding.rules import active_layout, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16 = "bf16"
@@ -51,8 +51,9 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     return fp8_ops.dequantize(q, jnp.float32, scale)
 
 
-def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales=(None, None)) -> jax.Array:
-    """float32 `einsum(subscripts, a, b)` with a and b quantized to a_dtype and b_dtype: the dot on the
+def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales=(None, None),
+                  dtype=jnp.float32) -> jax.Array:
+    """`einsum(subscripts, a, b)` in `dtype` with a and b quantized to a_dtype and b_dtype: the dot on the
     float8 operands, then the product of their scales (this step's, or the per-tensor `scales` given:
     delayed scaling's; rowwise: per row along each one's contracting dims, broadcast to the output by
     an outer product)."""
@@ -62,33 +63,69 @@ def scaled_einsum(subscripts: str, a, b, a_dtype, b_dtype, rowwise: bool, scales
     contract_b = tuple(i for i, c in enumerate(sb) if c not in out) if rowwise else None
     qa, scale_a = quantize(a, a_dtype, contract_a, scales[0])
     qb, scale_b = quantize(b, b_dtype, contract_b, scales[1])
-    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=jnp.float32)
     if not rowwise:
-        return y * (scale_a * scale_b)
+        return quantized_einsum(subscripts, qa, scale_a, qb, scale_b, dtype)
+    y = jnp.einsum(subscripts, qa, qb, preferred_element_type=dtype)
     free_a, free_b = "".join(c for c in sa if c in out), "".join(c for c in sb if c in out)
     scale = jnp.einsum(f"{free_a},{free_b}->{out}", jnp.squeeze(scale_a, contract_a), jnp.squeeze(scale_b, contract_b))
-    return y * scale
+    return y * scale.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, rowwise: bool = False) -> jax.Array:
+def quantized_einsum(subscripts: str, qa, scale_a, qb, scale_b, dtype=jnp.float32) -> jax.Array:
+    """`einsum` of two float8 operands with per-tensor scales, in `dtype`: the dot (accumulating in float32
+    on an FP8 GEMM, written in `dtype`), then the scales."""
+    return jnp.einsum(subscripts, qa, qb, preferred_element_type=dtype) * (scale_a * scale_b).astype(dtype)
+
+
+def gathered(w: jax.Array, gather: tuple, scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(w quantized to E4M3 where it is stored, then put in its compute layout; the scale): a weight
+    that arrives as stored (FSDP: a shard) is all-gathered as float8 bytes. Its amax (`scale` not
+    given) is the largest over all shards, one float32 scalar reduced across them, so each element
+    quantizes as it would on one device. `gather`: the weight's logical axes. Constrained only to the
+    compute layout, sharding propagation moves the cast after the gather (shard.models.llama's
+    compute_weight says so for the compute dtype)."""
+    q, scale = quantize(w, E4M3, scale=scale)
+    return constrain(constrain(q, gather, param=True), gather), scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, rowwise: bool = False,
+               gather: tuple | None = None) -> jax.Array:
     """`einsum(subscripts, x, w)` (an activation and a weight, each letter once per operand) in FP8:
     E4M3 operands forward; backward, the incoming gradient in E5M2 against the E4M3 weight (dx) and
-    activation (dw). The result in x's dtype."""
-    return scaled_einsum(subscripts, x, w, E4M3, E4M3, rowwise).astype(x.dtype)
+    activation (dw). The result in x's dtype. `gather` (tensorwise): w arrives as stored, with these
+    logical axes, and is quantized there and gathered in float8 (`gathered`); its gradient leaves in
+    the compute layout, and the caller's constraint reduce-scatters it."""
+    if gather is None:
+        return scaled_einsum(subscripts, x, w, E4M3, E4M3, rowwise).astype(x.dtype)
+    return _fp8_einsum_fwd(subscripts, x, w, rowwise, gather)[0]
 
 
-def _fp8_einsum_fwd(subscripts, x, w, rowwise):
-    return fp8_einsum(subscripts, x, w, rowwise), (x, w)
+def _fp8_einsum_fwd(subscripts, x, w, rowwise, gather):
+    if gather is None:
+        return fp8_einsum(subscripts, x, w, rowwise), (x, w)
+    qx, sx = quantize(x, E4M3)
+    qw, sw = gathered(w, gather)
+    # (a scalar of w's dtype: the dtype its gradient must have)
+    return quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype), (x, (qw, sw, jnp.zeros((), w.dtype)))
 
 
-def _fp8_einsum_bwd(subscripts, rowwise, saved, g):
+def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
     x, w = saved
     ins, out = subscripts.split("->")
     sx, sw = ins.split(",")
-    dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
-    dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    if gather is None:
+        dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
+        # written in the weight's dtype, in which its partial sums are reduced (as below)
+        dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
+        return dx.astype(x.dtype), dw
+    qw, scale_w, w_dtype = w  # the gathered float8 weight: what requantizing the weight would give
+    qg, scale_g = quantize(g, E5M2)
+    dx = quantized_einsum(f"{out},{sw}->{sx}", qg, scale_g, qw, scale_w)
+    # the dot writes the weight's dtype, in which its partial sums are then reduce-scattered (float32, they
+    # moved twice a bf16 gradient's bytes)
+    dw = quantized_einsum(f"{sx},{out}->{sw}", *quantize(x, E4M3), qg, scale_g, w_dtype.dtype)
+    return dx.astype(x.dtype), dw
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
@@ -104,48 +141,121 @@ def delayed_scale(history: jax.Array, x: jax.Array, fp8_dtype) -> jax.Array:
     return _scale(jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32)))), fp8_dtype)
 
 
-def pushed(history: jax.Array, x: jax.Array) -> jax.Array:
-    """The history with this step's amax of x first and its oldest entry dropped."""
-    return jnp.roll(history, 1).at[0].set(jnp.max(jnp.abs(x.astype(jnp.float32))))
+def pushed(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history with this step's amax first and its oldest entry dropped."""
+    return jnp.roll(history, 1).at[0].set(amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict) -> jax.Array:
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict, gather: tuple | None = None) -> jax.Array:
     """`fp8_einsum` (tensorwise) with scales from amax histories ({"x", "w", "g"}: (H,) float32 each).
     The histories' "gradient" is their update (this step's amaxes pushed in), which the train step
     takes as the new histories (flax's fp8_ops "overwrite with gradient", without its max-dtype: the
-    step takes the maximum over microbatches itself)."""
-    return _delayed_fwd(subscripts, x, w, history)[0]
+    step takes the maximum over microbatches itself). `gather`: as in `fp8_einsum`."""
+    return _delayed_fwd(subscripts, x, w, history, gather)[0]
 
 
-def _delayed_fwd(subscripts, x, w, history):
+def _delayed_fwd(subscripts, x, w, history, gather):
     sx, sw = delayed_scale(history["x"], x, E4M3), delayed_scale(history["w"], w, E4M3)
-    return scaled_einsum(subscripts, x, w, E4M3, E4M3, False, (sx, sw)).astype(x.dtype), (x, w, sx, sw, history)
+    qx, sx = quantize(x, E4M3, scale=sx)
+    qw, sw = gathered(w, gather, sw) if gather is not None else quantize(w, E4M3, scale=sw)
+    y = quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype)
+    # the float8 weight (gathered, when it arrived as stored), and a scalar of w's dtype for its gradient's
+    return y, (x, qw, jnp.zeros((), w.dtype), sx, sw, _amax(w), history)
 
 
-def _delayed_bwd(subscripts, saved, g):
-    x, w, sx, sw, history = saved
+def _delayed_bwd(subscripts, gather, saved, g):
+    x, qw, w_dtype, sx, sw, w_amax, history = saved
     ins, out = subscripts.split("->")
     x_letters, w_letters = ins.split(",")
-    sg = delayed_scale(history["g"], g, E5M2)
-    dx = scaled_einsum(f"{out},{w_letters}->{x_letters}", g, w, E5M2, E4M3, False, (sg, sw))
-    dw = scaled_einsum(f"{x_letters},{out}->{w_letters}", x, g, E4M3, E5M2, False, (sx, sg))
-    new = {"x": pushed(history["x"], x), "w": pushed(history["w"], w), "g": pushed(history["g"], g)}
-    return dx.astype(x.dtype), dw.astype(w.dtype), new
+    qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g, E5M2))
+    dx = quantized_einsum(f"{out},{w_letters}->{x_letters}", qg, sg, qw, sw)
+    dw = quantized_einsum(f"{x_letters},{out}->{w_letters}", quantize(x, E4M3, scale=sx)[0], sx, qg, sg, w_dtype.dtype)
+    new = {"x": pushed(history["x"], _amax(x)), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], _amax(g))}
+    return dx.astype(x.dtype), dw, new
 
 
 delayed_einsum.defvjp(_delayed_fwd, _delayed_bwd)
 
 
-def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None):
+# --- a mixture of experts' grouped matmul ---
+
+
+def _scale_over(a: jax.Array, fp8_dtype, axes: tuple[str, ...]) -> jax.Array:
+    """A per-tensor scale from a's amax, the largest over the manual mesh `axes` (none: a's own)."""
+    amax = _amax(a)
+    return _scale(jax.lax.pmax(amax, axes) if axes else amax, fp8_dtype)
+
+
+# dw of a grouped matmul: (M, D) x (M, F) contracted over the ragged M, one (D, F) per group
+_RAGGED_CONTRACT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_ragged_dot(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, sizes)` (the experts' grouped matmul: row group e against w[e]) in FP8,
+    tensorwise: E4M3 operands forward; backward, the E5M2 gradient against the E4M3 weight (dx, a
+    grouped matmul) and activation (dw, contracted over each group's rows). `axes`: the manual mesh axes
+    the rows are split over (dropless routing's shard_map), whose amaxes are max-reduced so that every
+    device scales as one device would. The result in x's dtype."""
+    return _ragged_fwd(x_md, w_edf, sizes_e, axes)[0]
+
+
+def _ragged_fwd(x_md, w_edf, sizes_e, axes):
+    qx, sx = quantize(x_md, E4M3, scale=_scale_over(x_md, E4M3, axes))
+    qw, sw = quantize(w_edf, E4M3, scale=_scale_over(w_edf, E4M3, axes))
+    y = jax.lax.ragged_dot(qx, qw, sizes_e, preferred_element_type=jnp.float32) * (sx * sw)
+    # a scalar of w: its dtype and the manual axes it varies over, which its gradient must have
+    return y.astype(x_md.dtype), (qx, sx, qw, sw, sizes_e, w_edf[(0,) * w_edf.ndim] * 0)
+
+
+def _ragged_bwd(axes, saved, g_mf):
+    qx, sx, qw, sw, sizes_e, like_w = saved
+    qg, sg = quantize(g_mf, E5M2, scale=_scale_over(g_mf, E5M2, axes))
+    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes_e, preferred_element_type=jnp.float32) * (sg * sw)
+    dw = jax.lax.ragged_dot_general(qx, qg, sizes_e, _RAGGED_CONTRACT, preferred_element_type=like_w.dtype)
+    dw = dw * (sx * sg).astype(like_w.dtype)
+    # inside a shard_map, w shared by devices whose rows differ: the sum of their parts (pvary's transpose)
+    summed = tuple(sorted(_varying(dw) - _varying(like_w)))
+    return dx.astype(g_mf.dtype), jax.lax.psum(dw, summed) if summed else dw, None
+
+
+fp8_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The manual mesh axes `a` varies over inside a shard_map (jax 0.10's `manual_axis_type.varying`,
+    earlier jax's `vma`)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def ragged_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, recipe: str = BF16,
+                  axes: tuple[str, ...] = ()) -> jax.Array:
+    """The experts' grouped matmul by their weight's recipe: `jax.lax.ragged_dot` in the operands' dtype
+    for bf16, else `fp8_ragged_dot` (tensorwise: the only recipe the rules allow the experts)."""
+    if recipe == BF16:
+        return jax.lax.ragged_dot(x_md, w_edf, sizes_e)
+    return fp8_ragged_dot(x_md, w_edf, sizes_e, axes)
+
+
+def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None,
+           gather: tuple | None = None):
     """`einsum(subscripts, x, w)` by a weight's recipe: plain in the operands' dtype for bf16 (the
     compute dtype), `delayed_einsum` for fp8_delayed with its histories (without them, as in evaluation
-    and generation: current tensorwise scaling), else `fp8_einsum`."""
+    and generation: current tensorwise scaling), else `fp8_einsum`. `gather`: w arrives as stored
+    (a recipe in GATHERED), with these logical axes, to be quantized before its gather."""
     if recipe == BF16:
         return jnp.einsum(subscripts, x, w)
     if recipe == DELAYED and history is not None:
-        return delayed_einsum(subscripts, x, w, history)
-    return fp8_einsum(subscripts, x, w, ROWWISE[recipe])
+        return delayed_einsum(subscripts, x, w, history, gather)
+    return fp8_einsum(subscripts, x, w, ROWWISE[recipe], gather)
 
 
 def fusable(*recipes: str) -> bool:

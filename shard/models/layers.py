@@ -74,21 +74,22 @@ def apply_rope(x_btnh, cos_th, sin_th):
 
 def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, start=0, zigzag: bool = False,
                     segment_ids=None, window=None, record: dict | None = None, recipes: dict | None = None,
-                    histories: dict | None = None):
+                    histories: dict | None = None, gathers: dict | None = None):
     """Pre-norm attention; returns (output, kv). With a cache slice `kv` ({k, v}: (B, S, K, H)) the new
     keys and values are written at `start` and the queries attend to the whole cache, masked by position.
     `zigzag`, `segment_ids`: as in `forward`. `window`: this layer's (0: none; traced where layers
     differ, cfg.global_every); None: cfg.sliding_window. `record` (training with optimizer.qk_clip): a
     dict the block puts each head's largest attention logit in, "max_logit" (N,) (`max_logits`).
     `recipes`: the FP8 recipe of each weight that has one (shard.models.fp8.stack_recipes); `histories`:
-    the amax histories of this layer's fp8_delayed weights, by weight."""
-    recipes, histories = recipes or {}, histories or {}
+    the amax histories of this layer's fp8_delayed weights, by weight; `gathers`: the logical axes of the
+    weights that arrive as stored, to be quantized before their gather (shard.models.fp8.gathered)."""
+    recipes, histories, gathers = recipes or {}, histories or {}, gathers or {}
     window = cfg.sliding_window if window is None else window
     scale = cfg.attention_scale
     # Megatron-SP: the residual stream's length shards are gathered here, once, for the matmuls (left
     # free, XLA gathered the weights instead and moved q, k, v all-to-all); a no-op without SP.
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
-    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype, recipes, histories)
+    q_btnh, k_btkh, v_btkh = _qkv(h_btd, p, dtype, recipes, histories, gathers)
     if cfg.qk_norm:  # Qwen3: each head's query and key normalised over head_dim, before RoPE
         q_btnh, k_btkh = norm(cfg, q_btnh, p["q_norm"]), norm(cfg, k_btkh, p["k_norm"])
     q_btnh = constrain(apply_rope(q_btnh, cos_th, sin_th), (BATCH, LENGTH, HEADS, HEAD_DIM))
@@ -107,11 +108,12 @@ def attention_block(x_btd, p, cos_th, sin_th, cfg: ModelConfig, dtype, kv=None, 
         o_btnh = cached_attention(q_btnh, kv["k"], kv["v"], start, window=window, scale=scale,
                                   softcap=cfg.attn_softcap)
     o_btnh = constrain(o_btnh, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    out_btd = matmul("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype), recipes.get("wo", BF16), histories.get("wo"))
+    out_btd = matmul("btnh,nhd->btd", o_btnh, p["wo"].astype(dtype), recipes.get("wo", BF16), histories.get("wo"),
+                     gathers.get("wo"))
     return adapters.with_delta(out_btd, o_btnh, p, "wo", p.get("dropout_key")), kv
 
 
-def _qkv(h_btd, p, dtype, recipes, histories):
+def _qkv(h_btd, p, dtype, recipes, histories, gathers):
     """q, k and v of the normalised residual.
 
     Where heads and kv heads are split alike, they come out of one einsum over a weight grouped by kv
@@ -123,27 +125,29 @@ def _qkv(h_btd, p, dtype, recipes, histories):
     (`bq`, `bk`, `bv`) are grouped as their weights are. LoRA adapters add their terms to q, k and v.
     In FP8 the grouped weight is quantized as one (one tensorwise scale for the three) where the three
     share a recipe; three einsums run where their recipes differ or are fp8_delayed (a history each).
+    Weights that arrive as stored (`gathers`) are grouped as stored, then quantized and gathered as one.
     """
-    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype, recipes, histories)
+    q_btnh, k_btkh, v_btkh = _qkv_base(h_btd, p, dtype, recipes, histories, gathers)
     key = p.get("dropout_key")
     return tuple(adapters.with_delta(y, h_btd, p, name, key)
                  for y, name in ((q_btnh, "wq"), (k_btkh, "wk"), (v_btkh, "wv")))
 
 
-def _qkv_base(h_btd, p, dtype, recipes, histories):
+def _qkv_base(h_btd, p, dtype, recipes, histories, gathers):
     D, N, H = p["wq"].shape
     K = p["wk"].shape[1]
     rq, rk, rv = (recipes.get(name, BF16) for name in ("wq", "wk", "wv"))
     if not heads_split_alike() or not fusable(rq, rk, rv):
-        q_btnh = matmul("btd,dnh->btnh", h_btd, p["wq"].astype(dtype), rq, histories.get("wq"))
-        k_btkh = matmul("btd,dkh->btkh", h_btd, p["wk"].astype(dtype), rk, histories.get("wk"))
-        v_btkh = matmul("btd,dkh->btkh", h_btd, p["wv"].astype(dtype), rv, histories.get("wv"))
+        q_btnh, k_btkh, v_btkh = (matmul(subscripts, h_btd, p[name].astype(dtype), r, histories.get(name), gathers.get(name))
+                                  for subscripts, name, r in (("btd,dnh->btnh", "wq", rq), ("btd,dkh->btkh", "wk", rk),
+                                                              ("btd,dkh->btkh", "wv", rv)))
         if "bq" in p:
             q_btnh, k_btkh, v_btkh = (q_btnh + p["bq"].astype(dtype), k_btkh + p["bk"].astype(dtype),
                                       v_btkh + p["bv"].astype(dtype))
         return q_btnh, k_btkh, v_btkh
     w_dkgh = jnp.concatenate([p["wq"].reshape(D, K, N // K, H), p["wk"][:, :, None], p["wv"][:, :, None]], 2)
-    qkv_btkgh = matmul("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype), rq)
+    gather = (*gathers["wk"][:2], None, gathers["wk"][2]) if "wk" in gathers else None  # (D, K, G + 2, H)
+    qkv_btkgh = matmul("btd,dkgh->btkgh", h_btd, w_dkgh.astype(dtype), rq, gather=gather)
     if "bq" in p:
         b_kgh = jnp.concatenate([p["bq"].reshape(K, N // K, H), p["bk"][:, None], p["bv"][:, None]], 1)
         qkv_btkgh = qkv_btkgh + b_kgh.astype(dtype)
@@ -160,23 +164,26 @@ def _gated(gate, up, activation: str = "silu"):
     return act * up
 
 
-def mlp_block(x_btd, p, cfg: ModelConfig, dtype, recipes: dict | None = None, histories: dict | None = None):
-    """Pre-norm gated MLP; `recipes`, `histories` as in `attention_block`."""
-    recipes, histories = recipes or {}, histories or {}
+def mlp_block(x_btd, p, cfg: ModelConfig, dtype, recipes: dict | None = None, histories: dict | None = None,
+              gathers: dict | None = None):
+    """Pre-norm gated MLP; `recipes`, `histories`, `gathers` as in `attention_block`."""
+    recipes, histories, gathers = recipes or {}, histories or {}, gathers or {}
     h_btd = constrain(norm(cfg, x_btd, p["mlp_norm"]), (BATCH, LENGTH, EMBED))  # as in attention
     # Gate and up in one einsum, for the same reason as q, k, v: one input-gradient all-reduce (two
     # where their FP8 recipes differ).
     r_gate, r_up = recipes.get("w_gate", BF16), recipes.get("w_up", BF16)
     if fusable(r_gate, r_up):
         w_dsf = jnp.stack([p["w_gate"], p["w_up"]], axis=1)
-        gate_up_btsf = matmul("btd,dsf->btsf", h_btd, w_dsf.astype(dtype), r_gate)
+        gather = (gathers["w_gate"][0], None, gathers["w_gate"][1]) if "w_gate" in gathers else None  # (D, 2, F)
+        gate_up_btsf = matmul("btd,dsf->btsf", h_btd, w_dsf.astype(dtype), r_gate, gather=gather)
     else:
-        gate_up_btsf = jnp.stack([matmul("btd,df->btf", h_btd, p[name].astype(dtype), r, histories.get(name))
+        gate_up_btsf = jnp.stack([matmul("btd,df->btf", h_btd, p[name].astype(dtype), r, histories.get(name),
+                                         gathers.get(name))
                                   for name, r in (("w_gate", r_gate), ("w_up", r_up))], axis=2)
     key = p.get("dropout_key")  # LoRA
     gate_btf = adapters.with_delta(gate_up_btsf[:, :, 0], h_btd, p, "w_gate", key)
     up_btf = adapters.with_delta(gate_up_btsf[:, :, 1], h_btd, p, "w_up", key)
     hidden_btf = constrain(_gated(gate_btf, up_btf, cfg.mlp_activation), (BATCH, LENGTH, MLP))
     down_btd = matmul("btf,fd->btd", hidden_btf, p["w_down"].astype(dtype), recipes.get("w_down", BF16),
-                      histories.get("w_down"))
+                      histories.get("w_down"), gathers.get("w_down"))
     return adapters.with_delta(down_btd, hidden_btf, p, "w_down", key)

@@ -38,6 +38,7 @@ from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
 from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
+from shard.config.precision import GATHERED
 from shard.config.train import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
@@ -164,7 +165,13 @@ def compute_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Ar
     which then moved float32 (tiny, fsdp=8, bfloat16: every all-gather float32)."""
     if w.dtype == dtype:
         return constrain(w, logical_axes)
-    return constrain(constrain(w.astype(dtype), logical_axes, param=True), logical_axes)
+    return constrain(stored_weight(w, logical_axes, dtype), logical_axes)
+
+
+def stored_weight(w: jax.Array, logical_axes: tuple[str, ...], dtype) -> jax.Array:
+    """A stored weight in the compute dtype, still as stored: an FP8 matmul quantizes it there, then
+    gathers the float8 bytes (shard.models.fp8.gathered)."""
+    return constrain(w.astype(dtype), logical_axes, param=True)
 
 
 def _table(cfg: ModelConfig, params: dict) -> jax.Array:
@@ -230,6 +237,10 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
     axes = _layer_axes(cfg, layers)
+    # FP8 weights with one scale each arrive at their matmul as stored, which quantizes and gathers them
+    # (a mixture of experts' stacks are gathered in the compute dtype and quantized where they run)
+    gathers = {k: axes[k] for k, r in recipes.items()
+               if r in GATHERED and not (cfg.n_experts and k in ("w_gate", "w_up", "w_down"))}
 
     def block(x_btd, xs):
         p, kv, bias_e, window, key, history = xs
@@ -239,8 +250,8 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         window = cfg.sliding_window if window is None else window
         # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
         # the router (its softmax is float32) keep their dtype
-        p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else compute_weight(v, axes[k], dtype)
-             for k, v in p.items()}
+        p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else
+             stored_weight(v, axes[k], dtype) if k in gathers else compute_weight(v, axes[k], dtype) for k, v in p.items()}
         if key is not None:
             p["dropout_key"] = key
         record = {} if max_logits and not cfg.mla else None  # (optimizer.qk_clip refuses MLA)
@@ -248,17 +259,17 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             attn_btd, kv = mla_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window)
         else:
             attn_btd, kv = attention_block(x_btd, p, cos, sin, cfg, dtype, kv, start, zigzag, segment_ids, window,
-                                           record, recipes, history)
+                                           record, recipes, history, gathers)
         if cfg.sandwich_norms:
             attn_btd = norm(cfg, attn_btd, p["post_attn_norm"])
         x_btd = x_btd + attn_btd
         if cfg.n_experts:
             # generation (a cache) drops no token: a prompt's capacity would differ from each decode step's
             ffn_btd, aux, counts = moe.moe_block(norm(cfg, x_btd, p["mlp_norm"]), p, cfg, dtype,
-                                                 dropless=cache is not None, bias_e=bias_e)
+                                                 dropless=cache is not None, bias_e=bias_e, recipes=recipes)
             stats = {"aux": aux, **counts}
         else:
-            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes, history), {"aux": jnp.zeros((), jnp.float32)}
+            ffn_btd, stats = mlp_block(x_btd, p, cfg, dtype, recipes, history, gathers), {"aux": jnp.zeros((), jnp.float32)}
         if record:
             stats["max_logit"] = record["max_logit"]
         if cfg.sandwich_norms:

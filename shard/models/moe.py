@@ -28,12 +28,16 @@ Letters: B batch, T length (tokens per group), D embed, E experts, C capacity, F
 token, N tokens, M = N K (token, choice) pairs, S shared experts' hidden width.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
+from shard.models.fp8 import BF16, matmul, ragged_matmul
 from shard.parallel.expert_exchange import dropless_per_device, per_device_top_k
+from shard.sharding.queries import token_axes
 from shard.sharding.rules import constrain
 
 
@@ -152,30 +156,39 @@ def balance_loss(experts_btk: jax.Array, probs_bte: jax.Array) -> jax.Array:
 
 
 def grouped_experts(x_nd: jax.Array, experts_nk: jax.Array, gates_nk: jax.Array, w_gate_edf: jax.Array,
-                    w_up_edf: jax.Array, w_down_efd: jax.Array) -> jax.Array:
+                    w_up_edf: jax.Array, w_down_efd: jax.Array, recipes: dict | None = None,
+                    axes: tuple[str, ...] = ()) -> jax.Array:
     """Dropless: each token's sum over its k choices of gate * expert(token), by grouped matmuls.
 
     The N K (token, choice) pairs are sorted by expert (stably), so each expert's rows form one
-    contiguous group of `ragged_dot`; the results return to their pairs by the inverse permutation."""
+    contiguous group of `ragged_dot`; the results return to their pairs by the inverse permutation.
+    `recipes`: the FP8 recipe of the expert stacks that have one (shard.models.fp8.ragged_matmul), their
+    amaxes taken over the manual mesh `axes` the tokens are split over."""
+    recipes = recipes or {}
     N, K = experts_nk.shape
     E = w_gate_edf.shape[0]
     expert_m = experts_nk.reshape(N * K)
     order_m = jnp.argsort(expert_m, stable=True)  # sorted row i is pair order_m[i]
     sizes_e = jnp.bincount(expert_m, length=E).astype(jnp.int32)  # rows of each expert's group
     x_md = x_nd[order_m // K]  # (M, D) tokens in expert order
-    gate_mf = jax.lax.ragged_dot(x_md, w_gate_edf, sizes_e)
-    up_mf = jax.lax.ragged_dot(x_md, w_up_edf, sizes_e)
-    y_md = jax.lax.ragged_dot(jax.nn.silu(gate_mf) * up_mf, w_down_efd, sizes_e)
+    gate_mf = ragged_matmul(x_md, w_gate_edf, sizes_e, recipes.get("w_gate", BF16), axes)
+    up_mf = ragged_matmul(x_md, w_up_edf, sizes_e, recipes.get("w_up", BF16), axes)
+    y_md = ragged_matmul(jax.nn.silu(gate_mf) * up_mf, w_down_efd, sizes_e, recipes.get("w_down", BF16), axes)
     y_nkd = y_md[jnp.argsort(order_m)].reshape(N, K, -1)  # back in (token, choice) order
     return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(y_nkd.dtype))
 
 
-def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype) -> tuple[jax.Array, jax.Array]:
+def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype, recipes: dict | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
     """The routed experts' output (B, T, D), no token dropped, each device on its own tokens, and the
     token rows sent to other devices of the expert axis (all devices; 0 without expert parallel):
     `grouped_experts` per device (shard.parallel.expert_exchange.dropless_per_device)."""
     weights = tuple(p[k].astype(dtype) for k in ("w_gate", "w_up", "w_down"))
-    return dropless_per_device(h_btd, gates_btk, experts_btk, weights, grouped_experts)
+    experts = {k: r for k, r in (recipes or {}).items() if k in ("w_gate", "w_up", "w_down")}
+    run = grouped_experts
+    if experts:  # the shard_map's manual axes, over which FP8 amaxes are reduced
+        run = functools.partial(grouped_experts, recipes=experts, axes=sum(token_axes(), ()))
+    return dropless_per_device(h_btd, gates_btk, experts_btk, weights, run)
 
 
 def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:
@@ -187,11 +200,11 @@ def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:
 
 
 def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: ModelConfig, dtype,
-                     dropless: bool, choose_bte: jax.Array | None = None
+                     dropless: bool, choose_bte: jax.Array | None = None, recipes: dict | None = None
                      ) -> tuple[jax.Array, jax.Array, dict]:
     """The routed experts' output with a capacity per expert and sequence, the balancing loss and the
     counts of `moe_block` (with the (token, choice) pairs dropped for want of a slot). `choose_bte`: what experts are chosen by, where
-    it is not the probs (the scores plus the balancing bias)."""
+    it is not the probs (the scores plus the balancing bias). `recipes`: as in `moe_block`."""
     B, T, E = probs_bte.shape
     cap = T if dropless else cfg.expert_capacity(T)  # a dropped token keeps its residual
     # route() chooses as top_k does: by the probs, which order experts as the scores do
@@ -206,36 +219,38 @@ def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: Mod
     x_ebcd = jnp.einsum("btd,btec->ebcd", h_btd, dispatch_btec.astype(dtype))
     x_ebcd = constrain(x_ebcd, (None, BATCH, None, EMBED))  # dispatched where the rows are
     x_ebcd = constrain(x_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
-    gate_ebcf = jnp.einsum("ebcd,edf->ebcf", x_ebcd, p["w_gate"].astype(dtype))
-    up_ebcf = jnp.einsum("ebcd,edf->ebcf", x_ebcd, p["w_up"].astype(dtype))
+    recipes = recipes or {}
+    gate_ebcf = matmul("ebcd,edf->ebcf", x_ebcd, p["w_gate"].astype(dtype), recipes.get("w_gate", BF16))
+    up_ebcf = matmul("ebcd,edf->ebcf", x_ebcd, p["w_up"].astype(dtype), recipes.get("w_up", BF16))
     hidden_ebcf = constrain(jax.nn.silu(gate_ebcf) * up_ebcf, (EXPERT, EXPERT_BATCH, None, MLP))
-    y_ebcd = jnp.einsum("ebcf,efd->ebcd", hidden_ebcf, p["w_down"].astype(dtype))
+    y_ebcd = matmul("ebcf,efd->ebcd", hidden_ebcf, p["w_down"].astype(dtype), recipes.get("w_down", BF16))
     y_ebcd = constrain(y_ebcd, (EXPERT, EXPERT_BATCH, None, EMBED))
     y_ebcd = constrain(y_ebcd, (None, BATCH, None, EMBED))  # back where the rows are
     return jnp.einsum("ebcd,btec->btd", y_ebcd, combine_btec.astype(dtype)), aux, counts  # and back
 
 
 def moe_block(h_btd: jax.Array, p: dict, cfg: ModelConfig, dtype, dropless: bool = False,
-              bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+              bias_e: jax.Array | None = None, recipes: dict | None = None) -> tuple[jax.Array, jax.Array, dict]:
     """The MoE feed-forward of one layer on the normalised residual; returns its output, aux loss and
     counts: {"load": (E,) (token, choice) pairs routed to each expert, "dropped": those a capacity
     dropped, "sent": the token rows dropless routing sent to other devices of the expert axis (what a
     ragged all-to-all moves each way), "z": the router z-loss}. `bias_e` (E,): the balancing bias experts are chosen by (`top_k_gates`).
     `dropless` with capacity routing: each expert has a slot for every token of the group (a token picks
     an expert once), so none is dropped, whatever the length: generation's prefill and decode steps then
-    compute the same. Dropless routing (model.moe_routing) never drops one."""
+    compute the same. Dropless routing (model.moe_routing) never drops one. `recipes`: the FP8 recipe of
+    the expert stacks the precision rules name (fp8_tensorwise; shard.models.fp8.stack_recipes)."""
     logits_bte = router_logits(h_btd, p["router"])
     scores_bte, probs_bte = router_scores(logits_bte, cfg)
     gates_btk, experts_btk = top_k_gates(scores_bte, cfg, bias_e)
     if cfg.moe_routing == "dropless":
-        out_btd, sent = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype)
+        out_btd, sent = dropless_experts(h_btd, gates_btk, experts_btk, p, dtype, recipes)
         aux = balance_loss(experts_btk, probs_bte)
         counts = {"load": expert_load(experts_btk, cfg.n_experts), "dropped": jnp.zeros((), jnp.float32),
                   "sent": sent}
     else:
         choose_bte = choice_scores(scores_bte, cfg, bias_e)
         out_btd, aux, counts = capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p, cfg, dtype,
-                                                dropless, choose_bte)
+                                                dropless, choose_bte, recipes)
     if cfg.n_shared_experts:
         out_btd = out_btd + shared_experts(h_btd, p, dtype)
     counts["z"] = z_loss(logits_bte)

@@ -19,7 +19,8 @@ which XLA:GPU's AllReduceReassociate reduces over the replicas once.
   backward (/ weight gradient) of which microbatch and chunk; a `fori_loop` reads its row and picks the
   op with `lax.switch`. The backward recomputes its chunk (jax.vjp) from a stored input, so a stage
   holds a bounded number of inputs, independent of M. The loss and all gradients come out of one pass,
-  wrapped in a custom_vjp so the train step stays `value_and_grad`.
+  wrapped in a custom_vjp so the train step stays `value_and_grad`. Zero-bubble's B and W split that
+  backward's work between them (shard/parallel/zero_bubble.py).
 
 The tables (what runs where and when) are data: shard/parallel/schedule.py builds them, and the bubble
 (idle share of a stage's time) read from them is the formula's (docs/formulas.md).
@@ -42,7 +43,9 @@ from jax.sharding import PartitionSpec as P
 from shard.axes import DATA, STAGE
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
-from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build, slots
+from shard.parallel import zero_bubble as zb
+from shard.parallel.manual import set_row, vary
+from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build, slots, w_slots
 from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
@@ -82,14 +85,6 @@ def _chain(S: int, step: int) -> list[tuple[int, int]]:
     was dropped, so a ring sent 1/S more on every tick, and the two end stages' links (across nodes, the
     one path through the whole cluster) carried two buffers where the others carry one."""
     return [(j, j + step) for j in range(S) if 0 <= j + step < S]
-
-
-def _vary(tree, axes=(STAGE,)):
-    """Mark every leaf as varying over `axes`, which must be axes it does not vary over yet (the
-    callers know: an input varies over the manual axes its in_spec splits it on, a constant over none)."""
-    if not axes:
-        return tree
-    return jax.tree.map(lambda x: lax.pcast(x, tuple(axes), to="varying"), tree)
 
 
 def _summed_in_f32_on_cpu(fn, x: jax.Array, mesh) -> jax.Array:
@@ -140,10 +135,10 @@ def gpipe_layers(stage_fn, mesh, layers: dict, x_mbtd: jax.Array, replicas: tupl
     def body(layers, x_mbtd, extras):
         S, s = lax.axis_size(STAGE), lax.axis_index(STAGE)
         M = x_mbtd.shape[0]
-        x_mbtd = _summed_in_f32_on_cpu(_vary, x_mbtd, mesh)  # the backward psums its gradient over stages
+        x_mbtd = _summed_in_f32_on_cpu(vary, x_mbtd, mesh)  # the backward psums its gradient over stages
         # Varying over the replicas: the backward's psum (this cast's transpose) runs once, after the loop.
-        layers = jax.tree.map(lambda w: _summed_in_f32_on_cpu(lambda a: _vary(a, replicas), w, mesh), layers)
-        extras = _vary(extras)
+        layers = jax.tree.map(lambda w: _summed_in_f32_on_cpu(lambda a: vary(a, replicas), w, mesh), layers)
+        extras = vary(extras)
         perm = _chain(S, +1)
 
         def tick(t, carry):
@@ -252,23 +247,26 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
     def body(layers, head, x_mbtd, aux, extras):
         s = lax.axis_index(STAGE)
         everywhere = (STAGE, *replicas)
-        layers = _vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
-        head = _vary(head, everywhere)
-        x_mbtd, aux, extras = _vary((x_mbtd, aux, extras), (STAGE,))
+        layers = vary(layers, replicas)  # split over stage by its in_spec, rows over the replicas
+        head = vary(head, everywhere)
+        x_mbtd, aux, extras = vary((x_mbtd, aux, extras), (STAGE,))
         tables = jnp.asarray(table)
         act = x_mbtd[0]
-        ops = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V),
-                        kind == "zero_bubble")
+        waiting = w_slots(build(kind, S, M, V)) if kind == "zero_bubble" else 0
+        ops, split_carry = _tick_ops(stage_fn, head_loss, s, K, layers, head, x_mbtd, aux, extras, (S, M, V),
+                                     waiting, everywhere)
 
         send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
+        switch = (functools.partial(zb.switch_on_a_slot, writes=(BWD, BWD_LAST), waiting=waiting, everywhere=everywhere)
+                  if waiting else lax.switch)
 
         def tick(t, c):
             op_t, m, ch, rf, rb = (tables[t, s, i] for i in range(5))
             c = c | {"xin": _put(c["xin"], rf, c["recv_f"], rf >= 0), "gin": _put(c["gin"], rb, c["recv_b"], rb >= 0)}
-            c = lax.switch(op_t, ops, c, m, ch)
+            c = switch(op_t, ops, c, m, ch)
             return c | {"recv_f": send_f(t, c["send_f"]), "recv_b": send_b(t, c["send_b"])}
 
-        c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere))
+        c = lax.fori_loop(0, ticks, tick, _first_carry(layers, head, act, K, M, everywhere) | split_carry)
         # Each stage-summed value is nonzero on one stage only; the replicas each hold a share of the rows.
         # The head's gradient goes out per replica (stacked), summed over them outside (see the docstring).
         total = lambda x: lax.psum(x, everywhere)  # noqa: E731
@@ -286,19 +284,20 @@ def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple
     branch per distinct pair set, chosen by t alone (so alike on every device)."""
     patterns = sorted(set(pairs_per_tick) - {()})
     index = jnp.asarray([patterns.index(p) + 1 if p else 0 for p in pairs_per_tick], jnp.int32)
-    nothing = lambda x: _vary(jnp.zeros(x.shape, x.dtype), everywhere)  # noqa: E731
+    nothing = lambda x: vary(jnp.zeros(x.shape, x.dtype), everywhere)  # noqa: E731
     branches = [nothing] + [functools.partial(lambda x, p: lax.ppermute(x, STAGE, list(p)), p=p) for p in patterns]
     return lambda t, x: lax.switch(index[t], branches, x)
 
 
-def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape, split: bool) -> list:
+def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape, waiting: int,
+              everywhere: tuple[str, ...]) -> tuple[list, dict]:
     """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, WGT, BWD_LAST, WGT_LAST: each takes the carry, a
     microbatch m and a chunk ch, and returns the carry. A forward keeps its input (slot u % K of `xin`,
     u = ch * M + m) and sends its output on; a backward recomputes its chunk from that input (jax.vjp),
     adds its layers' gradient and sends its input's gradient back (virtual stage 0 keeps it, in `dx`);
-    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V). `split` (zero-bubble):
-    the backward in two, B the input's gradient (sent back at once) and W the layers' (later, in a
-    bubble), each recomputing the chunk from the stored input."""
+    the last virtual stage's also runs the head and the loss. `shape`: (S, M, V). `waiting` (zero-bubble:
+    the most W's waiting on a stage, else 0): the backward in two, B and W (`zb.split_ops`). Also returns
+    the carry those ops add."""
     S, M, V = shape
     n = jax.tree.leaves(layers)[0].shape[0] // V  # layers per chunk
 
@@ -333,7 +332,7 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
         _, vjp = jax.vjp(lambda lp, x: run(lp, x, m, ch), chunk(layers, ch), c["xin"][u % K])
         g_layers, dx = vjp(c["gin"][u % K])
         return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch), "send_b": dx,
-                    "dx": _set(c["dx"], m, dx, first(ch))}
+                    "dx": set_row(c["dx"], m, dx, first(ch))}
 
     def bwd_last(c, m, ch):
         u = ch * M + m
@@ -343,44 +342,22 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
                     "g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
                     "nll": c["nll"] + nll, "count": c["count"] + count}
 
-    def bwd_input(c, m, ch):  # zero-bubble's B: the input's gradient only
-        u = ch * M + m
-        _, vjp = jax.vjp(lambda x: run(chunk(layers, ch), x, m, ch), c["xin"][u % K])
-        (dx,) = vjp(c["gin"][u % K])
-        return c | {"send_b": dx, "dx": _set(c["dx"], m, dx, first(ch))}
+    if not waiting:
+        return [idle, fwd, bwd, idle, bwd_last], {}  # W never runs: its slot an idle branch
 
-    def wgt(c, m, ch):  # zero-bubble's W: the layers' gradient, from the same stored input and gradient
-        u = ch * M + m
-        _, vjp = jax.vjp(lambda lp: run(lp, c["xin"][u % K], m, ch), chunk(layers, ch))
-        (g_layers,) = vjp(c["gin"][u % K])
-        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
-
-    def bwd_input_last(c, m, ch):  # B on the last virtual stage: the loss, the head's and the input's gradient
-        u = ch * M + m
-        (nll, count), vjp = jax.vjp(lambda hp, x: head_of(m, ch)(chunk(layers, ch), hp, x), head, c["xin"][u % K])
-        g_head, dx = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
-        return c | {"g_head": jax.tree.map(jnp.add, c["g_head"], g_head), "send_b": dx,
-                    "nll": c["nll"] + nll, "count": c["count"] + count}
-
-    def wgt_last(c, m, ch):
-        u = ch * M + m
-        (nll, count), vjp = jax.vjp(lambda lp: head_of(m, ch)(lp, head, c["xin"][u % K]), chunk(layers, ch))
-        (g_layers,) = vjp((jnp.ones_like(nll), jnp.zeros_like(count)))
-        return c | {"g_layers": add_chunk(c["g_layers"], g_layers, ch)}
-
-    if split:
-        return [idle, fwd, bwd_input, wgt, bwd_input_last, wgt_last]
-    return [idle, fwd, bwd, idle, bwd_last]  # W never runs: its slot an idle branch
+    b, w, b_last, carry = zb.split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, (M, K, waiting),
+                                     x_mbtd[0], everywhere)
+    return [idle, fwd, b, w, b_last, w], carry
 
 
 def _first_carry(layers, head, act, K: int, M: int, everywhere: tuple[str, ...]) -> dict:
     """The loop's carry at tick 0, zeros varying over every manual axis: the gradients and sums made so
     far, K stored inputs and incoming gradients, the M input gradients of stage 0, and the activations
     and gradients to send and just received."""
-    zeros_like = lambda tree: _vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
+    zeros_like = lambda tree: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree),  # noqa: E731
                                     everywhere)
-    buf = lambda n: _vary(jnp.zeros((n,) + act.shape, act.dtype), everywhere)  # noqa: E731
-    scalar = _vary(jnp.zeros((), jnp.float32), everywhere)
+    buf = lambda n: vary(jnp.zeros((n,) + act.shape, act.dtype), everywhere)  # noqa: E731
+    scalar = vary(jnp.zeros((), jnp.float32), everywhere)
     return {
         "g_layers": zeros_like(layers), "g_head": zeros_like(head), "nll": scalar, "count": scalar,
         "xin": buf(K), "gin": buf(K), "dx": buf(M),
@@ -417,7 +394,3 @@ def _put(buf, m, value, valid):
     """Slot m % K of a buffer of K slots set to `value` where `valid`."""
     i = m % len(buf)
     return buf.at[i].set(jnp.where(valid, value, buf[i]))
-
-
-def _set(buf, m, value, valid):
-    return buf.at[m].set(jnp.where(valid, value, buf[m]))

@@ -117,15 +117,15 @@ def check(kind: str, S: int, M: int, V: int, n_layers: int) -> None:
 def slots(sch: Schedule) -> int:
     """Fewest input-buffer slots (unit u = chunk * M + microbatch in slot u % K) such that no live input
     is overwritten: stage s holds a unit's input from its arrival (the tick after the virtual stage
-    before ran its F; virtual stage 0: its own F) to its last use (B, or W where the backward is split),
-    and the gradient from the virtual stage after (arriving later) as long."""
+    before ran its F; virtual stage 0: its own F) to its B, and the gradient from the virtual stage after
+    (arriving later) as long. (Zero-bubble's W reads what its B kept, not the input: `w_slots`.)"""
     S, M, V = sch.stages, sch.microbatches, sch.virtual
     t_f = np.zeros((V * S, M), int)  # by virtual stage
-    t_b = np.zeros((V * S, M), int)  # the last use: B, or W where the schedule splits the backward
+    t_b = np.zeros((V * S, M), int)  # the last use: B
     for t, s, m, c, phase in sch.table:
         if phase == FWD:
             t_f[c * S + s, m] = t
-        elif phase == (WGT if sch.kind == "zero_bubble" else BWD):
+        elif phase == BWD:
             t_b[c * S + s, m] = t
     # arrival of the input on each virtual stage (its gradient arrives later, after the next one's F)
     start = np.concatenate([t_f[:1], t_f[:-1] + 1])
@@ -136,6 +136,16 @@ def slots(sch: Schedule) -> int:
                for u2 in range(u1 + k, U, k) for a, b in [(live[s][u1], live[s][u2])]):
             return k
     return U
+
+
+def w_slots(sch: Schedule) -> int:
+    """Most W's waiting on one stage at once (its B run, its W not yet): the slots zero-bubble's B needs
+    for what it keeps for W. W's run oldest first, so microbatch m can take slot m % w_slots."""
+    peak = 0
+    for s in range(sch.stages):
+        phases = sch.table[sch.table[:, 1] == s, 4]
+        peak = max(peak, int(np.cumsum((phases == BWD).astype(int) - (phases == WGT)).max(initial=0)))
+    return peak
 
 
 @functools.lru_cache(maxsize=64)

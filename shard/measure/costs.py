@@ -351,20 +351,17 @@ def pipeline_passes(work: Workload, stages: int, n_layers: int) -> dict[str, flo
     dead (its all-reduce goes), and under full remat, which keeps only each layer's input, the whole last
     layer; remat then runs each layer's forward again in the backward (the attention output's
     all-reduce, a gather). The last virtual stage (1 of V S) has no forward op and keeps its backward's
-    forward whole, as the head reads it. Zero-bubble's B and W each recompute (counted for one layer a
-    chunk: its ops are being reworked)."""
+    forward whole, as the head reads it. Zero-bubble's B and W split that backward with no work done
+    twice (shard.parallel.zero_bubble: W reads what B kept): the same counts."""
     M, S, V = work.pipeline_microbatches, stages, work.virtual_stages
     r, rf = work.remat != "none", work.remat == "full"
     if work.pipeline_schedule == "gpipe":
         t = M + S - 1
         return {"all_reduces": (4 + rf) * t, "gathers": 1 + r * t, "reductions": t, "compute": (3 + r) / 3}
     n, last = n_layers / (V * S), 1 / (V * S)  # layers a chunk; the share of virtual stages that run the head
-    if work.pipeline_schedule == "zero_bubble":
-        inner, head = (8, 3, 5), (7 + 2 * rf, 2 + 2 * r, 4 + 2 * r)
-    else:
-        dead = (1 + rf) / n  # the backward's forward: all-reduces a layer its dead last layer saves
-        inner = (2 + (2 - dead) + rf + 2, 1 + (1 - rf / n) + r, 1 + (1 - rf / n) + r + 2)
-        head = (4 + rf, 1 + r, 3 + r)
+    dead = (1 + rf) / n  # the backward's forward: all-reduces a layer its dead last layer saves
+    inner = (2 + (2 - dead) + rf + 2, 1 + (1 - rf / n) + r, 1 + (1 - rf / n) + r + 2)
+    head = (4 + rf, 1 + r, 3 + r)
     ars, gathers, compute = ((1 - last) * a + last * b for a, b in zip(inner, head))
     return {"all_reduces": M * ars, "gathers": M * gathers, "reductions": M, "compute": compute / 3}
 

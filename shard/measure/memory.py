@@ -13,7 +13,7 @@ from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params, muon_matrix
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
-from shard.parallel.schedule import build, slots
+from shard.parallel.schedule import build, slots, w_slots
 from shard.sharding.decisions import attention_chunks, loss_chunks
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
@@ -67,6 +67,9 @@ TABLE_BUFFERS = 4.0
 # and about this many copies of one layer's weights or gradient in the compute layout (in the parameter
 # dtype) beyond the parameters, FSDP's gathered layer and gradient in flight among them (`_pipeline_layers`)
 PIPELINE_LAYERS = 1
+# zero-bubble: what B keeps for a waiting W, per layer and token, in (D + F/m) widths, twice under remat
+# (fitted on tiny, stage=2 with data or model: 4.9-5.3, and 9.6 with full remat; 3.0 beside fsdp)
+ZB_KEPT = 5.0
 
 
 def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
@@ -137,8 +140,13 @@ def pipeline_activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Worklo
         return (p["tokens"] * ((M + S - 1) * p["kept"] + p["live"]) + p["one_chunk"]
                 + logits_bytes(cfg, shape, work) + GPIPE_BUFFERS * M * buffer)
     held = 2 * _slots(work.pipeline_schedule, S, M, V)
+    # zero-bubble's B keeps, for each W still waiting, what its layers' weight gradients read (matmul
+    # inputs, output gradients: shard.parallel.zero_bubble)
+    for_w = (_w_slots(S, M) * p["tokens"] * chunk.n_layers * ZB_KEPT * (1 + (work.remat != "none"))
+             * (cfg.d_model + cfg.mlp_dim / shape.degree(MLP)) * work.act_bytes
+             if work.pipeline_schedule == "zero_bubble" else 0.0)
     return (p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, one)
-            + (held + TABLE_BUFFERS * M) * buffer)
+            + (held + TABLE_BUFFERS * M) * buffer + for_w)
 
 
 def query_chunks(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> int:
@@ -252,6 +260,11 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
 @functools.lru_cache(maxsize=256)
 def _slots(kind: str, S: int, M: int, V: int) -> int:
     return slots(build(kind, S, M, V))
+
+
+@functools.lru_cache(maxsize=256)
+def _w_slots(S: int, M: int) -> int:
+    return w_slots(build("zero_bubble", S, M))
 
 
 def _pipeline_copies(cfg: ModelConfig, shape: LayoutShape, work: Workload, gathers: bool, layer: float) -> float:

@@ -62,6 +62,7 @@ CASES = {
     "tiny-pp-1f1b": ("tiny", "pipeline", {"pipeline__schedule": "1f1b"}),  # stage=2, data=4
     "tiny-pp-gpipe": ("tiny", "pipeline", {"pipeline__schedule": "gpipe"}),
     "tiny-pp-tp-1f1b": ("tiny", "pipeline_tp", {"pipeline__schedule": "1f1b"}),  # stage=2, data=2, model=2
+    "tiny-pp-zb": ("tiny", "pipeline", {"pipeline__schedule": "zero_bubble"}),
     # one layer, so that XLA's count (which counts a scanned loop's body once) is the whole model's
     # the tied table's two partial gradients in two all-reduces (one in the layer loop's MoE path): one
     # logical all-reduce, as in one instruction (efficiency was 0.938)
@@ -94,7 +95,7 @@ CASES = {
     "mixtral-ep": ("mixtral-tiny", "ep", {}),
 }
 # an axis without a formula or a minimum (unmodelled_axes): the pipelines' in test_planner_agrees_with_a_pipelined_step
-UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe", "tiny-pp-tp-1f1b")
+UNMODELLED_CASES = ("tiny-sp", "tiny-pp-1f1b", "tiny-pp-gpipe", "tiny-pp-tp-1f1b", "tiny-pp-zb")
 # bf16 compute: the memory model counts the bf16 buffers a GPU keeps; XLA:CPU keeps widened f32 ones
 # (collective buffers, matmul outputs): 2.12 MB compiled against 1.51 planned (docs/measuring.md)
 WIDENED_CASES = ("tiny-dp_fsdp_tp-bf16",)
@@ -428,7 +429,7 @@ def test_pipeline_sums_data_parallel_gradients_once(name, analysed):
 
 
 
-@pytest.mark.parametrize("name", ["tiny-pp-1f1b", "tiny-pp-tp-1f1b", "tiny-pp-gpipe"])
+@pytest.mark.parametrize("name", ["tiny-pp-1f1b", "tiny-pp-tp-1f1b", "tiny-pp-zb", "tiny-pp-gpipe"])
 def test_planner_agrees_with_a_pipelined_step(name, analysed):
     """A stage's memory (its L/S layers on one microbatch, the schedule's held inputs: counted as an
     unpipelined step of all layers it read 2.3x and 2.8x the compiled) and the bytes on every axis
@@ -436,8 +437,9 @@ def test_planner_agrees_with_a_pipelined_step(name, analysed):
     where the table is split), stage (the sends and sums), model (a stage's layers per op, the head
     on the last stage); where XLA compiled them in the 1F1B switch's branches, counted as the schedule
     table runs them (analysis.table_exact_bytes: each branch read on every tick moved 4.8x model and
-    1.4x stage). GPipe's memory is planned 1.2x high here (0.91 of the compile on llama-13b-24l,
-    benchmarks/plan_vs_compiled.py): its bytes only."""
+    1.4x stage); zero-bubble's B and W move what 1F1B moves, and B keeps what each waiting W reads (its
+    memory read 0.87 without). GPipe's memory is planned 1.2x high here (0.91 of the compile on
+    llama-13b-24l, benchmarks/plan_vs_compiled.py): its bytes only."""
     from shard.measure.analysis import table_exact_bytes
 
     cfg, layout, a = analysed(name)

@@ -299,3 +299,35 @@ def test_the_hardware_table_has_datasheet_fp8_peaks_where_there_are_fp8_tensor_c
     table = load_hardware()
     assert table["h100"].fp8_tflops == table["h200"].fp8_tflops == 1979.0  # SXM: 3,958 with sparsity
     assert table["a100-80g"].fp8_tflops is None and table["cpu"].fp8_tflops is None
+
+
+def test_delayed_scaling_resumes_bitwise_after_a_kill_9(tmp_path):
+    """kill -9 while the step-4 checkpoint is written (tests/helpers/killed_in_save.py: no timing race),
+    then `--resume`: the run continues from step 2's checkpoint, and steps 3 and 4, whose scales come
+    from the restored amax histories, repeat the killed run's records bit for bit."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from shard.observe.metrics import read_jsonl
+    from shard.testing import finish, subprocess_env
+
+    run_dir = tmp_path / "r"
+    args = ["train", "--model", "tiny", "--mesh", "2x4", "--steps", "4", "--batch", "8", "--seq", "32",
+            "--log-every", "1", "--checkpoint-every", "2", "--set", "precision.default=fp8_delayed",
+            "--run-dir", str(run_dir)]
+    killer = Path(__file__).parent / "helpers" / "killed_in_save.py"
+    env = subprocess_env(SHARD_TEST_KILL_AT=f"{re.escape(str(run_dir / 'checkpoints'))}/4$")
+    [(rc, _, err)] = finish([subprocess.Popen([sys.executable, str(killer), *args], env=env, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)])
+    assert rc == -signal.SIGKILL, err[-3000:]
+    killed = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert 3 in killed, killed
+    [(rc, _, err)] = finish([subprocess.Popen([sys.executable, "-m", "shard", *args, "--resume"], text=True,
+                                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)])
+    assert rc == 0 and "resumed from step 2 " in err, err[-3000:]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    again = {r["step"]: r for r in records[len(killed):]}
+    for step in sorted(set(killed) & {3, 4}):
+        assert (again[step]["loss"], again[step]["grad_norm"]) == (killed[step]["loss"], killed[step]["grad_norm"])

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shard.config.train import GrpoConfig
+from shard.config.finetune import GrpoConfig
 from shard.training import grpo
 
 P, G, T = 3, 4, 5  # prompts, completions per prompt, target positions

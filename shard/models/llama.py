@@ -39,7 +39,7 @@ from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
 from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
 from shard.config.precision import GATHERED
-from shard.config.train import LoraConfig
+from shard.config.finetune import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
 from shard.sharding.rules import active_layout, constrain

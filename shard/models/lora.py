@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from shard.axes import LAYERS, LORA_RANK
 from shard.config.params import ParamSpec
-from shard.config.train import LORA_TARGETS, LoraConfig
+from shard.config.finetune import LORA_TARGETS, LoraConfig
 from shard.errors import ShardError
 
 # How many leading dims of each targeted weight are its input (the rest its output): wo maps

@@ -21,8 +21,8 @@ import numpy as np
 from shard.errors import ShardError, first_line
 from shard.paths import current_umask
 from shard.config.model import ModelConfig
-from shard.run.hf_config import (FAMILIES, SUPPORTED_TYPES, config_from_hf, config_to_hf,  # noqa: F401 - the API
-                                 family_of, read_json)
+from shard.run.hf_config import FAMILIES, SUPPORTED_TYPES, config_from_hf, read_json  # noqa: F401 - the API
+from shard.run.hf_config_out import config_to_hf, family_of  # noqa: F401 - the API
 from shard.run.hf_side import SIDE_FILES, copy_side_files
 
 _FILE_LIMIT = 4 << 30  # bytes per safetensors file when exporting (HF's default is about 5 GB)

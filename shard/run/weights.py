@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.config.resolve import resolve
 from shard import tomlfiles
-from shard.config.train import LoraConfig, TrainConfig
+from shard.config.finetune import LoraConfig
+from shard.config.train import TrainConfig
 from shard.errors import ShardError
 from shard.run.hf_config import is_hf_dir
 from shard.sharding.rules import spec_entries

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
-from shard.config.train import LoraConfig
+from shard.config.finetune import LoraConfig
 from shard.models.llama import cache_axes, init_cache
 from shard.models.lora import adapting
 from shard.sharding.rules import Layout, activation_layout

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.axes import BATCH
-from shard.config.train import GrpoConfig, GuardConfig
+from shard.config.finetune import GrpoConfig
+from shard.config.train import GuardConfig
 from shard.errors import ShardError
 from shard.models import llama
 from shard.models.lora import adapting

@@ -5,7 +5,7 @@ weights (W + (alpha / rank) A B) for export. The adapters themselves are shard.m
 import jax
 import numpy as np
 
-from shard.config.train import LoraConfig
+from shard.config.finetune import LoraConfig
 from shard.models.lora import adapter_names, is_adapter
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.config.train import reward_spec
+from shard.config.finetune import reward_spec
 from shard.errors import ShardError
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shard import models
 from shard.config.params import model_params
 from shard.config.precision import AMAX_HISTORY, DELAYED
-from shard.config.train import LoraConfig, OptimizerConfig
+from shard.config.finetune import LoraConfig
+from shard.config.train import OptimizerConfig
 from shard.errors import ShardError
 from shard.config.model import ModelConfig
 from shard.sharding.rules import Layout, like_params, logical_axes_of, param_shardings, path_str

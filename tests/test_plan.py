@@ -401,3 +401,27 @@ def test_plan_ranks_the_pipeline_schedules():
     assert rows["zero_bubble", 1]["activation_bytes"] == one_f["activation_bytes"]  # 4 inputs + 4 gradients
     assert rows["gpipe", 1]["activation_bytes"] == 6 * one_f["activation_bytes"]  # 8 microbatches x 6 layers
     assert one_f["sends"] == 2 * 8 * 3 and rows["interleaved", 2]["sends"] == 2 * 8 * 7
+
+
+def test_the_ranking_includes_pipeline_layouts():
+    """`shard plan` ranks layouts with a stage axis beside the others, each with its fastest schedule
+    (microbatches, virtual stages), the bubble added to its step; its command trains that schedule. On
+    the reference they rank after today's best: a stage's compute waits out the bubble and recomputes its
+    chunk's forward, and 1F1B gathers FSDP weights again for every microbatch."""
+    from shard.config.presets import PRESETS
+    from shard.measure.plan import plan, predict
+
+    cfg, hw = PRESETS["llama-13b-24l"], find_hardware("a100-40gb", load_hardware())
+    ranked = plan(cfg, 32, 8, hw, 64, 2048)
+    piped = [c for c in ranked if c.pipeline]
+    assert piped and all(c.sizes["stage"] > 1 for c in piped) and not ranked[0].pipeline
+    assert ranked[0].mesh_spec() == "data=2,fsdp=8,model=2"
+    first = next(c for c in piped if c.fits)
+    command = first.command(cfg.name, 64, 2048)
+    assert "--mesh stage=" in command and f"--set pipeline.schedule={first.pipeline['schedule']}" in command
+    assert first.to_dict()["pipeline"]["schedule"] == first.pipeline["schedule"] and "stage" in first.comm_bytes
+    # fewer microbatches, a larger bubble: the compute time grows by the busy shares' ratio
+    few, many = (predict(cfg, {"stage": 4, "data": 4, "model": 2}, "full", hw, 8, 64, 2048, pipeline=("1f1b", m, 1))
+                 for m in (4, 16))
+    assert few.pipeline["bubble"] == pytest.approx(3 / 7) and many.pipeline["bubble"] == pytest.approx(3 / 19)
+    assert few.compute_s / many.compute_s == pytest.approx((1 - 3 / 19) / (1 - 3 / 7))

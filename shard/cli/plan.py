@@ -121,11 +121,11 @@ def _plan_schedules(model, stages: int, microbatches: int, rows: int, seq: int, 
 
 
 def _print_table(candidates: list) -> None:
-    columns = ("mesh", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits")
+    columns = ("mesh (pipeline)", "remat", "mem/dev", "comm/step (* crosses nodes)", "step", "serial", "MFU", "fits")
     rows = []
     for c in candidates:
         comm = " ".join(f"{a}{'*' if c.crosses_nodes.get(a) else ''}={short_bytes(b)}" for a, b in c.comm_bytes.items())
-        rows.append((c.mesh_spec(), c.remat, short_bytes(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
+        rows.append((c.label(), c.remat, short_bytes(c.memory["total"]), comm or "-", f"{c.step_s:.2f}s",
                      f"{c.step_s_serial:.2f}s", f"{c.mfu:.0%}", "yes" if c.fits else "; ".join(c.problems)))
     table = Table(box=None, pad_edge=False)
     for i, col in enumerate(columns):

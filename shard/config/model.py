@@ -3,6 +3,7 @@ counts (from shard.config.params' tables), MFU's FLOPs; the named presets are sh
 Pure data: importing this never imports JAX."""
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -479,7 +480,7 @@ class ModelConfig:
     def param_shapes(self) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
         """(path, shape, logical axes) of every parameter of shard/models/llama.py, from the parameter
         tables (shard.config.params.model_params, in its order)."""
-        return [(path, p.shape, p.axes) for path, p in model_params(self).items()]
+        return list(_param_shapes(self))
 
     def num_params(self) -> int:
         """The model's own parameter count, from the hyperparameters alone (what transformers counts):
@@ -573,3 +574,9 @@ def attended_keys(seq_len: int, window: int) -> float:
     if not window or window >= seq_len:
         return seq_len / 2
     return window - window * window / (2 * seq_len)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...], tuple[str | None, ...]], ...]:
+    """ModelConfig.param_shapes, once per config: the planner asks for it thousands of times a plan."""
+    return tuple((path, p.shape, p.axes) for path, p in model_params(cfg).items())

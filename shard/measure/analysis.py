@@ -7,11 +7,16 @@ allocated: a 13B model is analysed on a laptop's simulated devices.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shard.measure import costs, hlo
-from shard.axes import LENGTH
+from shard.axes import LENGTH, STAGE
 from shard.config.train import TrainConfig
+from shard.parallel.pipeline import BWD_LAST, WGT_LAST
+from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build
 from shard.sharding.rules import Layout
 from shard.training.compiled import compile_step, memory_of
 
@@ -101,3 +106,35 @@ def _lora_unmodelled(cfg: TrainConfig, layout: Layout) -> dict[str, str]:
     if not cfg.lora.rank:
         return {}
     return {a: "LoRA" for a, n in layout.mesh.shape.items() if n > 1}
+
+
+def table_exact_bytes(a: StepAnalysis, cfg: TrainConfig, axis_sizes: dict[str, int]) -> dict[str, float]:
+    """Bytes per mesh axis of a table-schedule step (1F1B, interleaved, zero-bubble) counted as its table
+    runs them, a device's average, where the compiled count takes every branch of a `lax.switch` on
+    every tick: a collective in a branch of the op switch (the executor's ops: idle, forward, backward,
+    ...) weighed by the share of (tick, stage) slots that run that op, and the sends (the permutes over
+    stage of the send switches) as the table sends them (Schedule.sends) of the buffer they pass; the rest
+    as compiled. Empty for a step without branches (GPipe, no stage axis)."""
+    if STAGE not in axis_sizes or not any(c.in_branch for c in a.collectives):
+        return {}
+    S, pipe = axis_sizes[STAGE], cfg.pipeline
+    sch = build(pipe.schedule, S, pipe.microbatches, pipe.virtual_stages)
+    sends = {c.branch[0] for c in a.collectives if c.branch and c.kind == "collective-permute" and c.over == (STAGE,)}
+    ops = _executed_ops(sch)
+    counted = [dataclasses.replace(c, count=c.count * float((ops == c.branch[1]).mean())) if c.branch else c
+               for c in a.collectives if not (c.branch and c.branch[0] in sends)]
+    out = hlo.bytes_by_axes(counted, axis_sizes=axis_sizes)
+    passed = [c for c in a.collectives if c.branch and c.branch[0] in sends]
+    if passed:
+        n = sum(len(f) + len(b) for f, b in sch.sends())
+        out[STAGE] = out.get(STAGE, 0.0) + n * max(c.result_bytes for c in passed) / S
+    return out
+
+
+def _executed_ops(sch) -> np.ndarray:
+    """(ticks, stages): the op the executor runs, as `shard.parallel.pipeline` indexes its switch: the last
+    virtual stage's forward folded into its backward (which recomputes it), its backward and weight
+    gradient the ops that also run the head (BWD_LAST, WGT_LAST)."""
+    op, chunk = sch.op, sch.grid("chunk")
+    last = (chunk * sch.stages + np.arange(sch.stages)) == sch.virtual * sch.stages - 1
+    return np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)

@@ -5,13 +5,15 @@ step, `shard.measure.plan` uses them to rank layouts.
 
 Mesh axes covered: data (DP), fsdp (ZeRO-3), model (Megatron TP), context (ring attention over one
 mesh axis) and expert (a mixture of experts' all-to-all), and their products, but for a mixture of
-experts with tensor or context parallelism. Pipeline and Megatron-sequence parallelism have no
-formulas yet: `unmodelled_axes` names the axes whose traffic they move, and no minimum is claimed for
-those.
+experts with tensor or context parallelism; under pipeline parallel (stage) what the schedule's
+executor moves on stage, data, fsdp and model (`pipeline_passes`, `_stage_bytes`). Megatron-sequence
+parallelism has no formulas yet. `unmodelled_axes` names the axes for which no minimum is claimed: those
+without a formula, and a pipeline's but data (its counts are the executor's, not a floor).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +27,14 @@ from shard.sharding.decisions import (attention_backend, axes_table, balanced_ri
                                       stored_lookup_axes)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _default_rules() -> tuple[dict, dict]:
+    from shard.sharding.mesh import load_preset
+
+    base = load_preset("default")
+    return dict(base.rules), dict(base.param_rules)
 
 
 def wire_bytes(kind: str, size: float, n: int) -> float:
@@ -63,13 +73,16 @@ class LayoutShape:
     @classmethod
     def of(cls, **sizes: int) -> LayoutShape:
         """Default rules (shard/meshes/default.toml) on a mesh with these axis sizes."""
-        from shard.sharding.mesh import load_preset
-
-        base = load_preset("default")
-        return cls(dict(sizes), dict(base.rules), dict(base.param_rules))
+        rules, param_rules = _default_rules()
+        return cls(dict(sizes), dict(rules), dict(param_rules))
 
     def table(self, param: bool) -> dict[str, tuple[str, ...]]:
-        return axes_table(self.sizes, self.rules, self.param_rules if param else {})
+        # computed once per shape (the planner asks thousands of times); the shape is not changed after
+        return self._tables[param]
+
+    @functools.cached_property
+    def _tables(self) -> dict[bool, dict[str, tuple[str, ...]]]:
+        return {p: axes_table(self.sizes, self.rules, self.param_rules if p else {}) for p in (False, True)}
 
     def ways(self, logical_axes: tuple[str, ...], *, param: bool) -> dict[str, int]:
         """Mesh axes (with sizes) that split a tensor with these logical axes; a mesh axis splits one dim."""
@@ -126,6 +139,8 @@ class Workload:
     # weights outside the layers (the embedding, tied or not, and the final norm) take their gradient
     # on two stages and are reduced over stage and data at once; GPipe runs the head on every stage
     pipeline_schedule: str = "gpipe"
+    pipeline_microbatches: int = 1  # pipeline.microbatches: what flows through the stages (M)
+    virtual_stages: int = 1  # pipeline.virtual_stages: chunks of layers a stage holds (V, interleaved)
     # XLA:CPU lowers `ragged_dot` (dropless routing) to a dense matmul over every expert of masked rows,
     # which it materialises; on GPUs it is a grouped matmul that does not (shard.measure.memory).
     masked_ragged_dot: bool = False
@@ -144,7 +159,8 @@ class Workload:
         return cls(cfg.data.batch, cfg.data.seq_len, DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[compute],
                    cfg.data.microbatches, m.remat_on(platform),
                    attention_probs=keeps_attention_probs(m, platform, compute, cfg.data.packing == "packed"),
-                   pipeline_schedule=cfg.pipeline.schedule, optimizer=cfg.optimizer.name,
+                   pipeline_schedule=cfg.pipeline.schedule, pipeline_microbatches=cfg.pipeline.microbatches,
+                   virtual_stages=cfg.pipeline.virtual_stages, optimizer=cfg.optimizer.name,
                    fp8_gathered=fp8_gathered(cfg.precision, m), **dropless_lowering(platform))
 
 
@@ -193,7 +209,8 @@ def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
     axis (a ring over two axes); of a mixture of experts (`moe`), the axes that split its experts' MLP
     or its routing groups (tensor and context parallel), and every axis when the experts are split
     over several mesh axes or over one that does not also split the batch; and under pipeline
-    parallelism every axis but data. No minimum, so no efficiency, is claimed for them."""
+    parallelism every axis but data (`comm_bytes` estimates them, as the executor moves them). No
+    minimum, so no efficiency, is claimed for them."""
     out = {a: _PARALLELISM.get(a, "no formula") for a, n in shape.sizes.items() if n > 1 and a not in MODELLED_AXES}
     length = shape.table(False).get(LENGTH, ())
     for a in shape.table(False).get(RES_LENGTH, ()):
@@ -209,8 +226,8 @@ def unmodelled_axes(shape: LayoutShape, moe: bool = False) -> dict[str, str]:
             for a, n in shape.sizes.items():
                 if n > 1:
                     out.setdefault(a, "expert parallel")
-    if shape.sizes.get(STAGE, 1) > 1:  # a stage holds n_layers / S layers and runs M microbatches; the
-        for a, n in shape.sizes.items():  # formulas count neither (data's one psum ends the schedule)
+    if shape.sizes.get(STAGE, 1) > 1:  # estimated as the executor moves them (`pipeline_passes`), which is
+        for a, n in shape.sizes.items():  # not a minimum (data's one psum ends the schedule: its minimum)
             if n > 1 and a != DATA:
                 out.setdefault(a, "pipeline parallel")
     return out
@@ -242,6 +259,7 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
     for axis, b in [*_parameter_bytes(cfg, shape, work, token_axes, lookup, forward_passes),
                     *_lookup_bytes(cfg, shape, work, token_axes, lookup),
                     *_tensor_parallel_bytes(cfg, shape, work),
+                    *_stage_bytes(cfg, shape, work),
                     *_expert_parallel_bytes(cfg, shape, work, forward_passes),
                     *_ring_attention_bytes(cfg, shape, work, forward_passes)]:
         if b:
@@ -259,10 +277,11 @@ def _token_axes(shape: LayoutShape) -> list[str]:
 def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
                      lookup: dict[str, int], forward_passes: int):
     """(axis, bytes) of each parameter's FSDP gathers and gradient reduction, parameter by parameter."""
-    # 1F1B: the weights outside the layers are reduced over stage and data in one all-reduce, whose
-    # bytes the axes share in proportion to (n - 1), as the compiled step's are read (`Workload`)
-    head_stages = ({STAGE: shape.sizes[STAGE]} if shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule == "1f1b"
-                   else {})
+    # The table schedules (1F1B, interleaved, zero-bubble): the weights outside the layers are reduced over
+    # stage and data in one all-reduce, whose bytes the axes share in proportion to (n - 1), as the
+    # compiled step's are read (`Workload`)
+    piped = shape.sizes.get(STAGE, 1) > 1
+    head_stages = {STAGE: shape.sizes[STAGE]} if piped and work.pipeline_schedule != "gpipe" else {}
     for name, dims, axes in cfg.param_shapes():
         # Weights are cast to the compute dtype before they are gathered, so gathers and gradient
         # reductions move compute-dtype bytes; norm scales stay in the parameter dtype.
@@ -277,9 +296,12 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             local = {a: n for a, n in gather.items() if a in lookup}
             gather = {a: n for a, n in gather.items() if a not in lookup}
         g = math.prod(gather.values())
+        gathered = compute_bytes / work.act_bytes if name in work.fp8_gathered else compute_bytes  # float8
+        if piped and name.startswith("layers/"):
+            yield from _pipelined_layer_bytes(cfg, shape, work, token_axes, gather, computed, compute_bytes, gathered)
+            continue
         # FSDP: a gather per forward pass (remat recomputes only the scanned layers)
         passes = forward_passes if name.startswith("layers/") else 1
-        gathered = compute_bytes / work.act_bytes if name in work.fp8_gathered else compute_bytes  # float8
         for a, n in gather.items():
             yield a, passes * wire_bytes("all-gather", gathered, n) * axis_share(gather, a)
         # The gradient: reduce-scattered over the gather axes and all-reduced over the other token axes
@@ -287,13 +309,104 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in local and a not in computed}
-        if not name.startswith("layers/"):
-            reduce |= head_stages
+        if head_stages and name in _head_params(cfg):
+            # the head runs in the last stage's backward op: there its weights are gathered and their
+            # gradient reduce-scattered on every microbatch (M of the S stages' ops, a device's average),
+            # and that shard all-reduced over stage and the token axes once, at the end
+            per_op = work.pipeline_microbatches / shape.sizes[STAGE]
+            head = reduce | head_stages
+            for a, n in gather.items():
+                yield a, per_op * (wire_bytes("all-gather", compute_bytes, n)
+                                   + wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
+            for a in head:
+                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(head.values())) * axis_share(head, a)
+            # a tied table is the lookup's too, outside the schedule: its gradient reduced there as without
+            # stages, apart from the head's where the table is split (whole, XLA adds the two and reduces once)
+            if name != "embed" or not (gather or len(computed) > 0):
+                continue
         both = gather | reduce
         b = wire_bytes("reduce-scatter", compute_bytes, g) + wire_bytes(
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
         for a in both:
             yield a, b * axis_share(both, a)
+
+
+def _head_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """The weights the table schedules run on the last stage (shard.training.step): the final norm and the
+    output projection (the tied table)."""
+    return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
+
+
+def pipeline_passes(work: Workload, stages: int, n_layers: int) -> dict[str, float]:
+    """Per layer of a pipeline stage and per step, a device's average (shard.parallel.pipeline): tensor
+    parallel's activation `all_reduces` (each of one microbatch's rows x T x D), the FSDP `gathers` of its
+    weights and `reductions` (reduce-scatters) of its gradient, and its `compute` over an unpipelined
+    step's forward and backward (3 units a token, the backward 2).
+
+    GPipe runs all M + S - 1 ticks of its loop (idle ones on zeros: its bubble, in the counts) as an
+    unpipelined step runs its layers (`comm_bytes`' 4 + r_full all-reduces a layer), and gathers the
+    weights of its forward loop once (loop invariant). The table schedules run a forward op (two
+    all-reduces and a gather a layer) and a backward op that recomputes its chunk of n layers from the
+    stored input (jax.vjp) whose output nothing reads: of that forward, the last layer's MLP output is
+    dead (its all-reduce goes), and under full remat, which keeps only each layer's input, the whole last
+    layer; remat then runs each layer's forward again in the backward (the attention output's
+    all-reduce, a gather). The last virtual stage (1 of V S) has no forward op and keeps its backward's
+    forward whole, as the head reads it. Zero-bubble's B and W split that backward with no work done
+    twice (shard.parallel.zero_bubble: W reads what B kept): the same counts."""
+    M, S, V = work.pipeline_microbatches, stages, work.virtual_stages
+    r, rf = work.remat != "none", work.remat == "full"
+    if work.pipeline_schedule == "gpipe":
+        t = M + S - 1
+        return {"all_reduces": (4 + rf) * t, "gathers": 1 + r * t, "reductions": t, "compute": (3 + r) / 3}
+    n, last = n_layers / (V * S), 1 / (V * S)  # layers a chunk; the share of virtual stages that run the head
+    dead = (1 + rf) / n  # the backward's forward: all-reduces a layer its dead last layer saves
+    inner = (2 + (2 - dead) + rf + 2, 1 + (1 - rf / n) + r, 1 + (1 - rf / n) + r + 2)
+    head = (4 + rf, 1 + r, 3 + r)
+    ars, gathers, compute = ((1 - last) * a + last * b for a, b in zip(inner, head))
+    return {"all_reduces": M * ars, "gathers": M * gathers, "reductions": M, "compute": compute / 3}
+
+
+def _pipelined_layer_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
+                           gather: dict[str, int],
+                           computed: dict[str, int], compute_bytes: float, gathered: float):
+    """(axis, bytes) of a stacked layer weight under pipeline parallel (`compute_bytes`: the stage's share):
+    its FSDP gathers (of `gathered` bytes: float8 where precision.fp8_gathered) and reduce-scatters on
+    every pass that needs them (`pipeline_passes`), inside the
+    schedule; and its gradient, accumulated in float32 by each data-parallel replica, all-reduced over
+    the other token axes once, at the end, as the FSDP shard it is by then."""
+    passes = pipeline_passes(work, shape.sizes[STAGE], cfg.n_layers)
+    for a, n in gather.items():
+        yield a, (passes["gathers"] * wire_bytes("all-gather", gathered, n)
+                  + passes["reductions"] * wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
+    reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in computed}
+    shard = compute_bytes / math.prod(gather.values()) * work.param_bytes / work.act_bytes
+    for a in reduce:
+        yield a, wire_bytes("all-reduce", shard, math.prod(reduce.values())) * axis_share(reduce, a)
+
+
+def _stage_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload):
+    """(axis, bytes) of the pipeline's own traffic, a device's average (shard.parallel.pipeline). Per buffer
+    of one microbatch's stage input (rows x T x D): the sends, 2 M (V S - 1) / S of them for a table
+    schedule (each microbatch crosses each of the V S - 1 boundaries once each way, `Schedule.sends`) and
+    2 (M + S - 1)(S - 1) / S for GPipe (every tick of its loop passes a buffer along the chain of S - 1
+    links, both ways); the M stage inputs' gradient summed over the stages from stage 0 (GPipe: also its
+    outputs from the last stage), one more such sum with a vocab-split table; and with a vocab-split
+    table, that table passed twice between layouts over every axis (as compiled: XLA's, not the schedule's)."""
+    S = shape.sizes.get(STAGE, 1)
+    if S < 2:
+        return
+    M, V = work.pipeline_microbatches, work.virtual_stages
+    vocab_split = shape.degree(VOCAB) > 1
+    buffer = work.global_batch * work.seq_len / shape.token_ways() / M * cfg.d_model * work.act_bytes
+    gpipe = work.pipeline_schedule == "gpipe"
+    sends = 2 * (M + S - 1) * (S - 1) / S if gpipe else 2 * M * (V * S - 1) / S
+    sums = 1 + gpipe + vocab_split
+    yield STAGE, sends * buffer + sums * wire_bytes("all-reduce", M * buffer, S)
+    if vocab_split:
+        table = cfg.padded_vocab * cfg.d_model * work.act_bytes / shape.degree(VOCAB)
+        split = {a: n for a, n in shape.sizes.items() if n > 1}
+        for a in split:
+            yield a, 2 * table * axis_share(split, a)
 
 
 def _lookup_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
@@ -319,8 +432,16 @@ def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload)
         per_layer = 4 + (work.remat == "full")
         n_ar = cfg.n_layers * per_layer
         if shape.degree(VOCAB) > 1:
-            n_ar += 2
-            yield model_axis, 3 * wire_bytes("all-reduce", tokens * 4, m)
+            # the table schedules run the head on the last of S stages: the logits' input gradient and the
+            # softmax's sums; the lookup reads a table passed between layouts instead (`_stage_bytes`)
+            tables = shape.sizes.get(STAGE, 1) > 1 and work.pipeline_schedule != "gpipe"
+            share = 1 / shape.sizes[STAGE] if tables else 1
+            yield model_axis, share * 3 * wire_bytes("all-reduce", tokens * 4, m)
+            yield model_axis, share * (1 if tables else 2) * wire_bytes("all-reduce", act, m)
+        if shape.sizes.get(STAGE, 1) > 1:  # a stage's layers, on each pass over a microbatch's tokens
+            S = shape.sizes[STAGE]
+            n_ar = cfg.n_layers / S * pipeline_passes(work, S, cfg.n_layers)["all_reduces"]
+            act /= work.pipeline_microbatches
         yield model_axis, n_ar * wire_bytes("all-reduce", act, m)
 
 

@@ -129,18 +129,20 @@ def called(attrs: str, key: str) -> list[str]:
 _BRANCHES = ("branch_computations", "true_computation", "false_computation")
 
 
-def multiplicities(comps: list[Computation], entry: str) -> tuple[dict[str, int], set[str]]:
+def multiplicities(comps: list[Computation], entry: str) -> tuple[dict[str, int], dict[str, tuple[str, int]]]:
     """How many times each computation runs per call of the entry (while bodies x trip count), and the
-    computations that run in a conditional's branch. The HLO does not say which branch a call takes, so
-    each branch counts as running on every call: what runs in one is an upper bound (the 1F1B
-    schedule's switch runs idle, forward or backward by tick)."""
+    computations that run in a conditional's branch, each with that (outermost) conditional's name and
+    the branch's index. The HLO does not say which branch a call takes, so each branch counts as running
+    on every call: what runs in one is an upper bound (the table schedules' switch runs idle, forward or
+    backward by tick; `analysis.table_exact_bytes` weighs the branches by the schedule table)."""
     mult: dict[str, int] = defaultdict(int)
-    in_branch: set[str] = set()
+    in_branch: dict[str, tuple[str, int]] = {}
     mult[entry] = 1
     for comp in reversed(comps):  # callers are printed after their callees
         m = mult.get(comp.name, 0)
         if not m:
             continue
+        outer = in_branch.get(comp.name)
         for ins in comp.instrs.values():
             if ins.opcode.endswith("-done"):
                 continue
@@ -148,14 +150,15 @@ def multiplicities(comps: list[Computation], entry: str) -> tuple[dict[str, int]
                 trip = _TRIP.search(ins.attrs)
                 for body in called(ins.attrs, "body"):
                     mult[body] += m * (int(trip.group(1)) if trip else 1)
-                    if comp.name in in_branch:
-                        in_branch.add(body)
+                    if outer:
+                        in_branch.setdefault(body, outer)
                 continue
             for key in ("calls", *_BRANCHES):
-                for callee in called(ins.attrs, key):
+                for i, callee in enumerate(called(ins.attrs, key)):
                     mult[callee] += m
-                    if key in _BRANCHES or comp.name in in_branch:
-                        in_branch.add(callee)
+                    if outer or key in _BRANCHES:
+                        in_branch.setdefault(callee, outer or (ins.name, i if key == "branch_computations"
+                                                               else int(key == "false_computation")))
     return dict(mult), in_branch
 
 

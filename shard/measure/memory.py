@@ -6,12 +6,14 @@ like shard.measure.costs, whose layout shape and workload they take; docs/formul
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, VOCAB
+from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params, muon_matrix
 from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
+from shard.parallel.schedule import build, slots, w_slots
 from shard.sharding.decisions import attention_chunks, loss_chunks
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
@@ -58,11 +60,32 @@ ACT_PER_DROPLESS_D = 0.55
 ACT_PER_DROPLESS_F = 7.7
 MASKED_EXPERTS_D = 2.9
 MASKED_EXPERTS_F = 3.1
+# Pipeline parallel (`pipeline_activation_bytes`): buffers of one microbatch's stage input per microbatch
+# beyond the layers' own activations, fitted on llama-13b-24l at stage=4 (benchmarks/plan_vs_compiled.py)
+GPIPE_BUFFERS = 3.0
+TABLE_BUFFERS = 4.0
+# and about this many copies of one layer's weights or gradient in the compute layout (in the parameter
+# dtype) beyond the parameters, FSDP's gathered layer and gradient in flight among them (`_pipeline_layers`)
+PIPELINE_LAYERS = 1
+# zero-bubble: what B keeps for a waiting W, per layer and token, in (D + F/m) widths, twice under remat
+# (fitted on tiny, stage=2 with data or model: 4.9-5.3, and 9.6 with full remat; 3.0 beside fsdp)
+ZB_KEPT = 5.0
 
 
 def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     """Bytes of activations one device keeps between forward and backward (all microbatches' worth
-    at once only for the one being processed)."""
+    at once only for the one being processed); under pipeline parallel (a stage axis) what a stage keeps
+    on its schedule (`pipeline_activation_bytes`)."""
+    if shape.sizes.get(STAGE, 1) > 1:
+        return pipeline_activation_bytes(cfg, shape, work)
+    p = _activation_parts(cfg, shape, work)
+    return p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, work)
+
+
+def _activation_parts(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, float]:
+    """The parts of `activation_bytes` for one microbatch: its `tokens` per device; per token, what the
+    layers keep for the backward pass (`kept`, all n_layers of them) and what lives only while one layer's
+    backward runs (`live`); and one chunk of queries' scores (`one_chunk`, bytes)."""
     m, n = shape.degree(HEADS), shape.degree(LENGTH)
     tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
     D, F = cfg.d_model, cfg.mlp_dim / shape.degree(MLP)
@@ -90,11 +113,40 @@ def activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> fl
     # ring attention (in float32) keeps each tick's accumulator and blocks, all alive in the layer's backward
     ring = ACT_PER_RING_TICK * n * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim / m * 4 if n > 1 else 0.0
     if work.remat == "none":
-        layers = cfg.n_layers * (per_layer + ring)
+        kept, live = cfg.n_layers * (per_layer + ring), 0.0
     else:  # each layer keeps its input and what the policy saves; one layer's activations live in its backward
-        layers = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes + REMAT_LIVE * per_layer + ring
-    one_chunk = tokens / chunks * scores if chunks > 1 else 0.0
-    return tokens * layers + one_chunk + logits_bytes(cfg, shape, work)
+        kept, live = cfg.n_layers * (D + remat_saved(cfg, shape, work)) * work.act_bytes, REMAT_LIVE * per_layer + ring
+    return {"tokens": tokens, "kept": kept, "live": live, "one_chunk": tokens / chunks * scores if chunks > 1 else 0.0}
+
+
+def pipeline_activation_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
+    """Activation bytes of one stage of S running M microbatches (`work.pipeline_microbatches`) through
+    its L / (V S) layers a chunk (V: `work.virtual_stages`) on `work.pipeline_schedule`
+    (shard.parallel.pipeline). A buffer is one microbatch's stage input, rows x T x D.
+
+    - GPipe differentiates through its loop of M + S - 1 ticks, so it keeps what its layers keep of a
+      microbatch on every tick, one layer's backward at a time, and runs the head once on the whole batch;
+      besides, the batch's stage inputs and outputs and their gradients (`GPIPE_BUFFERS` x M buffers).
+    - The table schedules (1F1B, interleaved, zero-bubble) recompute a chunk from its stored input: K
+      slots of inputs and as many of incoming gradients (`schedule.slots`), the M stage inputs, stage 0's
+      M input gradients and the sends (`TABLE_BUFFERS` x M buffers), and the backward of one chunk of one
+      microbatch with its head and loss (in SPMD every stage compiles the last stage's op)."""
+    S, M, V = shape.sizes[STAGE], work.pipeline_microbatches, work.virtual_stages
+    one = dataclasses.replace(work, microbatches=work.microbatches * M)
+    chunk = dataclasses.replace(cfg, n_layers=cfg.n_layers // (V * S))
+    p = _activation_parts(chunk, shape, one)
+    buffer = p["tokens"] * cfg.d_model * work.act_bytes
+    if work.pipeline_schedule == "gpipe":
+        return (p["tokens"] * ((M + S - 1) * p["kept"] + p["live"]) + p["one_chunk"]
+                + logits_bytes(cfg, shape, work) + GPIPE_BUFFERS * M * buffer)
+    held = 2 * _slots(work.pipeline_schedule, S, M, V)
+    # zero-bubble's B keeps, for each W still waiting, what its layers' weight gradients read (matmul
+    # inputs, output gradients: shard.parallel.zero_bubble)
+    for_w = (_w_slots(S, M) * p["tokens"] * chunk.n_layers * ZB_KEPT * (1 + (work.remat != "none"))
+             * (cfg.d_model + cfg.mlp_dim / shape.degree(MLP)) * work.act_bytes
+             if work.pipeline_schedule == "zero_bubble" else 0.0)
+    return (p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, one)
+            + (held + TABLE_BUFFERS * M) * buffer + for_w)
 
 
 def query_chunks(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> int:
@@ -159,8 +211,9 @@ def remat_saved(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
 
 
 def _one_layer(cfg: ModelConfig, shape: LayoutShape, dtype_bytes: int) -> float:
-    """Compute-layout bytes of one layer's weights (what FSDP gathers at a time)."""
-    return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a, param=False).values())
+    """Compute-layout bytes of one layer's weights (what FSDP gathers at a time); the stacked layers' own
+    axis (split over stage) is not one of its dimensions."""
+    return sum(math.prod(d[1:]) * dtype_bytes / math.prod(shape.ways(a[1:], param=False).values())
                for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
 
 
@@ -188,8 +241,9 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
         "params": params,
         "optimizer": optimizer_bytes(cfg, shape, work),
         # gradients as stored, plus (FSDP) one layer's gradient in the compute layout before its
-        # reduce-scatter: the layers are scanned, so one is in flight at a time
-        "grads": params + (layer * pb / work.act_bytes if gathers else 0.0),
+        # reduce-scatter: the layers are scanned, so one is in flight at a time; a pipeline stage more
+        "grads": params + (layer * pb / work.act_bytes if gathers else 0.0)
+        + _pipeline_copies(cfg, shape, work, gathers, layer * pb / work.act_bytes),
         "optimizer_temporaries": OPT_TEMP_COPIES * params,
         # FSDP keeps every gathered weight from the forward pass for the backward, unless remat
         # regathers them layer by layer
@@ -201,6 +255,30 @@ def memory_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[s
     }
     out["total"] = sum(out.values())
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(kind: str, S: int, M: int, V: int) -> int:
+    return slots(build(kind, S, M, V))
+
+
+@functools.lru_cache(maxsize=256)
+def _w_slots(S: int, M: int) -> int:
+    return w_slots(build("zero_bubble", S, M))
+
+
+def _pipeline_copies(cfg: ModelConfig, shape: LayoutShape, work: Workload, gathers: bool, layer: float) -> float:
+    """Bytes of weights or gradients a pipeline stage holds beyond those `memory_bytes` counts: one layer's
+    in the compute layout (`layer`, fitted: `PIPELINE_LAYERS` in all with FSDP's gradient in flight and,
+    under remat, its gathered layer), and for the interleaved schedule a copy of the stage's layers,
+    reordered chunk by chunk on the way in (shard.parallel.pipeline.one_f_one_b)."""
+    if shape.sizes.get(STAGE, 1) == 1:
+        return 0.0
+    copies = max(PIPELINE_LAYERS - (1 + (work.remat != "none") if gathers else 0), 0) * layer
+    if work.virtual_stages > 1:
+        copies += sum(math.prod(d) * work.param_bytes / math.prod(shape.ways(a, param=True).values())
+                      for n, d, a in cfg.param_shapes() if n.startswith("layers/"))
+    return copies
 
 
 def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
@@ -229,9 +307,18 @@ def hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, memory: dict
     """HBM traffic of one step, roughly: weights read per pass, the optimizer's read-modify-write of
     parameters, gradients and moments, and activations written once and read once. Remat keeps fewer
     activations but moves no fewer (the recomputed forward writes them again), so the activations are
-    counted as without remat: counting those remat keeps made remat look faster where HBM bounds."""
+    counted as without remat: counting those remat keeps made remat look faster where HBM bounds. A
+    pipeline stage reads its weights on every microbatch's pass and moves its L/S layers' activations of
+    every token (not the few microbatches' it holds at once)."""
     passes = 3 if work.remat == "none" else 4  # forward, backward (two matmuls), recomputed forward
-    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * work.microbatches
+    stages = shape.sizes.get(STAGE, 1)
+    reads = work.microbatches * (work.pipeline_microbatches if stages > 1 else 1)
+    weights = param_bytes(cfg, shape, work.act_bytes, compute=True) * passes * reads
     optimizer = memory["params"] * 3 + memory["optimizer"] * 2  # read p, g and the moments; write p and them
-    moved = activation_bytes(cfg, shape, dataclasses.replace(work, remat="none"))
+    plain = dataclasses.replace(work, remat="none")
+    if stages > 1:
+        p = _activation_parts(dataclasses.replace(cfg, n_layers=cfg.n_layers // stages), shape, plain)
+        moved = p["tokens"] * (p["kept"] + p["live"]) + p["one_chunk"] + logits_bytes(cfg, shape, plain)
+    else:
+        moved = activation_bytes(cfg, shape, plain)
     return weights + optimizer + 2 * moved * work.microbatches

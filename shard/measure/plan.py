@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from shard.measure import costs
 from shard.measure.memory import hbm_bytes, memory_bytes, optimizer_bytes, probs_hbm_bytes
-from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL
+from shard.measure.schedules import pipeline_choices
+from shard.parallel.schedule import build
+from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL, STAGE
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
@@ -25,6 +27,7 @@ GIB = 1024**3
 USABLE_HBM = 0.9  # leave a tenth of HBM for the runtime, communication buffers and fragmentation
 MEMORY_MODEL_LOW = 0.09  # the memory model runs up to 8.7% low (docs/formulas.md): closer to the limit is "tight"
 REMAT_CHOICES = ("none", "full")
+MAX_STAGES = 16  # deeper pipelines need M >= S microbatches of a batch few runs have
 def startup_warnings(cfg, sizes: dict[str, int], hw: Hardware, hosts: int) -> list[str]:
     """Warnings for layouts known to be communication-bound, with the numbers: an axis whose traffic
     takes longer than the step's compute (per-device token batch below the break-even), or tensor
@@ -71,6 +74,8 @@ class Candidate:
     problems: tuple[str, ...] = field(default=())  # why it does not fit
     # the data-parallel devices the global batch does not split over (one of the problems); None: it splits
     unsplit_batch_ways: int | None = None
+    # with a stage axis: schedule, microbatches, virtual_stages and its bubble (idle share of the step)
+    pipeline: dict | None = None
 
     @property
     def fits(self) -> bool:
@@ -80,11 +85,22 @@ class Candidate:
         used = {a: n for a, n in self.sizes.items() if n > 1} or {DATA: 1}
         return ",".join(f"{a}={n}" for a, n in used.items())
 
+    def label(self) -> str:
+        """The mesh, and its pipeline schedule with microbatches (and virtual stages) where it has one."""
+        if not self.pipeline:
+            return self.mesh_spec()
+        p = self.pipeline
+        return (f"{self.mesh_spec()} {p['schedule']} M={p['microbatches']}"
+                + (f" V={p['virtual_stages']}" if p["virtual_stages"] > 1 else ""))
+
     def command(self, model: str, batch: int, seq: int, sets: tuple[str, ...] = ()) -> str:
         """The `shard train` command for this layout; `sets`: the plan's own `--set key=value` items
         (model changes), passed on so the command trains the model that was planned."""
         cmd = f"shard train --model {model} --mesh {self.mesh_spec()} --batch {batch} --seq {seq}"
         cmd += "".join(f" --set {shlex.quote(item)}" for item in sets)
+        if self.pipeline:
+            cmd += "".join(f" --set pipeline.{k}={self.pipeline[k]}" for k in ("schedule", "microbatches", "virtual_stages")
+                           if k != "virtual_stages" or self.pipeline[k] > 1)
         return cmd + f" --set model.remat={self.remat}"  # named: "auto" differs by machine
 
     def to_dict(self) -> dict:
@@ -98,6 +114,7 @@ class Candidate:
             "hbm_s": round(self.hbm_s, 6), "step_s": round(self.step_s, 6),
             "step_s_no_overlap": round(self.step_s_serial, 6), "mfu": round(self.mfu, 4),
             "tokens_per_s": round(self.tokens_per_s, 1),
+            "pipeline": self.pipeline and {**self.pipeline, "bubble": round(self.pipeline["bubble"], 4)},
         }
 
 
@@ -132,16 +149,25 @@ def layouts(devices: int, per_node: int, seq_len: int | None = None, experts: in
     return out
 
 
+def pipeline_layouts(devices: int, per_node: int, n_layers: int) -> list[dict[str, int]]:
+    """Every stage x data x fsdp x model factorisation of `devices` with at least 2 stages that split the
+    `n_layers` layers (at most `MAX_STAGES`), the stage axis outermost (across nodes first: a stage boundary passes one microbatch's
+    activations, where tensor parallel all-reduces every layer's) and tensor parallel inside a node."""
+    return [{STAGE: s, **sizes} for s in _divisors(devices) if 1 < s <= MAX_STAGES and n_layers % s == 0
+            for sizes in layouts(devices // s, per_node)]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, nodes: int,
              global_batch: int, seq_len: int, optimizer: str = "adamw", fp8_params: int = 0,
-             fp8_gathered: frozenset[str] = frozenset()) -> Candidate:
+             fp8_gathered: frozenset[str] = frozenset(), pipeline: tuple[str, int, int] | None = None) -> Candidate:
     """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name), with the
     matmuls of `fp8_params` parameters (costs.fp8_matmul_params) in FP8 and the weights `fp8_gathered`
-    (precision.fp8_gathered) gathered as float8."""
+    (precision.fp8_gathered) gathered as float8; with a stage axis, on the pipeline schedule `pipeline`
+    (schedule, microbatches, virtual stages), its bubble added to the step."""
     import dataclasses
 
     platform = "cpu" if hw.name == "cpu" else "gpu"
@@ -153,7 +179,12 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
                           act_bytes=costs.DTYPE_BYTES[compute], remat=remat,
                           attention_probs=costs.keeps_attention_probs(cfg, platform, compute),
                           optimizer=optimizer, fp8_gathered=fp8_gathered, **costs.dropless_lowering(platform))
-    problems = shape.divisibility_problems(cfg, global_batch, seq_len=seq_len)
+    stages, bubble = sizes.get(STAGE, 1), 0.0
+    if pipeline is not None:  # (schedule, microbatches, virtual stages) on the stage axis
+        kind, m, v = pipeline
+        work = dataclasses.replace(work, pipeline_schedule=kind, pipeline_microbatches=m, virtual_stages=v)
+        bubble = build(kind, stages, m, v).idle_fraction()
+    problems = shape.divisibility_problems(cfg, global_batch, work.pipeline_microbatches, seq_len=seq_len)
     batch_ways = shape.degree(BATCH)  # as divisibility_problems counts them (one microbatch)
     memory = memory_bytes(cfg, shape, work)
     if memory["total"] > USABLE_HBM * hw.hbm_gib * GIB:
@@ -167,20 +198,27 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
     flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
-    recompute = 4 / 3 if remat != "none" else 1.0  # remat recomputes the forward pass
-    compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices
+    recompute = costs.pipeline_passes(work, stages, cfg.n_layers)["compute"] if stages > 1 else 4 / 3 if remat != "none" else 1.0
+    # a stage idles for the schedule's bubble: the step is its work over the busy share
+    compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices / (1 - bubble)
     hbm_s = hbm_bytes(cfg, shape, work, memory) / (hw.hbm_gbps * 1e9)
     probs_s = probs_hbm_bytes(cfg, shape, work) / (hw.hbm_gbps * 1e9)
     local = max(compute_s, hbm_s - probs_s) + probs_s  # an unfused softmax waits on attention's matmuls
-    # tensor parallel's all-reduces and the experts' all-to-alls sit between the matmuls that need them
-    exposed = comm_s.get(MODEL, 0.0) + comm_s.get(EXPERT_AXIS, 0.0)
-    overlappable = sum(v for a, v in comm_s.items() if a not in (MODEL, EXPERT_AXIS))
+    # tensor parallel's all-reduces, the experts' all-to-alls and a stage's sends sit between the ops
+    # that need them
+    exposed = sum(comm_s.get(a, 0.0) for a in _EXPOSED)
+    overlappable = sum(v for a, v in comm_s.items() if a not in _EXPOSED)
     step = max(local + exposed, overlappable)
     serial = local + sum(comm_s.values())
     mfu = mfu_flops_per_token(cfg, seq_len) * tokens / devices / (step * hw.bf16_tflops * 1e12)  # as train reports it
     return Candidate(sizes, remat, memory, comm, comm_s, crosses, compute_s, hbm_s, step, serial, mfu,
                      tokens / step, tuple(problems),
-                     unsplit_batch_ways=batch_ways if global_batch % batch_ways else None)
+                     unsplit_batch_ways=batch_ways if global_batch % batch_ways else None,
+                     pipeline=None if pipeline is None else {"schedule": kind, "microbatches": m,
+                                                              "virtual_stages": v, "bubble": bubble})
+
+
+_EXPOSED = (MODEL, EXPERT_AXIS, STAGE)
 
 
 def _compute_s(flops: float, fp8_flops: float, hw: Hardware) -> float:
@@ -196,7 +234,8 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
          seq_len: int, remats: tuple[str, ...] = REMAT_CHOICES, optimizer: str = "adamw",
          precision: dict[str, str] | None = None) -> list[Candidate]:
     """All layouts (each with every remat policy in `remats`, trained by `optimizer`, the matmuls
-    `precision`'s rules pick in FP8), the fitting ones first, fastest first.
+    `precision`'s rules pick in FP8), the fitting ones first, fastest first. A layout with a stage axis
+    (`pipeline_layouts`) comes with its fastest pipeline schedule (`pipeline_choices`).
     Step times within 2% count as a tie, broken by room to spare (a layout predicted within the memory
     model's 9% error of the limit may not fit: it goes after the others), then by the time with nothing
     overlapped (less exposed traffic), then by memory."""
@@ -212,6 +251,14 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     gathered = fp8_gathered(precision or {}, cfg)
     out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, gathered)
            for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]
+    for sizes in pipeline_layouts(devices, per_node, cfg.n_layers):
+        replicas = sizes[DATA] * sizes[FSDP]
+        if global_batch % replicas:
+            continue
+        choices = pipeline_choices(cfg, sizes[STAGE], global_batch // replicas, sizes[FSDP] > 1 and sizes[MODEL] > 1)
+        for remat in remats if choices else ():  # each layout with its best schedule
+            out.append(min((predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, gathered, p)
+                            for p in choices), key=lambda c: (not c.fits, c.step_s, c.memory["total"])))
     fastest = min((c.step_s for c in out), default=1.0)
     tight = (1 - MEMORY_MODEL_LOW) * USABLE_HBM * hw.hbm_gib * GIB
     return sorted(out, key=lambda c: (not c.fits, round(math.log(c.step_s / fastest) / math.log(1.02)),

@@ -10,6 +10,29 @@ from shard.errors import ShardError
 from shard.parallel.schedule import SCHEDULES, bubble_formula, build, check, slots
 
 MAX_VIRTUAL = 4  # interleaved beyond 4 chunks a stage: sends grow with V for little bubble left
+MICROBATCHES_PER_STAGE = (1, 2, 4)  # `shard plan` tries M = k S microbatches for each of these k
+
+
+def pipeline_choices(cfg: ModelConfig, stages: int, rows_per_replica: int, fsdp_and_model: bool = False
+                     ) -> list[tuple[str, int, int]]:
+    """(schedule, microbatches M, virtual stages V) that `shard train` runs on `stages` stages with this many
+    rows per data-parallel replica: M = k S (`MICROBATCHES_PER_STAGE`) that splits the rows, every schedule
+    and V the table allows (`check`); only GPipe beside both fsdp and model (`fsdp_and_model`), where
+    shard.training.step refuses the others. None for a model the pipeline does not run (experts, MTP)."""
+    if cfg.n_experts or cfg.mtp_depth:
+        return []
+    out = []
+    for m in (k * stages for k in MICROBATCHES_PER_STAGE):
+        if rows_per_replica % m:
+            continue
+        for kind in SCHEDULES if not fsdp_and_model else ("gpipe",):
+            for v in range(2, MAX_VIRTUAL + 1) if kind == "interleaved" else (1,):
+                try:
+                    check(kind, stages, m, v, cfg.n_layers)
+                except ShardError:
+                    continue
+                out.append((kind, m, v))
+    return out
 
 
 def schedule_options(cfg: ModelConfig, stages: int, microbatches: int, rows_per_replica: int, seq_len: int,

@@ -15,6 +15,7 @@ from shard.config.model import mfu_flops_per_token
 from shard.config.presets import PRESETS
 
 from shard.measure import costs
+from shard.measure.flops import model_flops, scored_keys
 from shard.measure.memory import memory_bytes, probs_hbm_bytes
 from shard import models
 from shard.measure.analysis import StepAnalysis, analyze
@@ -388,9 +389,9 @@ def test_the_planner_times_flash_attention_at_the_causal_half_and_without_its_pr
     """cuDNN's kernel skips the masked blocks and keeps no probabilities; XLA's attention computes the
     whole T x T and moves its probabilities through HBM between the two matmuls."""
     cfg = tiny_config("8x1").model
-    assert costs.scored_keys(cfg, 256, flash=True) == 128 and costs.scored_keys(cfg, 256) == 256
-    assert costs.scored_keys(cfg, 256, 2, flash=True) == costs.scored_keys(cfg, 256, 2)  # the ring runs
-    assert costs.model_flops(cfg, 1024, 256, flash=True) < costs.model_flops(cfg, 1024, 256)
+    assert scored_keys(cfg, 256, flash=True) == 128 and scored_keys(cfg, 256) == 256
+    assert scored_keys(cfg, 256, 2, flash=True) == scored_keys(cfg, 256, 2)  # the ring runs
+    assert model_flops(cfg, 1024, 256, flash=True) < model_flops(cfg, 1024, 256)
     shape = costs.LayoutShape.of(data=8)
     probs = {a: probs_hbm_bytes(cfg, shape, costs.Workload.from_config(c, "gpu"))
              for a in ("auto", "xla") for c in [tiny_config("8x1", model__attention=a, model__compute_dtype="auto")]}

@@ -60,7 +60,7 @@ def test_rules_pick_the_matmul_weights_and_defaults_leave_the_rest(tmp_path):
     experts = weight_recipes({"default": "fp8_rowwise", "layers/w_(gate|up)": "fp8_tensorwise"}, moe)
     assert experts == {"layers/wq": "fp8_rowwise", "layers/wk": "fp8_rowwise", "layers/wv": "fp8_rowwise",
                        "layers/wo": "fp8_rowwise", "layers/w_gate": "fp8_tensorwise", "layers/w_up": "fp8_tensorwise"}
-    from shard.measure.costs import fp8_matmul_params  # the planner counts the experts a token runs, k of E
+    from shard.measure.flops import fp8_matmul_params  # the planner counts the experts a token runs, k of E
 
     assert fp8_matmul_params(moe, {"layers/w_(gate|up|down)": "fp8_tensorwise"}) == pytest.approx(
         moe.n_layers * 3 * moe.d_model * moe.mlp_dim * moe.experts_per_token)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shard.measure import costs
+from shard.measure.flops import scored_keys
 from shard.errors import ShardError
 from shard.training.step import check_batch
 from shard.sharding.layout import make_layout
@@ -247,14 +247,14 @@ def _attention_flops(jaxpr) -> float:
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_the_load_balanced_ring_scores_2c_plus_1_over_4c_of_the_keys(n):
     """Three chunk pairs of its own block's four and half of every other block: (2n + 1) / 4n of the
-    plain ring's work on every device, which is what costs.scored_keys counts."""
+    plain ring's work on every device, which is what scored_keys counts."""
     mesh = fake_mesh(f"context={n}")
     q, k, v = _qkv()
     flops = {zigzag: _attention_flops(jax.make_jaxpr(
         lambda q, k, v, z=zigzag: ring_attention(q, k, v, ("context",), zigzag=z, mesh=mesh))(q, k, v).jaxpr)
         for zigzag in (False, True)}
     assert flops[True] / flops[False] == pytest.approx((2 * n + 1) / (4 * n))
-    assert costs.scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((2 * n + 1) / (4 * n))
+    assert scored_keys(PRESETS["tiny"], 256, n) / 256 == pytest.approx((2 * n + 1) / (4 * n))
 
 
 def _dot_products(jaxpr) -> list:

@@ -55,7 +55,7 @@ def test_plan_reports_mfu_as_train_does():
 
 def test_compute_is_taken_at_the_measured_matmul_rate(tmp_path):
     # the roofline took matmuls at the datasheet's peak, so a compute-bound layout read 100% MFU
-    from shard.measure import costs
+    from shard.measure.flops import model_flops
     from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 
@@ -63,7 +63,7 @@ def test_compute_is_taken_at_the_measured_matmul_rate(tmp_path):
     h200 = find_hardware("h200", table)
     assert (h200.bf16_tflops, h200.achieved_tflops) == (989.0, 790.0)
     c = predict(cfg, {"data": 1}, "none", h200, 1, 8, 2048)
-    assert c.compute_s == pytest.approx(costs.model_flops(cfg, 8 * 2048, 2048, 1, flash=True) / 790e12)
+    assert c.compute_s == pytest.approx(model_flops(cfg, 8 * 2048, 2048, 1, flash=True) / 790e12)
     assert 0.5 < c.mfu <= 790 / 989 + 1e-9
     # one above the peak is refused in one line
     a100 = find_hardware("a100-80g", table)
@@ -83,7 +83,7 @@ def test_fp8_matmuls_are_taken_at_the_fp8_rate():
     """The attention projections and MLPs that precision.default puts in FP8 are planned at fp8_tflops
     (h100: 1979, reached at bf16's 790 / 989 of the peak), the rest of the compute at bf16's rate."""
     from shard.config.presets import PRESETS
-    from shard.measure import costs
+    from shard.measure.flops import model_flops
     from shard.measure.plan import plan
 
     cfg, hw = PRESETS["llama-7b"], find_hardware("h100", load_hardware())
@@ -97,7 +97,7 @@ def test_fp8_matmuls_are_taken_at_the_fp8_rate():
             assert c.comm_bytes["fsdp"] < rows[c.mesh_spec()].comm_bytes["fsdp"] == bf16[c.mesh_spec()].comm_bytes["fsdp"]
     per_layer = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim \
         + 3 * cfg.d_model * cfg.mlp_dim  # wq, wo; wk, wv; the gated MLP
-    share = 6 * cfg.n_layers * per_layer * 16 * 2048 / costs.model_flops(cfg, 16 * 2048, 2048, flash=True)
+    share = 6 * cfg.n_layers * per_layer * 16 * 2048 / model_flops(cfg, 16 * 2048, 2048, flash=True)
     assert 0.9 < share < 1
     for c in (c for c in fp8 if c.sizes.get("context", 1) == 1):  # ring attention scores other keys
         assert c.compute_s == pytest.approx(bf16[c.mesh_spec()].compute_s * (1 - share + share * 989 / 1979))

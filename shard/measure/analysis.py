@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shard.measure import costs, hlo
+from shard.measure.flops import model_flops
 from shard.axes import LENGTH, STAGE
 from shard.config.train import TrainConfig
 from shard.parallel.pipeline import BWD_LAST, WGT_LAST
@@ -90,7 +91,7 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         collectives=items,
         memory=memory_of(compiled),
         flops=float(cost.get("flops", 0.0)),
-        model_flops=costs.model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len,
+        model_flops=model_flops(cfg.model, work.global_batch * work.seq_len, work.seq_len,
                                       shape.degree(LENGTH)) / layout.mesh.size,
         bytes_by_axes=hlo.bytes_by_axes(items, axis_sizes=dict(zip(names, sizes))),
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),

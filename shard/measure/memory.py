@@ -12,7 +12,8 @@ import math
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params, muon_matrix
-from shard.measure.costs import LayoutShape, Workload, ffn_slots, param_bytes, scored_keys, stored_lookup
+from shard.measure.costs import LayoutShape, Workload, param_bytes, stored_lookup
+from shard.measure.flops import ffn_slots, scored_keys
 from shard.parallel.schedule import build, slots, w_slots
 from shard.sharding.decisions import attention_chunks, loss_chunks
 

@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shard.measure import costs
+from shard.measure.flops import fp8_matmul_params, model_flops
 from shard.measure.memory import hbm_bytes, memory_bytes, optimizer_bytes, probs_hbm_bytes
 from shard.measure.schedules import pipeline_choices
 from shard.parallel.schedule import build
@@ -165,7 +166,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
              global_batch: int, seq_len: int, optimizer: str = "adamw", fp8_params: int = 0,
              fp8_gathered: frozenset[str] = frozenset(), pipeline: tuple[str, int, int] | None = None) -> Candidate:
     """Predicted costs of one layout on this hardware, trained by `optimizer` (optimizer.name), with the
-    matmuls of `fp8_params` parameters (costs.fp8_matmul_params) in FP8 and the weights `fp8_gathered`
+    matmuls of `fp8_params` parameters (fp8_matmul_params) in FP8 and the weights `fp8_gathered`
     (precision.fp8_gathered) gathered as float8; with a stage axis, on the pipeline schedule `pipeline`
     (schedule, microbatches, virtual stages), its bubble added to the step."""
     import dataclasses
@@ -197,7 +198,7 @@ def predict(cfg: ModelConfig, sizes: dict[str, int], remat: str, hw: Hardware, n
               for a, b in comm.items()}
     devices = math.prod(sizes.values())
     tokens = global_batch * seq_len
-    flops = costs.model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
+    flops = model_flops(cfg, tokens, seq_len, shape.degree(LENGTH), flash=not work.attention_probs)
     recompute = costs.pipeline_passes(work, stages, cfg.n_layers)["compute"] if stages > 1 else 4 / 3 if remat != "none" else 1.0
     # a stage idles for the schedule's bubble: the step is its work over the busy share
     compute_s = _compute_s(flops * recompute, 6 * fp8_params * tokens * recompute, hw) / devices / (1 - bubble)
@@ -247,7 +248,7 @@ def plan(cfg: ModelConfig, devices: int, nodes: int, hw: Hardware, global_batch:
     per_node = devices // nodes
     if per_node > hw.devices_per_node:
         raise ShardError(f"{per_node} devices per node, but a {hw.name} node holds at most {hw.devices_per_node}")
-    fp8 = costs.fp8_matmul_params(cfg, precision or {})
+    fp8 = fp8_matmul_params(cfg, precision or {})
     gathered = fp8_gathered(precision or {}, cfg)
     out = [predict(cfg, sizes, remat, hw, nodes, global_batch, seq_len, optimizer, fp8, gathered)
            for sizes in layouts(devices, per_node, seq_len, cfg.n_experts) for remat in remats]

@@ -11,7 +11,7 @@ cores (and the host may be shared with other work): they compare the forms' work
 
 The `deepseek-style` and `mixtral-style` forms put DeepSeek-V3's attention and routing (MLA, group-limited
 sigmoid routing, a shared expert) against Mixtral's (grouped-query attention, a softmax top-k) at the same
-active experts; `active` is the parameters a token's matmuls use (MFU's N, shard.config.model.matmul_params).
+active experts; `active` is the parameters a token's matmuls use (MFU's N, shard.config.flops.matmul_params).
 
     python benchmarks/moe.py [--model moe-fine-tiny] [--steps 5] [--batch 16] [--seq 64] [--layouts ep,fsdp]
                              [--forms dropless,deepseek-style,mixtral-style]
@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 from shard import config, prepare
-from shard.config.model import matmul_params
+from shard.config.flops import matmul_params
 from shard.config.presets import PRESETS
 from shard.measure import costs
 from shard.measure.analysis import analyze

@@ -93,7 +93,8 @@ def peak_flops() -> dict[str, float]:
 def flops_per_token(variant: str) -> tuple[float, float, int]:
     """shard's MFU count per token of the reference model, the FLOPs its step runs per token under the
     variant's remat policy, and its sequence length."""
-    from shard.config.model import ModelConfig, hardware_flops_per_token, mfu_flops_per_token
+    from shard.config.model import ModelConfig
+    from shard.config.flops import hardware_flops_per_token, mfu_flops_per_token
     from shard.config.presets import PRESETS
 
     doc = tomllib.loads(CONFIG.read_text())

@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 from flax import nnx
-from shard.config.model import mfu_flops_per_token
+from shard.config.flops import mfu_flops_per_token
 from shard.config.presets import PRESETS
 
 from shard.measure import costs
@@ -307,7 +307,7 @@ def test_the_hardware_flop_count_is_what_xla_counts_remat_included(analysed):
     within 5% of XLA's (one layer: XLA counts a scanned layer once, whatever the trip count), and below
     it (XLA adds element-wise work): 3.4% below. Remat's recompute counted as a whole forward pass was
     3.9% above it; not counted, 20% below."""
-    from shard.config.model import hardware_flops_per_token
+    from shard.config.flops import hardware_flops_per_token
 
     cfg, layout, a = analysed(*HARDWARE_FLOPS_CASES)
     positions = cfg.data.batch * cfg.data.seq_len / layout.mesh.size

@@ -272,7 +272,7 @@ def test_mpi_bridge_matches_the_global_mesh(tmp_path, reference, mesh, per_proce
     np.testing.assert_allclose(run_losses(tmp_path / "r"), reference[1 if evaluated else 0], rtol=1e-5)
     np.testing.assert_allclose(run_curves(tmp_path / "r")["grad_norm"], reference[4 if evaluated else 3], rtol=1e-5)
     # MFU over the job's devices (it divided by one process's), and no memory figure where none is known
-    from shard.config.model import mfu_flops_per_token
+    from shard.config.flops import mfu_flops_per_token
     from shard.config.presets import PRESETS
 
     devices = 2 * per_process

@@ -394,7 +394,7 @@ def test_bad_profile_window():
 
 
 def test_mfu_flops_match_a_hand_count():
-    from shard.config.model import mfu_flops_per_token
+    from shard.config.flops import mfu_flops_per_token
     from shard.config.presets import PRESETS
 
     # tiny: D=64, L=2, N=K=8 heads of H=8, F=128, V=256, tied. Matmul parameters per layer: attention
@@ -405,7 +405,7 @@ def test_mfu_flops_match_a_hand_count():
 
 
 def test_records_carry_mfu_and_hfu_against_the_users_peak():
-    from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
+    from shard.config.flops import hardware_flops_per_token, mfu_flops_per_token
 
     cfg = tiny_config("8x1", observe__peak_tflops=0.5)
     r = train(cfg, devices=devices_for("8x1"))[-1]

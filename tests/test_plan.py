@@ -42,7 +42,7 @@ def test_reference_plan_is_stable():
 
 def test_plan_reports_mfu_as_train_does():
     # one MFU definition: useful work (causal attention at half) over the predicted step, never remat's
-    from shard.config.model import mfu_flops_per_token
+    from shard.config.flops import mfu_flops_per_token
     from shard.config.presets import PRESETS
     from shard.measure.plan import predict
 

@@ -6,7 +6,8 @@ of the model's hyperparameters; docs/formulas.md derives them, MFU and the plann
 
 import math
 
-from shard.config.model import ModelConfig, matmul_params
+from shard.config.model import ModelConfig
+from shard.config.flops import matmul_params
 from shard.config.params import model_params
 from shard.config.precision import expert_weights, weight_recipes
 from shard.sharding.decisions import balanced_ring

@@ -21,7 +21,8 @@ from shard.axes import BATCH, CONTEXT, DATA, EXPERT_AXIS, FSDP, LENGTH, MODEL, S
 from shard.errors import ShardError
 from shard.hardware import Hardware
 from shard.sharding.mesh import hosts_per_axis
-from shard.config.model import ModelConfig, mfu_flops_per_token
+from shard.config.model import ModelConfig
+from shard.config.flops import mfu_flops_per_token
 from shard.config.precision import fp8_gathered
 
 GIB = 1024**3

@@ -11,7 +11,7 @@ import time
 import jax
 
 from shard.cluster import runtime
-from shard.config.model import hardware_flops_per_token, mfu_flops_per_token
+from shard.config.flops import hardware_flops_per_token, mfu_flops_per_token
 from shard.config.train import GuardConfig, TrainConfig
 from shard.errors import DivergenceError
 from shard.hardware import FLOP_SHARE_ERROR, flop_shares

@@ -93,10 +93,17 @@ def weight_recipes(precision: dict[str, str], model) -> dict[str, str]:
 
 
 def fp8_gathered(precision: dict[str, str], model) -> frozenset[str]:
-    """The weights (by path) whose FSDP all-gathers move float8 bytes: those of a GATHERED recipe but the
-    experts, which are gathered in the compute dtype and quantized where they run."""
+    """The weights (by path) whose FSDP all-gathers move float8 bytes under the `[precision]` rules."""
+    return gathered_weights(weight_recipes(precision, model), model)
+
+
+def gathered_weights(recipes: dict[str, str], model) -> frozenset[str]:
+    """Of resolved recipes (weight_recipes: path -> recipe), the weights whose FSDP all-gathers move
+    float8 bytes: those of a GATHERED recipe but the experts, which are gathered in the compute dtype and
+    quantized where they run. The model quantizes these before their gather (shard.models.fp8.
+    stack_gathered); the cost model counts their gathers at a byte an element."""
     experts = set(expert_weights(model))
-    return frozenset(p for p, r in weight_recipes(precision, model).items() if r in GATHERED and p not in experts)
+    return frozenset(p for p, r in recipes.items() if r in GATHERED and p not in experts)
 
 
 def delayed_problems(cfg) -> list[str]:

@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+from shard.config.precision import BF16, DELAYED, gathered_weights
 from shard.sharding.rules import active_layout, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-BF16 = "bf16"
-DELAYED = "fp8_delayed"
 ROWWISE = {"fp8_tensorwise": False, "fp8_rowwise": True, DELAYED: False}  # delayed without a history: current
 
 
@@ -267,7 +266,21 @@ def fusable(*recipes: str) -> bool:
 def stack_recipes(stack: str) -> dict[str, str]:
     """The recipe of each weight of a layer stack (`layers`, `dense_layers`, `mtp/layers`) under the
     layout being traced (shard.config.precision resolved it; bf16 where it names none)."""
+    return _of_stack(_precision(), stack)
+
+
+def stack_gathered(stack: str, model) -> set[str]:
+    """The weights of a layer stack (of `model`: the stack's own config) that reach their matmul as
+    stored, which quantizes them and gathers the float8 bytes (shard.config.precision.gathered_weights)."""
+    return set(_of_stack(dict.fromkeys(gathered_weights(_precision(), model)), stack))
+
+
+def _precision() -> dict[str, str]:
     layout = active_layout()
-    table = layout.precision if layout is not None else {}
+    return layout.precision if layout is not None else {}
+
+
+def _of_stack(table: dict, stack: str) -> dict:
+    """`table`'s entries of the stack's own weights, by weight name."""
     prefix = stack + "/"
-    return {path[len(prefix):]: r for path, r in table.items() if path.startswith(prefix) and "/" not in path[len(prefix):]}
+    return {path[len(prefix):]: v for path, v in table.items() if path.startswith(prefix) and "/" not in path[len(prefix):]}

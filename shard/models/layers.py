@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LENGTH, MLP
 from shard.config.model import ModelConfig
 from shard.models import lora as adapters
-from shard.models.fp8 import BF16, fusable, matmul
+from shard.config.precision import BF16
+from shard.models.fp8 import fusable, matmul
 from shard.models.attention import (cached_attention, causal_attention, max_logits, rolling_attention,
                                     rolling_cache)
 from shard.sharding.queries import heads_split_alike

@@ -32,13 +32,12 @@ from flax import nnx
 from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LATENT, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
 from shard.models import moe
-from shard.models.fp8 import stack_recipes
+from shard.models.fp8 import stack_gathered, stack_recipes
 from shard.models.mla import mla_block
 from shard.models.attention import soft_cap
 from shard.models.layers import attention_block, mlp_block, norm, rope_tables
 from shard.config.model import ModelConfig
 from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
-from shard.config.precision import GATHERED
 from shard.config.finetune import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
 from shard.sharding.queries import pin_looked_up, stored_lookup_split
@@ -237,10 +236,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
             raise ValueError("packed rows (segment_ids) are for training and evaluation, not a KV cache")
         segment_ids = constrain(segment_ids, (BATCH, LENGTH))
     axes = _layer_axes(cfg, layers)
-    # FP8 weights with one scale each arrive at their matmul as stored, which quantizes and gathers them
-    # (a mixture of experts' stacks are gathered in the compute dtype and quantized where they run)
-    gathers = {k: axes[k] for k, r in recipes.items()
-               if r in GATHERED and not (cfg.n_experts and k in ("w_gate", "w_up", "w_down"))}
+    gathers = {k: axes[k] for k in stack_gathered(stack, cfg)}  # FP8: quantized as stored, then gathered
 
     def block(x_btd, xs):
         p, kv, bias_e, window, key, history = xs
@@ -248,10 +244,7 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
         if local_rope is not None:
             cos, sin = (jnp.where(window > 0, a, b) for a, b in zip(local_rope, (cos_th, sin_th)))
         window = cfg.sliding_window if window is None else window
-        # each weight in its compute layout (FSDP: gathered once, kept for the backward); norm scales and
-        # the router (its softmax is float32) keep their dtype
-        p = {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else
-             stored_weight(v, axes[k], dtype) if k in gathers else compute_weight(v, axes[k], dtype) for k, v in p.items()}
+        p = _in_compute_layout(p, axes, dtype, gathers)
         if key is not None:
             p["dropout_key"] = key
         record = {} if max_logits and not cfg.mla else None  # (optimizer.qk_clip refuses MLA)
@@ -290,6 +283,14 @@ def run_layers(cfg: ModelConfig, layers: dict, x_btd: jax.Array, cache: dict | N
     if "z" in stats:  # a MoE model's router z-loss, summed over layers as the aux loss is
         stats["z"] = jnp.sum(stats_l["z"])
     return (x_btd, stats) if cache is None else (x_btd, stats, new_cache)
+
+
+def _in_compute_layout(p: dict, axes: dict, dtype, gathers: dict) -> dict:
+    """A layer's weights each in its compute layout (FSDP: gathered once, kept for the backward); norm
+    scales and the router (its softmax is float32) keep their dtype; FP8 weights in `gathers` stay as
+    stored, for their matmul to quantize and then gather (shard.models.fp8.gathered)."""
+    return {k: constrain(v, axes[k]) if k.endswith("norm") or k == "router" else
+            stored_weight(v, axes[k], dtype) if k in gathers else compute_weight(v, axes[k], dtype) for k, v in p.items()}
 
 
 def _layer_windows(cfg: ModelConfig, rope_at: jax.Array, first_layer, n_layers: int):

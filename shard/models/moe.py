@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
-from shard.models.fp8 import BF16, matmul, ragged_matmul
+from shard.config.precision import BF16
+from shard.models.fp8 import matmul, ragged_matmul
 from shard.parallel.expert_exchange import dropless_per_device, per_device_top_k
 from shard.sharding.queries import token_axes
 from shard.sharding.rules import constrain

@@ -136,6 +136,8 @@ def test_reference_plan_table_names_the_best_command():
     (["--set", "precision.default=fp8_tensorwise"], "a100-40g has no fp8_tflops (no FP8 tensor cores"),
     (["--set", "precision.layers/wz=fp8_rowwise"], "precision rule 'layers/wz' decides no matmul weight"),
     (["--stages", "4", "--microbatches", "3"], "does not split into 3 microbatches"),
+    (["--stages", "4", "--microbatches", "0"], "--microbatches must be 1 or more, got 0"),
+    (["--stages", "3"], "--stages 3 does not divide --devices"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(args, message):
     base = dict(zip(REFERENCE[1::2], REFERENCE[2::2]))

@@ -45,7 +45,9 @@ def plan(
         raise ShardError(f"--top must be 0 or more, got {top}")
     global_batch = 2 * devices if batch is None else batch
     if stages:
-        return _plan_schedules(cfg.model, stages, microbatches, global_batch // max(1, devices // stages), seq,
+        from shard.measure.schedules import rows_per_replica
+
+        return _plan_schedules(cfg.model, stages, microbatches, rows_per_replica(global_batch, devices, stages), seq,
                                hw.name, as_json)
     # A remat policy given with --set is planned alone; the other keys go into the best command.
     remats = (cfg.model.remat,) if "remat" in sets.get("model", {}) else REMAT_CHOICES

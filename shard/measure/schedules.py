@@ -35,6 +35,16 @@ def pipeline_choices(cfg: ModelConfig, stages: int, rows_per_replica: int, fsdp_
     return out
 
 
+def rows_per_replica(global_batch: int, devices: int, stages: int) -> int:
+    """The rows each data-parallel replica of a pipeline over `stages` of `devices` devices takes."""
+    if stages < 1 or devices % stages:
+        raise ShardError(f"--stages {stages} does not divide --devices {devices}")
+    if global_batch % (devices // stages):
+        raise ShardError(f"the global batch {global_batch} does not split over {devices // stages} data-parallel "
+                         f"replicas of {stages} stages")
+    return global_batch // (devices // stages)
+
+
 def schedule_options(cfg: ModelConfig, stages: int, microbatches: int, rows_per_replica: int, seq_len: int,
                      act_bytes: int) -> list[dict]:
     """Every schedule x virtual stages that runs here, smallest bubble first (ties: less memory).
@@ -46,6 +56,8 @@ def schedule_options(cfg: ModelConfig, stages: int, microbatches: int, rows_per_
     rows x T x D a stage boundary passes per step, both directions."""
     if stages < 2:
         raise ShardError(f"--stages must be 2 or more, got {stages}")
+    if microbatches < 1:
+        raise ShardError(f"--microbatches must be 1 or more, got {microbatches}")
     if rows_per_replica % microbatches:
         raise ShardError(f"the batch ({rows_per_replica} rows per replica) does not split into {microbatches} "
                          "microbatches")

@@ -130,6 +130,8 @@ def test_the_step_trains_with_muon_and_qk_clip_acts(muon_reference):
     (["optimizer.qk_clip=-1"], r"optimizer.qk_clip must be 0 \(off\) or a positive logit"),
     (["optimizer.qk_clip=100", "model.name=qwen3-tiny"], "optimizer.qk_clip with model.qk_norm"),
     (["optimizer.qk_clip=100", "lora.rank=4"], "optimizer.qk_clip does not run with lora.rank"),
+    (["optimizer.qk_clip=100", "task=sft", "cluster.cross_host=mpi"],  # sft records the logits: the bridge is why
+     "optimizer.qk_clip does not run with cluster.cross_host=mpi"),
 ])
 def test_bad_muon_configs_are_one_line(items, message):
     with pytest.raises(ShardError, match=message):

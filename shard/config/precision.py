@@ -108,10 +108,10 @@ def gathered_weights(recipes: dict[str, str], model) -> frozenset[str]:
 
 def delayed_problems(cfg) -> list[str]:
     """What fp8_delayed (amax histories updated by the train step's gradient pass) does not run with yet:
-    LoRA and DPO (other gradient paths), the MPI bridge (it sums gradients across processes, and the
+    LoRA, DPO and GRPO (other gradient paths), the MPI bridge (it sums gradients across processes, and the
     histories are not gradients) and multi-token prediction's layers (their histories are not kept)."""
     if DELAYED not in weight_recipes(cfg.precision, cfg.model).values():
         return []
-    what = ("lora.rank" if cfg.lora.rank else "task dpo" if cfg.task == "dpo" else "cluster.cross_host=mpi"
+    what = ("lora.rank" if cfg.lora.rank else f"task {cfg.task}" if cfg.task in ("dpo", "grpo") else "cluster.cross_host=mpi"
             if cfg.cluster.cross_host == "mpi" else "model.mtp_depth" if cfg.model.mtp_depth else "")
     return [f"precision recipe fp8_delayed does not run with {what} yet; use fp8_tensorwise or fp8_rowwise"] if what else []

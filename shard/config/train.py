@@ -318,7 +318,7 @@ def _optimizer_problems(cfg: "TrainConfig") -> list[str]:
                 "weight and bound the logits themselves; leave optimizer.qk_clip at 0"]
     if opt.qk_clip and (cfg.lora.rank or cfg.task in ("dpo", "grpo") or cfg.cluster.cross_host == "mpi"):
         what = "lora.rank (the query weights are frozen)" if cfg.lora.rank else (
-            f"task {cfg.task} (its loss records no logits)" if cfg.task != "pretrain" else "cluster.cross_host=mpi")
+            f"task {cfg.task} (its loss records no logits)" if cfg.task in ("dpo", "grpo") else "cluster.cross_host=mpi")
         return [f"optimizer.qk_clip does not run with {what}; leave it at 0"]
     if opt.qk_clip and (cfg.model.mla or cfg.model.dense_layers or cfg.model.mtp_depth):
         return [f"optimizer.qk_clip is not yet for {cfg.model.name}'s multi-head latent attention, dense first "

@@ -172,7 +172,8 @@ class PromptStream:
     def next(self) -> tuple[int, list[Prompt]]:
         n, per_step = len(self.dataset.prompts), self.batch // self.group
         first = self.position // self.group
-        picked = [self.dataset.prompts[self._order(k // n)[k % n]] for k in range(first, first + per_step)]
+        orders = {e: self._order(e) for e in range(first // n, (first + per_step - 1) // n + 1)}  # once a step
+        picked = [self.dataset.prompts[orders[k // n][k % n]] for k in range(first, first + per_step)]
         index = self.position // self.batch
         self.position += self.batch
         self.filled_tokens += self.batch * self.seq_len

@@ -65,7 +65,7 @@ def rollout_layout(cfg: TrainConfig, spec: StateSpec, layout: Layout):
     or the training layout itself (None: no resharding)."""
     from shard.sharding.layout import make_layout
     from shard.sharding.mesh import parse_mesh
-    from shard.training.state import state_spec
+    from shard.sharding.rules import param_shardings
 
     if not cfg.grpo.rollout_mesh:
         return layout, None
@@ -77,7 +77,7 @@ def rollout_layout(cfg: TrainConfig, spec: StateSpec, layout: Layout):
     if sampler.mesh.size != len(devices):
         raise ShardError(f"grpo.rollout_mesh {cfg.grpo.rollout_mesh} lays out {sampler.mesh.size} devices, the "
                          f"training mesh {len(devices)}: give a mesh of the same devices")
-    return sampler, state_spec(cfg.model, cfg.optimizer, cfg.steps, sampler, lora=cfg.lora).shardings["params"]
+    return sampler, param_shardings(spec.abstract["params"], spec.logical, sampler)  # the same rules, on its mesh
 
 
 class GrpoStep:

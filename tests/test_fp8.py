@@ -255,6 +255,13 @@ def test_delayed_histories_are_train_state_a_checkpoint_keeps_onto_another_mesh_
         assert resumed.start_step == 2
         assert [r["loss"] for r in train(cfg, run=resumed)] == losses[2:]  # bitwise
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["fp8"]), saved)
+        # --init-from these weights: a fresh state around them starts its histories empty and trains (the
+        # histories were missing from it: a pytree mismatch at the first step)
+        from shard.run.weights import state_from
+        weights = jax.device_get(run.state["params"])
+        started = prepare(cfg, devices_for("2x4"), restore=lambda spec: state_from(weights, spec, cfg.seed, "init"))
+        assert not any(np.any(h) for h in jax.tree.leaves(jax.device_get(started.state["fp8"])))
+        assert len([r["loss"] for r in train(cfg, run=started)]) == 4
         layout = make_layout(cfg, parse_mesh("fsdp"), devices_for("fsdp"))
         restored = ckpts.restore(4, state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)).state["fp8"]
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)

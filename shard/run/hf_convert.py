@@ -34,7 +34,7 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
 
     from shard.run import hf_side, weights
     from shard.run.checkpoint import Checkpoints
-    from shard.training.state import placed_router_bias
+    from shard.training.state import placed_extras
 
     model_cfg, params, bias = weights.load_with_router_bias(hf_dir, inference=False)
     tcfg = dataclasses.replace(tcfg, model=model_cfg, run_dir=str(out))
@@ -42,7 +42,7 @@ def import_hf_folder(hf_dir: Path, out: Path) -> config_mod.ModelConfig:
     # the weights alone (and DeepSeek's expert-choice bias), placed tensor by tensor: an optimizer state
     # would triple what the import holds, and a fine-tune (--init-from) starts a fresh one anyway
     state = {"step": jax.device_put(np.zeros((), np.int32), spec.shardings["step"]),
-             "params": weights.place(params, spec)} | placed_router_bias(spec, bias)
+             "params": weights.place(params, spec)} | placed_extras(spec, bias)
     globless(out.absolute())
     config_toml = config_mod.to_toml(tcfg)
     with written_whole(out) as partial:  # a full disk leaves nothing behind

@@ -17,7 +17,7 @@ from shard.errors import ShardError
 from shard.run.hf_config import is_hf_dir
 from shard.sharding.rules import spec_entries
 from shard.config.model import ModelConfig
-from shard.training.state import StateSpec, placed_router_bias
+from shard.training.state import StateSpec, placed_extras
 
 
 def load(path: str | Path) -> tuple[ModelConfig, dict]:
@@ -254,7 +254,8 @@ def placed_base(saved: dict, spec: StateSpec, source: str) -> dict:
 
 def state_from(params: dict, spec: StateSpec, seed: int, source: str, router_bias=None):
     """A fresh train state (step 0, new optimizer state) around loaded params, for `--init-from`, with the
-    weights' MoE balancing bias (None: zeros) where the spec's state holds one: returned as a
+    weights' MoE balancing bias (None: zeros) and empty amax histories where the spec's state holds them
+    (state.placed_extras): returned as a
     shard.run.checkpoint.Restored so `prepare(restore=...)` takes it like a checkpoint."""
     import jax.numpy as jnp
 
@@ -268,6 +269,6 @@ def state_from(params: dict, spec: StateSpec, seed: int, source: str, router_bia
         placed = place(params, spec)
     opt_state = jax.jit(spec.tx.init, out_shardings=spec.shardings["opt_state"])(spec.trainable(placed))
     step = jax.device_put(jnp.zeros((), jnp.int32), spec.shardings["step"])
-    state = {"step": step, "params": placed, "opt_state": opt_state} | placed_router_bias(spec, router_bias)
+    state = {"step": step, "params": placed, "opt_state": opt_state} | placed_extras(spec, router_bias)
     return Restored(step=0, state=state, position=0,
                     seed=seed, config_toml="", path=Path(source))

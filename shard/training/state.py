@@ -224,6 +224,16 @@ def placed_router_bias(spec: StateSpec, bias=None) -> dict:
     return {"router_bias": jax.device_put(np.asarray(bias, np.float32), spec.shardings["router_bias"])}
 
 
+def placed_extras(spec: StateSpec, bias=None) -> dict:
+    """The state's entries beside step, params and optimizer state, where the spec's state holds them: the
+    router bias (`bias`, or zeros) and fp8_delayed's amax histories (empty), for a state made from params
+    alone (--init-from, import-hf)."""
+    out = placed_router_bias(spec, bias)
+    if "fp8" in spec.abstract:
+        out["fp8"] = placed_fp8_histories(spec)
+    return out
+
+
 def place_router_bias(bias, spec: StateSpec) -> jax.Array | None:
     """A router bias read on the host (a checkpoint's: shard.run.weights.load_with_router_bias) placed
     replicated on the spec's mesh for evaluation or generation; None (none saved) stays None, and

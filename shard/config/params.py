@@ -160,6 +160,12 @@ def outer_params(cfg) -> dict[str, ParamSpec]:
     return table
 
 
+def head_params(cfg) -> tuple[str, ...]:
+    """The weights a pipeline's last stage runs beside its layers (shard.training.step): the final norm and
+    the output projection (the tied table where the embeddings are tied)."""
+    return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
+
+
 def stacked(p: ParamSpec, n_layers: int) -> ParamSpec:
     """A layer parameter as the model stores it: all layers' in one array, the layer first."""
     return dataclasses.replace(p, shape=(n_layers, *p.shape), axes=(LAYERS, *p.axes))

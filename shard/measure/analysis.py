@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from shard.measure import costs, hlo
 from shard.measure.flops import model_flops
 from shard.axes import LENGTH, STAGE
 from shard.config.train import TrainConfig
-from shard.parallel.pipeline import BWD_LAST, WGT_LAST
-from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build
+from shard.parallel.pipeline import executed_ops
+from shard.parallel.schedule import build
 from shard.sharding.rules import Layout
 from shard.training.compiled import compile_step, memory_of
 
@@ -121,7 +120,7 @@ def table_exact_bytes(a: StepAnalysis, cfg: TrainConfig, axis_sizes: dict[str, i
     S, pipe = axis_sizes[STAGE], cfg.pipeline
     sch = build(pipe.schedule, S, pipe.microbatches, pipe.virtual_stages)
     sends = {c.branch[0] for c in a.collectives if c.branch and c.kind == "collective-permute" and c.over == (STAGE,)}
-    ops = _executed_ops(sch)
+    ops = executed_ops(sch)
     counted = [dataclasses.replace(c, count=c.count * float((ops == c.branch[1]).mean())) if c.branch else c
                for c in a.collectives if not (c.branch and c.branch[0] in sends)]
     out = hlo.bytes_by_axes(counted, axis_sizes=axis_sizes)
@@ -130,12 +129,3 @@ def table_exact_bytes(a: StepAnalysis, cfg: TrainConfig, axis_sizes: dict[str, i
         n = sum(len(f) + len(b) for f, b in sch.sends())
         out[STAGE] = out.get(STAGE, 0.0) + n * max(c.result_bytes for c in passed) / S
     return out
-
-
-def _executed_ops(sch) -> np.ndarray:
-    """(ticks, stages): the op the executor runs, as `shard.parallel.pipeline` indexes its switch: the last
-    virtual stage's forward folded into its backward (which recomputes it), its backward and weight
-    gradient the ops that also run the head (BWD_LAST, WGT_LAST)."""
-    op, chunk = sch.op, sch.grid("chunk")
-    last = (chunk * sch.stages + np.arange(sch.stages)) == sch.virtual * sch.stages - 1
-    return np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)

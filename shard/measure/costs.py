@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from shard.axes import (BATCH, CONTEXT, DATA, EXPERT, EXPERT_AXIS, FSDP, HEADS, KV_HEADS, LENGTH, MLP,
                         MODEL, RES_LENGTH, STAGE, VOCAB)
 from shard.config.model import ModelConfig
+from shard.config.params import head_params
 from shard.config.precision import fp8_gathered
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, cudnn_attention_problem,
@@ -308,7 +309,7 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         # collective over all of them, its bytes shared between them in proportion to (n - 1), as the
         # compiled step's are read (shard.measure.hlo)
         reduce = {a: shape.sizes[a] for a in token_axes if a not in gather and a not in local and a not in computed}
-        if head_stages and name in _head_params(cfg):
+        if head_stages and name in head_params(cfg):
             # the head runs in the last stage's backward op: there its weights are gathered and their
             # gradient reduce-scattered on every microbatch (M of the S stages' ops, a device's average),
             # and that shard all-reduced over stage and the token axes once, at the end
@@ -328,12 +329,6 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             "all-reduce", compute_bytes / (g * math.prod(local.values())), math.prod(reduce.values()))
         for a in both:
             yield a, b * axis_share(both, a)
-
-
-def _head_params(cfg: ModelConfig) -> tuple[str, ...]:
-    """The weights the table schedules run on the last stage (shard.training.step): the final norm and the
-    output projection (the tied table)."""
-    return ("final_norm", "embed" if cfg.tie_embeddings else "unembed")
 
 
 def pipeline_passes(work: Workload, stages: int, n_layers: int) -> dict[str, float]:

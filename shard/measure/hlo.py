@@ -42,9 +42,13 @@ class Collective:
     result_bytes: int  # the buffer the op produces (for a CPU reduce-scatter: the full all-reduce)
     wire_bytes: float  # bytes one device sends per execution, as compiled
     logical_wire_bytes: float  # bytes one device sends per execution, for the logical collective (its dtype)
-    in_branch: bool = False  # in a conditional's branch: `count` is an upper bound (see multiplicities)
     logical_axes: tuple[str, ...] | None = None  # the logical collective's axes, where not `axes` (folded)
     branch: tuple[str, int] | None = None  # in a branch: the (outermost) conditional and the branch's index
+
+    @property
+    def in_branch(self) -> bool:
+        """In a conditional's branch: `count` is an upper bound (see hlo_text.multiplicities)."""
+        return self.branch is not None
 
     @property
     def upper_bound(self) -> bool:
@@ -100,8 +104,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
                     k = devices_over(over, axis_names, axis_sizes)
                     out.append(Collective(ins.name, logical, compiled_as, axes, n, count, total,
                                           wire_bytes("all-reduce", total, n), _logical_bytes(logical, moved, k, m),
-                                          comp.name in in_branch, None if over == axes else over,
-                                          in_branch.get(comp.name)))
+                                          None if over == axes else over, in_branch.get(comp.name)))
                 continue
             total, moved, note = sum(sizes), sum(sizes), ""
             if not ins.opcode.endswith("-start"):  # widened by the backend: the program moves its own type
@@ -113,8 +116,7 @@ def collectives(text: str, axis_names: tuple[str, ...], axis_sizes: tuple[int, .
             w = wire_bytes(kind, total, n)
             share = min(len(pairs), n_devices) / n_devices if pairs else 1.0  # permute: one sender a pair
             out.append(Collective(ins.name, kind, ins.opcode + note, axes, n, count, total, w * share,
-                                  wire_bytes(kind, moved, n) * share, comp.name in in_branch,
-                                  branch=in_branch.get(comp.name)))
+                                  wire_bytes(kind, moved, n) * share, branch=in_branch.get(comp.name)))
     return out
 
 

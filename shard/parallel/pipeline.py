@@ -216,19 +216,26 @@ def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.nd
     the stage after (-1: none); `sends`, per tick, the stage pairs that pass something forward and
     backward (Schedule.sends)."""
     sch = build(kind, S, M, V)
-    op, mb, ch = sch.op, sch.mb, sch.grid("chunk")
-    last = (ch * S + np.arange(S)) == V * S - 1  # the last virtual stage's ops
-    # Executed ops: the last virtual stage's forward is folded into its backward (it recomputes anyway).
-    ex = np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)
+    op, mb, ch, sends = sch.op, sch.mb, sch.grid("chunk"), sch.sends()
     # What arrives at tick t: the unit a neighbour sent at t - 1 (-1: nothing).
     recv_f = np.full_like(op, -1)
     recv_b = np.full_like(op, -1)
-    for t, pairs in enumerate(sch.sends()[:-1]):
+    for t, pairs in enumerate(sends[:-1]):
         for i, recv in ((0, recv_f), (1, recv_b)):
             for src, dst in pairs[i]:
                 v = ch[t, src] * S + src + (1 if i == 0 else -1)  # the virtual stage it feeds
                 recv[t + 1, dst] = (v // S) * M + mb[t, src]
-    return sch.ticks, slots(sch), np.stack([ex, mb, ch, recv_f, recv_b], -1), sch.sends()
+    return sch.ticks, slots(sch), np.stack([executed_ops(sch), mb, ch, recv_f, recv_b], -1), sends
+
+
+def executed_ops(sch) -> np.ndarray:
+    """(ticks, stages): the op the executor runs, as its switch is indexed (`_tick_ops`): the last virtual
+    stage's forward folded into its backward (which recomputes it anyway), its backward and weight
+    gradient the ops that also run the head (BWD_LAST, WGT_LAST). shard.measure.analysis weighs each
+    branch's collectives by it."""
+    op, S = sch.op, sch.stages
+    last = (sch.grid("chunk") * S + np.arange(S)) == sch.virtual * S - 1
+    return np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)
 
 
 def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...], kind: str = "1f1b",
@@ -392,5 +399,4 @@ def _loss_with_its_gradients(run):
 
 def _put(buf, m, value, valid):
     """Slot m % K of a buffer of K slots set to `value` where `valid`."""
-    i = m % len(buf)
-    return buf.at[i].set(jnp.where(valid, value, buf[i]))
+    return set_row(buf, m % len(buf), value, valid)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shard.config.train import PIPELINE_SCHEDULES
 from shard.errors import ShardError
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
 PHASE_CHARS = ".FBW"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = PIPELINE_SCHEDULES  # the config's list: gpipe, 1f1b, interleaved, zero_bubble
 COLUMNS = ("tick", "stage", "microbatch", "chunk", "phase")
 
 

@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shard.sharding.decisions import balanced_ring
 from shard.axes import BATCH, EMBED, EXPERT, FSDP, LENGTH, MODEL, RES_LENGTH, STAGE
+from shard.config.params import head_params
+from shard.config.precision import DELAYED
 from shard.config.train import GuardConfig, PipelineConfig, TrainConfig
 from shard.errors import ShardError
 from shard.models import llama, mtp
@@ -110,7 +112,6 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
         return plain
     pipe = pipe or PipelineConfig()
     M = pipe.microbatches
-    head_keys = ("final_norm", "embed") if cfg.tie_embeddings else ("final_norm", "unembed")
     replicas = pipeline.replica_axes(layout.mesh, jax.tree.map(lambda s: s.spec, spec.shardings["params"]))
 
     def stage_fn(layers, x_btd, extras_m, first_layer):  # extras_m: the microbatch's packing_of arrays
@@ -124,7 +125,7 @@ def make_loss_fn(spec: StateSpec, layout: Layout, pipe: PipelineConfig | None = 
     def piped(params, mb, router_bias=None):  # MoE is not pipelined (pipeline.check): no bias
         x_btd = llama.embed_tokens(cfg, params, mb["inputs"])
         x_mbtd = _microbatches(x_btd, M, layout, (BATCH, RES_LENGTH, EMBED))
-        head = {k: params[k] for k in head_keys}
+        head = {k: params[k] for k in head_params(cfg)}
         extras = {k: _microbatches(v, M, layout) for k, v in packing_of(mb).items()} or None
         if pipe.schedule == "gpipe":
             y_mbtd = pipeline.gpipe_layers(stage_fn, layout.mesh, params["layers"], x_mbtd, replicas, extras)
@@ -399,7 +400,7 @@ def check_batch(cfg: TrainConfig, layout: Layout) -> None:
     if cfg.optimizer.qk_clip and (stages > 1 or layout.degree(LENGTH) > 1):
         raise ShardError("optimizer.qk_clip needs each layer's attention logits in the step: it does not run "
                          "through the pipeline or with context parallelism (`length` split) yet; leave it at 0")
-    if stages > 1 and "fp8_delayed" in layout.precision.values():
+    if stages > 1 and DELAYED in layout.precision.values():
         raise ShardError("precision recipe fp8_delayed does not run through the pipeline yet (its amax histories "
                          "are updated by the plain step's gradient pass); use fp8_tensorwise or fp8_rowwise")
     if stages > 1:

@@ -88,7 +88,7 @@ class GrpoStep:
         self.cfg, self.spec, self.layout, self.update = cfg, spec, layout, update
         self.tokenizer, self.where = prompts.tokenizer, prompts.path
         self.frozen = frozen  # the reference weights (kl_beta > 0)
-        self.rewards = list(prompts.rewards) or rewards.load_rewards(g.rewards, g.format_pattern)
+        self.rewards = list(prompts.rewards)  # loaded by prepare before anything compiled
         self.sampling = Sampling(g.temperature, 0, g.top_p)
         self.rollout_layout, self.rollout_shardings = rollout_layout(cfg, spec, layout)
         self.generator = Generator(spec.model, spec.graphdef, None, self.rollout_layout,

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from shard.errors import ShardError
+from shard.measure.hlo_text import called, parse_module
 from shard.training.observer import Observer
 
 # HLO op names (XLA:CPU and the GPU op line) and NCCL kernel names (GPU streams) -> collective kind.
@@ -149,17 +150,15 @@ OUTSIDE = "optimizer and outside the gradient"
 def op_phases(hlo_text: str) -> dict[str, str]:
     """Each instruction of a compiled HLO module -> its phase (PHASES, else OUTSIDE), by its op_name; a
     fusion without one takes the phase of the ops it fuses (the first of PHASES any of them is in)."""
-    names, fused, calls, current = {}, {}, {}, None
-    for line in hlo_text.splitlines():
-        if m := re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line):
-            current = fused.setdefault(m.group(1), [])
-        elif m := re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line):
-            if op := re.search(r'op_name="([^"]*)"', line):
-                names[m.group(1)] = op.group(1)
-                if current is not None:
-                    current.append(op.group(1))
-            if c := re.search(r"calls=%?([\w.\-]+)", line):
-                calls[m.group(1)] = c.group(1)
+    names, fused, calls = {}, {}, {}
+    for comp in parse_module(hlo_text)[0]:
+        ops = fused.setdefault(comp.name, [])
+        for ins in map(comp.instrs.get, comp.order):
+            if op := re.search(r'op_name="([^"]*)"', ins.attrs):
+                names[ins.name] = op.group(1)
+                ops.append(op.group(1))
+            if callee := called(ins.attrs, "calls"):
+                calls[ins.name] = callee[0]
     for name, comp in calls.items():
         if name not in names and fused.get(comp):
             names[name] = next((o for _, mark in PHASES for o in fused[comp] if mark in o), fused[comp][-1])

@@ -63,14 +63,14 @@ def jit_dpo_step(spec: StateSpec, layout: Layout, beta: float, guard: GuardConfi
         raise ShardError("task dpo does not run through a pipeline (a mesh with a stage axis) yet; use another mesh")
     cfg = spec.model
     _, apply = make_step_parts(spec, layout, 1, guard)
-    adapters = spec.lora is not None and bool(spec.lora.rank)
+    adapters = spec.lora is not None  # state_spec leaves it None at rank 0
 
     def loss_fn(params, batch, reference_b, router_bias):
         policy_b, moe = sequence_logps(cfg, layout, params, batch, router_bias)
         loss, metrics = dpo_terms(policy_b, reference_b, beta)
         return loss, (metrics, moe)
 
-    grad_fn = lora.grad_of_adapters(loss_fn) if adapters else jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = lora.grad_of_trained(spec, loss_fn)
 
     def step(state, batch, args, frozen):
         router_bias = state.get("router_bias")

@@ -193,7 +193,6 @@ def jit_grpo_step(spec: StateSpec, layout: Layout, cfg: GrpoConfig, guard: Guard
     if pipeline_stages(layout) > 1:
         raise ShardError("task grpo does not run through a pipeline (a mesh with a stage axis) yet; use another mesh")
     _, apply = make_step_parts(spec, layout, 1, guard)
-    adapters = spec.lora is not None and bool(spec.lora.rank)
 
     def loss_fn(params, batch, rollout, router_bias):
         logp_bt, entropy_bt, moe = token_logps(spec.model, layout, params, batch, cfg.temperature, router_bias)
@@ -202,7 +201,7 @@ def jit_grpo_step(spec: StateSpec, layout: Layout, cfg: GrpoConfig, guard: Guard
         total, count, metrics = grpo_loss(logp_bt, rollout, cfg, entropy_bt)
         return total, (count, metrics, moe)
 
-    grad_fn = lora.grad_of_adapters(loss_fn) if adapters else jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = lora.grad_of_trained(spec, loss_fn)
 
     def step(state, batch, rollout, args):
         first = state["step"]

@@ -27,6 +27,12 @@ def has_adapters(params: dict) -> bool:
         is_adapter(k) for k in params["layers"])
 
 
+def grad_of_trained(spec, loss_fn):
+    """`loss_fn(params, *args) -> (objective, aux)` as `(params, *args) -> ((objective, aux), grads)` in
+    what the run trains: every parameter, or with LoRA (`spec.lora`) the adapters alone (grad_of_adapters)."""
+    return jax.value_and_grad(loss_fn, has_aux=True) if spec.lora is None else grad_of_adapters(loss_fn)
+
+
 def grad_of_adapters(loss_fn):
     """`loss_fn(params, *args) -> (objective, aux)` as `(params, *args) -> ((objective, aux), grads)`
     with grads of the adapters only: the base weights are constants of the differentiation, so no

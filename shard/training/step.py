@@ -158,11 +158,7 @@ def make_step_parts(spec: StateSpec, layout: Layout, microbatches: int = 1, guar
     guard.max_grad_norm) keeps the old params and optimizer state, and reports `skipped = 1`.
     """
     skip_bad = guard is not None and guard.action == "skip"
-    if spec.lora is None:
-        grad_fn = jax.value_and_grad(make_loss_fn(spec, layout, pipe), has_aux=True)
-    else:  # gradients of the adapters alone: the base weights are frozen
-        grad_fn = lora.grad_of_adapters(make_loss_fn(spec, layout, pipe))
-    grads_of = _with_histories(grad_fn)
+    grads_of = _with_histories(lora.grad_of_trained(spec, make_loss_fn(spec, layout, pipe)))
 
     def grad_sums(params, batch, router_bias=None, fp8=None):
         with activation_layout(layout):

@@ -105,8 +105,9 @@ def _fp8_einsum_fwd(subscripts, x, w, rowwise, gather):
         return fp8_einsum(subscripts, x, w, rowwise), (x, w)
     qx, sx = quantize(x, E4M3)
     qw, sw = gathered(w, gather)
-    # (a scalar of w's dtype: the dtype its gradient must have)
-    return quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype), (x, (qw, sw, jnp.zeros((), w.dtype)))
+    # the float8 operands, which the backward's matmuls take as they are, and a scalar of w's dtype (the
+    # dtype its gradient must have)
+    return quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype), ((qx, sx), (qw, sw, jnp.zeros((), w.dtype)))
 
 
 def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
@@ -118,13 +119,13 @@ def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
         # written in the weight's dtype, in which its partial sums are reduced (as below)
         dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
         return dx.astype(x.dtype), dw
-    qw, scale_w, w_dtype = w  # the gathered float8 weight: what requantizing the weight would give
+    (qx, scale_x), (qw, scale_w, w_dtype) = x, w  # the forward's float8 operands, weight gathered
     qg, scale_g = quantize(g, E5M2)
     dx = quantized_einsum(f"{out},{sw}->{sx}", qg, scale_g, qw, scale_w)
     # the dot writes the weight's dtype, in which its partial sums are then reduce-scattered (float32, they
     # moved twice a bf16 gradient's bytes)
-    dw = quantized_einsum(f"{sx},{out}->{sw}", *quantize(x, E4M3), qg, scale_g, w_dtype.dtype)
-    return dx.astype(x.dtype), dw
+    dw = quantized_einsum(f"{sx},{out}->{sw}", qx, scale_x, qg, scale_g, w_dtype.dtype)
+    return dx.astype(g.dtype), dw
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
@@ -133,11 +134,11 @@ fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 # --- delayed scaling: amax histories (newest first) of the activation, the weight and the gradient ---
 
 
-def delayed_scale(history: jax.Array, x: jax.Array, fp8_dtype) -> jax.Array:
-    """A per-tensor scale from the largest amax in `history` (earlier steps'); this step's amax while
+def delayed_scale(history: jax.Array, amax: jax.Array, fp8_dtype) -> jax.Array:
+    """A per-tensor scale from the largest amax in `history` (earlier steps'); this step's `amax` while
     the history is still empty (the first step), so the first step does not saturate or flush to zero."""
     past = jnp.max(history)
-    return _scale(jnp.where(past > 0, past, jnp.max(jnp.abs(x.astype(jnp.float32)))), fp8_dtype)
+    return _scale(jnp.where(past > 0, past, amax), fp8_dtype)
 
 
 def pushed(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -159,23 +160,26 @@ def delayed_einsum(subscripts: str, x: jax.Array, w: jax.Array, history: dict, g
 
 
 def _delayed_fwd(subscripts, x, w, history, gather):
-    sx, sw = delayed_scale(history["x"], x, E4M3), delayed_scale(history["w"], w, E4M3)
-    qx, sx = quantize(x, E4M3, scale=sx)
+    x_amax, w_amax = _amax(x), _amax(w)
+    qx, sx = quantize(x, E4M3, scale=delayed_scale(history["x"], x_amax, E4M3))
+    sw = delayed_scale(history["w"], w_amax, E4M3)
     qw, sw = gathered(w, gather, sw) if gather is not None else quantize(w, E4M3, scale=sw)
     y = quantized_einsum(subscripts, qx, sx, qw, sw).astype(x.dtype)
-    # the float8 weight (gathered, when it arrived as stored), and a scalar of w's dtype for its gradient's
-    return y, (x, qw, jnp.zeros((), w.dtype), sx, sw, _amax(w), history)
+    # the float8 operands (the weight gathered, when it arrived as stored) and this step's amaxes, which the
+    # backward takes as they are, and a scalar of w's dtype for its gradient's
+    return y, (qx, qw, jnp.zeros((), w.dtype), sx, sw, x_amax, w_amax, history)
 
 
 def _delayed_bwd(subscripts, gather, saved, g):
-    x, qw, w_dtype, sx, sw, w_amax, history = saved
+    qx, qw, w_dtype, sx, sw, x_amax, w_amax, history = saved
     ins, out = subscripts.split("->")
     x_letters, w_letters = ins.split(",")
-    qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g, E5M2))
+    g_amax = _amax(g)
+    qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g_amax, E5M2))
     dx = quantized_einsum(f"{out},{w_letters}->{x_letters}", qg, sg, qw, sw)
-    dw = quantized_einsum(f"{x_letters},{out}->{w_letters}", quantize(x, E4M3, scale=sx)[0], sx, qg, sg, w_dtype.dtype)
-    new = {"x": pushed(history["x"], _amax(x)), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], _amax(g))}
-    return dx.astype(x.dtype), dw, new
+    dw = quantized_einsum(f"{x_letters},{out}->{w_letters}", qx, sx, qg, sg, w_dtype.dtype)
+    new = {"x": pushed(history["x"], x_amax), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], g_amax)}
+    return dx.astype(g.dtype), dw, new
 
 
 delayed_einsum.defvjp(_delayed_fwd, _delayed_bwd)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from shard.config.precision import BF16, DELAYED, gathered_weights
+from shard.models import matmuls
 from shard.sharding.rules import active_layout, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -250,12 +251,12 @@ def ragged_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, recipe:
 
 def matmul(subscripts: str, x: jax.Array, w: jax.Array, recipe: str = BF16, history: dict | None = None,
            gather: tuple | None = None):
-    """`einsum(subscripts, x, w)` by a weight's recipe: plain in the operands' dtype for bf16 (the
-    compute dtype), `delayed_einsum` for fp8_delayed with its histories (without them, as in evaluation
+    """`einsum(subscripts, x, w)` by a weight's recipe: in the operands' dtype for bf16 (the compute
+    dtype: `matmuls.einsum`), `delayed_einsum` for fp8_delayed with its histories (without them, as in evaluation
     and generation: current tensorwise scaling), else `fp8_einsum`. `gather`: w arrives as stored
     (a recipe in GATHERED), with these logical axes, to be quantized before its gather."""
     if recipe == BF16:
-        return jnp.einsum(subscripts, x, w)
+        return matmuls.einsum(subscripts, x, w)
     if recipe == DELAYED and history is not None:
         return delayed_einsum(subscripts, x, w, history, gather)
     return fp8_einsum(subscripts, x, w, ROWWISE[recipe], gather)

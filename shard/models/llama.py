@@ -31,6 +31,7 @@ from flax import nnx
 
 from shard.axes import BATCH, EMBED, HEAD_DIM, KV_HEADS, LATENT, LAYERS, LENGTH, RES_LENGTH, VOCAB
 from shard.models import lora as adapters
+from shard.models import matmuls
 from shard.models import moe
 from shard.models.fp8 import stack_gathered, stack_recipes
 from shard.models.mla import mla_block
@@ -375,6 +376,8 @@ def _logits_einsum_fwd(subscripts: str, x, w):
 
 def _logits_einsum_bwd(subscripts: str, saved, g):
     x, w = saved
+    if x.dtype == w.dtype and matmuls.rounds_float32(x.dtype):
+        return matmuls.bwd(subscripts, x, w, g)
     _, pullback = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), x, w)
     return pullback(g.astype(jnp.result_type(x, w)))
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from shard.axes import BATCH, EMBED, HEAD_DIM, HEADS, LATENT, LENGTH
 from shard.config.model import ModelConfig
 from shard.models import lora as adapters
+from shard.models import matmuls
 from shard.models.attention import causal_attention
 from shard.models.layers import apply_rope, norm
 from shard.sharding.rules import constrain
@@ -47,17 +48,17 @@ def _rms(x, scale):
 def queries(h_btd, p, dtype):
     """Each head's query (B, T, N, H), from the query latent where there is one."""
     if "wq_a" in p:
-        cq_btq = _rms(jnp.einsum("btd,dq->btq", h_btd, p["wq_a"].astype(dtype)), p["q_a_norm"])
+        cq_btq = _rms(matmuls.einsum("btd,dq->btq", h_btd, p["wq_a"].astype(dtype)), p["q_a_norm"])
         cq_btq = constrain(cq_btq, (BATCH, LENGTH, LATENT))
-        return jnp.einsum("btq,qnh->btnh", cq_btq, p["wq_b"].astype(dtype))
-    return jnp.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
+        return matmuls.einsum("btq,qnh->btnh", cq_btq, p["wq_b"].astype(dtype))
+    return matmuls.einsum("btd,dnh->btnh", h_btd, p["wq"].astype(dtype))
 
 
 def latents(h_btd, p, dtype, cos_tr, sin_tr):
     """The key-value latent c_kv (B, T, C), normalised, and the rotated RoPE key (B, T, R): what the
     latent cache holds per token."""
     C = p["kv_a_norm"].shape[-1]
-    ckv_kr_btx = jnp.einsum("btd,dx->btx", h_btd, p["wkv_a"].astype(dtype))
+    ckv_kr_btx = matmuls.einsum("btd,dx->btx", h_btd, p["wkv_a"].astype(dtype))
     ckv_btc, kr_btr = _rms(ckv_kr_btx[..., :C], p["kv_a_norm"]), ckv_kr_btx[..., C:]
     kr_btr = apply_rope(kr_btr[:, :, None, :], cos_tr, sin_tr)[:, :, 0]
     return constrain(ckv_btc, (BATCH, LENGTH, LATENT)), kr_btr
@@ -78,7 +79,7 @@ def mla_attention(h_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, st
               "k_rope": jax.lax.dynamic_update_slice_in_dim(kv["k_rope"], kr_btr.astype(kv["k_rope"].dtype),
                                                             start, 1)}
         return absorbed_attention(q_btnh, kv["ckv"], kv["k_rope"], p, cfg, dtype, start, window, scale), kv
-    kv_btnx = jnp.einsum("btc,cnx->btnx", ckv_btc, p["wkv_b"].astype(dtype))
+    kv_btnx = matmuls.einsum("btc,cnx->btnx", ckv_btc, p["wkv_b"].astype(dtype))
     k_btnp, v_btnv = kv_btnx[..., :P], constrain(kv_btnx[..., P:], (BATCH, LENGTH, HEADS, HEAD_DIM))
     B, T, N, H = q_btnh.shape
     k_btnh = jnp.concatenate([k_btnp, jnp.broadcast_to(kr_btr[:, :, None], (B, T, N, H - P))], axis=-1)
@@ -117,5 +118,5 @@ def mla_block(x_btd, p, cos_tr, sin_tr, cfg: ModelConfig, dtype, kv=None, start=
     h_btd = constrain(norm(cfg, x_btd, p["attn_norm"]), (BATCH, LENGTH, EMBED))
     o_btnv, kv = mla_attention(h_btd, p, cos_tr, sin_tr, cfg, dtype, kv, start, zigzag, segment_ids, window)
     o_btnv = constrain(o_btnv, (BATCH, LENGTH, HEADS, HEAD_DIM))
-    out_btd = jnp.einsum("btnv,nvd->btd", o_btnv, p["wo"].astype(dtype))
+    out_btd = matmuls.einsum("btnv,nvd->btd", o_btnv, p["wo"].astype(dtype))
     return adapters.with_delta(out_btd, o_btnv, p, "wo", p.get("dropout_key")), kv

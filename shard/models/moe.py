@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from shard.axes import BATCH, EMBED, EXPERT, EXPERT_BATCH, LENGTH, MLP, RES_LENGTH
 from shard.config.model import ModelConfig
 from shard.config.precision import BF16
+from shard.models import matmuls
 from shard.models.fp8 import matmul, ragged_matmul
 from shard.parallel.expert_exchange import dropless_per_device, per_device_top_k
 from shard.sharding.queries import token_axes
@@ -194,10 +195,10 @@ def dropless_experts(h_btd, gates_btk, experts_btk, p: dict, dtype, recipes: dic
 
 def shared_experts(h_btd: jax.Array, p: dict, dtype) -> jax.Array:
     """The shared experts: one dense SwiGLU of n_shared_experts * mlp_dim that every token goes through."""
-    gate_bts = jnp.einsum("btd,ds->bts", h_btd, p["shared_gate"].astype(dtype))
-    up_bts = jnp.einsum("btd,ds->bts", h_btd, p["shared_up"].astype(dtype))
+    gate_bts = matmuls.einsum("btd,ds->bts", h_btd, p["shared_gate"].astype(dtype))
+    up_bts = matmuls.einsum("btd,ds->bts", h_btd, p["shared_up"].astype(dtype))
     hidden_bts = constrain(jax.nn.silu(gate_bts) * up_bts, (BATCH, LENGTH, MLP))
-    return jnp.einsum("bts,sd->btd", hidden_bts, p["shared_down"].astype(dtype))
+    return matmuls.einsum("bts,sd->btd", hidden_bts, p["shared_down"].astype(dtype))
 
 
 def capacity_experts(h_btd, probs_bte, gates_btk, experts_btk, p: dict, cfg: ModelConfig, dtype,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from shard.axes import BATCH, EMBED, RES_LENGTH
 from shard.config.model import ModelConfig
+from shard.models import matmuls
 from shard.models.layers import norm
 from shard.models.llama import compute_dtype, compute_weight, embed_tokens, run_layers
 from shard.models.xent import head_nll
@@ -36,7 +37,7 @@ def mtp_hidden(cfg: ModelConfig, params: dict, h_btd: jax.Array, tokens_bt: jax.
         p = jax.tree.map(lambda a, k=k: a[k], {n: v for n, v in params["mtp"].items() if n != "layers"})
         e_btd = embed_tokens(cfg, params, jnp.roll(tokens_bt, -(k + 1), axis=1), table)  # token i + k + 1 at i
         both_btx = jnp.concatenate([norm(cfg, e_btd, p["enorm"]), norm(cfg, h_btd, p["hnorm"])], axis=-1)
-        h_btd = jnp.einsum("btx,xd->btd", both_btx, compute_weight(p["eh_proj"], (None, EMBED), dtype))
+        h_btd = matmuls.einsum("btx,xd->btd", both_btx, compute_weight(p["eh_proj"], (None, EMBED), dtype))
         h_btd = constrain(h_btd, (BATCH, RES_LENGTH, EMBED))
         layer = jax.tree.map(lambda a, k=k: a[k:k + 1], params["mtp"]["layers"])  # a stack of one
         bias = None if router_bias is None else router_bias[cfg.moe_layers + k:cfg.moe_layers + k + 1]

@@ -23,7 +23,7 @@ import numpy as np
 
 from shard.axes import BATCH, EMBED, LENGTH, VOCAB
 from shard.config.model import ModelConfig
-from shard.models import llama
+from shard.models import llama, matmuls
 from shard.models.attention import soft_cap
 from shard.models.layers import norm
 from shard.sharding.decisions import loss_chunks
@@ -108,7 +108,7 @@ def _scan_chunks(cfg, n, p, subscripts, w_axes, x_btd, w, targets_bt, mask_bt, g
                                      _logits(cfg, subscripts, x_pbtd, w))
         (g_pbtv,) = pull_logits(jnp.ones_like(nll_c))
         g_pbtv = g_pbtv.astype(jnp.result_type(x_pbtd, w))  # as llama._logits_einsum's backward
-        dx_pbtd = jnp.einsum(f"pbtv,{pw}->pbtd", g_pbtv, w)
+        dx_pbtd = matmuls.rounded_einsum(f"pbtv,{pw}->pbtd", g_pbtv, w)
         # per batch shard: summed across devices once, after the scan
         dw_c = jnp.einsum(f"pbtd,pbtv->p{pw}", x_pbtd, g_pbtv, preferred_element_type=jnp.float32)
         dw = constrain(dw + dw_c, dw_axes)

@@ -22,7 +22,8 @@ from shard.measure.analysis import StepAnalysis, analyze
 from shard.training.compiled import compile_step
 from shard.sharding.layout import make_layout
 from shard.sharding.mesh import parse_mesh
-from shard.sharding.decisions import stored_lookup_axes
+from shard.config.model import ModelConfig
+from shard.sharding.decisions import head_vocab_split_axes, stored_lookup_axes
 from shard.sharding.rules import logical_axes_of, path_str
 from shard.testing import AS_USERS_COMPILE, devices_for, tiny_config
 
@@ -185,6 +186,20 @@ def test_the_stored_lookup_needs_its_split_innermost_in_the_batch():
     assert stored_lookup_axes(vocab, tokens, {"data": 2, "fsdp": 4}, base.rules, base.param_rules) == {"fsdp": 4}
     assert stored_lookup_axes(vocab, tokens, {"fsdp": 2, "expert": 4}, base.rules, base.param_rules) == {}
     assert stored_lookup_axes(vocab, tokens, {"fsdp": 8}, base.rules, base.param_rules) == {"fsdp": 8}
+
+
+def test_the_untied_head_splits_the_vocab_where_the_lookup_reads_the_stored_table_and_the_loss_is_whole():
+    from shard.sharding.mesh import load_preset
+
+    base, tokens = load_preset("default"), 16 * 32
+    untied, tied = ModelConfig(vocab_size=4096, tie_embeddings=False), ModelConfig(vocab_size=4096)
+    assert head_vocab_split_axes(untied, tokens, {"fsdp": 8}, base.rules, base.param_rules) == {"fsdp": 8}
+    assert head_vocab_split_axes(untied, tokens, {"data": 2, "fsdp": 4}, base.rules, base.param_rules) == {"fsdp": 4}
+    for cfg, sizes, chunks in [(tied, {"fsdp": 8}, 1), (untied, {"fsdp": 8}, 4),  # tied; the loss in chunks
+                               (untied, {"fsdp": 2, "model": 4}, 1),  # tensor parallel splits the vocab
+                               (untied, {"stage": 2, "fsdp": 4}, 1),  # the head in the pipeline's stages
+                               (ModelConfig(vocab_size=256, tie_embeddings=False), {"fsdp": 8}, 1)]:  # more tokens
+        assert head_vocab_split_axes(cfg, tokens, sizes, base.rules, base.param_rules, chunks) == {}, (cfg, sizes)
 
 
 @pytest.mark.parametrize("model, mesh, batch", [

@@ -38,6 +38,8 @@ def _objective_and_grads(cfg, packed: bool):
 CASES = {  # mesh, sets, packed rows
     "one-device-untied-padded": ("1x1", {"model__tie_embeddings": False, "model__vocab_size": 250}, True),
     "fsdp-tied": ("fsdp", {"model__vocab_size": 4096}, False),
+    # whole, the untied head splits the vocab over fsdp instead of the batch (head_vocab_split_axes)
+    "fsdp-untied-vocab-split": ("fsdp", {"model__tie_embeddings": False, "model__vocab_size": 4096}, False),
     "vocab-over-model-untied": ("2x4", {"model__tie_embeddings": False, "model__vocab_size": 1000}, True),
     "fsdp_tp-tied-bf16": ("fsdp_tp:4x2", {"model__compute_dtype": "bfloat16"}, False),
     "context": ("cp", {"data__seq_len": 64}, False),

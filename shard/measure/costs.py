@@ -24,7 +24,7 @@ from shard.config.params import head_params
 from shard.config.precision import fp8_gathered
 from shard.hardware import lowers_ragged_all_to_all
 from shard.sharding.decisions import (attention_backend, axes_table, cudnn_attention_problem,
-                                      stored_lookup_axes)
+                                      head_vocab_split_axes, loss_chunks, stored_lookup_axes)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -192,6 +192,14 @@ def stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[
     return stored_lookup_axes(cfg.padded_vocab, tokens, shape.sizes, shape.rules, shape.param_rules)
 
 
+def head_split(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
+    """Mesh axes over which the untied head's loss splits the vocabulary instead of the batch
+    (`head_vocab_split_axes`)."""
+    chunks = loss_chunks(cfg, work.global_batch // work.microbatches, work.seq_len, shape.degree(BATCH),
+                         shape.degree(LENGTH), shape.degree(VOCAB))
+    return head_vocab_split_axes(cfg, _lookup_tokens(work), shape.sizes, shape.rules, shape.param_rules, chunks)
+
+
 def _lookup_tokens(work: Workload) -> float:
     """Token ids one lookup sees: a microbatch's."""
     return work.global_batch * work.seq_len / work.microbatches
@@ -250,14 +258,20 @@ def comm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str
       (remat runs it again) and their gradients n - 1 times back;
     - a lookup from the stored table (`stored_lookup_axes`): the ids gathered and the looked-up rows and
       their gradient exchanged all-to-all over the split; an untied table is then neither gathered nor
-      its gradient reduced over that split.
+      its gradient reduced over that split;
+    - a head that splits the vocab over that split (`head_split`): the tokens gathered and their gradient
+      reduce-scattered over it, the weight and its gradient passed all-to-all between the stored and the
+      vocab-split layout, and the softmax's three (batch, length) float32 sums; the head's weight is then
+      neither gathered nor its gradient reduced over the split.
     """
     forward_passes = 1 if work.remat == "none" else 2
     lookup = stored_lookup(cfg, shape, work)
+    head = head_split(cfg, shape, work)
     token_axes = _token_axes(shape)
     out: dict[str, float] = {}
-    for axis, b in [*_parameter_bytes(cfg, shape, work, token_axes, lookup, forward_passes),
+    for axis, b in [*_parameter_bytes(cfg, shape, work, token_axes, lookup, forward_passes, head),
                     *_lookup_bytes(cfg, shape, work, token_axes, lookup),
+                    *_head_split_bytes(cfg, shape, work, token_axes, head),
                     *_tensor_parallel_bytes(cfg, shape, work),
                     *_stage_bytes(cfg, shape, work),
                     *_expert_parallel_bytes(cfg, shape, work, forward_passes),
@@ -275,7 +289,7 @@ def _token_axes(shape: LayoutShape) -> list[str]:
 
 
 def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
-                     lookup: dict[str, int], forward_passes: int):
+                     lookup: dict[str, int], forward_passes: int, head: dict[str, int]):
     """(axis, bytes) of each parameter's FSDP gathers and gradient reduction, parameter by parameter."""
     # The table schedules (1F1B, interleaved, zero-bubble): the weights outside the layers are reduced over
     # stage and data in one all-reduce, whose bytes the axes share in proportion to (n - 1), as the
@@ -291,10 +305,12 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
         compute_bytes = full / math.prod(computed.values())
         gather = {a: n for a, n in stored.items() if a not in computed}
         local = {}
-        if name == "embed" and lookup and not cfg.tie_embeddings:
-            # read as stored: not gathered, and its gradient is complete in each device's slice
-            local = {a: n for a, n in gather.items() if a in lookup}
-            gather = {a: n for a, n in gather.items() if a not in lookup}
+        split = lookup if name == "embed" and not cfg.tie_embeddings else head if name == "unembed" else {}
+        if split:
+            # read as stored (the lookup) or split on the vocab (the head): not gathered over the split,
+            # and its gradient complete in each device's slice
+            local = {a: n for a, n in gather.items() if a in split}
+            gather = {a: n for a, n in gather.items() if a not in split}
         g = math.prod(gather.values())
         gathered = compute_bytes / work.act_bytes if name in work.fp8_gathered else compute_bytes  # float8
         if piped and name.startswith("layers/"):
@@ -412,6 +428,20 @@ def _lookup_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_ax
     for a, n in lookup.items():
         yield a, (wire_bytes("all-gather", tokens * 4, n)
                   + 2 * wire_bytes("all-gather", tokens * cfg.d_model / n * work.act_bytes, n))
+
+
+def _head_split_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token_axes: list[str],
+                      head: dict[str, int]):
+    """(axis, bytes) of a head that splits the vocab over `head`'s axes instead of the batch: the tokens
+    (x) gathered over the split and their gradient reduce-scattered, the softmax's three float32 sums
+    over the split, and the weight and its gradient passed all-to-all between layouts."""
+    kept = math.prod(shape.sizes[b] for b in token_axes if b not in head)
+    tokens = work.global_batch * work.seq_len / kept  # the tokens the devices of a split's group hold
+    weight = cfg.d_model * cfg.padded_vocab / shape.degree(VOCAB) * work.act_bytes
+    for a, n in head.items():
+        act = tokens * cfg.d_model * work.act_bytes
+        yield a, (wire_bytes("all-gather", act, n) + wire_bytes("reduce-scatter", act, n)
+                  + 3 * wire_bytes("all-reduce", tokens * 4, n) + 2 * wire_bytes("all-to-all", weight / n, n))
 
 
 def _tensor_parallel_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload):

@@ -12,7 +12,7 @@ import math
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params, muon_matrix
-from shard.measure.costs import LayoutShape, Workload, param_bytes, stored_lookup
+from shard.measure.costs import LayoutShape, Workload, head_split, param_bytes, stored_lookup
 from shard.measure.flops import ffn_slots, scored_keys
 from shard.parallel.schedule import build, slots, w_slots
 from shard.sharding.decisions import attention_chunks, loss_chunks
@@ -283,13 +283,14 @@ def _pipeline_copies(cfg: ModelConfig, shape: LayoutShape, work: Workload, gathe
 
 
 def _stored_table_saving(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
-    """Compute-layout bytes of the input table that an untied model's stored-table lookup never gathers."""
-    lookup = stored_lookup(cfg, shape, work)
-    if not lookup or cfg.tie_embeddings:
+    """Compute-layout bytes of the untied tables never gathered whole: the input table that a stored-table
+    lookup reads as stored, the head's weight that a vocab-split head reads split (`head_split`)."""
+    if cfg.tie_embeddings:
         return 0.0
     ways = math.prod(shape.ways((VOCAB, EMBED), param=False).values())
     table = cfg.padded_vocab * cfg.d_model * work.act_bytes / ways
-    return table * (1 - 1 / math.prod(lookup.values()))
+    return sum(table * (1 - 1 / math.prod(split.values()))
+               for split in (stored_lookup(cfg, shape, work), head_split(cfg, shape, work)) if split)
 
 
 def probs_hbm_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:

@@ -41,7 +41,7 @@ from shard.config.model import ModelConfig
 from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
 from shard.config.finetune import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
-from shard.sharding.queries import pin_looked_up, stored_lookup_split
+from shard.sharding.queries import pin_looked_up, pin_vocab_split, stored_lookup_split
 from shard.sharding.rules import active_layout, constrain
 
 _REMAT = {
@@ -337,17 +337,25 @@ def _unrolled_with_split_cache(cfg: ModelConfig, block, layers: dict, x_btd, cac
     return x_btd, {"aux": aux}, out
 
 
-def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None) -> jax.Array:
+def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Array | None = None,
+                vocab_split: tuple[str, ...] = ()) -> jax.Array:
     """float32 logits: the matmul accumulates and writes float32 (not bf16 rounded, then cast). Tied:
-    through `_table` (`table`, when given)."""
+    through `_table` (`table`, when given). `vocab_split` (untied): mesh axes the logits split the vocab
+    over instead of the batch (shard.sharding.queries.head_vocab_split)."""
     dtype = compute_dtype(cfg)
     x_btd = norm(cfg, x_btd, params["final_norm"])
     if cfg.tie_embeddings:
         logits_btv = _logits_einsum("btd,vd->btv", x_btd, table if table is not None else _table(cfg, params))
+    elif vocab_split:
+        w_dv = pin_vocab_split(stored_weight(params["unembed"], (EMBED, VOCAB), dtype), (EMBED, VOCAB), vocab_split)
+        x_btd = pin_vocab_split(x_btd, (BATCH, LENGTH, EMBED), vocab_split)
+        logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
     else:
         w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
-    return mask_padded_vocab(cfg, soft_cap(constrain(logits_btv, (BATCH, LENGTH, VOCAB)), cfg.final_softcap))
+    axes = (BATCH, LENGTH, VOCAB)
+    logits_btv = pin_vocab_split(logits_btv, axes, vocab_split) if vocab_split else constrain(logits_btv, axes)
+    return mask_padded_vocab(cfg, soft_cap(logits_btv, cfg.final_softcap))
 
 
 def mask_padded_vocab(cfg: ModelConfig, logits_btv: jax.Array) -> jax.Array:

@@ -27,7 +27,7 @@ from shard.models import llama, matmuls
 from shard.models.attention import soft_cap
 from shard.models.layers import norm
 from shard.sharding.decisions import loss_chunks
-from shard.sharding.queries import auto_ways
+from shard.sharding.queries import auto_ways, head_vocab_split
 from shard.sharding.rules import constrain
 
 def token_nll(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
@@ -51,7 +51,10 @@ def head_nll(cfg: ModelConfig, params: dict, x_btd: jax.Array, targets_bt: jax.A
     B, T = targets_bt.shape
     n = loss_chunks(cfg, B, T, auto_ways(BATCH), auto_ways(LENGTH), auto_ways(VOCAB))
     if n <= 1:
-        return token_nll(llama.head_logits(cfg, params, x_btd, table), targets_bt, mask_bt)
+        split = head_vocab_split(cfg, targets_bt.size, n)
+        if split:  # the tokens' targets where their logits are: the batch no longer split over `split`
+            targets_bt, mask_bt = (constrain(a, (BATCH, LENGTH), drop=split) for a in (targets_bt, mask_bt))
+        return token_nll(llama.head_logits(cfg, params, x_btd, table, split), targets_bt, mask_bt)
     dtype = llama.compute_dtype(cfg)
     x_btd = norm(cfg, x_btd, params["final_norm"])
     if cfg.tie_embeddings:

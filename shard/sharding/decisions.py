@@ -8,7 +8,7 @@ and of its trace in shard.models.attention and shard.models.xent.
 
 import math
 
-from shard.axes import BATCH, EMBED, VOCAB
+from shard.axes import BATCH, EMBED, STAGE, VOCAB
 from shard.config.model import ModelConfig
 
 
@@ -40,6 +40,23 @@ def stored_lookup_axes(vocab_size: int, tokens: float, sizes: dict[str, int], ru
     kept = math.prod(sizes[a] for a in batch if a not in split)
     rows = vocab_size / math.prod(sizes[a] for a in params.get(VOCAB, ()))
     return split if tokens / kept < rows else {}
+
+
+def head_vocab_split_axes(cfg: ModelConfig, tokens: float, sizes: dict[str, int], rules, param_rules,
+                          chunks: int = 1) -> dict[str, int]:
+    """Mesh axes (with sizes) over which the untied head's loss splits the vocabulary instead of the
+    batch: the stored lookup's (`stored_lookup_axes`: FSDP axes that split the batch, where the tokens
+    are fewer than each device's rows of the table), where the loss is not chunked (`chunks`, as
+    `loss_chunks` decides) and there are no pipeline stages. Each device then multiplies the tokens of
+    the devices it shares the split with by its slice of the vocab: the tokens are gathered, their
+    gradient reduce-scattered, the weight passed between its stored and its vocab-split layout by
+    all-to-all; gathered instead, the whole (D, V) weight went to each device and its whole gradient back
+    (2 x 33 MB per device on the CPU reference config, fsdp=8). Not where tensor parallel already splits
+    the vocab (the head gathers a model-th of the weight there, and the loss is chunked by default).
+    {} where the head reads a gathered weight."""
+    if cfg.tie_embeddings or chunks > 1 or sizes.get(STAGE, 1) > 1 or axes_table(sizes, rules).get(VOCAB):
+        return {}
+    return stored_lookup_axes(cfg.padded_vocab, tokens, sizes, rules, param_rules)
 
 
 def balanced_ring(cfg: ModelConfig, seq_len: int, context: int) -> bool:

@@ -54,7 +54,9 @@ def xla_matmul(shape, dtype: str):
 
     b, m, k, n = shape
     x, y = jnp.ones((b, m, k), dtype), jnp.ones((b, k, n), dtype)
-    f = jax.jit(jnp.matmul)
+    # written as float32, as shard's 16-bit matmuls are on a CPU (shard.models.matmuls): XLA:CPU widens a
+    # bfloat16 dot that writes bfloat16 to a float32 one, but runs this one on bfloat16 operands
+    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     return lambda: f(x, y).block_until_ready()
 
 

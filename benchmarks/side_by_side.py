@@ -21,13 +21,22 @@ own (all 8 simulated devices live in it). Model FLOP share (MFU): tokens/s x sha
 the step runs per token (the whole attention square and remat's recompute, `hardware_flops_per_token`)
 / the peak. The peak: this machine's best matmul rate in the step's dtype as benchmarks/peak.py measured
 it (its cache; measured first where there is none). A share above 100% stops the benchmark as the bug
-it is (shard.hardware.flop_shares). MaxText's side runs only where MaxText is installed; otherwise the
-benchmark says it is absent.
+it is (shard.hardware.flop_shares).
+
+MaxText's side (`--maxtext SRC --maxtext-python PY`): the same model (untied, 4 layers of 256, MLP 1024,
+vocab 32000, seq 256, global batch 8 as 1 per device, bfloat16 compute on float32 weights, full remat,
+AdamW, synthetic data) through MaxText's own pre-training entry point from a checkout `SRC` (its
+`src/maxtext`), run by `PY`, the interpreter of an environment MaxText's requirements are installed in,
+with the same 8 simulated devices and the glibc huge pages shard sets for itself
+(GLIBC_TUNABLES=glibc.malloc.hugetlb=1); the meshes map to ici_fsdp_parallelism and
+ici_tensor_parallelism. Steady tokens/s: 2,048 over the median of its logged step times from step 3 on
+(MaxText counts from 0). MaxText needs Python 3.12; on 3.11 its two `type X = ...` aliases under
+src/maxtext/kernels/mhc must be written as plain assignments.
 """
 
 import argparse
-import importlib.util
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -80,6 +89,57 @@ def run(mesh: str, variant: str, steps: int, workdir: Path) -> dict:
             "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
+MAXTEXT_MESH = {"fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism", "data": "ici_data_parallelism"}
+
+
+def maxtext_command(mesh: str, steps: int, out_dir: Path, python: str) -> list[str]:
+    """MaxText's pre-training on the reference config and `mesh` (its axes as ici_*_parallelism)."""
+    doc = tomllib.loads(CONFIG.read_text())
+    m, d = doc["model"], doc["data"]
+    sizes = dict(kv.split("=") for kv in mesh.split(","))
+    unknown = set(sizes) - set(MAXTEXT_MESH)
+    if unknown:
+        raise SystemExit(f"--maxtext: mesh axes {sorted(unknown)} have no MaxText counterpart here")
+    parallel = [f"{MAXTEXT_MESH[a]}={sizes.get(a, 1)}" for a in MAXTEXT_MESH]
+    return [python, "-m", "maxtext.trainers.pre_train.train", "src/maxtext/configs/base.yml", "run_name=side_by_side",
+            f"base_output_directory={out_dir}", "hardware=cpu", "skip_jax_distributed_system=true",
+            "dataset_type=synthetic", f"steps={steps}", f"per_device_batch_size={d['batch'] // 8}",
+            f"max_target_length={d['seq_len']}", f"base_emb_dim={m['d_model']}", f"base_num_decoder_layers={m['n_layers']}",
+            f"base_num_query_heads={m['n_heads']}", f"base_num_kv_heads={m['n_kv_heads']}", f"head_dim={m['head_dim']}",
+            f"base_mlp_dim={m['mlp_dim']}", f"vocab_size={m['vocab_size']}",
+            f"logits_via_embedding={str(m['tie_embeddings']).lower()}", "decoder_block=llama2", "dtype=bfloat16",
+            "weight_dtype=float32", "remat_policy=full", "opt_type=adamw", "enable_checkpointing=false",
+            "eval_interval=-1", "enable_tensorboard=false", *parallel]
+
+
+def run_maxtext(mesh: str, steps: int, workdir: Path, src: Path, python: str) -> dict:
+    """One MaxText run: launch to its first logged step, steady tokens/s and peak RSS, as `run` gives shard's."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "DECOUPLE_GCLOUD": "TRUE", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(src / "src")}
+    log = workdir / "maxtext.txt"
+    first, times = None, {}
+    with open(log, "w") as out:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(maxtext_command(mesh, steps, workdir / "out", python), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=src, env=env)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if first is None and "completed step:" in log.read_text():
+                first = time.monotonic() - t0
+            time.sleep(0.05)
+    for m in re.finditer(r"completed step: (\d+), seconds: ([0-9.]+)", log.read_text()):
+        times[int(m.group(1))] = float(m.group(2))
+    if os.waitstatus_to_exitcode(status) or len(times) < 3:
+        raise SystemExit(f"{mesh} MaxText: exited {os.waitstatus_to_exitcode(status)}:\n{log.read_text()[-2000:]}")
+    doc = tomllib.loads(CONFIG.read_text())
+    tokens = doc["data"]["batch"] * doc["data"]["seq_len"]
+    return {"first_step_s": first, "tokens_per_s": tokens / statistics.median(t for s, t in times.items() if s >= 2),
+            "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
 def peak_flops() -> dict[str, float]:
     """This machine's matmul peak per dtype from benchmarks/peak.py's cache, measured first if absent."""
     from shard.hardware import measured_peak
@@ -129,32 +189,47 @@ def main():
                     help="repeatable; default: defaults and fp32")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--maxtext", type=Path, help="a MaxText checkout (its src/maxtext) to run beside shard")
+    ap.add_argument("--maxtext-python", default=sys.executable,
+                    help="the interpreter of the environment MaxText's requirements are installed in")
     args = ap.parse_args()
     meshes, variants = args.mesh or ["fsdp=8", "fsdp=2,model=4"], args.variant or ["defaults", "fp32"]
     steps = max(args.steps, 4)
-    if importlib.util.find_spec("MaxText") is None:
-        print("MaxText: not installed here, so its side is absent; shard's figures follow", flush=True)
+    if args.maxtext is None:
+        print("MaxText: no --maxtext checkout given, so its side is absent; shard's figures follow", flush=True)
     peak = peak_flops()
     print(f"matmul peak of this CPU (benchmarks/peak.py): float32 {peak['float32'] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {peak['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
     results: dict[tuple[str, str], list[dict]] = {}
+    maxtext: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for mesh in meshes:
             for variant in variants:
                 with tempfile.TemporaryDirectory() as tmp:
                     results.setdefault((mesh, variant), []).append(run(mesh, variant, steps, Path(tmp)))
+            if args.maxtext is not None:
+                with tempfile.TemporaryDirectory() as tmp:
+                    maxtext.setdefault(mesh, []).append(
+                        run_maxtext(mesh, steps, Path(tmp), args.maxtext.resolve(), args.maxtext_python))
     for (mesh, variant), rs in results.items():
         print(summary(mesh, variant, rs, steps, peak[step_dtype(variant)]), flush=True)
+    for mesh, rs in maxtext.items():
+        # MaxText runs what the bf16-remat variant runs: bfloat16, full remat
+        print(summary(mesh, "bf16-remat", rs, steps, peak["bfloat16"], label="MaxText"), flush=True)
+        for variant in variants:
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(results[mesh, variant], rs)]
+            print(f"{mesh} {variant}: {_range(ratios, '.2f')}x MaxText's tokens/s (run by run)", flush=True)
 
 
-def summary(mesh: str, variant: str, rs: list[dict], steps: int, peak: float) -> str:
-    """One line of a mesh and variant's runs: each figure's range over the repeats."""
+def summary(mesh: str, variant: str, rs: list[dict], steps: int, peak: float, label: str = "") -> str:
+    """One line of a mesh and variant's runs (`label`: another framework's runs of that variant): each
+    figure's range over the repeats."""
     from shard.hardware import flop_shares
 
     model, hardware, seq = flops_per_token(variant)
     tps = [r["tokens_per_s"] for r in rs]
     shares = [flop_shares(t * model, t * hardware, peak) for t in tps]
-    return (f"{mesh} {variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
+    return (f"{mesh} {label or variant}: launch to first step {_range([r['first_step_s'] for r in rs], '.1f')} s, "
             f"steady {_range(tps, ',.0f')} tokens/s (median of steps 3-{steps}), "
             f"peak RSS {_range([r['peak_rss_mib'] for r in rs], ',.0f')} MiB, "
             f"model {_range([t * model / 1e9 for t in tps], '.0f')} GFLOP/s: MFU "

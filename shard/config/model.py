@@ -99,9 +99,9 @@ class ModelConfig:
     mlp_activation: str = "silu"  # the gated MLP's gate: SwiGLU (silu) or GeGLU with tanh-approximate GELU
     # "auto": bfloat16 on accelerators and on CPUs that multiply bfloat16 in hardware (x86 AVX-512 BF16 or
     # AMX: shard.hardware.cpu_has_bf16_matmul), float32 on other CPUs. With remat "auto" (full on such a
-    # CPU, none elsewhere) the CPU reference config runs as fast as float32 without remat in about 20% less
-    # memory (benchmarks/side_by_side.py). The tiny presets, the tests' models, pin float32 without remat:
-    # exact across layouts whatever the machine.
+    # CPU, none elsewhere) and its matmuls written as float32 (shard.models.matmuls), the CPU reference
+    # config runs 1.4-1.5x float32 without remat's tokens/s in 30% less memory (benchmarks/side_by_side.py).
+    # The tiny presets, the tests' models, pin float32 without remat: exact across layouts whatever the machine.
     compute_dtype: str = "auto"
     param_dtype: str = "float32"
     remat: str = "auto"
@@ -460,9 +460,10 @@ class ModelConfig:
 
     def for_inference(self, platform: str) -> "ModelConfig":
         """This config as generation and evaluation run it: "auto" computes in float32 on a CPU. bfloat16
-        pays on a CPU only in training, where full remat keeps its activations small; scoring or sampling
-        would hold bfloat16 copies of the weights beside them, and the CPU's bfloat16 matmuls are no
-        faster (a 2048 x 2048 matmul: about 180 GFLOP/s against float32's 210)."""
+        pays on a CPU in training, where full remat keeps its activations small; scoring or sampling
+        would hold bfloat16 copies of the weights beside them. (This was weighed when XLA:CPU ran
+        bfloat16 matmuls as float32 ones; written as float32 they run about twice float32's rate now,
+        shard.models.matmuls, and inference in bfloat16 on a CPU is not measured again.)"""
         if self.compute_dtype == "auto" and platform == "cpu":
             return dataclasses.replace(self, compute_dtype="float32")
         return self

@@ -37,6 +37,7 @@ src/maxtext/kernels/mhc must be written as plain assignments.
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def run(mesh: str, variant: str, steps: int, workdir: Path) -> dict:
             "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
+DEVICES = 8  # simulated CPU devices, for both sides (reference_cpu.toml's meshes)
 MAXTEXT_MESH = {"fsdp": "ici_fsdp_parallelism", "model": "ici_tensor_parallelism", "data": "ici_data_parallelism"}
 
 
@@ -97,13 +99,10 @@ def maxtext_command(mesh: str, steps: int, out_dir: Path, python: str) -> list[s
     doc = tomllib.loads(CONFIG.read_text())
     m, d = doc["model"], doc["data"]
     sizes = dict(kv.split("=") for kv in mesh.split(","))
-    unknown = set(sizes) - set(MAXTEXT_MESH)
-    if unknown:
-        raise SystemExit(f"--maxtext: mesh axes {sorted(unknown)} have no MaxText counterpart here")
     parallel = [f"{MAXTEXT_MESH[a]}={sizes.get(a, 1)}" for a in MAXTEXT_MESH]
     return [python, "-m", "maxtext.trainers.pre_train.train", "src/maxtext/configs/base.yml", "run_name=side_by_side",
             f"base_output_directory={out_dir}", "hardware=cpu", "skip_jax_distributed_system=true",
-            "dataset_type=synthetic", f"steps={steps}", f"per_device_batch_size={d['batch'] // 8}",
+            "dataset_type=synthetic", f"steps={steps}", f"per_device_batch_size={d['batch'] / DEVICES:g}",
             f"max_target_length={d['seq_len']}", f"base_emb_dim={m['d_model']}", f"base_num_decoder_layers={m['n_layers']}",
             f"base_num_query_heads={m['n_heads']}", f"base_num_kv_heads={m['n_kv_heads']}", f"head_dim={m['head_dim']}",
             f"base_mlp_dim={m['mlp_dim']}", f"vocab_size={m['vocab_size']}",
@@ -112,9 +111,23 @@ def maxtext_command(mesh: str, steps: int, out_dir: Path, python: str) -> list[s
             "eval_interval=-1", "enable_tensorboard=false", *parallel]
 
 
+def check_maxtext(src: Path, python: str, meshes: list[str]) -> None:
+    """Refuse, in one line before any run, a checkout without src/maxtext, an interpreter that is not
+    there, or a mesh MaxText's side can't take."""
+    if not (src / "src" / "maxtext").is_dir():
+        raise SystemExit(f"--maxtext {src}: not a MaxText checkout (no src/maxtext in it)")
+    if shutil.which(python) is None:
+        raise SystemExit(f"--maxtext-python {python}: no such interpreter")
+    for mesh in meshes:
+        axes = {kv.split("=")[0] for kv in mesh.split(",")}
+        if not axes <= set(MAXTEXT_MESH):
+            raise SystemExit(f"--maxtext: mesh {mesh} has axes with no MaxText counterpart here "
+                             f"(it takes {', '.join(MAXTEXT_MESH)})")
+
+
 def run_maxtext(mesh: str, steps: int, workdir: Path, src: Path, python: str) -> dict:
     """One MaxText run: launch to its first logged step, steady tokens/s and peak RSS, as `run` gives shard's."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu",
            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "DECOUPLE_GCLOUD": "TRUE", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(src / "src")}
     log = workdir / "maxtext.txt"
@@ -132,8 +145,10 @@ def run_maxtext(mesh: str, steps: int, workdir: Path, src: Path, python: str) ->
             time.sleep(0.05)
     for m in re.finditer(r"completed step: (\d+), seconds: ([0-9.]+)", log.read_text()):
         times[int(m.group(1))] = float(m.group(2))
-    if os.waitstatus_to_exitcode(status) or len(times) < 3:
-        raise SystemExit(f"{mesh} MaxText: exited {os.waitstatus_to_exitcode(status)}:\n{log.read_text()[-2000:]}")
+    code = os.waitstatus_to_exitcode(status)
+    if code or len(times) < 3:
+        why = f"exited {code}" if code else f"logged {len(times)} steps, fewer than the 3 a steady rate needs"
+        raise SystemExit(f"{mesh} MaxText: {why}:\n{log.read_text()[-2000:]}")
     doc = tomllib.loads(CONFIG.read_text())
     tokens = doc["data"]["batch"] * doc["data"]["seq_len"]
     return {"first_step_s": first, "tokens_per_s": tokens / statistics.median(t for s, t in times.items() if s >= 2),
@@ -197,6 +212,8 @@ def main():
     steps = max(args.steps, 4)
     if args.maxtext is None:
         print("MaxText: no --maxtext checkout given, so its side is absent; shard's figures follow", flush=True)
+    else:
+        check_maxtext(args.maxtext, args.maxtext_python, meshes)
     peak = peak_flops()
     print(f"matmul peak of this CPU (benchmarks/peak.py): float32 {peak['float32'] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {peak['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)

@@ -165,6 +165,9 @@ def cpu_summary(cpuinfo: str = "/proc/cpuinfo") -> dict:
     return {"model": model, "flags": [f for f in CPU_MATMUL_FLAGS if f in flags], "threads": threads}
 
 
+PEAK_METHOD = "xla16-writes-f32"  # how benchmarks/peak.py times XLA's 16-bit matmuls (written as float32)
+
+
 def peak_cache_path() -> Path:
     """Where benchmarks/peak.py keeps this machine's measured matmul peak and shard reads it: one file per
     machine (host name, CPU model and usable cores) under $XDG_CACHE_HOME/shard (~/.cache/shard), or the
@@ -172,7 +175,8 @@ def peak_cache_path() -> Path:
     if os.environ.get("SHARD_PEAK_FILE"):
         return Path(os.environ["SHARD_PEAK_FILE"])
     cpu = cpu_summary()
-    key = hashlib.sha256(f"{socket.gethostname()}|{cpu['model']}|{cpu['threads']}".encode()).hexdigest()[:12]
+    # PEAK_METHOD in the key: a cache measured another way (16-bit matmuls that wrote 16 bits) is not read
+    key = hashlib.sha256(f"{socket.gethostname()}|{cpu['model']}|{cpu['threads']}|{PEAK_METHOD}".encode()).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shard"
     return root / f"peak-{socket.gethostname()}-{key}.json"
 

@@ -330,12 +330,12 @@ def _parameter_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, token
             # gradient reduce-scattered on every microbatch (M of the S stages' ops, a device's average),
             # and that shard all-reduced over stage and the token axes once, at the end
             per_op = work.pipeline_microbatches / shape.sizes[STAGE]
-            head = reduce | head_stages
+            at_end = reduce | head_stages
             for a, n in gather.items():
                 yield a, per_op * (wire_bytes("all-gather", compute_bytes, n)
                                    + wire_bytes("reduce-scatter", compute_bytes, n)) * axis_share(gather, a)
-            for a in head:
-                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(head.values())) * axis_share(head, a)
+            for a in at_end:
+                yield a, wire_bytes("all-reduce", compute_bytes / g, math.prod(at_end.values())) * axis_share(at_end, a)
             # a tied table is the lookup's too, outside the schedule: its gradient reduced there as without
             # stages, apart from the head's where the table is split (whole, XLA adds the two and reduces once)
             if name != "embed" or not (gather or len(computed) > 0):

@@ -113,19 +113,18 @@ def _fp8_einsum_fwd(subscripts, x, w, rowwise, gather):
 
 def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
     x, w = saved
-    ins, out = subscripts.split("->")
-    sx, sw = ins.split(",")
+    to_x, to_w = matmuls.transposed(subscripts)
     if gather is None:
-        dx = scaled_einsum(f"{out},{sw}->{sx}", g, w, E5M2, E4M3, rowwise)
+        dx = scaled_einsum(to_x, g, w, E5M2, E4M3, rowwise)
         # written in the weight's dtype, in which its partial sums are reduced (as below)
-        dw = scaled_einsum(f"{sx},{out}->{sw}", x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
+        dw = scaled_einsum(to_w, x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
         return dx.astype(x.dtype), dw
     (qx, scale_x), (qw, scale_w, w_dtype) = x, w  # the forward's float8 operands, weight gathered
     qg, scale_g = quantize(g, E5M2)
-    dx = quantized_einsum(f"{out},{sw}->{sx}", qg, scale_g, qw, scale_w)
+    dx = quantized_einsum(to_x, qg, scale_g, qw, scale_w)
     # the dot writes the weight's dtype, in which its partial sums are then reduce-scattered (float32, they
     # moved twice a bf16 gradient's bytes)
-    dw = quantized_einsum(f"{sx},{out}->{sw}", qx, scale_x, qg, scale_g, w_dtype.dtype)
+    dw = quantized_einsum(to_w, qx, scale_x, qg, scale_g, w_dtype.dtype)
     return dx.astype(g.dtype), dw
 
 
@@ -173,12 +172,11 @@ def _delayed_fwd(subscripts, x, w, history, gather):
 
 def _delayed_bwd(subscripts, gather, saved, g):
     qx, qw, w_dtype, sx, sw, x_amax, w_amax, history = saved
-    ins, out = subscripts.split("->")
-    x_letters, w_letters = ins.split(",")
+    to_x, to_w = matmuls.transposed(subscripts)
     g_amax = _amax(g)
     qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g_amax, E5M2))
-    dx = quantized_einsum(f"{out},{w_letters}->{x_letters}", qg, sg, qw, sw)
-    dw = quantized_einsum(f"{x_letters},{out}->{w_letters}", qx, sx, qg, sg, w_dtype.dtype)
+    dx = quantized_einsum(to_x, qg, sg, qw, sw)
+    dw = quantized_einsum(to_w, qx, sx, qg, sg, w_dtype.dtype)
     new = {"x": pushed(history["x"], x_amax), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], g_amax)}
     return dx.astype(g.dtype), dw, new
 

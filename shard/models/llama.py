@@ -385,7 +385,7 @@ def _logits_einsum_fwd(subscripts: str, x, w):
 def _logits_einsum_bwd(subscripts: str, saved, g):
     x, w = saved
     if x.dtype == w.dtype and matmuls.rounds_float32(x.dtype):
-        return matmuls.bwd(subscripts, x, w, g)
+        return matmuls.einsum_grads(subscripts, x, w, g)
     _, pullback = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b), x, w)
     return pullback(g.astype(jnp.result_type(x, w)))
 

@@ -10,6 +10,7 @@ bfloat16, added up in the kernel's order. So on a CPU the forward matmul and bot
 matmuls (a custom VJP: plain autodiff would transpose the float32 output's dot into float32 x bfloat16
 dots, which XLA:CPU widens again) write float32 and round to the operands' dtype. Elsewhere (GPUs:
 cuBLAS accumulates in float32 and writes bfloat16 itself) and in float32, `einsum` is jnp.einsum.
+The custom VJP has no forward-mode rule (jax.jvp, jax.linear_transpose), which shard does not use.
 """
 
 import functools
@@ -17,12 +18,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-ROUNDED_ON = ("cpu",)  # platforms whose 16-bit matmuls run faster written as float32, then rounded
+ROUNDED_ON = ("cpu",)  # platforms whose bfloat16 matmuls run faster written as float32, then rounded
 
 
 def rounds_float32(dtype) -> bool:
-    """Are matmuls of `dtype` operands written as float32 and rounded (a 16-bit float on a CPU)?"""
-    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and jax.default_backend() in ROUNDED_ON
+    """Are matmuls of `dtype` operands written as float32 and rounded (bfloat16 on a CPU; float16's
+    rates were not measured)?"""
+    return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() in ROUNDED_ON
 
 
 def rounded_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -58,7 +60,7 @@ def transposed(subscripts: str) -> tuple[str, str] | None:
     return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
-def bwd(subscripts: str, x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def einsum_grads(subscripts: str, x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The gradients of x and w of `einsum(subscripts, x, w)` given the output's gradient `g`, each
     matmul as `rounded_einsum` and in its operand's dtype."""
     to_x, to_w = transposed(subscripts)
@@ -76,7 +78,7 @@ def _rounded_fwd(subscripts, x, w):
 
 
 def _rounded_bwd(subscripts, saved, g):
-    return bwd(subscripts, *saved, g)
+    return einsum_grads(subscripts, *saved, g)
 
 
 _rounded.defvjp(_rounded_fwd, _rounded_bwd)

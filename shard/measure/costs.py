@@ -438,8 +438,8 @@ def _head_split_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload, toke
     kept = math.prod(shape.sizes[b] for b in token_axes if b not in head)
     tokens = work.global_batch * work.seq_len / kept  # the tokens the devices of a split's group hold
     weight = cfg.d_model * cfg.padded_vocab / shape.degree(VOCAB) * work.act_bytes
+    act = tokens * cfg.d_model * work.act_bytes
     for a, n in head.items():
-        act = tokens * cfg.d_model * work.act_bytes
         yield a, (wire_bytes("all-gather", act, n) + wire_bytes("reduce-scatter", act, n)
                   + 3 * wire_bytes("all-reduce", tokens * 4, n) + 2 * wire_bytes("all-to-all", weight / n, n))
 

@@ -41,7 +41,7 @@ from shard.config.model import ModelConfig
 from shard.config.params import ParamSpec, dense_layer_params, layer_params, mtp_params, outer_params, stacked
 from shard.config.finetune import LoraConfig
 from shard.parallel.ring_attention import zigzag_positions
-from shard.sharding.queries import pin_looked_up, pin_vocab_split, stored_lookup_split
+from shard.sharding.queries import pin_looked_up, stored_lookup_split
 from shard.sharding.rules import active_layout, constrain
 
 _REMAT = {
@@ -346,15 +346,15 @@ def head_logits(cfg: ModelConfig, params: dict, x_btd: jax.Array, table: jax.Arr
     x_btd = norm(cfg, x_btd, params["final_norm"])
     if cfg.tie_embeddings:
         logits_btv = _logits_einsum("btd,vd->btv", x_btd, table if table is not None else _table(cfg, params))
-    elif vocab_split:
-        w_dv = pin_vocab_split(stored_weight(params["unembed"], (EMBED, VOCAB), dtype), (EMBED, VOCAB), vocab_split)
-        x_btd = pin_vocab_split(x_btd, (BATCH, LENGTH, EMBED), vocab_split)
+    elif vocab_split:  # the weight from its stored layout to the vocab split, the tokens gathered over it
+        w_dv = constrain(stored_weight(params["unembed"], (EMBED, VOCAB), dtype), (EMBED, VOCAB), drop=vocab_split,
+                         onto=VOCAB)
+        x_btd = constrain(x_btd, (BATCH, LENGTH, EMBED), drop=vocab_split)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
     else:
         w_dv = compute_weight(params["unembed"], (EMBED, VOCAB), dtype)
         logits_btv = _logits_einsum("btd,dv->btv", x_btd, w_dv)
-    axes = (BATCH, LENGTH, VOCAB)
-    logits_btv = pin_vocab_split(logits_btv, axes, vocab_split) if vocab_split else constrain(logits_btv, axes)
+    logits_btv = constrain(logits_btv, (BATCH, LENGTH, VOCAB), drop=vocab_split, onto=VOCAB)
     return mask_padded_vocab(cfg, soft_cap(logits_btv, cfg.final_softcap))
 
 

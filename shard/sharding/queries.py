@@ -10,9 +10,10 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shard.axes import BATCH, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LENGTH, RES_LENGTH, VOCAB
+from shard.axes import BATCH, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LENGTH, RES_LENGTH
+from shard.config.model import ModelConfig
 from shard.sharding.decisions import head_vocab_split_axes, stored_lookup_axes
-from shard.sharding.rules import active_layout, mesh_axes_of, spec_entries
+from shard.sharding.rules import active_layout, mesh_axes_of
 
 
 def stored_lookup_split(vocab_size: int, tokens: int) -> tuple[str, ...]:
@@ -36,24 +37,13 @@ def pin_looked_up(x_btd: jax.Array, split: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x_btd, NamedSharding(layout.mesh, spec))
 
 
-def head_vocab_split(cfg, tokens: int, chunks: int) -> tuple[str, ...]:
+def head_vocab_split(cfg: ModelConfig, tokens: int, chunks: int) -> tuple[str, ...]:
     """Mesh axes over which the head's loss splits the vocabulary instead of the batch
     (`head_vocab_split_axes` for the active layout), outside a shard_map; () outside a layout."""
     layout = active_layout()
     if layout is None or jax.sharding.get_abstract_mesh().manual_axes:
         return ()
     return tuple(head_vocab_split_axes(cfg, tokens, layout.axis_sizes, layout.rules, layout.param_rules, chunks))
-
-
-def pin_vocab_split(x: jax.Array, logical_axes: tuple[str | None, ...], split: tuple[str, ...]) -> jax.Array:
-    """`x` pinned to its logical axes' layout with the `split` mesh axes taken off every dim and put on the
-    vocab dim (after the vocab's own): the layouts of `head_vocab_split`'s head."""
-    layout = active_layout()
-    entries = []
-    for name, entry in zip(logical_axes, spec_entries(layout.spec(logical_axes), len(logical_axes))):
-        axes = tuple(a for a in mesh_axes_of(entry) if a not in split) + (split if name == VOCAB else ())
-        entries.append(axes[0] if len(axes) == 1 else (axes or None))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, PartitionSpec(*entries)))
 
 
 def heads_split_alike() -> bool:

@@ -45,13 +45,13 @@ from shard.errors import ShardError
 from shard.config.model import ModelConfig
 from shard.parallel import zero_bubble as zb
 from shard.parallel.manual import set_row, vary
-from shard.parallel.schedule import BWD, FWD, IDLE, WGT, build, slots, w_slots
+from shard.parallel.schedule import BWD, FWD, IDLE, build, slots, w_slots
 from shard.parallel.schedule import check as schedule_check
 from shard.sharding.rules import mesh_axes_of
 
-# The executor's op codes: the schedule's IDLE, FWD, BWD, WGT, and the last virtual stage's backward and
-# weight gradient, which also run the head and the loss.
-BWD_LAST, WGT_LAST = 4, 5
+# The executor's op codes: the schedule's IDLE, FWD, BWD, WGT, and the last virtual stage's backward, which
+# also runs the head and the loss (its weight gradient, zero-bubble's W, reads only what B kept: WGT's op).
+BWD_LAST = 4
 
 
 def check(cfg: ModelConfig, stages: int, microbatches: int, batch_per_replica: int,
@@ -230,12 +230,11 @@ def _executed_tables(kind: str, S: int, M: int, V: int) -> tuple[int, int, np.nd
 
 def executed_ops(sch) -> np.ndarray:
     """(ticks, stages): the op the executor runs, as its switch is indexed (`_tick_ops`): the last virtual
-    stage's forward folded into its backward (which recomputes it anyway), its backward and weight
-    gradient the ops that also run the head (BWD_LAST, WGT_LAST). shard.measure.analysis weighs each
-    branch's collectives by it."""
+    stage's forward folded into its backward (which recomputes it anyway), its backward the op that also
+    runs the head (BWD_LAST). shard.measure.analysis weighs each branch's collectives by it."""
     op, S = sch.op, sch.stages
     last = (sch.grid("chunk") * S + np.arange(S)) == sch.virtual * S - 1
-    return np.select([last & (op == FWD), last & (op == BWD), last & (op == WGT)], [IDLE, BWD_LAST, WGT_LAST], op)
+    return np.select([last & (op == FWD), last & (op == BWD)], [IDLE, BWD_LAST], op)
 
 
 def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ...], kind: str = "1f1b",
@@ -298,7 +297,7 @@ def _sender(pairs_per_tick: list[tuple[tuple[int, int], ...]], everywhere: tuple
 
 def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras, shape, waiting: int,
               everywhere: tuple[str, ...]) -> tuple[list, dict]:
-    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, WGT, BWD_LAST, WGT_LAST: each takes the carry, a
+    """The ops a tick of stage `s` can run, indexed IDLE, FWD, BWD, WGT, BWD_LAST: each takes the carry, a
     microbatch m and a chunk ch, and returns the carry. A forward keeps its input (slot u % K of `xin`,
     u = ch * M + m) and sends its output on; a backward recomputes its chunk from that input (jax.vjp),
     adds its layers' gradient and sends its input's gradient back (virtual stage 0 keeps it, in `dx`);
@@ -354,7 +353,7 @@ def _tick_ops(stage_fn, head_loss, s, K: int, layers, head, x_mbtd, aux, extras,
 
     b, w, b_last, carry = zb.split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, (M, K, waiting),
                                      x_mbtd[0], everywhere)
-    return [idle, fwd, b, w, b_last, w], carry
+    return [idle, fwd, b, w, b_last], carry
 
 
 def _first_carry(layers, head, act, K: int, M: int, everywhere: tuple[str, ...]) -> dict:

@@ -21,6 +21,7 @@ from flax.linen import fp8_ops
 
 from shard.config.precision import BF16, DELAYED, gathered_weights
 from shard.models import matmuls
+from shard.parallel.manual import varying_axes
 from shard.sharding.rules import active_layout, constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -223,19 +224,11 @@ def _ragged_bwd(axes, saved, g_mf):
     dw = jax.lax.ragged_dot_general(qx, qg, sizes_e, _RAGGED_CONTRACT, preferred_element_type=like_w.dtype)
     dw = dw * (sx * sg).astype(like_w.dtype)
     # inside a shard_map, w shared by devices whose rows differ: the sum of their parts (pvary's transpose)
-    summed = tuple(sorted(_varying(dw) - _varying(like_w)))
+    summed = tuple(sorted(varying_axes(dw) - varying_axes(like_w)))
     return dx.astype(g_mf.dtype), jax.lax.psum(dw, summed) if summed else dw, None
 
 
 fp8_ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)
-
-
-def _varying(a: jax.Array) -> frozenset:
-    """The manual mesh axes `a` varies over inside a shard_map (jax 0.10's `manual_axis_type.varying`,
-    earlier jax's `vma`)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def ragged_matmul(x_md: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, recipe: str = BF16,

@@ -26,6 +26,7 @@ from shard.config.model import ModelConfig
 from shard.models import llama, matmuls
 from shard.models.attention import soft_cap
 from shard.models.layers import norm
+from shard.parallel.manual import varying_axes
 from shard.sharding.decisions import loss_chunks
 from shard.sharding.queries import auto_ways, head_vocab_split
 from shard.sharding.rules import constrain
@@ -129,7 +130,7 @@ def _scan_chunks(cfg, n, p, subscripts, w_axes, x_btd, w, targets_bt, mask_bt, g
 def _varying(carry, *inputs):
     """Fresh loop carries varying over the manual mesh axes the inputs vary over (inside the pipeline's
     shard_map), as the loop's body makes them."""
-    axes = set().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
+    axes = set().union(*map(varying_axes, inputs))
     return jax.lax.pcast(carry, tuple(sorted(axes)), to="varying") if axes else carry
 
 

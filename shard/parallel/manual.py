@@ -15,6 +15,14 @@ def vary(tree, axes=(STAGE,)):
     return jax.tree.map(lambda x: lax.pcast(x, tuple(axes), to="varying"), tree)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside a shard_map (jax 0.10's `manual_axis_type.varying`,
+    earlier jax's `vma`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
 def set_row(buf, m, value, valid):
     """Row m of `buf` set to `value` where `valid`."""
     return buf.at[m].set(jnp.where(valid, value, buf[m]))

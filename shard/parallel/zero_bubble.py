@@ -24,7 +24,7 @@ from jax import lax
 from jax.interpreters import partial_eval as pe  # dce_jaxpr (public re-export): which inputs each output needs
 
 from shard.errors import ShardError
-from shard.parallel.manual import set_row, vary
+from shard.parallel.manual import set_row, vary, varying_axes
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, sizes,
     def b_of(m, ch, x, g_of_y):  # B from the chunk's input: (output, input's gradient, what W needs)
         y, pull = jax.vjp(lambda lp, x: run(lp, x, m, ch), chunk(layers, ch), x)
         dx, kept = input_gradient(split, jax.tree.leaves(pull), g_of_y(y))
-        return dx, jax.tree.map(lambda a: vary(a, tuple(set(everywhere) - _varying(a))), kept)
+        return dx, jax.tree.map(lambda a: vary(a, tuple(sorted(set(everywhere) - varying_axes(a)))), kept)
 
     kept_like = jax.eval_shape(lambda x: b_of(0, 0, x, lambda y: y)[1], act)
     carry = {"kept": jax.tree.map(lambda a: vary(jnp.zeros((waiting,) + a.shape, a.dtype), everywhere), kept_like)}
@@ -182,11 +182,6 @@ def split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, sizes,
         return c | {"g_layers": add_chunk(c["g_layers"], weight_gradient(split, kept, treedef), ch)}
 
     return bwd_input, wgt, bwd_input_last, carry
-
-
-def _varying(x) -> set:
-    """The manual mesh axes x varies over."""
-    return set(jax.typeof(x).manual_axis_type.varying)
 
 
 def switch_on_a_slot(index, ops, c, m, ch, writes: tuple[int, ...], waiting: int, everywhere: tuple[str, ...]):

@@ -25,14 +25,21 @@ def pipeline_choices(cfg: ModelConfig, stages: int, rows_per_replica: int, fsdp_
     for m in (k * stages for k in MICROBATCHES_PER_STAGE):
         if rows_per_replica % m:
             continue
-        for kind in SCHEDULES if not fsdp_and_model else ("gpipe",):
-            for v in range(2, MAX_VIRTUAL + 1) if kind == "interleaved" else (1,):
-                try:
-                    check(kind, stages, m, v, cfg.n_layers)
-                except ShardError:
-                    continue
-                out.append((kind, m, v))
+        kinds = SCHEDULES if not fsdp_and_model else ("gpipe",)
+        out += [(kind, m, v) for kind, v in _runnable(kinds, stages, m, cfg.n_layers)]
     return out
+
+
+def _runnable(kinds, stages: int, microbatches: int, n_layers: int):
+    """(kind, V) of each schedule of `kinds` whose table `check` allows at these sizes; interleaved from
+    V = 2 (V = 1 is 1F1B's table)."""
+    for kind in kinds:
+        for v in range(2, MAX_VIRTUAL + 1) if kind == "interleaved" else (1,):
+            try:
+                check(kind, stages, microbatches, v, n_layers)
+            except ShardError:
+                continue
+            yield kind, v
 
 
 def rows_per_replica(global_batch: int, devices: int, stages: int) -> int:
@@ -63,17 +70,10 @@ def schedule_options(cfg: ModelConfig, stages: int, microbatches: int, rows_per_
                          "microbatches")
     per_input = rows_per_replica // microbatches * seq_len * cfg.d_model * act_bytes
     out = []
-    for kind in SCHEDULES:
-        for v in range(1, MAX_VIRTUAL + 1) if kind == "interleaved" else (1,):
-            try:
-                check(kind, stages, microbatches, v, cfg.n_layers)
-            except ShardError:
-                continue
-            if kind == "interleaved" and v == 1:
-                continue  # the same table as 1F1B
-            sch = build(kind, stages, microbatches, v)
-            held = (microbatches * cfg.n_layers // stages if kind == "gpipe" else 2 * slots(sch)) * per_input
-            out.append({"schedule": kind, "virtual_stages": v, "ticks": sch.ticks, "bubble": sch.idle_fraction(),
-                        "bubble_formula": bubble_formula(kind, stages, microbatches, v),
-                        "activation_bytes": held, "sends": 2 * microbatches * (v * stages - 1)})
+    for kind, v in _runnable(SCHEDULES, stages, microbatches, cfg.n_layers):
+        sch = build(kind, stages, microbatches, v)
+        held = (microbatches * cfg.n_layers // stages if kind == "gpipe" else 2 * slots(sch)) * per_input
+        out.append({"schedule": kind, "virtual_stages": v, "ticks": sch.ticks, "bubble": sch.idle_fraction(),
+                    "bubble_formula": bubble_formula(kind, stages, microbatches, v),
+                    "activation_bytes": held, "sends": 2 * microbatches * (v * stages - 1)})
     return sorted(out, key=lambda r: (round(r["bubble"], 9), r["activation_bytes"]))

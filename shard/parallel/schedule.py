@@ -68,13 +68,15 @@ class Schedule:
     def held(self) -> list[int]:
         """Peak microbatch inputs each stage keeps at once (from its F to its last use, B or W): the
         activation memory, in one microbatch's stage input as the unit."""
-        last = WGT if (self.table[:, 4] == WGT).any() else BWD
-        peaks = []
+        return self.peaks(FWD, WGT if (self.table[:, 4] == WGT).any() else BWD)
+
+    def peaks(self, opens: int, closes: int) -> list[int]:
+        """Per stage, the most of its microbatches at once between an `opens` phase and their `closes` one."""
+        out = []
         for s in range(self.stages):
-            rows = self.table[self.table[:, 1] == s]
-            delta = np.where(rows[:, 4] == FWD, 1, np.where(rows[:, 4] == last, -1, 0))
-            peaks.append(int(np.cumsum(delta).max()))
-        return peaks
+            phases = self.table[self.table[:, 1] == s, 4]
+            out.append(int(np.cumsum((phases == opens).astype(int) - (phases == closes)).max(initial=0)))
+        return out
 
     def sends(self) -> list[tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
         """Per tick, the (from, to) stage pairs passing an activation forward (an F whose virtual stage is
@@ -142,11 +144,7 @@ def slots(sch: Schedule) -> int:
 def w_slots(sch: Schedule) -> int:
     """Most W's waiting on one stage at once (its B run, its W not yet): the slots zero-bubble's B needs
     for what it keeps for W. W's run oldest first, so microbatch m can take slot m % w_slots."""
-    peak = 0
-    for s in range(sch.stages):
-        phases = sch.table[sch.table[:, 1] == s, 4]
-        peak = max(peak, int(np.cumsum((phases == BWD).astype(int) - (phases == WGT)).max(initial=0)))
-    return peak
+    return max(sch.peaks(BWD, WGT))
 
 
 @functools.lru_cache(maxsize=64)

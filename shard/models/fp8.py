@@ -121,12 +121,16 @@ def _fp8_einsum_bwd(subscripts, rowwise, gather, saved, g):
         dw = scaled_einsum(to_w, x, g, E4M3, E5M2, rowwise, dtype=w.dtype)
         return dx.astype(x.dtype), dw
     (qx, scale_x), (qw, scale_w, w_dtype) = x, w  # the forward's float8 operands, weight gathered
-    qg, scale_g = quantize(g, E5M2)
-    dx = quantized_einsum(to_x, qg, scale_g, qw, scale_w)
-    # the dot writes the weight's dtype, in which its partial sums are then reduce-scattered (float32, they
-    # moved twice a bf16 gradient's bytes)
-    dw = quantized_einsum(to_w, qx, scale_x, qg, scale_g, w_dtype.dtype)
+    dx, dw = _quantized_grads(subscripts, qx, scale_x, qw, scale_w, *quantize(g, E5M2), w_dtype.dtype)
     return dx.astype(g.dtype), dw
+
+
+def _quantized_grads(subscripts, qx, sx, qw, sw, qg, sg, w_dtype):
+    """dx (float32) and dw of `quantized_einsum(subscripts, qx, sx, qw, sw)` from the float8 gradient (qg,
+    sg), dw written in the weight's dtype, in which its partial sums are then reduced or reduce-scattered
+    (float32, they moved twice a bf16 gradient's bytes)."""
+    to_x, to_w = matmuls.transposed(subscripts)
+    return quantized_einsum(to_x, qg, sg, qw, sw), quantized_einsum(to_w, qx, sx, qg, sg, w_dtype)
 
 
 fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
@@ -173,11 +177,9 @@ def _delayed_fwd(subscripts, x, w, history, gather):
 
 def _delayed_bwd(subscripts, gather, saved, g):
     qx, qw, w_dtype, sx, sw, x_amax, w_amax, history = saved
-    to_x, to_w = matmuls.transposed(subscripts)
     g_amax = _amax(g)
     qg, sg = quantize(g, E5M2, scale=delayed_scale(history["g"], g_amax, E5M2))
-    dx = quantized_einsum(to_x, qg, sg, qw, sw)
-    dw = quantized_einsum(to_w, qx, sx, qg, sg, w_dtype.dtype)
+    dx, dw = _quantized_grads(subscripts, qx, sx, qw, sw, qg, sg, w_dtype.dtype)
     new = {"x": pushed(history["x"], x_amax), "w": pushed(history["w"], w_amax), "g": pushed(history["g"], g_amax)}
     return dx.astype(g.dtype), dw, new
 

@@ -263,8 +263,7 @@ def _one_f_one_b_body(stage_fn, mesh, M: int, head_loss, replicas: tuple[str, ..
                                      waiting, everywhere)
 
         send_f, send_b = (_sender([p[i] for p in sends], everywhere) for i in (0, 1))
-        switch = (functools.partial(zb.switch_on_a_slot, writes=(BWD, BWD_LAST), waiting=waiting, everywhere=everywhere)
-                  if waiting else lax.switch)
+        switch = functools.partial(zb.switch_on_a_slot, waiting=waiting, everywhere=everywhere) if waiting else lax.switch
 
         def tick(t, c):
             op_t, m, ch, rf, rb = (tables[t, s, i] for i in range(5))

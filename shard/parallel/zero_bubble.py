@@ -184,21 +184,26 @@ def split_ops(run, chunk, add_chunk, first, head_loss, layers, head, aux, sizes,
     return bwd_input, wgt, bwd_input_last, carry
 
 
-def switch_on_a_slot(index, ops, c, m, ch, writes: tuple[int, ...], waiting: int, everywhere: tuple[str, ...]):
+def switch_on_a_slot(index, ops, c, m, ch, waiting: int, everywhere: tuple[str, ...]):
     """`lax.switch(index, ops, c, m, ch)` for zero-bubble, whose carry's `kept` buffers (a slot for each
-    W waiting) go into the conditional to be read (W reads microbatch m's slot) but not out: B returns
-    its new slot, every other op zeros, and B's is written to m's slot after. Passed in and out whole, or
-    one slot in and out, they were copied on every tick (tiny, S = 4, M = 8, with an earlier and larger
-    kept set: 6.5x and 2.6x 1F1B's step on CPU)."""
+    W waiting) go into the conditional to be read (W reads microbatch m's slot) but not out: the ops that
+    return a new slot (B's, found while the switch traces them) return it, every other op zeros, and it
+    is written to m's slot after. Passed in and out whole, or one slot in and out, they were copied on
+    every tick (tiny, S = 4, M = 8, with an earlier and larger kept set: 6.5x and 2.6x 1F1B's step on CPU)."""
     bufs = c["kept"]
     nothing = lambda: jax.tree.map(lambda b: vary(jnp.zeros(b.shape[1:], b.dtype), everywhere), bufs)  # noqa: E731
+    writers = set()
 
-    def writes_a_slot(op):
+    def writes_a_slot(i, op):
         def run(c, m, ch):
             out = op(c, m, ch)
-            return out if out["kept"] is not c["kept"] else out | {"kept": nothing()}
+            if out["kept"] is not c["kept"]:
+                writers.add(i)
+                return out
+            return out | {"kept": nothing()}
         return run
 
-    c = lax.switch(index, [writes_a_slot(op) for op in ops], c, m, ch)
+    c = lax.switch(index, [writes_a_slot(i, op) for i, op in enumerate(ops)], c, m, ch)  # traces every op
     write = lambda bufs, new: jax.tree.map(lambda b, v: b.at[m % waiting].set(v), bufs, new)  # noqa: E731
-    return c | {"kept": lax.cond(jnp.any(index == jnp.asarray(writes)), write, lambda bufs, new: bufs, bufs, c["kept"])}
+    writes = jnp.asarray(sorted(writers))
+    return c | {"kept": lax.cond(jnp.any(index == writes), write, lambda bufs, new: bufs, bufs, c["kept"])}

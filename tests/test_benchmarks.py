@@ -136,3 +136,26 @@ def test_rl_splits_a_grpo_step_and_times_the_kv_cache_against_uncached_sampling(
     assert re.fullmatch(r"  rollout tokens/s: KV cache [\d,]+, uncached [\d,]+ \([\d.]+x\)", lines[4]), out
     # the uncached loop once timed a compile (its rows placed otherwise than at its warm-up call)
     assert re.fullmatch(r"  compiles while timed: \d+ in the steps, 0 in the uncached loop", lines[5]), out
+
+
+def test_ceiling_times_each_matmul_of_the_step_and_bounds_the_shares(capsys, monkeypatch, tmp_path):
+    """In this process (its 8 simulated devices are the script's); a planted peak, so the shares print."""
+    import importlib.util
+    import json
+
+    (tmp_path / "peak.json").write_text(json.dumps({"peak_flops": {"float32": 1e13, "bfloat16": 2e13}}))
+    monkeypatch.setenv("SHARD_PEAK_FILE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(sys, "argv", ["ceiling.py", "--quick", "--top", "3"])
+    spec = importlib.util.spec_from_file_location("ceiling_benchmark", BENCHMARKS / "ceiling.py")
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    ceiling.main()
+    out = capsys.readouterr().out
+    assert re.search(r"^fsdp=8 \(8 devices, float32, remat none\): \d+ distinct dots, \d+ per step, ", out, re.M), out
+    assert len(re.findall(r"^ *[\d.]+% +[\d.]+ +\d+ +\d+  f32\[", out, re.M)) == 3, out
+    assert re.search(r"^the optimizer's update alone \(adamw\): [\d.]+ ms$", out, re.M), out
+    bounds = re.findall(r"^ceiling fsdp=8, (matmuls|matmuls \+ optimizer): ([\d,.]+) ms a step, [\d,]+ tokens/s, "
+                        r"MFU ([\d.]+)%, HFU ([\d.]+)% of the float32 peak 10,000.0 GFLOP/s$", out, re.M)
+    assert [b[0] for b in bounds] == ["matmuls", "matmuls + optimizer"], out
+    (_, alone, mfu, hfu), (_, with_optimizer, _, _) = bounds
+    assert float(with_optimizer.replace(",", "")) > float(alone.replace(",", "")) and 0 < float(mfu) <= float(hfu)

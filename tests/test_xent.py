@@ -72,10 +72,14 @@ def test_auto_chunks_keep_each_chunks_logits_within_the_budget():
     # 256 tokens per device for an embedding of 256: the weight-gradient sum would cost what chunks save
     assert loss_chunks(cfg, 8, 256, batch_ways=8) == 1
     assert loss_chunks(ModelConfig(vocab_size=256), 8, 32) == 1  # small logits: not chunked
-    n = loss_chunks(ModelConfig(vocab_size=32000), 4, 2048)  # 16 positions x 4 rows x 32000 x 4 B: 8 MiB
+    n = loss_chunks(ModelConfig(vocab_size=32000, d_model=64), 4, 2048)  # 16 positions x 4 rows x 32000 x 4 B: 8 MiB
     assert 2048 % n == 0 and 2048 // n * 4 * 32000 * 4 <= CHUNK_LOGITS_BYTES < 2048 // n * 8 * 32000 * 4
-    # chunks of no fewer than CHUNK_MIN_TOKENS tokens, even above the budget (llama-1b's vocab)
-    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 2048 // CHUNK_MIN_TOKENS * 4
+    # chunks of no fewer than CHUNK_MIN_TOKENS tokens, even above the budget
+    assert loss_chunks(ModelConfig(vocab_size=32000, d_model=32), 1, 2048) == 2048 // CHUNK_MIN_TOKENS
+    # nor fewer tokens than the embedding dim: the reference config on one device (D 256, 2,048 tokens)
+    # in 8 chunks of 256, not 32 of 64; llama-1b's vocab and D 2048 at 4 x 2048 in 4 of 2,048, not 128
+    assert loss_chunks(cfg, 8, 256) == 8
+    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 4
     assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 1, 2048) == 1  # 2048 tokens, D 2048
     assert loss_chunks(ModelConfig(vocab_size=32000, loss_chunk=0), 8, 256) == 1
 

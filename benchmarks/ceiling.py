@@ -11,9 +11,12 @@ Each distinct dot is timed two ways, after a warm-up, best of repeats: alone on 
 the cores, times the mesh's devices, as the step runs one copy per device), and on every device at
 once (a shard_map, as the simulated devices share the cores). The faster counts: the ceiling is an
 upper bound whichever way XLA:CPU shares the cores. The matmul-bound step time is the sum over dots
-of count x time; ceiling tokens/s = the step's tokens / that; the ceiling MFU and HFU divide by the
-peak `benchmarks/peak.py` cached (shard.hardware.measured_peak). A measured MFU above the ceiling
-means a dot's count or timing is wrong, not that the model is fast. Results in docs/performance.md.
+of count x time. Two more floors are added in turn: the optimizer's update alone (the state in its
+shardings, donated, as the step holds it) and the loss's exponentials, one per logit (the least any
+softmax cross-entropy takes), at the best rate of exp over float32 blocks of 256 rows. Ceiling
+tokens/s = the step's tokens / each bound; the ceiling MFU and HFU divide by the peak
+`benchmarks/peak.py` cached (shard.hardware.measured_peak). A measured MFU above a ceiling means a
+count or a timing here is wrong, not that the model is fast. Results in docs/performance.md.
 """
 
 import argparse
@@ -97,6 +100,27 @@ def optimizer_seconds(cfg, layout, min_time: float, repeats: int) -> float:
     return best_seconds(run, min_time, repeats)
 
 
+def exp_rate(devices: int, vocab: int, min_time: float, repeats: int) -> float:
+    """Exponentials a second at best on this machine: exp and a row sum over float32 blocks of 256 rows
+    of `vocab`, alone on one device or on every device at once, whichever is faster."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def softmax_sum(x):
+        return jnp.sum(jnp.exp(x - 1.0), axis=-1)
+
+    x = jnp.ones((256, vocab), jnp.float32)
+    alone = jax.jit(softmax_sum)
+    rate = x.size / best_seconds(lambda: alone(x).block_until_ready(), min_time, repeats)
+    if devices > 1:
+        mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
+        xs = jax.device_put(jnp.ones((devices, *x.shape), jnp.float32), NamedSharding(mesh, P("d")))
+        each = jax.jit(jax.shard_map(softmax_sum, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        rate = max(rate, xs.size / best_seconds(lambda: each(xs).block_until_ready(), min_time, repeats))
+    return rate
+
+
 def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int) -> dict:
     """The mesh's step compiled, its dots timed; prints the heaviest `top` and returns the figures."""
     import jax
@@ -120,6 +144,8 @@ def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int)
     step_s = sum(r[0] for r in rows)
     optimizer_s = optimizer_seconds(cfg, layout, min_time, repeats)
     tokens = cfg.data.batch * cfg.data.seq_len
+    exps = tokens * cfg.model.padded_vocab  # one per logit: the least a softmax cross-entropy takes
+    exp_s = exps / exp_rate(devices, cfg.model.padded_vocab, min_time, repeats)
     hardware = hardware_flops_per_token(cfg.model, cfg.data.seq_len, "cpu") * tokens
     dtype = cfg.model.compute_dtype_on("cpu")
     print(f"\n{mesh} ({devices} devices, {dtype}, remat {cfg.model.remat_on('cpu')}): {len(rows)} distinct dots, "
@@ -128,8 +154,11 @@ def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int)
     print(f"{'share':>6} {'ms/step':>8} {'count':>5} {'GFLOP/s':>8}  dot")
     for t, count, dot, rate in rows[:top]:
         print(f"{t / step_s:6.1%} {t * 1e3:8.1f} {count:5d} {rate / 1e9:8.0f}  {dot.label()}")
-    print(f"the optimizer's update alone ({cfg.optimizer.name}): {optimizer_s * 1e3:.1f} ms")
-    return {"mesh": mesh, "dtype": dtype, "bounds": {"matmuls": step_s, "matmuls + optimizer": step_s + optimizer_s},
+    print(f"the optimizer's update alone ({cfg.optimizer.name}): {optimizer_s * 1e3:.1f} ms; the loss's "
+          f"{exps / 1e6:,.1f}M exponentials (one per logit) at the best rate: {exp_s * 1e3:.1f} ms")
+    bounds = {"matmuls": step_s, "matmuls + optimizer": step_s + optimizer_s,
+              "matmuls + optimizer + the loss's exponentials": step_s + optimizer_s + exp_s}
+    return {"mesh": mesh, "dtype": dtype, "bounds": bounds,
             "tokens": tokens, "mfu_flops_per_step": mfu_flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
             "hfu_flops_per_step": hardware}
 

@@ -328,6 +328,8 @@ def test_the_hardware_flop_count_is_what_xla_counts_remat_included(analysed):
     positions = cfg.data.batch * cfg.data.seq_len / layout.mesh.size
     counted = hardware_flops_per_token(cfg.model, cfg.data.seq_len, "cpu") * positions
     assert 0.95 * a.flops <= counted <= a.flops, (counted, a.flops)
+    # the compiled step's matmuls alone (shard.measure.hlo_dots; tests/test_hlo_dots.py for scanned layers)
+    assert counted <= a.matmul_flops <= 1.05 * counted, (counted, a.matmul_flops)
 
 
 def test_mfu_counts_the_routed_experts_only():

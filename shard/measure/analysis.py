@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
-from shard.measure import costs, hlo
+from shard.measure import costs, hlo, hlo_dots
 from shard.measure.flops import model_flops
 from shard.axes import LENGTH, STAGE
 from shard.config.train import TrainConfig
@@ -38,6 +38,9 @@ class StepAnalysis:
     minimum_bytes_by_axes: dict[str, float]  # analytic minimum for this layout (shard.measure.costs)
     platform: str
     unmodelled_axes: dict[str, str] = field(default_factory=dict)  # axis -> parallelism, no minimum
+    # the compiled step's matmul FLOPs, each loop by its trip count (shard.measure.hlo_dots): remat's
+    # recompute included; a conditional's branches (the table schedules' switch) counted as if each ran
+    matmul_flops: float = 0.0
 
     @property
     def efficiency(self) -> dict[str, float]:
@@ -73,6 +76,7 @@ class StepAnalysis:
                                 "ring algorithm bytes on the wire",
             "flops_per_device": self.flops,
             "model_flops_per_device": self.model_flops,
+            "matmul_flops_per_device": self.matmul_flops,
         }
 
 
@@ -81,7 +85,8 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
     compiled = compiled if compiled is not None else compile_step(cfg, layout)
     names = tuple(layout.mesh.axis_names)
     sizes = tuple(layout.mesh.shape[a] for a in names)
-    items = hlo.collectives(compiled.as_text(), names, sizes)
+    text = compiled.as_text()
+    items = hlo.collectives(text, names, sizes)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     shape = costs.LayoutShape.from_layout(layout)
@@ -97,6 +102,7 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
         platform=layout.mesh.devices.flat[0].platform,
         unmodelled_axes=_lora_unmodelled(cfg, layout) | costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
+        matmul_flops=float(hlo_dots.total_flops(hlo_dots.dots(text))),
     )
 
 

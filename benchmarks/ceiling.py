@@ -1,31 +1,37 @@
-"""The matmul ceiling: how fast a config's train step could run on this machine if everything but its
-matmuls were free. The step is compiled on each mesh as `shard train` compiles it; every `dot` of its
-HLO (shard.measure.hlo_dots: shapes, dtypes, dimension numbers, times run per step) is timed alone,
-and the sum bounds the step from below, so the model FLOP share (MFU) from above.
+"""The ceiling: how fast a config's train step could run on this machine if everything but its matmuls
+were free, then if everything but its matmuls, its optimizer update and its loss's exponentials were.
+The step is compiled on each mesh as `shard train` compiles it; every `dot` of its HLO
+(shard.measure.hlo_dots: shapes, dtypes, dimension numbers, times run per step) is timed alone.
 
     python benchmarks/ceiling.py                                  # reference_cpu.toml, fsdp=8 and fsdp=2,model=4
     python benchmarks/ceiling.py --mesh 1x1 --set model.remat=none
     python benchmarks/ceiling.py --quick                          # the tiny model, a few seconds (in the suite)
 
-Each distinct dot is timed two ways, after a warm-up, best of repeats: alone on one device (using all
+Each distinct dot is timed after a warm-up, best of its repeats, two ways: alone on one device (on all
 the cores, times the mesh's devices, as the step runs one copy per device), and on every device at
-once (a shard_map, as the simulated devices share the cores). The faster counts: the ceiling is an
-upper bound whichever way XLA:CPU shares the cores. The matmul-bound step time is the sum over dots
-of count x time. Two more floors are added in turn: the optimizer's update alone (the state in its
-shardings, donated, as the step holds it) and the loss's exponentials, one per logit (the least any
-softmax cross-entropy takes), at the best rate of exp over float32 blocks of 256 rows. Ceiling
-tokens/s = the step's tokens / each bound; the ceiling MFU and HFU divide by the peak
-`benchmarks/peak.py` cached (shard.hardware.measured_peak). A measured MFU above a ceiling means a
-count or a timing here is wrong, not that the model is fast. Results in docs/performance.md.
+once (a shard_map, as the simulated devices share the cores); the faster counts. The sum over dots
+of count x time is the step as shard compiles it with nothing but its matmuls. Two floors are added
+in turn, each timed alone: the optimizer's update (the state in its shardings, donated, as the step
+holds it) and the loss's exponentials, one per logit of the vocabulary (the least a softmax
+cross-entropy takes), at the best rate of exp over float32 blocks of 256 rows. The floors are summed
+as if none overlapped another. Ceiling tokens/s = the step's tokens / each bound; the ceiling MFU
+and HFU divide by the peak `benchmarks/peak.py` cached (shard.hardware.measured_peak). Programs with
+dots in a conditional (the table pipeline schedules) are refused: which branch runs is not in the HLO.
+Results in docs/performance.md.
 """
 
 import argparse
+import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+_peak_spec = importlib.util.spec_from_file_location("peak_benchmark", Path(__file__).with_name("peak.py"))
+_peak = importlib.util.module_from_spec(_peak_spec)
+_peak_spec.loader.exec_module(_peak)
+best_seconds = _peak.best_seconds  # the best of repeated calls after a warm-up, as peak.py times matmuls
 
 CONFIG = Path(__file__).with_name("reference_cpu.toml")
 DEVICES = 8  # simulated CPU devices, as benchmarks/side_by_side.py runs the reference config
@@ -33,96 +39,83 @@ MESHES = ("fsdp=8", "fsdp=2,model=4")
 QUICK_SETS = ("model.name=tiny", "data.batch=8", "data.seq_len=32", "model.vocab_size=512")
 
 
-def best_seconds(f, min_time: float, repeats: int) -> float:
-    """The best of `repeats` calls of `f` (more until `min_time` has passed), after one warm-up."""
-    f()
-    times, start = [], time.perf_counter()
-    while len(times) < repeats or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def fastest_on(devices: int, f, *inputs, min_time: float) -> float:
+    """Seconds at best for `devices` copies of `f(*inputs)`: alone on one device times `devices`, or one
+    copy on each device at once, whichever is faster."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    alone = jax.jit(f)
+    seconds = best_seconds(lambda: jax.block_until_ready(alone(*inputs)), min_time) * devices
+    if devices > 1:
+        mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
+        stacked = [jax.device_put(jnp.broadcast_to(a, (devices, *a.shape)), NamedSharding(mesh, P("d")))
+                   for a in inputs]
+        each = jax.jit(jax.shard_map(lambda *xs: f(*(x[0] for x in xs))[None], mesh=mesh,
+                                     in_specs=(P("d"),) * len(inputs), out_specs=P("d")))
+        seconds = min(seconds, best_seconds(lambda: jax.block_until_ready(each(*stacked)), min_time))
+    return seconds
 
 
-def dot_seconds(dot, devices: int, min_time: float, repeats: int) -> float:
-    """Seconds the mesh's `devices` copies of `dot` take at best: alone on one device times `devices`,
-    or all at once on every device, whichever is faster."""
+def dot_seconds(dot, devices: int, min_time: float) -> float:
+    """Seconds the mesh's `devices` copies of `dot` take at best (`fastest_on`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from shard.measure.hlo_text import NUMPY_NAMES
 
     dims = ((dot.lhs_contracting, dot.rhs_contracting), (dot.lhs_batch, dot.rhs_batch))
-    out = jnp.dtype(dot.out_dtype.replace("bf16", "bfloat16").replace("f32", "float32").replace("f16", "float16"))
-    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
-
-    def matmul(a, b):
-        return jax.lax.dot_general(a, b, dims, preferred_element_type=out)
-
     rng = np.random.default_rng(0)
-    lhs = jnp.asarray(rng.standard_normal(dot.lhs[1]), dtype[dot.lhs[0]])
-    rhs = jnp.asarray(rng.standard_normal(dot.rhs[1]), dtype[dot.rhs[0]])
-    alone = jax.jit(matmul)
-    t_alone = best_seconds(lambda: alone(lhs, rhs).block_until_ready(), min_time, repeats) * devices
-    if devices == 1:
-        return t_alone
-    mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
-    spread = NamedSharding(mesh, P("d"))
-    lhs_all, rhs_all = (jax.device_put(jnp.broadcast_to(a, (devices, *a.shape)), spread) for a in (lhs, rhs))
-    each = jax.jit(jax.shard_map(lambda a, b: matmul(a[0], b[0])[None], mesh=mesh, in_specs=(P("d"), P("d")),
-                                 out_specs=P("d")))
-    t_all = best_seconds(lambda: each(lhs_all, rhs_all).block_until_ready(), min_time, repeats)
-    return min(t_alone, t_all)
+
+    def operand(dtype_name, shape):
+        dtype = jnp.dtype(NUMPY_NAMES[dtype_name])
+        values = rng.standard_normal(shape) if jnp.issubdtype(dtype, jnp.floating) else rng.integers(-4, 4, shape)
+        return jnp.asarray(values, dtype)
+
+    out = jnp.dtype(NUMPY_NAMES[dot.out_dtype])
+    return fastest_on(devices, lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=out),
+                      operand(*dot.lhs), operand(*dot.rhs), min_time=min_time)
 
 
-def optimizer_seconds(cfg, layout, min_time: float, repeats: int) -> float:
-    """Seconds the config's optimizer update takes alone on the mesh (gradients of zeros, the state in its
-    shardings and donated, as the step holds it): a step reads and writes the whole optimizer state."""
+def optimizer_seconds(cfg, layout, min_time: float) -> float:
+    """Seconds the config's optimizer update takes alone on the mesh: gradients of zeros, the state in its
+    shardings and donated, as the step holds it (a step reads and writes the whole optimizer state)."""
+    import functools
+
     import jax
     import optax
     from shard.training.state import init_state, state_spec
 
     spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     state = init_state(spec, cfg.model, 0)
-    params, opt_state = spec.trainable(state["params"]), state["opt_state"]
-    grads = jax.tree.map(lambda p: jax.numpy.zeros_like(p), params)
+    held = [spec.trainable(state["params"]), state["opt_state"]]
+    grads = jax.tree.map(jax.numpy.zeros_like, held[0])
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(params, opt_state, grads):
         updates, opt_state = spec.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    held = [params, opt_state]
-
     def run():
         held[:] = jax.block_until_ready(update(*held, grads))
 
-    return best_seconds(run, min_time, repeats)
+    return best_seconds(run, min_time)
 
 
-def exp_rate(devices: int, vocab: int, min_time: float, repeats: int) -> float:
-    """Exponentials a second at best on this machine: exp and a row sum over float32 blocks of 256 rows
-    of `vocab`, alone on one device or on every device at once, whichever is faster."""
-    import jax
+def exp_rate(devices: int, vocab: int, min_time: float) -> float:
+    """Exponentials a second at best: exp and a row sum over float32 blocks of 256 rows of `vocab`
+    (`fastest_on` the devices)."""
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    def softmax_sum(x):
-        return jnp.sum(jnp.exp(x - 1.0), axis=-1)
-
-    x = jnp.ones((256, vocab), jnp.float32)
-    alone = jax.jit(softmax_sum)
-    rate = x.size / best_seconds(lambda: alone(x).block_until_ready(), min_time, repeats)
-    if devices > 1:
-        mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices])
-        xs = jax.device_put(jnp.ones((devices, *x.shape), jnp.float32), NamedSharding(mesh, P("d")))
-        each = jax.jit(jax.shard_map(softmax_sum, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        rate = max(rate, xs.size / best_seconds(lambda: each(xs).block_until_ready(), min_time, repeats))
-    return rate
+    block = jnp.ones((256, vocab), jnp.float32)
+    seconds = fastest_on(devices, lambda x: jnp.sum(jnp.exp(x - 1.0), axis=-1), block, min_time=min_time)
+    return devices * block.size / seconds
 
 
-def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int) -> dict:
-    """The mesh's step compiled, its dots timed; prints the heaviest `top` and returns the figures."""
+def ceiling(mesh: str, sets: list[str], min_time: float, top: int) -> dict:
+    """The mesh's step compiled, its dots and floors timed; prints the heaviest `top` dots and returns
+    the bounds."""
     import jax
     from shard import config, make_layout, parse_mesh
     from shard.config.flops import hardware_flops_per_token, mfu_flops_per_token
@@ -136,16 +129,19 @@ def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int)
     layout = make_layout(cfg, spec, jax.devices()[:devices_needed(spec, len(jax.devices()))])
     devices = layout.mesh.size
     counted = hlo_dots.dots(compile_step(cfg, layout).as_text())
+    if any(dot.in_branch for dot in counted):
+        raise SystemExit(f"{mesh}: the step has matmuls inside a conditional (a table pipeline schedule's switch), "
+                         "which the HLO does not say how often runs; no ceiling for it")
     rows = []
     for dot, count in counted.items():
-        s = dot_seconds(dot, devices, min_time, repeats)
+        s = dot_seconds(dot, devices, min_time)
         rows.append((count * s, count, dot, dot.flops * devices / s))
     rows.sort(key=lambda r: -r[0])
-    step_s = sum(r[0] for r in rows)
-    optimizer_s = optimizer_seconds(cfg, layout, min_time, repeats)
+    matmuls_s = sum(r[0] for r in rows)
+    optimizer_s = optimizer_seconds(cfg, layout, min_time)
     tokens = cfg.data.batch * cfg.data.seq_len
-    exps = tokens * cfg.model.padded_vocab  # one per logit: the least a softmax cross-entropy takes
-    exp_s = exps / exp_rate(devices, cfg.model.padded_vocab, min_time, repeats)
+    exps = tokens * cfg.model.vocab_size
+    exp_s = exps / exp_rate(devices, cfg.model.padded_vocab, min_time)
     hardware = hardware_flops_per_token(cfg.model, cfg.data.seq_len, "cpu") * tokens
     dtype = cfg.model.compute_dtype_on("cpu")
     print(f"\n{mesh} ({devices} devices, {dtype}, remat {cfg.model.remat_on('cpu')}): {len(rows)} distinct dots, "
@@ -153,13 +149,13 @@ def ceiling(mesh: str, sets: list[str], min_time: float, repeats: int, top: int)
           f"(shard's hardware count {hardware / devices / 1e9:.2f})")
     print(f"{'share':>6} {'ms/step':>8} {'count':>5} {'GFLOP/s':>8}  dot")
     for t, count, dot, rate in rows[:top]:
-        print(f"{t / step_s:6.1%} {t * 1e3:8.1f} {count:5d} {rate / 1e9:8.0f}  {dot.label()}")
+        print(f"{t / matmuls_s:6.1%} {t * 1e3:8.1f} {count:5d} {rate / 1e9:8.0f}  {dot.label()}")
     print(f"the optimizer's update alone ({cfg.optimizer.name}): {optimizer_s * 1e3:.1f} ms; the loss's "
           f"{exps / 1e6:,.1f}M exponentials (one per logit) at the best rate: {exp_s * 1e3:.1f} ms")
-    bounds = {"matmuls": step_s, "matmuls + optimizer": step_s + optimizer_s,
-              "matmuls + optimizer + the loss's exponentials": step_s + optimizer_s + exp_s}
-    return {"mesh": mesh, "dtype": dtype, "bounds": bounds,
-            "tokens": tokens, "mfu_flops_per_step": mfu_flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
+    bounds = {"matmuls": matmuls_s, "matmuls + optimizer": matmuls_s + optimizer_s,
+              "matmuls + optimizer + the loss's exponentials": matmuls_s + optimizer_s + exp_s}
+    return {"mesh": mesh, "dtype": dtype, "bounds": bounds, "tokens": tokens,
+            "mfu_flops_per_step": mfu_flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
             "hfu_flops_per_step": hardware}
 
 
@@ -167,8 +163,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mesh", action="append", help="repeatable; default fsdp=8 and fsdp=2,model=4")
     ap.add_argument("--set", action="append", default=[], help="a config override, repeatable")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--min-time", type=float, default=0.2, help="seconds each timing repeats for at least")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds each timing repeats for at least")
     ap.add_argument("--top", type=int, default=8, help="dots listed per mesh")
     ap.add_argument("--quick", action="store_true", help="the tiny model on fsdp=8, 2 repeats: a check, not a figure")
     args = ap.parse_args()
@@ -177,8 +172,8 @@ def main():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     request_host_devices(DEVICES)
     sets = [*QUICK_SETS, *args.set] if args.quick else args.set
-    repeats, min_time = (2, 0.0) if args.quick else (args.repeats, args.min_time)
-    results = [ceiling(m, sets, min_time, repeats, args.top) for m in args.mesh or (["fsdp=8"] if args.quick else MESHES)]
+    min_time = 0.0 if args.quick else args.min_time
+    results = [ceiling(m, sets, min_time, args.top) for m in args.mesh or (["fsdp=8"] if args.quick else MESHES)]
 
     from shard.hardware import flop_shares, measured_peak
 

@@ -36,3 +36,13 @@ def test_the_dots_of_a_train_step_are_the_hardware_flop_count():
     counted = hlo_dots.dots(compile_step(cfg, layout).as_text())
     expected = hardware_flops_per_token(cfg.model, cfg.data.seq_len, "cpu") * cfg.data.batch * cfg.data.seq_len
     assert expected <= hlo_dots.total_flops(counted) <= 1.05 * expected, (hlo_dots.total_flops(counted), expected)
+
+
+def test_a_dot_in_a_conditionals_branch_is_marked():
+    """Which branch runs is not in the HLO: its dots count as if each ran, marked so that a bound on the
+    step's time (benchmarks/ceiling.py) can refuse them."""
+    def f(flag, x_ij, w_jk):
+        return jax.lax.cond(flag, lambda: x_ij @ w_jk, lambda: x_ij) + x_ij @ w_jk
+
+    text = jax.jit(f).lower(True, jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+    assert sorted(dot.in_branch for dot in hlo_dots.dots(text)) == [False, True]

@@ -77,9 +77,10 @@ def test_auto_chunks_keep_each_chunks_logits_within_the_budget():
     # chunks of no fewer than CHUNK_MIN_TOKENS tokens, even above the budget
     assert loss_chunks(ModelConfig(vocab_size=32000, d_model=32), 1, 2048) == 2048 // CHUNK_MIN_TOKENS
     # nor fewer tokens than the embedding dim: the reference config on one device (D 256, 2,048 tokens)
-    # in 8 chunks of 256, not 32 of 64; llama-1b's vocab and D 2048 at 4 x 2048 in 4 of 2,048, not 128
+    # in 8 chunks of 256, not 32 of 64; llama-1b's vocab and D 2048 at 4 x 2048: D tokens' logits pass
+    # CHUNK_LOGITS_MAX_BYTES, so at least the 523 tokens within it, in 8 chunks of 1,024 (not 128 of 64)
     assert loss_chunks(cfg, 8, 256) == 8
-    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 4
+    assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 4, 2048) == 8
     assert loss_chunks(ModelConfig(vocab_size=128256, d_model=2048), 1, 2048) == 1  # 2048 tokens, D 2048
     assert loss_chunks(ModelConfig(vocab_size=32000, loss_chunk=0), 8, 256) == 1
 

@@ -91,7 +91,8 @@ def _print_compiled(doc: dict) -> None:
     m = doc["memory"]
     console.print(f"memory per device {human_bytes(m['total'])} (arguments {human_bytes(m['arguments'])} + temporaries "
                   f"{human_bytes(m['temporaries'])} + outputs {human_bytes(m['outputs'])} - aliased {human_bytes(m['aliased'])}) · "
-                  f"model FLOPs/device {doc['model_flops_per_device']:.3g}, the compiled step's matmuls "
-                  f"{doc['matmul_flops_per_device']:.3g} (each loop by its trip count, remat's recompute included; "
-                  f"XLA's cost analysis: {doc['flops_per_device']:.3g}, counting each loop body once, so one "
+                  f"model FLOPs/device {doc['model_flops_per_device']:.3g}"
+                  + (f", the compiled step's matmuls {doc['matmul_flops_per_device']:.3g} (each loop by its trip "
+                     "count, remat's recompute included; " if doc["matmul_flops_per_device"] is not None else " (")
+                  + f"XLA's cost analysis: {doc['flops_per_device']:.3g}, counting each loop body once, so one "
                   "scanned layer)", soft_wrap=True)

@@ -39,8 +39,9 @@ class StepAnalysis:
     platform: str
     unmodelled_axes: dict[str, str] = field(default_factory=dict)  # axis -> parallelism, no minimum
     # the compiled step's matmul FLOPs, each loop by its trip count (shard.measure.hlo_dots): remat's
-    # recompute included; a conditional's branches (the table schedules' switch) counted as if each ran
-    matmul_flops: float = 0.0
+    # recompute included; a conditional's branches (the table schedules' switch) counted as if each ran.
+    # None off XLA:CPU, whose HLO keeps its matmuls as dots (a GPU's calls cuBLAS by custom-calls)
+    matmul_flops: float | None = None
 
     @property
     def efficiency(self) -> dict[str, float]:
@@ -90,7 +91,8 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     shape = costs.LayoutShape.from_layout(layout)
-    work = costs.Workload.from_config(cfg, layout.mesh.devices.flat[0].platform)
+    platform = layout.mesh.devices.flat[0].platform
+    work = costs.Workload.from_config(cfg, platform)
     return StepAnalysis(
         collectives=items,
         memory=memory_of(compiled),
@@ -100,9 +102,9 @@ def analyze(cfg: TrainConfig, layout: Layout, compiled=None) -> StepAnalysis:
         bytes_by_axes=hlo.bytes_by_axes(items, axis_sizes=dict(zip(names, sizes))),
         compiled_bytes_by_axes=hlo.bytes_by_axes(items, logical=False, axis_sizes=dict(zip(names, sizes))),
         minimum_bytes_by_axes=costs.comm_bytes(cfg.model, shape, work),
-        platform=layout.mesh.devices.flat[0].platform,
+        platform=platform,
         unmodelled_axes=_lora_unmodelled(cfg, layout) | costs.unmodelled_axes(shape, moe=bool(cfg.model.n_experts)),
-        matmul_flops=float(hlo_dots.total_flops(hlo_dots.dots(text))),
+        matmul_flops=float(hlo_dots.total_flops(hlo_dots.dots(text))) if platform == "cpu" else None,
     )
 
 

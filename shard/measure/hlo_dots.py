@@ -1,7 +1,11 @@
 """The matmuls of a compiled program: each distinct `dot` of its HLO (operand shapes and dtypes, result
 dtype, dimension numbers) with how many times it runs per call (while bodies x trip count, as
-hlo_text.multiplicities counts them) and its FLOPs. `benchmarks/ceiling.py` times each alone to bound
-what the program's matmuls allow (docs/performance.md).
+hlo_text.multiplicities counts them; a loop without a known trip count once) and its FLOPs.
+`benchmarks/ceiling.py` times each alone to bound what the program's matmuls allow (docs/performance.md).
+
+XLA:CPU's optimized HLO keeps its matmuls as `dot` instructions (inside YNNPACK fusions); a GPU's calls
+cuBLAS through custom-calls, which this does not read. A dot in a conditional's branch (the table
+schedules' switch) is counted as if its branch ran on every call, and marked `in_branch`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Dot:
     lhs_contracting: tuple[int, ...]
     rhs_batch: tuple[int, ...]
     rhs_contracting: tuple[int, ...]
+    in_branch: bool = False  # in a conditional's branch: its count is an upper bound
 
     @property
     def flops(self) -> int:
@@ -56,22 +61,23 @@ def _dims(attrs: str, key: str) -> tuple[int, ...]:
 
 
 def dots(text: str) -> Counter:
-    """Each distinct dot of the HLO module `text` -> how many times it runs per call of the entry."""
+    """Each distinct dot of the HLO module `text` -> how many times it runs per call of the entry. A dot
+    whose operands' shapes the text does not give is an error, not a dot left out."""
     comps, entry = hlo_text.parse_module(text)
-    mult, _ = hlo_text.multiplicities(comps, entry)
+    mult, in_branch = hlo_text.multiplicities(comps, entry)
     out: Counter = Counter()
     for comp in comps:
         m = mult.get(comp.name, 0)
         if not m:
             continue
         for ins in comp.instrs.values():
-            if ins.opcode != "dot" or len(ins.operands) != 2:
+            if ins.opcode != "dot":
                 continue
-            lhs, rhs = (_array(comp.instrs[o].shape) if o in comp.instrs else None for o in ins.operands)
+            lhs, rhs = (_array(comp.instrs[o].shape) if o in comp.instrs else None for o in ins.operands[:2])
             result = _array(ins.shape)
-            if lhs is None or rhs is None or result is None:
-                continue
-            out[Dot(lhs, rhs, result[0], *(_dims(ins.attrs, k) for k in _DIMS))] += m
+            if len(ins.operands) != 2 or lhs is None or rhs is None or result is None:
+                raise ValueError(f"dot {ins.name} in {comp.name}: its operands' shapes are not in the HLO text")
+            out[Dot(lhs, rhs, result[0], *(_dims(ins.attrs, k) for k in _DIMS), comp.name in in_branch)] += m
     return out
 
 

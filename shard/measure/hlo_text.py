@@ -19,6 +19,15 @@ DTYPE_BYTES = {
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0,
 }
 
+# HLO's element type names as NumPy (ml_dtypes) names, for building arrays of a printed shape
+NUMPY_NAMES = {
+    "pred": "bool", "s4": "int4", "u4": "uint4", "s8": "int8", "u8": "uint8", "s16": "int16", "u16": "uint16",
+    "s32": "int32", "u32": "uint32", "s64": "int64", "u64": "uint64", "f16": "float16", "bf16": "bfloat16",
+    "f32": "float32", "f64": "float64", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+    "f8e4m3": "float8_e4m3", "f8e5m2fnuz": "float8_e5m2fnuz", "f8e4m3fnuz": "float8_e4m3fnuz",
+    "f8e4m3b11fnuz": "float8_e4m3b11fnuz",
+}
+
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")

@@ -108,15 +108,16 @@ def attention_backend(setting: str, problem: str) -> str:
 
 
 # Auto chunking of the loss (model.loss_chunk = -1) keeps one chunk's float32 logits per device at most
-# this big; logits that fit are not chunked (shard.models.xent).
+# this big, where the chunks' least size (below) allows; logits that fit are not chunked (shard.models.xent).
 CHUNK_LOGITS_BYTES = 8 * 2**20
 # Per device, a chunk holds no fewer than CHUNK_MIN_TOKENS tokens (smaller chunks' matmuls waste the
-# machine more than they save) nor fewer than the embedding dim D: every chunk reads and writes the float32
-# D x V sum of the head weight's gradient, more bytes than its own logits when it has fewer tokens than D
-# (the reference config on one CPU device, D 256: chunks of 64 tokens 2,261-2,391 tokens/s, of 256
-# 2,628-2,837, peak RSS the same; llama-1b at 4 x 2048 tokens a device: 128 chunks moved 269 GB a step
-# for that sum, 4 chunks of 2,048 move 8).
+# machine more than they save), nor fewer than the embedding dim D while its float32 logits stay within
+# CHUNK_LOGITS_MAX_BYTES: every chunk reads and writes the float32 D x V sum of the head weight's gradient
+# (8 D V bytes), as many as its own float32 logits and their gradient (8 t V) at t = D tokens. The
+# reference config on one CPU device (D 256, 2,048 tokens): 32 chunks of 64 tokens run 2,261-2,391
+# tokens/s, 8 of 256 run 2,628-2,837, at the same peak RSS.
 CHUNK_MIN_TOKENS = 64
+CHUNK_LOGITS_MAX_BYTES = 256 * 2**20  # the D-token chunks' cap (llama-1b: 8 chunks of 1,024 tokens, not 4)
 # Auto chunks only where a device holds this many tokens per embedding dim at least: the chunks keep a
 # float32 D x V weight-gradient sum, which costs what they save at about one token per dim (compiled, the
 # CPU reference config at fsdp=8 in bf16 with full remat, 256 tokens of D 256: 117 -> 129 MiB chunked;
@@ -129,9 +130,9 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1,
     """How many chunks the loss takes the sequence's positions in (1: the whole logits at once), for
     `batch` rows of `seq_len` split over these ways. model.loss_chunk > 0 is the positions per chunk; 0 is
     off; -1 (auto) the fewest chunks whose float32 logits stay within CHUNK_LOGITS_BYTES per device, but
-    none under CHUNK_MIN_TOKENS or the embedding dim in tokens per device, each chunk a whole number of
-    positions per device, and none where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per
-    embedding dim."""
+    none under CHUNK_MIN_TOKENS tokens per device, nor under the embedding dim's where that many tokens'
+    logits fit in CHUNK_LOGITS_MAX_BYTES (else under what fits), each chunk a whole number of positions
+    per device, and none where a device holds fewer than CHUNK_MIN_TOKENS_PER_D tokens per embedding dim."""
     if cfg.loss_chunk == 0 or seq_len <= 1:
         return 1
     if cfg.loss_chunk > 0:
@@ -141,7 +142,7 @@ def loss_chunks(cfg: ModelConfig, batch: int, seq_len: int, batch_ways: int = 1,
     if local_t * rows < CHUNK_MIN_TOKENS_PER_D * cfg.d_model:
         return 1  # the chunks' float32 sum of the head weight's gradient (D x V) would cost what they save
     per_position = rows * cfg.padded_vocab / max(vocab_ways, 1) * 4
-    fewest_tokens = max(CHUNK_MIN_TOKENS, cfg.d_model)
+    fewest_tokens = max(CHUNK_MIN_TOKENS, min(cfg.d_model, int(CHUNK_LOGITS_MAX_BYTES * rows // per_position)))
     n = 1
     for k in range(1, local_t + 1):
         if local_t % k == 0 and (local_t // k) * rows >= fewest_tokens:

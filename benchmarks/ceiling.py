@@ -173,7 +173,12 @@ def main():
     request_host_devices(DEVICES)
     sets = [*QUICK_SETS, *args.set] if args.quick else args.set
     min_time = 0.0 if args.quick else args.min_time
-    results = [ceiling(m, sets, min_time, args.top) for m in args.mesh or (["fsdp=8"] if args.quick else MESHES)]
+    from shard.errors import ShardError
+
+    try:
+        results = [ceiling(m, sets, min_time, args.top) for m in args.mesh or (["fsdp=8"] if args.quick else MESHES)]
+    except ShardError as e:  # a mesh or a setting that can't run: one line, as shard's commands say it
+        raise SystemExit(f"ceiling.py: {e}") from None
 
     from shard.hardware import flop_shares, measured_peak
 

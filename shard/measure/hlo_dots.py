@@ -48,13 +48,6 @@ class Dot:
                 f"{side(self.rhs, self.rhs_batch, self.rhs_contracting)} -> {self.out_dtype}")
 
 
-def _array(shape_text: str) -> tuple[str, tuple[int, ...]] | None:
-    m = hlo_text._ARRAY.search(shape_text)
-    if not m:
-        return None
-    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
-
-
 def _dims(attrs: str, key: str) -> tuple[int, ...]:
     m = re.search(key + r"=\{([0-9,]*)\}", attrs)
     return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
@@ -73,8 +66,8 @@ def dots(text: str) -> Counter:
         for ins in comp.instrs.values():
             if ins.opcode != "dot":
                 continue
-            lhs, rhs = (_array(comp.instrs[o].shape) if o in comp.instrs else None for o in ins.operands[:2])
-            result = _array(ins.shape)
+            lhs, rhs = (hlo_text.first_array(comp.instrs[o].shape) if o in comp.instrs else None for o in ins.operands[:2])
+            result = hlo_text.first_array(ins.shape)
             if len(ins.operands) != 2 or lhs is None or rhs is None or result is None:
                 raise ValueError(f"dot {ins.name} in {comp.name}: its operands' shapes are not in the HLO text")
             out[Dot(lhs, rhs, result[0], *(_dims(ins.attrs, k) for k in _DIMS), comp.name in in_branch)] += m

@@ -192,6 +192,12 @@ def tuple_elements(shape_text: str) -> list[str]:
     return out
 
 
+def first_array(shape_text: str) -> tuple[str, tuple[int, ...]] | None:
+    """The dtype and dims of the first array in a printed shape ("bf16[256,64]{1,0}" -> ("bf16", (256, 64)))."""
+    m = _ARRAY.search(shape_text)
+    return (m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) if m else None
+
+
 def element_shapes(shape_text: str) -> list[str]:
     """A printed shape as one array (as printed), or each array of a tuple as dtype[dims], flattened."""
     if not shape_text.startswith("("):

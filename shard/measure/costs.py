@@ -192,12 +192,17 @@ def stored_lookup(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[
     return stored_lookup_axes(cfg.padded_vocab, tokens, shape.sizes, shape.rules, shape.param_rules)
 
 
+def loss_chunk_count(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> int:
+    """The chunks the loss takes a microbatch's positions in on this layout (`loss_chunks`)."""
+    return loss_chunks(cfg, work.global_batch // work.microbatches, work.seq_len, shape.degree(BATCH),
+                       shape.degree(LENGTH), shape.degree(VOCAB))
+
+
 def head_split(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> dict[str, int]:
     """Mesh axes over which the untied head's loss splits the vocabulary instead of the batch
     (`head_vocab_split_axes`)."""
-    chunks = loss_chunks(cfg, work.global_batch // work.microbatches, work.seq_len, shape.degree(BATCH),
-                         shape.degree(LENGTH), shape.degree(VOCAB))
-    return head_vocab_split_axes(cfg, _lookup_tokens(work), shape.sizes, shape.rules, shape.param_rules, chunks)
+    return head_vocab_split_axes(cfg, _lookup_tokens(work), shape.sizes, shape.rules, shape.param_rules,
+                                 loss_chunk_count(cfg, shape, work))
 
 
 def _lookup_tokens(work: Workload) -> float:

@@ -12,10 +12,10 @@ import math
 from shard.axes import BATCH, EMBED, EXPERT, HEADS, LENGTH, MLP, STAGE, VOCAB
 from shard.config.model import ModelConfig
 from shard.config.params import model_params, muon_matrix
-from shard.measure.costs import LayoutShape, Workload, head_split, param_bytes, stored_lookup
+from shard.measure.costs import LayoutShape, Workload, head_split, loss_chunk_count, param_bytes, stored_lookup
 from shard.measure.flops import ffn_slots, scored_keys
 from shard.parallel.schedule import build, slots, w_slots
-from shard.sharding.decisions import attention_chunks, loss_chunks
+from shard.sharding.decisions import attention_chunks
 
 # Activation bytes kept per token per layer for the backward pass, in units of the compute dtype, by
 # the width they scale with. These are fitted, not counted: a minimax fit of XLA:CPU's buffer
@@ -187,8 +187,7 @@ def logits_bytes(cfg: ModelConfig, shape: LayoutShape, work: Workload) -> float:
     in chunks (`loss_chunks`) one chunk's and the float32 sum of the head weight's gradient."""
     tokens = work.global_batch * work.seq_len / shape.token_ways() / work.microbatches
     vocab = cfg.padded_vocab / shape.degree(VOCAB)
-    n = loss_chunks(cfg, work.global_batch // work.microbatches, work.seq_len, shape.degree(BATCH),
-                    shape.degree(LENGTH), shape.degree(VOCAB))
+    n = loss_chunk_count(cfg, shape, work)
     if n == 1:
         return tokens * LOGITS_COPIES * vocab * 4
     return tokens / n * CHUNK_LOGITS_COPIES * vocab * 4 + CHUNK_WEIGHT_GRAD * cfg.d_model * vocab * 4

@@ -78,16 +78,16 @@ def dot_seconds(dot, devices: int, min_time: float) -> float:
                       operand(*dot.lhs), operand(*dot.rhs), min_time=min_time)
 
 
-def optimizer_seconds(cfg, layout, min_time: float) -> float:
+def optimizer_seconds(cfg, spec, min_time: float) -> float:
     """Seconds the config's optimizer update takes alone on the mesh: gradients of zeros, the state in its
-    shardings and donated, as the step holds it (a step reads and writes the whole optimizer state)."""
+    shardings (`spec`, the step's) and donated, as the step holds it (a step reads and writes the whole
+    optimizer state)."""
     import functools
 
     import jax
     import optax
-    from shard.training.state import init_state, state_spec
+    from shard.training.state import init_state
 
-    spec = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout)
     state = init_state(spec, cfg.model, 0)
     held = [spec.trainable(state["params"]), state["opt_state"]]
     grads = jax.tree.map(jax.numpy.zeros_like, held[0])
@@ -122,13 +122,15 @@ def ceiling(mesh: str, sets: list[str], min_time: float, top: int) -> dict:
     from shard.measure import hlo_dots
     from shard.sharding.mesh import devices_needed
     from shard.training.compiled import compile_step
+    from shard.training.state import state_spec
 
     base = config.load_file(str(CONFIG))
     cfg = config.resolve(config.merge(base, config.nested(config.parse_sets([f"mesh.spec={mesh}", *sets]))))
     spec = parse_mesh(mesh)
     layout = make_layout(cfg, spec, jax.devices()[:devices_needed(spec, len(jax.devices()))])
     devices = layout.mesh.size
-    counted = hlo_dots.dots(compile_step(cfg, layout).as_text())
+    state = state_spec(cfg.model, cfg.optimizer, cfg.steps, layout, lora=cfg.lora)  # the step's and the optimizer's
+    counted = hlo_dots.dots(compile_step(cfg, layout, state).as_text())
     if any(dot.in_branch for dot in counted):
         raise SystemExit(f"{mesh}: the step has matmuls inside a conditional (a table pipeline schedule's switch), "
                          "which the HLO does not say how often runs; no ceiling for it")
@@ -138,7 +140,7 @@ def ceiling(mesh: str, sets: list[str], min_time: float, top: int) -> dict:
         rows.append((count * s, count, dot, dot.flops * devices / s))
     rows.sort(key=lambda r: -r[0])
     matmuls_s = sum(r[0] for r in rows)
-    optimizer_s = optimizer_seconds(cfg, layout, min_time)
+    optimizer_s = optimizer_seconds(cfg, state, min_time)
     tokens = cfg.data.batch * cfg.data.seq_len
     exps = tokens * cfg.model.vocab_size
     exp_s = exps / exp_rate(devices, cfg.model.padded_vocab, min_time)
